@@ -1,0 +1,119 @@
+"""compile(target, drafters, options) -> bundle directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .. import __version__
+from ..bundle import BundleMeta, Limits, tokenizer_fingerprint, write_meta, write_model_config
+from ..errors import CheckpointError, SpecbuildError
+from .checkpoints import Checkpoint, read_checkpoint, to_runtime_layout
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    dtype: str = "float32"
+    max_seq_len: int = 2048
+    max_batch_size: int = 8
+    max_draft_len: int = 8
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise SpecbuildError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        Limits(self.max_seq_len, self.max_batch_size, self.max_draft_len)  # validates ranges
+
+
+def write_role(bundle_dir: str, role: str, ckpt: Checkpoint, dtype: str) -> dict[str, Any]:
+    """Write <bundle>/<role>/model.json + weights.safetensors; return the role's entry."""
+    role_dir = os.path.join(bundle_dir, role)
+    weights = to_runtime_layout(ckpt, DTYPES[dtype])
+    config = dataclasses.replace(ckpt.config, dtype=dtype)
+    write_model_config(role_dir, config)
+    save_file(weights, os.path.join(role_dir, "weights.safetensors"), metadata={"format": "specbuild-runtime-v1"})
+    return {
+        "path": role,
+        "source": os.path.abspath(ckpt.source) if ckpt.source else "",
+        "source_format": ckpt.source_format,
+        "dtype": dtype,
+        "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+        "tokenizer_fingerprint": tokenizer_fingerprint(ckpt.tokenizer_json),
+    }
+
+
+def check_same_tokenizer(target: Checkpoint, other: Checkpoint, role: str) -> None:
+    """Refuse a drafter whose ids differ from the target's for the same strings."""
+    a, b = json.loads(target.tokenizer_json), json.loads(other.tokenizer_json)
+    va, vb = a.get("model", {}).get("vocab", {}), b.get("model", {}).get("vocab", {})
+    if len(va) != len(vb):
+        raise CheckpointError(f"{role} tokenizer has {len(vb)} tokens, the target's has {len(va)}: "
+                              "draft and target must tokenize identically")
+    for tok, idx in va.items():
+        if vb.get(tok) != idx:
+            raise CheckpointError(f"{role} tokenizer maps {tok!r} to id {vb.get(tok)}, the target to {idx}: "
+                                  "draft and target must tokenize identically")
+    if tokenizer_fingerprint(target.tokenizer_json) != tokenizer_fingerprint(other.tokenizer_json):
+        raise CheckpointError(f"{role} tokenizer has the target's vocabulary but different merges, "
+                              "pre-tokenizer or special tokens: draft and target must tokenize identically")
+
+
+def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptions = CompileOptions(),
+                   draft: str | Checkpoint | None = None, speculation: dict | None = None,
+                   sampling: dict | None = None, progress=None) -> str:
+    """Read the sources, write the bundle atomically (temp dir, then rename). Returns out_dir."""
+    say = progress or (lambda msg: None)
+    say(f"reading target {target if isinstance(target, str) else target.source}")
+    tgt = read_checkpoint(target) if isinstance(target, str) else target
+    drf = None
+    if draft is not None:
+        say(f"reading draft {draft if isinstance(draft, str) else draft.source}")
+        drf = read_checkpoint(draft) if isinstance(draft, str) else draft
+        check_same_tokenizer(tgt, drf, "draft")
+        if drf.config.vocab_size != tgt.config.vocab_size:
+            raise CheckpointError(f"draft vocab_size {drf.config.vocab_size} != target vocab_size "
+                                  f"{tgt.config.vocab_size}")
+    if options.max_seq_len > tgt.config.max_position_embeddings and not tgt.config.rope_scaling:
+        say(f"note: max_seq_len {options.max_seq_len} exceeds the model's trained context "
+            f"{tgt.config.max_position_embeddings}")
+    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".specbuild-", dir=parent)
+    try:
+        roles = {"target": write_role(tmp, "target", tgt, options.dtype)}
+        say(f"wrote target ({roles['target']['bytes'] / 1e6:.1f} MB, {options.dtype})")
+        if drf is not None:
+            roles["draft"] = write_role(tmp, "draft", drf, options.dtype)
+            say(f"wrote draft ({roles['draft']['bytes'] / 1e6:.1f} MB)")
+        with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+            f.write(tgt.tokenizer_json)
+        default_spec = speculation or {"method": "draft" if drf is not None else "none"}
+        meta = BundleMeta(
+            roles=roles,
+            tokenizer_fingerprint=tokenizer_fingerprint(tgt.tokenizer_json),
+            limits=Limits(options.max_seq_len, options.max_batch_size, options.max_draft_len),
+            default_sampling=sampling or {"temperature": 0.0, "max_tokens": 128},
+            default_speculation=default_spec,
+            special_tokens=tgt.special,
+            specbuild_version=__version__,
+        )
+        write_meta(tmp, meta)
+        if os.path.exists(out_dir):
+            if not os.path.isfile(os.path.join(out_dir, "bundle.json")) and os.listdir(out_dir):
+                raise SpecbuildError(f"--out {out_dir!r} exists and is not a bundle; refusing to overwrite it")
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

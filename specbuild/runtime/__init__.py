@@ -1,0 +1,1 @@
+"""Bundle in, tokens out. Never imports specbuild.build."""

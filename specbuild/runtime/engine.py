@@ -1,0 +1,212 @@
+"""Engine: the seam every front end drives (CLI generate, HTTP server, Triton model).
+
+    engine = Engine.from_bundle("bundle/")
+    handle = engine.submit(Request(prompt="Hello", sampling=SamplingParams(max_tokens=32)))
+    for event in handle: print(event.text, end="")
+
+`step()` runs one batched step; a server calls `start()` to run the loop on its own
+thread, after which handles block on their queues instead of driving the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
+from ..errors import BundleError, RequestError
+from .model import Decoder
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Handle, Request, Sequence
+
+log = logging.getLogger("specbuild.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime settings (not part of the bundle). None means: the bundle's limit."""
+
+    device: str = "cpu"
+    threads: int | None = None
+    max_batch_size: int | None = None
+    kv_cache_tokens: int | None = None
+    block_size: int = 16
+    prefill_chunk: int = 256
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size={self.block_size} is not one of 8, 16, 32, 64, 128")
+        if not 16 <= self.prefill_chunk <= 8192:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk} is out of range [16, 8192]")
+
+
+def load_weights(role_dir: str, device: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = os.path.join(role_dir, "weights.safetensors")
+    if not os.path.isfile(path):
+        raise BundleError(f"{role_dir!r} has no weights.safetensors")
+    return load_file(path, device=device)
+
+
+class Engine:
+    """A loaded bundle plus the scheduler that serves it."""
+
+    def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig()) -> None:
+        t0 = time.perf_counter()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.bundle_dir = bundle_dir
+        self.config = config
+        self.meta: BundleMeta = read_meta(bundle_dir)
+        tokenizer_json = check_fingerprint(bundle_dir, self.meta)
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        limits = self.meta.limits
+        self.max_seq_len = limits.max_seq_len
+        self.max_batch_size = config.max_batch_size or limits.max_batch_size
+        if self.max_batch_size > limits.max_batch_size:
+            raise BundleError(f"max_batch_size={self.max_batch_size} exceeds the bundle's limit "
+                              f"{limits.max_batch_size}; recompile with --max-batch-size")
+        if "target" not in self.meta.roles:
+            raise BundleError(f"bundle {bundle_dir!r} has no target role")
+        target_dir = os.path.join(bundle_dir, self.meta.roles["target"]["path"])
+        self.target_config = read_model_config(target_dir)
+        weights = load_weights(target_dir, config.device)
+        self.model = Decoder(self.target_config, weights, self.max_seq_len + limits.max_draft_len + 2,
+                             device=config.device)
+        kv_tokens = config.kv_cache_tokens or self.max_batch_size * (self.max_seq_len + limits.max_draft_len + 16)
+        self.cache = self.model.new_cache(-(-kv_tokens // config.block_size), config.block_size)
+        sp = self.meta.special_tokens
+        self.eos_ids = tuple(sp.get("eos_token_ids") or ([sp["eos_token_id"]] if sp.get("eos_token_id") is not None else []))
+        self.default_sampling = SamplingParams.from_dict(
+            {k: v for k, v in self.meta.default_sampling.items()})
+        self.speculator = self.make_speculator()
+        self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len,
+                                   config.prefill_chunk, self.speculator)
+        self.background = False
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.load_seconds = time.perf_counter() - t0
+
+    @classmethod
+    def from_bundle(cls, bundle_dir: str, **kwargs) -> "Engine":
+        return cls(bundle_dir, EngineConfig(**kwargs))
+
+    def make_speculator(self):
+        """Hook for speculative decoding (None: plain decoding)."""
+        return None
+
+    # ---- requests ---------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        sp = self.meta.special_tokens
+        bos = sp.get("bos_token_id")
+        if add_special_tokens and sp.get("add_bos_token") and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        from .chat import render_chat
+
+        sp = self.meta.special_tokens
+        vocab_size = self.tokenizer.get_vocab_size()
+
+        def tok(i):
+            return self.tokenizer.id_to_token(i) if isinstance(i, int) and 0 <= i < vocab_size else ""
+
+        return render_chat(sp.get("chat_template"), messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=tok(sp.get("bos_token_id")) or "", eos_token=tok(sp.get("eos_token_id")) or "")
+
+    def submit(self, request: Request) -> Handle:
+        """Validate and queue a request. Raises RequestError (nothing queued) on bad input."""
+        if request.prompt_ids is None:
+            if request.prompt is None:
+                raise RequestError("a request needs a prompt or prompt_ids")
+            prompt_ids = self.encode(request.prompt)
+        else:
+            prompt_ids = [int(t) for t in request.prompt_ids]
+        vocab = self.target_config.vocab_size
+        if not prompt_ids:
+            raise RequestError("the prompt is empty (0 tokens)")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise RequestError(f"prompt is {len(prompt_ids)} tokens; max_seq_len is {self.max_seq_len} "
+                               "(the prompt plus at least one generated token must fit)")
+        params = request.sampling.with_seed()
+        spec = self.resolve_speculation(request)
+        seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
+        handle = Handle(self, seq)
+        seq.handle = handle
+        with self._lock:
+            self.scheduler.waiting.append(seq)
+        self._wake.set()
+        return handle
+
+    def resolve_speculation(self, request: Request):
+        return request.speculation
+
+    def abort(self, handle: Handle) -> None:
+        """Stop a request and free its KV blocks (thread-safe)."""
+        with self._lock:
+            self.scheduler.abort(handle.seq)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def step(self) -> int:
+        with self._lock:
+            return self.scheduler.step()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def run_until_done(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def generate(self, requests: list[Request]) -> list[dict]:
+        handles = [self.submit(r) for r in requests]
+        self.run_until_done()
+        return [h.result() for h in handles]
+
+    def start(self) -> None:
+        """Run the step loop on a background thread (servers)."""
+        if self._thread is not None:
+            return
+        self.background = True
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="specbuild-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # a bug must not leave clients hanging: fail what was running
+                log.exception("engine step failed; failing the running requests")
+                with self._lock:
+                    for seq in list(self.scheduler.running):
+                        self.scheduler.release(seq)
+                        self.scheduler.fail(seq, "internal error in the engine step (see server log)")
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.background = False

@@ -1,0 +1,165 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+One `forward` runs a ragged batch: the new tokens of every sequence (a prefill chunk, a
+single decode token, or a verify window of draft tokens) are flattened into T rows;
+their K/V are written into the cache at `write_slots`, and attention reads each
+sequence's rows through `read_slots` under an explicit boolean `mask` (causal by default,
+a tree mask for tree speculation). Masks and positions are arguments, never model state.
+Weights are in the runtime layout of bundle.py (q/k/v fused, gate/up fused).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..bundle import ModelConfig
+from ..plugins.attention import paged_attention
+from .kv_cache import PagedKVCache
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float64), with llama3 scaling when configured."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = config.rope_scaling
+    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
+        factor = float(sc["factor"])
+        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old_ctx = float(sc["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv
+
+
+def rope_tables(config: ModelConfig, max_pos: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_pos, head_dim] (the half-frequencies repeated, rotate-half convention)."""
+    inv = rope_inv_freq(config)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos, sin: [T, D]. Returns [T, heads, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, hidden]. Normalises in float32 like HF, then scales in the weight dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward needs; built by the scheduler, consumed once."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 (rope positions: past length + depth)
+    write_slots: torch.Tensor  # [T] int64, where each new token's K/V goes
+    read_slots: torch.Tensor  # [S] int64, the K/V rows attention may read
+    mask: torch.Tensor | None  # [T, S] bool, True = may attend; None = everything visible
+    logit_rows: torch.Tensor  # [R] int64, rows of T whose logits are wanted
+
+
+class Decoder:
+    """The runtime model. Holds weights (runtime layout) and rope tables; no request state."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_seq_len: int,
+                 device: str | torch.device = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = weights["embed"].dtype
+        self.w = {k: v.to(self.device) for k, v in weights.items()}
+        self.lm_head = self.w.get("lm_head", self.w["embed"])
+        self.cos, self.sin = rope_tables(config, max_seq_len, self.dtype)
+        self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+
+    def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
+                            dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache, return_hidden: bool = False):
+        """Run the batch. Writes K/V of the new tokens into `cache` (at write_slots).
+
+        Returns logits [R, vocab] (float32) for `batch.logit_rows`; with return_hidden also
+        the final-normed hidden states [R, hidden] of those rows (for Medusa heads).
+        """
+        c, w = self.config, self.w
+        x = w["embed"].index_select(0, batch.input_ids)  # [T, hidden]
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
+        t = x.shape[0]
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            h = rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
+            qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))  # [T, (H + 2KV) * D]
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(t, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+            cache.k[i].index_copy_(0, batch.write_slots, k)
+            cache.v[i].index_copy_(0, batch.write_slots, v.view(t, c.num_kv_heads, c.head_dim))
+            attn = paged_attention(q, cache.k[i], cache.v[i], batch.read_slots, batch.mask, self.scale)
+            x = x + F.linear(attn.reshape(t, self.q_size), w[p + "o"])
+            h = rms_norm(x, w[p + "mlp_norm"], c.rms_norm_eps)
+            gate, up = F.linear(h, w[p + "gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w[p + "down"])
+        rows = x.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != t else x
+        hidden = rms_norm(rows, w["norm"], c.rms_norm_eps)
+        logits = F.linear(hidden, self.lm_head).float()
+        return (logits, hidden) if return_hidden else logits
+
+
+def weight_bytes(weights: dict[str, torch.Tensor], tied: bool) -> int:
+    """Bytes one decode step reads: every weight once (embedding rows are negligible, the
+    lm_head is read in full; a tied embedding counts once, as the lm_head)."""
+    return sum(t.numel() * t.element_size() for n, t in weights.items() if n != "embed" or tied)
+
+
+@torch.inference_mode()
+def reference_forward(config: ModelConfig, weights: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
+    """Plain full-sequence causal forward without any cache: the yardstick for the paged
+    decoder and for checkpoint round trips. input_ids: [T]. Returns logits [T, vocab] float32."""
+    c, w = config, weights
+    dtype = w["embed"].dtype
+    t = input_ids.shape[0]
+    cos, sin = rope_tables(c, t, dtype)
+    x = w["embed"][input_ids]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    group = c.num_heads // c.num_kv_heads
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        h = rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
+        qkv = h @ w[p + "qkv"].T
+        if p + "qkv_bias" in w:
+            qkv = qkv + w[p + "qkv_bias"]
+        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
+        q = apply_rope(q.reshape(t, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.reshape(t, c.num_kv_heads, c.head_dim), cos, sin).repeat_interleave(group, 1)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim).repeat_interleave(group, 1)
+        scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(c.head_dim)
+        scores = scores.masked_fill(~causal, float("-inf"))
+        attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(t, -1)
+        x = x + attn @ w[p + "o"].T
+        h = rms_norm(x, w[p + "mlp_norm"], c.rms_norm_eps)
+        gate, up = (h @ w[p + "gate_up"].T).chunk(2, -1)
+        x = x + (F.silu(gate) * up) @ w[p + "down"].T
+    x = rms_norm(x, w["norm"], c.rms_norm_eps)
+    return (x @ w.get("lm_head", w["embed"]).T).float()
