@@ -25,7 +25,8 @@ from specbuild.plugins.tree import TreeSpec, load_tree, tree_attention_mask
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 NO_TRITON = "the `triton` package is not installed (pip install triton)"
 DOC_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+# Max of |triton - reference| / (1 + |reference|): a few units in the last place of each dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
 
 
 def build_batch(seed, heads, kv_heads, head_dim, seqs, dtype, device="cpu", pool=None):
@@ -73,7 +74,8 @@ def interpreter_cases():
 
 
 def run_case(name, spec, device="cpu", seed=0):
-    """Max |triton - reference| (and |triton - paged_attention| on masked-out rows)."""
+    """Max |triton - reference| / (1 + |reference|), and |triton - paged_attention| on
+    rows that see nothing (SDPA gives 0 there; the reference NaN)."""
     from specbuild.plugins.triton_attention import triton_paged_attention
 
     heads, kv_heads, head_dim, seqs, dtype = spec
@@ -92,7 +94,8 @@ def run_case(name, spec, device="cpu", seed=0):
     rows = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
     if mask is not None:
         rows = mask.any(dim=1)  # rows that see nothing: compare with SDPA's zeros instead
-    err = (out[rows].double() - reference[rows].double()).abs().max().item()
+    expected = reference[rows].double()
+    err = ((out[rows].double() - expected).abs() / (1 + expected.abs())).max().item()
     sdpa = paged_attention(q, k, v, slots, mask, scale)
     err_empty = (out[~rows].double() - sdpa[~rows].double()).abs().max().item() if (~rows).any() else 0.0
     return {"err": err, "err_empty": err_empty, "tol": TOLERANCE[dtype], "seconds": seconds,
