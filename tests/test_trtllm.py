@@ -159,6 +159,10 @@ def test_config_json(models, tmp_path):
     qwen = write_trtllm_checkpoint(read_hf_dir(models["qwen2"]), str(tmp_path / "q"), dtype="float16")
     assert (qwen["architecture"], qwen["qwen_type"], qwen["attn_bias"], qwen["tie_word_embeddings"]) == (
         "Qwen2ForCausalLM", "qwen2", True, True)
+    qm = write_trtllm_checkpoint(read_hf_dir(models["qwen2"]), str(tmp_path / "qm"), dtype="float32", medusa=heads)
+    assert (qm["architecture"], qm["model_type"], qm["qwen_type"], qm["max_draft_len"]) == (
+        "MedusaForCausalLM", "qwen2", "qwen2", 63)  # TensorRT-LLM's default budget
+    assert read_trtllm_checkpoint(str(tmp_path / "qm")).config == read_hf_dir(models["qwen2"]).config
 
 
 @pytest.mark.parametrize("arch,tp,pp", [(a, tp, pp) for a in ("llama", "qwen2")
