@@ -1,0 +1,178 @@
+"""The `specbuild` command: each subcommand parses, builds a config, calls one function.
+
+User errors (SpecbuildError, ValueError from configs) print one line and exit non-zero,
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import click
+
+from .errors import SpecbuildError
+
+
+def user_errors(fn):
+    """Turn user-input errors into a one-line message and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (SpecbuildError, ValueError) as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="specbuild")
+def main() -> None:
+    """specbuild: compile speculation bundles and run them with lossless speculative decoding."""
+
+
+@main.command()
+@click.option("--target", required=True, help="Target model: a HF directory, a .gguf file or a preset (smollm2-135m).")
+@click.option("--draft", default=None, help="Draft model (same tokenizer as the target).")
+@click.option("--out", "out_dir", required=True, type=click.Path(), help="Bundle directory to write.")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--max-seq-len", default=2048, show_default=True, type=int, help="Longest prompt + output.")
+@click.option("--max-batch-size", default=8, show_default=True, type=int, help="Most sequences in one step.")
+@click.option("--max-draft-len", default=8, show_default=True, type=int, help="Most draft tokens per step.")
+@user_errors
+def compile(target, draft, out_dir, dtype, max_seq_len, max_batch_size, max_draft_len) -> None:
+    """Compile checkpoints into a speculation bundle."""
+    import time
+
+    from .build.compile import CompileOptions, compile_bundle
+
+    t0 = time.perf_counter()
+    options = CompileOptions(dtype=dtype, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                             max_draft_len=max_draft_len)
+    compile_bundle(target, out_dir, options, draft=draft, progress=lambda m: click.echo(m, err=True))
+    click.echo(f"bundle written to {out_dir} in {time.perf_counter() - t0:.1f}s", err=True)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@user_errors
+def inspect(bundle, as_json) -> None:
+    """Show a bundle's roles, dimensions, dtype, sizes, tokenizer fingerprint and limits."""
+    from .bundle import check_fingerprint, read_meta, read_model_config
+
+    meta = read_meta(bundle)
+    check_fingerprint(bundle, meta)
+    info = {"bundle": os.path.abspath(bundle), "schema_version": meta.schema_version,
+            "specbuild_version": meta.specbuild_version, "backend": meta.backend,
+            "tokenizer_fingerprint": meta.tokenizer_fingerprint, "limits": meta.limits.__dict__,
+            "default_sampling": meta.default_sampling, "default_speculation": meta.default_speculation,
+            "roles": {}}
+    for role, entry in meta.roles.items():
+        role_dir = os.path.join(bundle, entry["path"])
+        cfg = read_model_config(role_dir) if os.path.isfile(os.path.join(role_dir, "model.json")) else None
+        files = {f: os.path.getsize(os.path.join(role_dir, f)) for f in sorted(os.listdir(role_dir))} \
+            if os.path.isdir(role_dir) else {}
+        info["roles"][role] = {**entry, "config": cfg.to_json() if cfg else None, "files": files}
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"bundle {info['bundle']}  (schema {meta.schema_version}, specbuild {meta.specbuild_version}, "
+               f"backend {meta.backend})")
+    click.echo(f"tokenizer {meta.tokenizer_fingerprint}")
+    lim = meta.limits
+    click.echo(f"limits    max_seq_len={lim.max_seq_len} max_batch_size={lim.max_batch_size} "
+               f"max_draft_len={lim.max_draft_len}")
+    click.echo(f"defaults  sampling={meta.default_sampling} speculation={meta.default_speculation}")
+    for role, r in info["roles"].items():
+        c = r["config"] or {}
+        click.echo(f"role {role}: {c.get('architecture')} layers={c.get('num_layers')} hidden={c.get('hidden_size')} "
+                   f"heads={c.get('num_heads')}/{c.get('num_kv_heads')} vocab={c.get('vocab_size')} "
+                   f"dtype={r.get('dtype')} bytes={r.get('bytes'):,}  source={r.get('source_format')}")
+        for f, size in r["files"].items():
+            click.echo(f"    {f:28s} {size:>14,d} B")
+
+
+def sampling_options(fn):
+    for opt in reversed([
+        click.option("--max-tokens", type=int, default=None, help="Most tokens to generate [bundle default: 128]."),
+        click.option("--temperature", type=float, default=None, help="0 = greedy [bundle default: 0]."),
+        click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens (0 = off)."),
+        click.option("--top-p", type=float, default=None, help="Nucleus mass in (0, 1] (1 = off)."),
+        click.option("--seed", type=int, default=None, help="Seed; prompt i gets seed + i. Unset: drawn and reported."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends where it begins."),
+        click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, index=0):
+    fields = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+              "seed": None if seed is None else seed + index, "stop": tuple(stop) or None,
+              "ignore_eos": ignore_eos or None}
+    from .runtime.sampling import SamplingParams
+
+    return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None}, engine.default_sampling)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
+@click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template.")
+@click.option("--system", default=None, help="System message (with --chat).")
+@sampling_options
+@click.option("--threads", type=int, default=None, help="Torch CPU threads.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
+@user_errors
+def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
+             threads, device, as_json) -> None:
+    """Generate text from one or more prompts (batched)."""
+    from .runtime.engine import Engine, EngineConfig
+    from .runtime.sequence import Request
+
+    engine = Engine(bundle, EngineConfig(device=device, threads=threads))
+    handles = []
+    for i, prompt in enumerate(prompts):
+        params = make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, i)
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            ids = engine.encode(engine.render_chat(messages), add_special_tokens=False)
+            handles.append(engine.submit(Request(prompt_ids=ids, sampling=params)))
+        else:
+            handles.append(engine.submit(Request(prompt=prompt, sampling=params)))
+    if as_json:
+        engine.run_until_done()
+        for h in handles:
+            click.echo(json.dumps(h.result()))
+        return
+    stream = len(handles) == 1
+    for i, h in enumerate(handles):
+        if len(handles) > 1:
+            click.echo(f"--- prompt {i}")
+        if stream:
+            for ev in h:
+                click.echo(ev.text, nl=False)
+            r = h.result()
+        else:
+            r = h.result()
+            click.echo(r["text"], nl=False)
+        s = r["stats"]
+        click.echo("")
+        click.echo(f"[{s['generated_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
+                   f"finish={r['finish_reason']}, seed={s['seed']}]", err=True)
+
+
+# Commands that live in their own modules register themselves here.
+from . import cli_extra  # noqa: E402
+
+cli_extra.register(main)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""Registers the subcommands that live in their own modules (bench, serve, verify, ...).
+
+Each module exposes a click command; importing them lazily keeps `specbuild --help` fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# command name -> (module, attribute)
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def register(group: click.Group) -> None:
+    for name, (module, attr) in COMMANDS.items():
+        group.add_command(importlib.import_module(module, __package__).__dict__[attr], name)
