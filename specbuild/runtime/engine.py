@@ -22,6 +22,7 @@ from ..bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
 from ..errors import BundleError, RequestError
 from .model import Decoder
 from .sampling import SamplingParams
+from .spec_config import SpeculationConfig
 from .scheduler import Scheduler
 from .sequence import Handle, Request, Sequence
 
@@ -38,8 +39,11 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     block_size: int = 16
     prefill_chunk: int = 256
+    binning: str = "ragged"  # ragged (one flattened pass) | padded | bins (planned micro-batches)
 
     def __post_init__(self) -> None:
+        if self.binning not in ("ragged", "padded", "bins"):
+            raise ValueError(f"binning={self.binning!r} is not one of ragged, padded, bins")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size={self.block_size} is not one of 8, 16, 32, 64, 128")
         if not 16 <= self.prefill_chunk <= 8192:
@@ -89,6 +93,12 @@ class Engine:
         self.default_sampling = SamplingParams.from_dict(
             {k: v for k, v in self.meta.default_sampling.items()})
         self.speculator = self.make_speculator()
+        self.default_speculation = SpeculationConfig.make(
+            None, **{k: v for k, v in self.meta.default_speculation.items()})
+        if self.default_speculation.method not in self.methods:
+            self.default_speculation = SpeculationConfig.make(None, method="none")
+        self.default_speculation = SpeculationConfig.make(
+            self.default_speculation, gamma_max=min(self.default_speculation.gamma_max, limits.max_draft_len))
         self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len,
                                    config.prefill_chunk, self.speculator)
         self.background = False
@@ -103,8 +113,21 @@ class Engine:
         return cls(bundle_dir, EngineConfig(**kwargs))
 
     def make_speculator(self):
-        """Hook for speculative decoding (None: plain decoding)."""
-        return None
+        """Drafters from the bundle's roles (prompt lookup always), behind one Speculator."""
+        from .proposers.draft_model import DraftModelProposer
+        from .proposers.ngram import NgramProposer
+        from .speculator import Speculator
+
+        proposers = {"ngram": NgramProposer()}
+        if "draft" in self.meta.roles:
+            draft_dir = os.path.join(self.bundle_dir, self.meta.roles["draft"]["path"])
+            draft_config = read_model_config(draft_dir)
+            draft_model = Decoder(draft_config, load_weights(draft_dir, self.config.device),
+                                  self.max_seq_len + self.meta.limits.max_draft_len + 2, device=self.config.device)
+            proposers["draft"] = DraftModelProposer(draft_model, self.cache.num_blocks, self.target_config.vocab_size,
+                                                    self.config.block_size)
+        return Speculator(self.model, self.cache, proposers, self.meta.limits.max_draft_len, self.max_seq_len,
+                          binning=self.config.binning)
 
     # ---- requests ---------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -154,8 +177,25 @@ class Engine:
         self._wake.set()
         return handle
 
-    def resolve_speculation(self, request: Request):
-        return request.speculation
+    @property
+    def methods(self) -> list[str]:
+        """Speculation methods this bundle can serve."""
+        return ["none", *self.speculator.proposers, "auto"]
+
+    def resolve_speculation(self, request: Request) -> SpeculationConfig:
+        """The request's setting (or the bundle's default), checked against what we have."""
+        spec = request.speculation
+        if spec is None:
+            spec = self.default_speculation
+        elif isinstance(spec, dict):
+            spec = SpeculationConfig.make(self.default_speculation, **spec)
+        if spec.method not in self.methods:
+            raise RequestError(f"speculation method {spec.method!r} is not available in this bundle "
+                               f"(available: {', '.join(self.methods)})")
+        if spec.method != "none" and spec.gamma_max > self.meta.limits.max_draft_len:
+            raise RequestError(f"gamma_max={spec.gamma_max} exceeds the bundle's max_draft_len "
+                               f"{self.meta.limits.max_draft_len}; recompile with --max-draft-len")
+        return spec
 
     def abort(self, handle: Handle) -> None:
         """Stop a request and free its KV blocks (thread-safe)."""

@@ -37,6 +37,7 @@ class WorkItem:
     start: int = 0  # cache length before this step (position of chunk[0])
     row0: int = 0  # first row of this item in the flattened batch
     completes: bool = False  # chunk reaches the end of the pending tokens
+    pad: int = 0  # filler rows (padded binning only): computed, never read, rolled back
 
     @property
     def n_draft(self) -> int:
@@ -58,12 +59,13 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
     blocks = []
     t = s = 0
     for k, it in enumerate(items):
-        n = it.width
-        tokens = it.chunk + (list(it.draft.tokens) if it.n_draft else [])
+        n = it.width + it.pad
+        tokens = it.chunk + (list(it.draft.tokens) if it.n_draft else []) + [it.chunk[-1]] * it.pad
         depth = torch.arange(n)
         if it.n_draft and getattr(it.draft, "depths", None) is not None:
             # tree drafts: the chunk's last token is the root; nodes sit at root + depth
-            depth = torch.cat([torch.arange(len(it.chunk)), len(it.chunk) - 1 + torch.as_tensor(it.draft.depths)])
+            depth = torch.cat([torch.arange(len(it.chunk)), len(it.chunk) - 1 + torch.as_tensor(it.draft.depths),
+                               torch.arange(it.pad) + it.width])
         ids.append(torch.tensor(tokens, dtype=torch.int64))
         pos.append(it.start + depth)
         cache.reserve(it.seq.seq_id, it.start + n)
@@ -78,8 +80,8 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
         if it.n_draft and getattr(it.draft, "tree_mask", None) is not None:
             c = len(it.chunk)
             tm = torch.as_tensor(it.draft.tree_mask, dtype=torch.bool)  # [1 + nodes, 1 + nodes], row 0 root
-            new_mask[c - 1:, c - 1:] = tm
-            new_mask[c:, :c - 1] = True
+            new_mask[c - 1:it.width, c - 1:it.width] = tm
+            new_mask[c:it.width, :c - 1] = True
         blocks.append((t, s, n, it.start, new_mask))
         t += n
         s += it.start + n
@@ -179,8 +181,28 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def commit(self, seq: Sequence, length: int) -> None:
+        """Target and drafter caches of seq move to `length` together (commit or rollback)."""
+        if self.speculator:
+            self.speculator.commit(seq, length)
+        else:
+            self.cache.set_length(seq.seq_id, length)
+
+    def check_lengths(self) -> None:
+        """A cache whose length disagrees with the sequence is repaired by re-prefilling it;
+        never ignored (it would make every later token wrong)."""
+        for seq in self.running:
+            have = self.cache.length(seq.seq_id)
+            if have != seq.num_cached:
+                log.warning("sequence %d: target KV holds %d tokens, expected %d; re-prefilling",
+                            seq.seq_id, have, seq.num_cached)
+                seq.num_cached = 0
+                seq.extra["repairs"] = seq.extra.get("repairs", 0) + 1
+                self.commit(seq, 0)
+
     # ---- the step -----------------------------------------------------------------------
     def plan(self) -> list[WorkItem]:
+        self.check_lengths()
         items, budget = [], self.prefill_chunk
         decoding = [s for s in self.running if s.num_cached >= len(s.all_ids) - 1]
         drafts = self.speculator.propose(decoding) if (self.speculator and decoding) else {}
@@ -220,7 +242,7 @@ class Scheduler:
             seq.target_passes += 1
             if not it.completes:
                 seq.num_cached = it.start + len(it.chunk)
-                self.cache.set_length(seq.seq_id, seq.num_cached)
+                self.commit(seq, seq.num_cached)
                 continue
             rows = logits[r:r + 1 + it.n_draft]  # [1 + k, vocab]
             r += 1 + it.n_draft
@@ -234,10 +256,8 @@ class Scheduler:
             # K/V valid: the chunk plus the accepted drafts; the new last token is pending
             seq.num_cached = it.start + len(it.chunk) + accepted
             if it.n_draft and getattr(it.draft, "depths", None) is not None:
-                self.speculator.compact(seq, it, self.cache)
-            self.cache.set_length(seq.seq_id, seq.num_cached)
-            if self.speculator:
-                self.speculator.after_verify(seq, it, accepted)
+                self.speculator.compact(seq, it, self.cache, accepted)
+            self.commit(seq, seq.num_cached)
             before = len(seq.text)
             kept = seq.append_tokens(new_tokens)
             if seq.handle is not None:
