@@ -10,7 +10,9 @@ import importlib
 import click
 
 # command name -> (module, attribute)
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": (".cli_bench", "bench"),
+}
 
 
 def register(group: click.Group) -> None:
