@@ -1,0 +1,479 @@
+"""`specbuild train-medusa`: Medusa heads trained on the target's own outputs (Medusa-1).
+
+1. Self-distillation: the bundle's target answers each prompt (chat template, greedy by
+   default) through the Engine, batched; answers go to `<out>/answers_<split>.jsonl` as
+   they finish (a resumed run skips those written).
+2. One forward of the target over prompt + answer per sequence collects the final-normed
+   hidden states (the lm_head's input) of the rows t = P-1 .. T-2 (P prompt tokens, T in
+   all): `<out>/hidden_<split>.safetensors`. Only these rows are ever used at run time.
+3. The heads train on these frozen hidden states: the row at position t feeds head k,
+   whose target is token t + 2 + k (FasterDecoding's convention; see
+   runtime/proposers/medusa.py), only where that token is part of the answer. Loss =
+   sum_k 0.8^k * CE_k (hard labels: the target's tokens) or KL to the target's own
+   distribution at t + 1 + k (soft labels, computed on the fly from the cached hidden
+   states through the frozen lm_head). AdamW, warmup + cosine; the frozen lm_head matmul
+   runs in bfloat16 only where that measures faster (it is 3x slower on CPUs without
+   native bf16). Residual weights start at zero, so every head starts as the target's
+   lm_head.
+4. Checkpoints (`<out>/checkpoint.pt`) every few minutes and at the end; `--resume`
+   continues from the answers, the hidden cache and the checkpoint.
+
+Output (`<out>`): `medusa_lm_head.safetensors` in FasterDecoding names (no lm_head tensors
+when `shared_lm_head`), `config.json` (medusa_num_heads, medusa_num_layers, hidden_size,
+vocab_size, shared_lm_head), `report.json` (head-wise top-1 / top-5 accuracy on the eval
+prompts before and after training, timings).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import SpecbuildError
+from .medusa import FD_FILE
+
+IGNORE = -100
+SPLIT_RESOURCE = "data/spec_bench/split.json"
+
+
+@dataclass(frozen=True)
+class MedusaTrainConfig:
+    """Settings of one train-medusa run; sizes in prompts, tokens, positions, minutes."""
+
+    num_heads: int = 4
+    num_layers: int = 1
+    steps: int | None = None  # None: `epochs` passes over the training positions
+    epochs: float = 2.0
+    batch_positions: int = 128
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    decay: float = 0.8  # loss weight of head k is decay ** k
+    shared_lm_head: bool = True
+    soft_labels: bool = False
+    max_prompts: int = 128
+    eval_prompts: int = 16
+    max_answer_tokens: int = 128
+    max_prompt_tokens: int = 1024
+    temperature: float = 0.0
+    ignore_eos: bool = False  # answers run to max_answer_tokens (tests with tiny random models)
+    seed: int = 0
+    checkpoint_minutes: float = 5.0
+    train_minutes: float | None = None  # stop training (and save) after this long
+    bf16: str = "auto"  # auto | on | off: the frozen lm_head matmul in bfloat16
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        checks = (("heads", self.num_heads, 1, 16), ("layers", self.num_layers, 0, 8),
+                  ("batch-positions", self.batch_positions, 1, 1 << 16), ("max-prompts", self.max_prompts, 1, 1 << 20),
+                  ("eval-prompts", self.eval_prompts, 0, 1 << 20), ("max-answer-tokens", self.max_answer_tokens, 4, 1 << 16))
+        for name, value, lo, hi in checks:
+            if not isinstance(value, int) or not lo <= value <= hi:
+                raise SpecbuildError(f"--{name} {value!r} is out of range [{lo}, {hi}]")
+        if self.steps is not None and not (isinstance(self.steps, int) and self.steps >= 1):
+            raise SpecbuildError(f"--steps {self.steps!r} must be a positive integer")
+        if self.bf16 not in ("auto", "on", "off"):
+            raise SpecbuildError(f"--bf16 {self.bf16!r} is not one of auto, on, off")
+        if not 0 < self.lr < 1:
+            raise SpecbuildError(f"--lr {self.lr!r} is out of range (0, 1)")
+
+
+# ---- data ------------------------------------------------------------------------------------
+def load_records(path: str) -> list[dict]:
+    """Spec-Bench-style jsonl: {"turns": [...]} (the first turn is the prompt) or
+    {"prompt": ...}; question_id kept when present."""
+    if not os.path.isfile(path):
+        raise SpecbuildError(f"--data {path!r} does not exist")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise SpecbuildError(f"{path}:{lineno} is not JSON: {err}") from None
+            text = rec.get("prompt") if isinstance(rec, dict) else None
+            if text is None and isinstance(rec, dict) and rec.get("turns"):
+                text = rec["turns"][0]
+            if not isinstance(text, str) or not text.strip():
+                raise SpecbuildError(f"{path}:{lineno} has neither a 'prompt' string nor a non-empty 'turns' list")
+            out.append({"id": rec.get("question_id", f"line{lineno}"), "text": text})
+    if not out:
+        raise SpecbuildError(f"--data {path!r} holds no prompts")
+    return out
+
+
+def _package_split() -> dict | None:
+    from importlib import resources
+
+    try:
+        data = json.loads(resources.files("specbuild").joinpath(SPLIT_RESOURCE).read_text(encoding="utf-8"))
+    except (FileNotFoundError, OSError, json.JSONDecodeError):
+        return None
+    out = {}
+    for name in ("train", "eval"):
+        ids = data.get(name, data.get("test") if name == "eval" else None)
+        if isinstance(ids, dict):
+            ids = ids.get("question_ids", ids.get("ids"))
+        if isinstance(ids, list):
+            out[name] = {str(i) for i in ids}
+    return out if len(out) == 2 else None
+
+
+def split_records(records: list[dict], cfg: MedusaTrainConfig) -> tuple[list[dict], list[dict], str]:
+    """(train, eval, how): the package's Spec-Bench split by question id when every record
+    has one in it, else a seeded 90/10 split of the file; each capped (seeded sample)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    split = _package_split()
+    if split and all(str(r["id"]) in split["train"] | split["eval"] for r in records):
+        train = [r for r in records if str(r["id"]) in split["train"]]
+        evals = [r for r in records if str(r["id"]) in split["eval"]]
+        how = "Spec-Bench split (package data)"
+    else:
+        order = torch.randperm(len(records), generator=gen).tolist()
+        n_eval = min(cfg.eval_prompts, max(1, len(records) // 10)) if len(records) > 1 else 0
+        evals = [records[i] for i in order[:n_eval]]
+        train = [records[i] for i in order[n_eval:]]
+        how = f"seeded split of the file ({len(train)} train / {len(evals)} eval)"
+    def cap(rs, n):
+        return [rs[i] for i in sorted(torch.randperm(len(rs), generator=gen)[:n].tolist())]
+    return cap(train, cfg.max_prompts), cap(evals, cfg.eval_prompts), how
+
+
+def distill(engine, records: list[dict], cfg: MedusaTrainConfig, path: str, progress: bool) -> list[dict]:
+    """The target's answers to `records`, appended to `path` (jsonl) as they finish; lines
+    already there (same id) are reused. Returns [{"id", "prompt_ids", "answer_ids"}]."""
+    from tqdm import tqdm
+
+    from ..runtime.sampling import SamplingParams
+    from ..runtime.sequence import Request
+
+    done = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    done[str(rec["id"])] = rec
+    todo, skipped = [], 0
+    for i, r in enumerate(records):
+        if str(r["id"]) in done:
+            continue
+        ids = engine.encode(engine.render_chat([{"role": "user", "content": r["text"]}]), add_special_tokens=False)
+        if len(ids) > cfg.max_prompt_tokens or len(ids) + cfg.max_answer_tokens > engine.max_seq_len:
+            skipped += 1
+            continue
+        todo.append((r, ids, cfg.seed + i))
+    bar = tqdm(total=len(todo), desc="target answers", unit="prompt", disable=not progress or not todo)
+    with open(path, "a") as out:
+        handles = [(r, ids, engine.submit(Request(prompt_ids=ids, sampling=SamplingParams(
+            max_tokens=cfg.max_answer_tokens, temperature=cfg.temperature, seed=seed,
+            ignore_eos=cfg.ignore_eos))))
+            for r, ids, seed in todo]
+        pending = list(handles)
+        while pending:
+            engine.step()
+            for item in [p for p in pending if p[2].seq.finished]:
+                r, ids, h = item
+                pending.remove(item)
+                res = h.result()
+                if res.get("error"):
+                    raise SpecbuildError(f"the target failed on prompt {r['id']}: {res['error']}")
+                rec = {"id": r["id"], "prompt_ids": ids, "answer_ids": res["token_ids"]}
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                done[str(r["id"])] = rec
+                bar.update(1)
+    bar.close()
+    wanted = [done[str(r["id"])] for r in records if str(r["id"]) in done]
+    return [w for w in wanted if len(w["answer_ids"]) >= 2]
+
+
+@torch.inference_mode()
+def collect_hidden(model, seqs: list[dict], progress: bool, desc: str) -> dict[str, torch.Tensor]:
+    """One forward per sequence; keeps hidden [A, H] of rows P-1 .. T-2 and the answer
+    tokens [A] (A = answer length). Returns {"hidden" [N, H] float32, "tokens" [N],
+    "offsets" [S + 1]}."""
+    from tqdm import tqdm
+
+    from ..runtime.model import ForwardBatch
+
+    longest = max(len(s["prompt_ids"]) + len(s["answer_ids"]) for s in seqs)
+    cache = model.new_cache(-(-longest // 16) + 1, 16)
+    dev = model.device
+    hiddens, tokens, offsets = [], [], [0]
+    for s in tqdm(seqs, desc=desc, unit="seq", disable=not progress):
+        ids = s["prompt_ids"] + s["answer_ids"]
+        p, t = len(s["prompt_ids"]), len(ids)
+        slots = torch.arange(t, device=dev)
+        batch = ForwardBatch(torch.tensor(ids, device=dev), slots, slots, slots,
+                             torch.ones(t, t, dtype=torch.bool, device=dev).tril(), torch.arange(p - 1, t - 1, device=dev))
+        _, hidden = model.forward(batch, cache, return_hidden=True)  # [T - P, H]
+        hiddens.append(hidden.float().cpu())
+        tokens.append(torch.tensor(s["answer_ids"], dtype=torch.int64))
+        offsets.append(offsets[-1] + t - p)
+    return {"hidden": torch.cat(hiddens), "tokens": torch.cat(tokens), "offsets": torch.tensor(offsets)}
+
+
+def make_examples(data: dict[str, torch.Tensor], num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [M] into data["hidden"], targets [M, heads] token ids or IGNORE). Row r of a
+    sequence (position P-1+r) and head k target answer[r + k + 1]."""
+    rows, targets = [], []
+    offsets = data["offsets"].tolist()
+    tok = data["tokens"]
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        a = end - start
+        for r in range(a - 1):
+            t = torch.full((num_heads,), IGNORE, dtype=torch.int64)
+            k_max = min(num_heads, a - r - 1)
+            t[:k_max] = tok[start + r + 1:start + r + 1 + k_max]
+            rows.append(start + r)
+            targets.append(t)
+    if not rows:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, num_heads, dtype=torch.int64)
+    return torch.tensor(rows), torch.stack(targets)
+
+
+# ---- the heads being trained --------------------------------------------------------------------
+class TrainHeads(torch.nn.Module):
+    """Trainable Medusa heads; the same math as runtime.medusa_heads.MedusaHeads.
+    lm_head: the target's [V, H], frozen and shared, or copied per head when own_lm_head."""
+
+    def __init__(self, num_heads: int, num_layers: int, lm_head: torch.Tensor, own_lm_head: bool,
+                 lm_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        vocab, hidden = lm_head.shape
+        self.num_heads, self.num_layers = num_heads, num_layers
+        self.weight = torch.nn.Parameter(torch.zeros(num_layers, num_heads, hidden, hidden))
+        self.bias = torch.nn.Parameter(torch.zeros(num_layers, num_heads, hidden))
+        self.own_lm_head = own_lm_head
+        self.register_buffer("target_lm", lm_head.to(lm_dtype), persistent=False)  # frozen
+        if own_lm_head:
+            self.lm_head = torch.nn.Parameter(lm_head.float().unsqueeze(0).repeat(num_heads, 1, 1))
+        self.lm_dtype = lm_dtype
+
+    def body(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, heads, H]
+        x = hidden.unsqueeze(1).expand(-1, self.num_heads, -1)
+        for l in range(self.num_layers):
+            x = x + F.silu(torch.einsum("bhi,hoi->bho", x, self.weight[l]) + self.bias[l])
+        return x
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, heads, V] float32
+        x = self.body(hidden)
+        if self.own_lm_head:
+            return torch.einsum("bhi,hvi->bhv", x, self.lm_head)
+        b = x.shape[0]
+        return F.linear(x.reshape(b * self.num_heads, -1).to(self.lm_dtype), self.target_lm).float().view(b, self.num_heads, -1)
+
+    def export(self) -> dict[str, torch.Tensor]:
+        """FasterDecoding names, float32; lm_heads only when they are the heads' own."""
+        out = {}
+        for h in range(self.num_heads):
+            for l in range(self.num_layers):
+                out[f"{h}.{l}.linear.weight"] = self.weight[l, h].detach().float().contiguous().clone()
+                out[f"{h}.{l}.linear.bias"] = self.bias[l, h].detach().float().contiguous().clone()
+            if self.own_lm_head:
+                out[f"{h}.{self.num_layers}.weight"] = self.lm_head[h].detach().float().contiguous().clone()
+        return out
+
+
+def bf16_faster(hidden: int, vocab: int) -> bool:
+    """Whether a [256, H] x [H, V] matmul runs faster in bfloat16 than float32 here."""
+    import time as _t
+
+    x, w = torch.randn(256, hidden), torch.randn(min(vocab, 16384), hidden)
+    timings = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = x.to(dtype), w.to(dtype)
+        F.linear(a, b)
+        t0 = _t.perf_counter()
+        for _ in range(3):
+            F.linear(a, b)
+        timings[dtype] = _t.perf_counter() - t0
+    return timings[torch.bfloat16] < 0.8 * timings[torch.float32]
+
+
+def head_losses(model: TrainHeads, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+                soft: bool, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted loss, per-head mean loss [heads]) of a batch: rows [B], targets [B, heads]."""
+    logits = model(hidden[rows])  # [B, heads, V]
+    valid = targets != IGNORE  # [B, heads]
+    b, n, v = logits.shape
+    if soft:  # the target's own distribution at position t + 1 + k: lm_head(hidden[row + 1 + k])
+        k = torch.arange(n)
+        future = hidden[(rows.unsqueeze(1) + 1 + k).clamp(max=hidden.shape[0] - 1)]  # [B, heads, H]
+        with torch.no_grad():
+            target_logp = F.log_softmax(F.linear(future.reshape(b * n, -1).to(model.lm_dtype),
+                                                 model.target_lm).float(), -1)
+        per = F.kl_div(F.log_softmax(logits.reshape(b * n, v), -1), target_logp, log_target=True,
+                       reduction="none").sum(-1).view(b, n)
+    else:
+        per = F.cross_entropy(logits.reshape(b * n, v), targets.reshape(-1).clamp(min=0), reduction="none").view(b, n)
+    per = per * valid
+    counts = valid.sum(0).clamp(min=1)
+    head_mean = per.sum(0) / counts  # [heads]
+    weights = decay ** torch.arange(n, dtype=torch.float32)
+    return (head_mean * weights * (valid.sum(0) > 0)).sum(), head_mean.detach()
+
+
+@torch.no_grad()
+def evaluate(model: TrainHeads, data: dict[str, torch.Tensor], batch: int = 256, topk: int = 5) -> list[dict]:
+    """Head-wise top-1 / top-k accuracy against the target's own tokens."""
+    rows, targets = make_examples(data, model.num_heads)
+    hits1 = torch.zeros(model.num_heads)
+    hitsk = torch.zeros(model.num_heads)
+    counts = torch.zeros(model.num_heads)
+    for i in range(0, rows.shape[0], batch):
+        r, t = rows[i:i + batch], targets[i:i + batch]
+        top = model(data["hidden"][r]).topk(topk, dim=-1).indices  # [B, heads, k]
+        valid = t != IGNORE
+        hits1 += ((top[..., 0] == t) & valid).sum(0)
+        hitsk += ((top == t.unsqueeze(-1)).any(-1) & valid).sum(0)
+        counts += valid.sum(0)
+    return [{"head": h, "top1": round(float(hits1[h] / max(counts[h], 1)), 4),
+             f"top{topk}": round(float(hitsk[h] / max(counts[h], 1)), 4), "positions": int(counts[h])}
+            for h in range(model.num_heads)]
+
+
+def lr_at(step: int, total: int, peak: float) -> float:
+    warm = max(1, min(50, total // 10))
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+# ---- the command -------------------------------------------------------------------------------
+def _save_atomic(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _hidden_cache(engine, seqs: list[dict], path: str, resume: bool, progress: bool, desc: str) -> dict:
+    from safetensors.torch import load_file, save_file
+
+    key = json.dumps([[s["id"], len(s["prompt_ids"]), len(s["answer_ids"])] for s in seqs])
+    if resume and os.path.isfile(path):
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            if (f.metadata() or {}).get("key") == key:
+                return load_file(path)
+    data = collect_hidden(engine.model, seqs, progress, desc)
+    save_file(data, path, metadata={"key": key})
+    return data
+
+
+def train_medusa(bundle_dir: str, data_path: str, out_dir: str, cfg: MedusaTrainConfig = MedusaTrainConfig(),
+                 resume: bool = False, progress: bool = True, log=print) -> dict:
+    """Run the four phases (module docstring); returns the report (also `<out>/report.json`)."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from ..runtime.engine import Engine, EngineConfig
+
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    records = load_records(data_path)
+    train_recs, eval_recs, how = split_records(records, cfg)
+    os.makedirs(out_dir, exist_ok=True)
+    ckpt_path = os.path.join(out_dir, "checkpoint.pt")
+    if not resume:
+        for name in ("answers_train.jsonl", "answers_eval.jsonl", "hidden_train.safetensors",
+                     "hidden_eval.safetensors", "checkpoint.pt"):
+            if os.path.exists(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))
+    engine = Engine(bundle_dir, EngineConfig(device=cfg.device))
+    log(f"prompts: {len(train_recs)} train, {len(eval_recs)} eval ({how}); batch {engine.max_batch_size}")
+    train_seqs = distill(engine, train_recs, cfg, os.path.join(out_dir, "answers_train.jsonl"), progress)
+    eval_seqs = distill(engine, eval_recs, cfg, os.path.join(out_dir, "answers_eval.jsonl"), progress)
+    t_distill = time.perf_counter()
+    if not train_seqs:
+        raise SpecbuildError("no training answers: every prompt was too long or the target answered with < 2 tokens")
+    train = _hidden_cache(engine, train_seqs, os.path.join(out_dir, "hidden_train.safetensors"), resume, progress,
+                          "hidden states (train)")
+    evals = _hidden_cache(engine, eval_seqs, os.path.join(out_dir, "hidden_eval.safetensors"), resume, progress,
+                          "hidden states (eval)") if eval_seqs else None
+    t_hidden = time.perf_counter()
+
+    lm_head = engine.model.lm_head.float().cpu()
+    vocab, hidden_size = lm_head.shape
+    del engine
+    use_bf16 = cfg.bf16 == "on" or (cfg.bf16 == "auto" and bf16_faster(hidden_size, vocab))
+    model = TrainHeads(cfg.num_heads, cfg.num_layers, lm_head, not cfg.shared_lm_head,
+                       torch.bfloat16 if use_bf16 and cfg.shared_lm_head else torch.float32)
+    rows, targets = make_examples(train, cfg.num_heads)
+    if rows.numel() == 0:
+        raise SpecbuildError("the answers are too short to give any training position")
+    per_epoch = -(-rows.shape[0] // cfg.batch_positions)
+    total = cfg.steps or max(1, int(math.ceil(cfg.epochs * per_epoch)))
+    before = evaluate(model, evals) if evals is not None else []
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                              weight_decay=cfg.weight_decay)
+    step, history = 0, []
+    if resume and os.path.isfile(ckpt_path):
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"], strict=False)
+        optim.load_state_dict(state["optim"])
+        step, history = state["step"], state["history"]
+        log(f"resumed at step {step} of {total}")
+    log(f"training {cfg.num_heads} heads x {cfg.num_layers} layers on {rows.shape[0]} positions "
+        f"({'shared' if cfg.shared_lm_head else 'own'} lm_head, {'soft' if cfg.soft_labels else 'hard'} labels, "
+        f"lm_head matmul in {'bfloat16' if use_bf16 else 'float32'}): {total} steps of {cfg.batch_positions}")
+
+    def save() -> None:
+        _save_atomic({"step": step, "model": model.state_dict(), "optim": optim.state_dict(),
+                      "history": history, "config": asdict(cfg)}, ckpt_path)
+
+    bar = tqdm(total=total, initial=step, desc="training heads", unit="step", disable=not progress)
+    t_train, t_ckpt, running = time.perf_counter(), time.perf_counter(), None
+    while step < total:
+        epoch, offset = divmod(step, per_epoch)
+        order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+        idx = order[offset * cfg.batch_positions:(offset + 1) * cfg.batch_positions]
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step, total, cfg.lr)
+        loss, per_head = head_losses(model, train["hidden"], rows[idx], targets[idx], cfg.soft_labels, cfg.decay)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        step += 1
+        value = float(loss.detach())
+        running = value if running is None else 0.95 * running + 0.05 * value
+        history.append(round(value, 5))
+        bar.set_postfix(loss=f"{running:.3f}", head0=f"{float(per_head[0]):.3f}")
+        bar.update(1)
+        if time.perf_counter() - t_ckpt > 60 * cfg.checkpoint_minutes:
+            save()
+            t_ckpt = time.perf_counter()
+        if cfg.train_minutes is not None and time.perf_counter() - t_train > 60 * cfg.train_minutes:
+            log(f"--train-minutes {cfg.train_minutes} reached at step {step}")
+            break
+    bar.close()
+    save()
+    t_done = time.perf_counter()
+    after = evaluate(model, evals) if evals is not None else []
+    save_file(model.export(), os.path.join(out_dir, FD_FILE), metadata={"format": "pt"})
+    config = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
+              "hidden_size": hidden_size, "vocab_size": vocab, "shared_lm_head": cfg.shared_lm_head,
+              "base_model_name_or_path": os.path.abspath(bundle_dir)}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    report = {
+        "config": asdict(cfg), "split": how, "train_prompts": len(train_seqs), "eval_prompts": len(eval_seqs),
+        "train_positions": int(rows.shape[0]), "steps": step, "bf16_lm_head": use_bf16,
+        "first_losses": history[:10], "last_losses": history[-10:],
+        "accuracy_before": before, "accuracy_after": after,
+        "seconds": {"distill": round(t_distill - t_start, 1), "hidden": round(t_hidden - t_distill, 1),
+                    "train": round(t_done - t_hidden, 1), "total": round(time.perf_counter() - t_start, 1)},
+    }
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return report
