@@ -11,6 +11,8 @@ import click
 
 # command name -> (module, attribute)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train-medusa": (".cli_medusa", "train_medusa_cmd"),
+    "export-medusa": (".cli_medusa", "export_medusa_cmd"),
     "bench": (".cli_bench", "bench"),
 }
 
