@@ -112,6 +112,28 @@ def sampling_options(fn):
     return fn
 
 
+def speculation_options(fn):
+    for opt in reversed([
+        click.option("--speculation", type=click.Choice(["none", "ngram", "draft", "medusa", "auto"]), default=None,
+                     help="Drafter [bundle default]. auto picks per sequence by measured tokens/s."),
+        click.option("--gamma", type=int, default=None, help="Draft length; alone it fixes the depth."),
+        click.option("--gamma-min", type=int, default=None, help="Lower bound of the dynamic depth (0 allows plain)."),
+        click.option("--gamma-max", type=int, default=None, help="Upper bound of the dynamic depth."),
+        click.option("--tree", default=None, help="Medusa token tree: preset name or JSON file."),
+        click.option("--typical", is_flag=True, default=None,
+                     help="Medusa typical acceptance. LOSSY: output is no longer the target's distribution."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def make_speculation(engine, speculation, gamma, gamma_min, gamma_max, tree, typical):
+    from .runtime.spec_config import SpeculationConfig
+
+    return SpeculationConfig.make(engine.default_speculation, method=speculation, gamma=gamma,
+                                  gamma_min=gamma_min, gamma_max=gamma_max, tree=tree, typical=typical)
+
+
 def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, index=0):
     fields = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
               "seed": None if seed is None else seed + index, "stop": tuple(stop) or None,
@@ -127,26 +149,30 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template.")
 @click.option("--system", default=None, help="System message (with --chat).")
 @sampling_options
+@speculation_options
 @click.option("--threads", type=int, default=None, help="Torch CPU threads.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
 @user_errors
 def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
-             threads, device, as_json) -> None:
+             speculation, gamma, gamma_min, gamma_max, tree, typical, threads, device, as_json) -> None:
     """Generate text from one or more prompts (batched)."""
     from .runtime.engine import Engine, EngineConfig
     from .runtime.sequence import Request
 
     engine = Engine(bundle, EngineConfig(device=device, threads=threads))
+    spec = make_speculation(engine, speculation, gamma, gamma_min, gamma_max, tree, typical)
+    if spec.typical:
+        click.echo("warning: --typical acceptance is LOSSY: output is not the target's distribution", err=True)
     handles = []
     for i, prompt in enumerate(prompts):
         params = make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, i)
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             ids = engine.encode(engine.render_chat(messages), add_special_tokens=False)
-            handles.append(engine.submit(Request(prompt_ids=ids, sampling=params)))
+            handles.append(engine.submit(Request(prompt_ids=ids, sampling=params, speculation=spec)))
         else:
-            handles.append(engine.submit(Request(prompt=prompt, sampling=params)))
+            handles.append(engine.submit(Request(prompt=prompt, sampling=params, speculation=spec)))
     if as_json:
         engine.run_until_done()
         for h in handles:
@@ -165,8 +191,10 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
             click.echo(r["text"], nl=False)
         s = r["stats"]
         click.echo("")
+        spec_info = (f", {spec.method}: mean accepted {s['mean_accepted_tokens']:.2f} tokens/pass, "
+                     f"{s['accepted']}/{s['drafted']} drafts accepted") if spec.enabled else ""
         click.echo(f"[{s['generated_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
-                   f"finish={r['finish_reason']}, seed={s['seed']}]", err=True)
+                   f"finish={r['finish_reason']}, seed={s['seed']}{spec_info}]", err=True)
 
 
 # Commands that live in their own modules register themselves here.

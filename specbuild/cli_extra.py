@@ -13,7 +13,9 @@ import click
 COMMANDS: dict[str, tuple[str, str]] = {
     "train-medusa": (".cli_medusa", "train_medusa_cmd"),
     "export-medusa": (".cli_medusa", "export_medusa_cmd"),
+    "serve": (".cli_serve", "serve"),
     "bench": (".cli_bench", "bench"),
+    "verify": (".cli_verify", "verify"),
 }
 
 

@@ -91,7 +91,7 @@ class GammaController:
             return spec.gamma
         st = self.state(seq)
         if not st.history:
-            return spec.gamma
+            return max(spec.gamma, 1) if spec.gamma_max > 0 else 0
         g = best_gamma(self.alpha(seq), spec.gamma_min, spec.gamma_max, self.costs[method])
         if g == 0:
             st.plain_steps += 1

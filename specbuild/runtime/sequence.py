@@ -173,11 +173,16 @@ class Handle:
         if event.finished:
             self.done.set()
 
+    def _drained(self) -> bool:
+        return self.done.is_set() and self._events.empty()
+
     def __iter__(self) -> Iterator[Event]:
         while True:
             try:
                 ev = self._events.get_nowait()
             except queue.Empty:
+                if self.done.is_set():  # finished and fully consumed already
+                    return
                 if self._engine.background:
                     ev = self._events.get()
                 else:

@@ -82,9 +82,6 @@ class SpeculationConfig:
             lo = fields.get("gamma_min", base.gamma_min)
             hi = fields.get("gamma_max", base.gamma_max)
             fields["gamma"] = min(max(base.gamma, lo), hi)
-        if fields.get("method") == "none":
-            fields.setdefault("gamma", 0)
-            fields.setdefault("gamma_min", 0)
         return dataclasses.replace(base, **fields)
 
     def to_json(self) -> dict[str, Any]:
