@@ -44,8 +44,15 @@ def main() -> None:
 @click.option("--max-seq-len", default=2048, show_default=True, type=int, help="Longest prompt + output.")
 @click.option("--max-batch-size", default=8, show_default=True, type=int, help="Most sequences in one step.")
 @click.option("--max-draft-len", default=8, show_default=True, type=int, help="Most draft tokens per step.")
+@click.option("--backend", default="torch", show_default=True, type=click.Choice(["torch", "tensorrt-llm"]),
+              help="tensorrt-llm also writes TensorRT-LLM checkpoints (and builds engines where it is installed).")
+@click.option("--tp", default=1, show_default=True, type=int, help="Tensor parallelism (tensorrt-llm).")
+@click.option("--pp", default=1, show_default=True, type=int, help="Pipeline parallelism, 1 or 2 (tensorrt-llm).")
+@click.option("--trtllm-dtype", default="float16", show_default=True,
+              type=click.Choice(["float16", "bfloat16", "float32"]), help="Weight dtype of the TensorRT-LLM checkpoints.")
 @user_errors
-def compile(target, draft, out_dir, dtype, max_seq_len, max_batch_size, max_draft_len) -> None:
+def compile(target, draft, out_dir, dtype, max_seq_len, max_batch_size, max_draft_len, backend, tp, pp,
+            trtllm_dtype) -> None:
     """Compile checkpoints into a speculation bundle."""
     import time
 
@@ -53,7 +60,7 @@ def compile(target, draft, out_dir, dtype, max_seq_len, max_batch_size, max_draf
 
     t0 = time.perf_counter()
     options = CompileOptions(dtype=dtype, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                             max_draft_len=max_draft_len)
+                             max_draft_len=max_draft_len, backend=backend, tp=tp, pp=pp, trtllm_dtype=trtllm_dtype)
     compile_bundle(target, out_dir, options, draft=draft, progress=lambda m: click.echo(m, err=True))
     click.echo(f"bundle written to {out_dir} in {time.perf_counter() - t0:.1f}s", err=True)
 

@@ -28,8 +28,14 @@ class CompileOptions:
     max_seq_len: int = 2048
     max_batch_size: int = 8
     max_draft_len: int = 8
+    backend: str = "torch"  # torch | tensorrt-llm (adds trtllm/ checkpoints + engines)
+    tp: int = 1
+    pp: int = 1
+    trtllm_dtype: str = "float16"
 
     def __post_init__(self) -> None:
+        if self.backend not in ("torch", "tensorrt-llm"):
+            raise SpecbuildError(f"--backend {self.backend!r} is not one of torch, tensorrt-llm")
         if self.dtype not in DTYPES:
             raise SpecbuildError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         Limits(self.max_seq_len, self.max_batch_size, self.max_draft_len)  # validates ranges
@@ -97,6 +103,20 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
             say(f"wrote draft ({roles['draft']['bytes'] / 1e6:.1f} MB)")
         with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
             f.write(tgt.tokenizer_json)
+        trtllm_meta = None
+        if options.backend == "tensorrt-llm":
+            from .trtllm_build import build_engines, write_trtllm_bundle_part
+
+            say(f"writing TensorRT-LLM checkpoints (tp={options.tp}, pp={options.pp}, {options.trtllm_dtype})")
+            trtllm_meta = write_trtllm_bundle_part(
+                tmp, tgt, drf, tp=options.tp, pp=options.pp, dtype=options.trtllm_dtype,
+                max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
+                max_draft_len=options.max_draft_len if drf is not None else None)
+            if build_engines(os.path.join(tmp, "trtllm")):
+                say("TensorRT-LLM engines built")
+            else:
+                say("TensorRT-LLM is not importable here: checkpoints written; run trtllm/build.sh "
+                    "on a machine with TensorRT-LLM to build the engines")
         default_spec = speculation or {"method": "draft" if drf is not None else "none"}
         meta = BundleMeta(
             roles=roles,
@@ -106,6 +126,7 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
             default_speculation=default_spec,
             special_tokens=tgt.special,
             specbuild_version=__version__,
+            backend=options.backend,
         )
         write_meta(tmp, meta)
         if os.path.exists(out_dir):
