@@ -13,6 +13,7 @@ import sys
 
 import click
 
+from .cli_extra import LazyGroup
 from .errors import SpecbuildError
 
 
@@ -30,7 +31,7 @@ def user_errors(fn):
     return wrapper
 
 
-@click.group()
+@click.group(cls=LazyGroup)
 @click.version_option(package_name="specbuild")
 def main() -> None:
     """specbuild: compile speculation bundles and run them with lossless speculative decoding."""
@@ -203,11 +204,6 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
         click.echo(f"[{s['generated_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
                    f"finish={r['finish_reason']}, seed={s['seed']}{spec_info}]", err=True)
 
-
-# Commands that live in their own modules register themselves here.
-from . import cli_extra  # noqa: E402
-
-cli_extra.register(main)
 
 if __name__ == "__main__":
     main()

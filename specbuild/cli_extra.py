@@ -19,6 +19,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def register(group: click.Group) -> None:
-    for name, (module, attr) in COMMANDS.items():
-        group.add_command(importlib.import_module(module, __package__).__dict__[attr], name)
+class LazyGroup(click.Group):
+    """A click group that imports a subcommand's module only when it is used (or listed),
+    so `specbuild --help` stays fast and modules may import specbuild.cli freely."""
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(COMMANDS))
+
+    def get_command(self, ctx, name):
+        if name in COMMANDS and name not in self.commands:
+            module, attr = COMMANDS[name]
+            self.add_command(getattr(importlib.import_module(module, __package__), attr), name)
+        return super().get_command(ctx, name)
