@@ -133,8 +133,11 @@ def test_block_pool_whole_after_1000_short_requests(tiny_bundle):
         reqs = []
         for _ in range(8):
             mt = rng.randint(1, 4)
-            params = (SamplingParams(max_tokens=mt) if rng.random() < 0.5 else
-                      SamplingParams(temperature=0.8, top_k=rng.choice([0, 20]), max_tokens=mt, seed=rng.randrange(1 << 30)))
+            if rng.random() < 0.5:
+                params = SamplingParams(max_tokens=mt)
+            else:
+                params = SamplingParams(temperature=0.8, top_k=rng.choice([0, 20]), max_tokens=mt,
+                                        seed=rng.randrange(1 << 30))
             reqs.append((Request(prompt_ids=prompt_ids(rnd * 8 + len(reqs), rng.randint(1, 40)), sampling=params), mt))
         results = engine.generate([r for r, _ in reqs])
         for res, (_, mt) in zip(results, reqs):
