@@ -384,3 +384,20 @@ def test_queue_full_429_then_sigterm(bundle, tmp_path):
         conn_b.close()
     finally:
         srv.stop()
+
+
+def test_metrics_exposition_by_hand():
+    """Bucket placement, cumulative counts, label escaping and the +Inf bucket, parsed back."""
+    from specbuild.runtime.metrics import Counter, Histogram
+
+    hist = Histogram("x_seconds", "h", (0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 3.0):
+        hist.observe(value)
+    counter = Counter("y_total", "c", ("reason",))
+    counter.inc(2, reason='say "hi"\nback\\slash')
+    with pytest.raises(ValueError):
+        counter.inc(-1, reason="r")
+    samples = parse_metrics("\n".join(hist.render() + counter.render()) + "\n")
+    assert [samples[("x_seconds_bucket", (("le", le),))] for le in ("0.1", "1", "+Inf")] == [2, 3, 4]
+    assert samples[("x_seconds_sum", ())] == pytest.approx(3.65) and samples[("x_seconds_count", ())] == 4
+    assert samples[("y_total", (("reason", 'say \\"hi\\"\\nback\\\\slash'),))] == 2
