@@ -50,13 +50,34 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} is out of range [16, 8192]")
 
 
-def load_weights(role_dir: str, device: str) -> dict[str, torch.Tensor]:
+def load_weights(role_dir: str, device: str) -> dict:
+    """A role's weights: plain tensors, plus qlinear.QLinear objects (packed here) for the
+    quantized or other-dtype weights that the role's quant.json lists."""
     from safetensors.torch import load_file
 
     path = os.path.join(role_dir, "weights.safetensors")
     if not os.path.isfile(path):
         raise BundleError(f"{role_dir!r} has no weights.safetensors")
-    return load_file(path, device=device)
+    weights = load_file(path, device=device)
+    quant_path = os.path.join(role_dir, "quant.json")
+    if os.path.isfile(quant_path):
+        import json
+
+        from .qlinear import build_qlinears
+
+        with open(quant_path) as f:
+            weights = build_qlinears(weights, json.load(f))
+    return weights
+
+
+def attach_format_plans(model: Decoder, max_draft_len: int) -> None:
+    """Measure which format each width runs in (only when weights hold several formats)."""
+    from .qlinear import attach_plans
+
+    t0 = time.perf_counter()
+    plans = attach_plans(model, sorted({1, 2, 3, 4, 6, 8, 12, 16, 32, max_draft_len + 1}))
+    for group, plan in plans.items():
+        log.info("formats for %s: %s (measured in %.2fs)", group, plan.describe(), time.perf_counter() - t0)
 
 
 class Engine:
@@ -86,6 +107,7 @@ class Engine:
         weights = load_weights(target_dir, config.device)
         self.model = Decoder(self.target_config, weights, self.max_seq_len + limits.max_draft_len + 2,
                              device=config.device)
+        attach_format_plans(self.model, limits.max_draft_len)
         kv_tokens = config.kv_cache_tokens or self.max_batch_size * (self.max_seq_len + limits.max_draft_len + 16)
         self.cache = self.model.new_cache(-(-kv_tokens // config.block_size), config.block_size)
         sp = self.meta.special_tokens
@@ -124,6 +146,7 @@ class Engine:
             draft_config = read_model_config(draft_dir)
             draft_model = Decoder(draft_config, load_weights(draft_dir, self.config.device),
                                   self.max_seq_len + self.meta.limits.max_draft_len + 2, device=self.config.device)
+            attach_format_plans(draft_model, self.meta.limits.max_draft_len)
             proposers["draft"] = DraftModelProposer(draft_model, self.cache.num_blocks, self.target_config.vocab_size,
                                                     self.config.block_size)
         return Speculator(self.model, self.cache, proposers, self.meta.limits.max_draft_len, self.max_seq_len,
@@ -170,6 +193,11 @@ class Engine:
         params = request.sampling.with_seed()
         spec = self.resolve_speculation(request)
         seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
+        need = self.scheduler.block_budget(seq)
+        if need > self.cache.num_blocks:
+            raise RequestError(f"request needs {need} KV blocks (prompt {len(prompt_ids)} + max_tokens "
+                               f"{params.max_tokens} tokens) but the cache holds {self.cache.num_blocks}; "
+                               "lower max_tokens or raise --kv-cache-tokens")
         handle = Handle(self, seq)
         seq.handle = handle
         with self._lock:

@@ -173,6 +173,14 @@ class Handle:
         if event.finished:
             self.done.set()
 
+    def get(self, timeout: float | None = None) -> Event | None:
+        """The next event, waiting up to `timeout` seconds (None: forever); None on timeout.
+        For front ends whose engine runs in the background (servers)."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
     def _drained(self) -> bool:
         return self.done.is_set() and self._events.empty()
 

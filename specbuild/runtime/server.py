@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import re
 import select
 import socket
@@ -502,11 +501,8 @@ class RequestHandler(BaseHTTPRequestHandler):
         poll = self.app.config.poll_s
         checked = time.monotonic()
         while True:
-            try:
-                # Handle has no public timed get; a timeout lets us notice a departed client
-                event = handle._events.get(timeout=poll)
-            except queue.Empty:
-                event = None
+            # a timed wait lets us notice a departed client
+            event = handle.get(timeout=poll)
             now = time.monotonic()
             if event is None or now - checked >= poll:
                 checked = now
