@@ -207,6 +207,23 @@ def test_requests_beyond_max_batch_size_wait_and_complete(tiny_bundle_f64):
     assert_pool_whole(engine)
 
 
+def test_requests_wait_for_kv_blocks(tiny_bundle_f64):
+    """A cache with room for one request at a time serves three, one after another; a
+    request that could never fit is refused at submission, naming both sizes."""
+    engine = Engine(tiny_bundle_f64, EngineConfig(kv_cache_tokens=64, block_size=16, prefill_chunk=16))
+    assert engine.cache.num_blocks == 4
+    requests = [Request(prompt_ids=prompt_ids(60 + i, 40), sampling=greedy(10)) for i in range(3)]
+    expected = run_alone(engine, requests)
+    handles = [engine.submit(r) for r in requests]
+    engine.step()
+    assert len(engine.scheduler.running) == 1 and len(engine.scheduler.waiting) == 2
+    engine.run_until_done()
+    assert [h.result()["token_ids"] for h in handles] == [e["token_ids"] for e in expected]
+    with pytest.raises(RequestError, match=r"needs \d+ KV blocks .* holds 4"):
+        engine.submit(Request(prompt_ids=prompt_ids(70, 40), sampling=greedy(100)))
+    assert_pool_whole(engine)
+
+
 def test_background_loop_serves_concurrent_threads(tiny_bundle_f64):
     engine = Engine(tiny_bundle_f64, EngineConfig(max_batch_size=4, prefill_chunk=16))
     requests = [[Request(prompt_ids=prompt_ids(40 + 3 * t + i, 3 + 4 * i + t), sampling=greedy(6 + t))
