@@ -17,7 +17,8 @@ from .gamma import CostModel, GammaController, best_gamma, expected_tokens
 from .kv_cache import PagedKVCache
 from .model import Decoder, ForwardBatch
 from .sampling import warp_probs
-from .verify import verify_chain_greedy, verify_chain_sampled
+from .verify import (verify_chain_greedy, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled,
+                     verify_tree_typical)
 
 log = logging.getLogger("specbuild.speculator")
 
@@ -163,6 +164,13 @@ class Speculator:
         """target_logits: [k + 1, vocab]. Returns (accepted drafts, tokens to append)."""
         k = len(draft.tokens)
         ids = torch.tensor(draft.tokens, dtype=torch.int64)
+        if draft.parents is not None:
+            res = self.verify_tree(seq, draft, target_logits)
+            a = len(res.accepted_nodes)
+            seq.extra["accepted_nodes"] = res.accepted_nodes
+            # by depth: the fraction of tree steps whose accepted path reached depth d + 1
+            self.record(seq, draft, k, a, depth_counts=[1] * max(draft.depths))
+            return a, list(res.tokens)
         if seq.params.greedy:
             res = verify_chain_greedy(ids, target_logits)
         else:
@@ -172,19 +180,51 @@ class Speculator:
                 draft_probs = draft_probs.to(target_probs.device)
             res = verify_chain_sampled(ids, draft_probs, target_probs, seq.uniforms(k + 1))
         a = res.accepted
+        self.record(seq, draft, k, a)
+        return a, list(res.tokens)
+
+    def verify_tree(self, seq, draft, target_logits: torch.Tensor):
+        """target_logits: [n + 1, vocab], row i = the target after tree node i (0 = root)."""
+        node_tokens = torch.tensor([0, *draft.tokens], dtype=torch.int64)
+        if seq.params.greedy:
+            return verify_tree_greedy(draft.parents, node_tokens, target_logits)
+        target_probs = warp_probs(target_logits, seq.params)
+        uniforms = seq.uniforms(len(draft.parents))
+        if seq.spec.typical:  # LOSSY, opt-in: Medusa's typical acceptance
+            return verify_tree_typical(draft.parents, node_tokens, target_probs, uniforms)
+        return verify_tree_sampled(draft.parents, node_tokens, target_probs, uniforms)
+
+    def record(self, seq, draft, k: int, a: int, depth_counts: list[int] | None = None) -> None:
+        """Acceptance statistics: drafted tokens (tree: nodes), accepted, and by position."""
         seq.drafted += k
         seq.accepted += a
-        for i in range(k):
+        counts = depth_counts or [1] * k
+        for i, c in enumerate(counts):
             if len(seq.drafted_by_pos) <= i:
                 seq.drafted_by_pos.append(0)
                 seq.accepted_by_pos.append(0)
-            seq.drafted_by_pos[i] += 1
+            seq.drafted_by_pos[i] += c
             seq.accepted_by_pos[i] += int(i < a)
         method = seq.extra.get("method") or draft.method
         d, acc = seq.extra.get(f"auto_{method}", (0, 0))
-        seq.extra[f"auto_{method}"] = (d + k, acc + a)
-        self.controller.record(seq, k, a)
-        return a, list(res.tokens)
+        # a tree's "drafted" for the depth controller is its depth, not its node count
+        depth = len(counts) if depth_counts else k
+        seq.extra[f"auto_{method}"] = (d + depth, acc + a)
+        self.controller.record(seq, depth, a)
+
+    def compact(self, seq, item, cache: PagedKVCache, accepted: int) -> None:
+        """After a tree step, move the accepted path's K/V into contiguous positions right
+        after the root; the other nodes' entries are dropped by the following commit."""
+        nodes = seq.extra.pop("accepted_nodes", ())
+        assert len(nodes) == accepted
+        root = item.start + len(item.chunk) - 1  # cache index of the root token
+        moves = [(root + node, root + 1 + j) for j, node in enumerate(nodes) if node != j + 1]
+        if not moves:
+            return
+        slots = cache.slots(seq.seq_id, 0, root + 1 + max(nodes))
+        src = slots[torch.tensor([m[0] for m in moves])]
+        dst = slots[torch.tensor([m[1] for m in moves])]
+        cache.copy_slots(src.to(cache.device), dst.to(cache.device))
 
     def commit(self, seq, length: int) -> None:
         """Target and every drafter hold `length` valid tokens of seq after this call."""
