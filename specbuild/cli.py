@@ -11,7 +11,12 @@ import json
 import os
 import sys
 
-import click
+# Before torch loads OpenMP: idle worker threads sleep instead of spinning. Spinning made
+# steps 20-100x slower whenever another process shared the cores (measured on a 2-core
+# box); set OMP_WAIT_POLICY=ACTIVE yourself on a dedicated machine if it measures faster.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import click  # noqa: E402
 
 from .cli_extra import LazyGroup
 from .errors import SpecbuildError
@@ -51,9 +56,22 @@ def main() -> None:
 @click.option("--pp", default=1, show_default=True, type=int, help="Pipeline parallelism, 1 or 2 (tensorrt-llm).")
 @click.option("--trtllm-dtype", default="float16", show_default=True,
               type=click.Choice(["float16", "bfloat16", "float32"]), help="Weight dtype of the TensorRT-LLM checkpoints.")
+@click.option("--quantize", default="none", show_default=True, type=click.Choice(["none", "int8", "int4"]),
+              help="Weight-only quantization of the layers' linear weights (a GGUF's Q4_1 is carried into int4).")
+@click.option("--group-size", default=32, show_default=True, type=click.Choice(["32", "64", "128"]),
+              help="Inputs per int4 scale/zero (32 carries GGUF Q4_1 blocks as they are).")
+@click.option("--activations", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32"]),
+              help="Dtype quantized weights multiply in (float32: Q4_1 exact, but torch's CPU kernels are slow).")
+@click.option("--embedding-format", default="dense", show_default=True,
+              type=click.Choice(["dense", "float32", "bfloat16", "float16", "int8", "int4"]),
+              help="Embedding storage (dense = --dtype); tied embeddings follow --lm-head-format.")
+@click.option("--lm-head-format", default="dense", show_default=True,
+              type=click.Choice(["dense", "float32", "bfloat16", "float16", "int8", "int4"]), help="lm_head format.")
+@click.option("--wide-format", "wide_formats", multiple=True, type=click.Choice(["float32", "bfloat16"]),
+              help="Dense copies of quantized weights built at load for wide verification [float32].")
 @user_errors
 def compile(target, draft, out_dir, dtype, max_seq_len, max_batch_size, max_draft_len, backend, tp, pp,
-            trtllm_dtype) -> None:
+            trtllm_dtype, quantize, group_size, activations, embedding_format, lm_head_format, wide_formats) -> None:
     """Compile checkpoints into a speculation bundle."""
     import time
 
@@ -61,7 +79,10 @@ def compile(target, draft, out_dir, dtype, max_seq_len, max_batch_size, max_draf
 
     t0 = time.perf_counter()
     options = CompileOptions(dtype=dtype, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                             max_draft_len=max_draft_len, backend=backend, tp=tp, pp=pp, trtllm_dtype=trtllm_dtype)
+                             max_draft_len=max_draft_len, backend=backend, tp=tp, pp=pp, trtllm_dtype=trtllm_dtype,
+                             quantize=quantize, group_size=int(group_size), activations=activations,
+                             embedding_format=embedding_format, lm_head_format=lm_head_format,
+                             formats=tuple(wide_formats) or ("float32",))
     compile_bundle(target, out_dir, options, draft=draft, progress=lambda m: click.echo(m, err=True))
     click.echo(f"bundle written to {out_dir} in {time.perf_counter() - t0:.1f}s", err=True)
 
@@ -87,6 +108,10 @@ def inspect(bundle, as_json) -> None:
         files = {f: os.path.getsize(os.path.join(role_dir, f)) for f in sorted(os.listdir(role_dir))} \
             if os.path.isdir(role_dir) else {}
         info["roles"][role] = {**entry, "config": cfg.to_json() if cfg else None, "files": files}
+        quant_path = os.path.join(role_dir, "quant.json")
+        if os.path.isfile(quant_path):
+            with open(quant_path) as f:
+                info["roles"][role]["quant"] = json.load(f)
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -104,6 +129,23 @@ def inspect(bundle, as_json) -> None:
                    f"dtype={r.get('dtype')} bytes={r.get('bytes'):,}  source={r.get('source_format')}")
         for f, size in r["files"].items():
             click.echo(f"    {f:28s} {size:>14,d} B")
+        if "quant" in r:
+            for line in quant_lines(r["quant"]):
+                click.echo("    " + line)
+
+
+def quant_lines(quant: dict) -> list[str]:
+    """inspect's summary of quant.json: bytes per format, copies, what was carried or converted."""
+    lines = ["bytes by format: " + ", ".join(f"{f} {b:,}" for f, b in quant["bytes_by_format"].items())
+             + f"; activations {quant['activations']}; copies built at load: {', '.join(quant['formats']) or 'none'}"]
+    groups: dict[tuple, list] = {}
+    for name, e in quant["tensors"].items():
+        kind = name.rsplit(".", 1)[-1]
+        groups.setdefault((e["conversion"], e["format"], e["source_type"], kind), []).append(e.get("max_abs_change", 0.0))
+    for (how, fmt, src, kind), changes in sorted(groups.items()):
+        lines.append(f"{how:9s} {kind:8s} x{len(changes):<3d} {src} -> {fmt}"
+                     + (f"  max weight change {max(changes):.3g}" if max(changes) > 0 else ""))
+    return lines
 
 
 def sampling_options(fn):
