@@ -1,4 +1,11 @@
-"""`specbuild serve BUNDLE`: the OpenAI-compatible HTTP server on one process.
+"""`specbuild serve BUNDLE`: the OpenAI-compatible HTTP server, on one process or two ranks.
+
+    specbuild serve BUNDLE                                         one process
+    mpirun -disable-auto-cleanup -n 2 specbuild serve BUNDLE --parallel-draft
+
+With --parallel-draft, rank 0 serves HTTP and verifies, rank 1 runs the draft model and
+never binds a port (MineDraft: runtime/minedraft.py; roles: runtime/parallel.py). Other
+world sizes are refused at start-up. scripts/mpirun_serve.sh has the exact mpirun line.
 
 Prints the listening URL on stdout once the model is loaded and the socket is bound
 (`--port 0` picks a free port), serves until SIGINT or SIGTERM, then refuses new work,
@@ -8,6 +15,7 @@ aborts what is in flight, stops the engine loop and exits 0.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -32,10 +40,28 @@ from .errors import SpecbuildError
 @click.option("--model-name", default=None, help="Name in /v1/models and responses [the bundle directory's name].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--parallel-draft", is_flag=True,
+              help="MineDraft: run under `mpirun -disable-auto-cleanup -n 2`; rank 1 drafts while rank 0 verifies.")
+@click.option("--draft-timeout", type=float, default=5.0, show_default=True,
+              help="Seconds the verifier waits for a draft reply before it decodes without the draft rank for good.")
 def serve(bundle, host, port, max_batch_size, max_queue, threads, device, kv_cache_tokens, prefill_chunk,
-          model_name, log_level) -> None:
+          model_name, log_level, parallel_draft, draft_timeout) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .runtime.parallel import DistContext, launcher_rank_size
+
+    try:
+        if not 0.05 <= draft_timeout <= 3600:
+            raise ValueError(f"--draft-timeout={draft_timeout} is out of range [0.05, 3600] seconds")
+        ctx = DistContext.create(parallel_draft)  # under mpirun: a guard process until the child ends
+    except (SpecbuildError, ValueError) as e:
+        if launcher_rank_size()[0] == 0:  # one message, not one per rank
+            click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    tag = "" if ctx.role == "single" else f" rank{ctx.rank}"
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s{tag} %(levelname)s %(name)s: %(message)s")
+    if ctx.role == "drafter":
+        serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout)
+    transport = None
     try:
         from .runtime.engine import Engine, EngineConfig
         from .runtime.server import OpenAIServer, ServeConfig
@@ -44,12 +70,16 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, kv_cac
         engine = Engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
                                              kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk))
         app = OpenAIServer(engine, config)
+        if ctx.role == "verifier":
+            transport = connect_draft_rank(ctx, engine, app, draft_timeout)
         url = app.bind()
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except OSError as e:  # address in use, permission denied
         click.echo(f"error: cannot listen on {host}:{port}: {e.strerror or e}", err=True)
+        if transport is not None:
+            transport.close()
         sys.exit(2)
 
     stop = threading.Event()
@@ -57,8 +87,6 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, kv_cac
     def on_signal(signum, frame) -> None:
         if stop.is_set():  # a second signal: leave without waiting
             click.echo("forced exit", err=True)
-            import os
-
             os._exit(130)
         stop.set()
 
@@ -66,12 +94,67 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, kv_cac
     signal.signal(signal.SIGTERM, on_signal)
     serving = threading.Thread(target=app.serve_forever, name="specbuild-http", daemon=True)
     serving.start()
+    mode = "; MineDraft with a draft rank" if transport is not None else ""
     click.echo(f"specbuild serving {app.model_name!r} on {url} (loaded in {engine.load_seconds:.1f}s; "
-               f"max batch {engine.max_batch_size}, max queue {max_queue})")
+               f"max batch {engine.max_batch_size}, max queue {max_queue}{mode})")
     sys.stdout.flush()
     while not stop.is_set() and serving.is_alive():
         stop.wait(0.5)
     click.echo("shutting down", err=True)
     app.shutdown()
     serving.join(timeout=5)
+    if transport is not None:
+        transport.close()
     click.echo("stopped", err=True)
+    if ctx.role != "single":
+        # no MPI_Finalize (it hangs when the peer is gone): leave without any MPI teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout):
+    """Rank 1: run the draft model for rank 0 until it stops or is gone; never returns."""
+    from .runtime.draft_worker import run_draft_rank
+    from .runtime.engine import EngineConfig
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))  # the verifier owns shutdown
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(0))
+    try:
+        rc = run_draft_rank(ctx, bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
+                                                      kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk),
+                            draft_timeout)
+    except (SpecbuildError, ValueError) as e:
+        click.echo(f"error: draft rank: {e}", err=True)
+        rc = 2
+    except Exception:
+        logging.getLogger("specbuild.serve").exception("the draft rank failed")
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # no MPI_Finalize: see runtime/parallel.py
+
+
+def connect_draft_rank(ctx, engine, app, draft_timeout):
+    """Rank 0: MineDraft scheduler over the MPI link, after the draft rank's hello."""
+    from .runtime.minedraft import MpiTransport, install
+    from .runtime.spec_config import SpeculationConfig
+
+    transport = MpiTransport(ctx)
+    scheduler = install(engine, transport, draft_timeout)
+    hello = transport.handshake(timeout_s=600)
+    if not hello:
+        raise SpecbuildError(f"the draft rank did not start: {ctx.reason}")
+    if hello["vocab"] != engine.target_config.vocab_size:
+        raise SpecbuildError(f"the draft rank drafts over {hello['vocab']} tokens, the target has "
+                             f"{engine.target_config.vocab_size}")
+    if engine.default_speculation.method == "none":  # requests without a setting use the draft rank
+        engine.default_speculation = SpeculationConfig.make(engine.default_speculation, method="draft")
+
+    def health() -> dict:
+        out = scheduler.health()
+        out["draft_rank"]["pid"] = hello["pid"]
+        return out
+
+    app.health_checks.append(health)
+    return transport

@@ -1,0 +1,289 @@
+"""MineDraft and the MPI runtime: the wire format, the two-batch scheduler in process (a
+loopback drafter), and the real thing: `mpirun -n 2 ... serve --parallel-draft` queried over
+loopback HTTP, its draft rank SIGKILLed mid-run, world sizes refused.
+
+Every wait is bounded; server process groups are killed in teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specbuild.build.compile import CompileOptions, compile_bundle
+from specbuild.runtime import draft_worker as W
+from specbuild.runtime import minedraft as M
+from specbuild.runtime.engine import Engine, EngineConfig
+from specbuild.runtime.sampling import SamplingParams
+from specbuild.runtime.sequence import Request
+from specbuild.runtime.spec_config import SpeculationConfig
+from test_server import get, metric, next_event, open_stream, post, stream, wait_until
+from test_speculation import perturbed_copy
+from tiny import make_tiny_hf
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+MPI_HINT = "MPI tests need mpi4py and mpich in the venv: .venv/bin/python -m pip install mpi4py mpich"
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 90)), [40, 41, 42], [7, 7, 7, 7]]
+CLI = [sys.executable, "-c", "from specbuild.cli import main; main()"]
+
+
+def need_mpi() -> None:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        pytest.skip(MPI_HINT)
+    if not os.access(MPIRUN, os.X_OK):
+        pytest.skip(MPI_HINT)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("minedraft")
+    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
+    draft = perturbed_copy(target, str(root / "draft"), noise=0.08)
+    return compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float64", max_seq_len=4096,
+                                                                       max_batch_size=8), draft=draft)
+
+
+@pytest.fixture(scope="module")
+def engine(bundle):
+    return Engine(bundle, EngineConfig(max_batch_size=4, threads=1))
+
+
+def requests(method: str, max_tokens: int = 30, gamma: int | None = 3, **sampling) -> list[Request]:
+    spec = SpeculationConfig.make(None, method=method, gamma=gamma)
+    return [Request(prompt_ids=p, speculation=spec,
+                    sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)) for p in PROMPTS]
+
+
+def loopback_engine(bundle, fail_after=None):
+    engine = Engine(bundle, EngineConfig(max_batch_size=4, threads=1))
+    proposer, vocab = W.load_draft_proposer(bundle, EngineConfig(max_batch_size=4, threads=1))
+    worker = W.DraftWorker(proposer, vocab)
+    return engine, M.install(engine, M.LoopbackTransport(worker, fail_after)), worker
+
+
+# ---- wire format ---------------------------------------------------------------------------------
+def test_request_and_reply_round_trip():
+    gen = torch.Generator().manual_seed(0)
+    orders = [W.Order(7, 12, 13, [1, 2, 3], 4, 5, 2**62 + 1, 0.7, 0.9),
+              W.Order(9, 0, 0, list(range(40)), 2, 0, 3, 0.0, 1.0)]
+    buf = W.encode_request(W.KIND_DRAFT, 11, orders, [3, 4])
+    assert buf.dtype == np.int64
+    kind, step, back, releases = W.decode_request(buf)
+    assert (kind, step, releases) == (W.KIND_DRAFT, 11, [3, 4]) and back == orders
+    probs = torch.rand(4, 50, generator=gen)
+    probs /= probs.sum(-1, keepdim=True)
+    meta, prob_buf = W.encode_reply(11, [(7, W.OK, [5, 6, 7, 8], probs), (9, W.OK, [1, 2], None),
+                                         (10, W.RESYNC, [], None)], 50, 0.25)
+    assert meta[3] == len(meta) and prob_buf.dtype == np.float32 and prob_buf.shape == (4, 50)
+    step, results, secs = W.decode_reply(meta, prob_buf, sampled={7})
+    assert step == 11 and secs == 0.25
+    assert results[7][:2] == (W.OK, [5, 6, 7, 8]) and torch.equal(results[7][2], probs.float())
+    assert results[9] == (W.OK, [1, 2], None) and results[10] == (W.RESYNC, [], None)
+
+
+# ---- the scheduler, in process ---------------------------------------------------------------------
+def test_minedraft_greedy_equals_plain_and_standard(bundle, engine):
+    plain = engine.generate(requests("none"))
+    standard = engine.generate(requests("draft"))
+    md_engine, scheduler, worker = loopback_engine(bundle)
+    minedraft = md_engine.generate(requests("draft"))
+    for p, s, m in zip(plain, standard, minedraft):
+        assert p["token_ids"] == s["token_ids"] == m["token_ids"]
+    assert sum(r["stats"]["drafted"] for r in minedraft) > 0 and sum(r["stats"]["accepted"] for r in minedraft) > 0
+    stats = scheduler.stats
+    assert stats["minedraft_steps"] > 10, stats  # two batches really alternated
+    assert stats["imbalance_sum"] <= stats["minedraft_steps"], stats  # balance counter kept |A - B| <= 1 mostly
+    assert md_engine.cache.used_blocks == 0 and worker.proposer.cache.used_blocks == 0 and not worker.mirrors
+
+
+def test_minedraft_sampled_carries_draft_probs_and_is_reproducible(bundle):
+    runs = []
+    for _ in range(2):
+        md_engine, scheduler, _ = loopback_engine(bundle)
+        runs.append(md_engine.generate(requests("draft", temperature=0.8, seed=5)))
+    assert [r["token_ids"] for r in runs[0]] == [r["token_ids"] for r in runs[1]]
+    drafted = sum(r["stats"]["drafted"] for r in runs[0])
+    accepted = sum(r["stats"]["accepted"] for r in runs[0])
+    assert drafted > 0 and 0 < accepted < drafted
+    assert scheduler.stats["minedraft_steps"] > 0
+
+
+def test_lost_drafter_degrades_to_plain(bundle, engine):
+    plain = engine.generate(requests("none"))
+    md_engine, scheduler, _ = loopback_engine(bundle, fail_after=4)
+    out = md_engine.generate(requests("draft"))
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in plain]
+    assert all(r["finish_reason"] == "length" for r in out)
+    health = scheduler.health()
+    assert health["status"] == "degraded" and health["draft_rank"]["state"] == "lost"
+    assert md_engine.cache.used_blocks == 0
+
+
+def test_drafter_exception_degrades_only_its_sequences(bundle, engine):
+    plain = engine.generate(requests("none"))
+    md_engine, scheduler, worker = loopback_engine(bundle)
+    real = worker.proposer.propose
+    calls = {"n": 0}
+
+    def flaky(seqs, gammas):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected drafter failure")
+        return real(seqs, gammas)
+
+    worker.proposer.propose = flaky
+    out = md_engine.generate(requests("draft"))
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in plain]
+    assert scheduler.remote.stats["failed_sequences"] >= 1 and scheduler.health()["status"] == "ok"
+    assert sum(r["stats"]["accepted"] for r in out) > 0
+
+
+def test_world_size_checks():
+    from specbuild.errors import SpecbuildError
+    from specbuild.runtime.parallel import check_world
+
+    check_world(1, False)
+    check_world(2, True)
+    for size, flag in ((3, True), (1, True), (2, False), (4, False)):
+        with pytest.raises(SpecbuildError, match="supported: 1 process"):
+            check_world(size, flag)
+
+
+# ---- the real thing: two ranks under mpirun ----------------------------------------------------------
+class MpiServer:
+    def __init__(self, bundle: str, log_path: str, *args: str) -> None:
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        cmd = [MPIRUN, "-disable-auto-cleanup", "-n", "2", *CLI, "serve", bundle, "--host", "127.0.0.1",
+               "--port", "0", "--threads", "1", "--max-batch-size", "4", "--parallel-draft", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"on http://127\.0\.0\.1:(\d+)", self.output())):
+            assert self.proc.poll() is None, f"mpirun exited with {self.proc.returncode}:\n{self.output()}"
+            assert time.monotonic() < deadline, f"no URL in time:\n{self.output()}"
+            time.sleep(0.05)
+        self.port = int(m.group(1))
+
+    def output(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def health(self) -> dict:
+        status, text = get(self.port, "/health")
+        assert status == 200, text
+        return json.loads(text)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # mpirun, its proxies and every rank
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def mpi_server(bundle, tmp_path_factory):
+    need_mpi()
+    srv = MpiServer(bundle, str(tmp_path_factory.mktemp("mpi_logs") / "server.log"))
+    yield srv
+    srv.stop()
+
+
+def test_mpi_server_greedy_equals_generate(mpi_server, engine):
+    health = mpi_server.health()
+    assert health["status"] == "ok" and health["draft_rank"]["state"] == "ok" and health["draft_rank"]["pid"] > 0
+    plain = engine.generate(requests("none", max_tokens=24))
+    standard = engine.generate(requests("draft", max_tokens=24))
+    results: dict[int, list] = {}
+
+    def ask(i: int, prompt: list[int]) -> None:
+        body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "gamma": 3, "return_token_ids": True}
+        if i % 2:
+            chunks = stream(mpi_server.port, "/v1/completions", body)
+            results[i] = [sum((c["choices"][0].get("token_ids", []) for c in chunks), []), chunks[-1]["usage"]]
+        else:
+            status, _, full = post(mpi_server.port, "/v1/completions", body)
+            assert status == 200, full
+            results[i] = [full["choices"][0]["token_ids"], full["usage"]]
+
+    threads = [threading.Thread(target=ask, args=(i, p)) for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == len(PROMPTS)
+    for i, (p, s) in enumerate(zip(plain, standard)):
+        assert results[i][0] == p["token_ids"] == s["token_ids"], i
+    assert sum(u["drafted_tokens"] for _, u in results.values()) > 0
+    assert sum(u["accepted_tokens"] for _, u in results.values()) > 0
+    assert mpi_server.health()["draft_rank"]["minedraft_steps"] > 0
+    wait_until(lambda: metric(mpi_server.port, "specbuild_kv_blocks_used") == 0, 5, "KV blocks to be freed")
+
+
+def test_mpi_draft_rank_sigkill_degrades_then_sigterm(mpi_server, engine):
+    """Runs last on the module's server: it kills the draft rank."""
+    body = {"max_tokens": 600, "ignore_eos": True, "gamma": 3, "return_token_ids": True}
+    expect = [engine.generate([Request(prompt_ids=p, sampling=SamplingParams(max_tokens=600, ignore_eos=True))])[0]
+              for p in PROMPTS[:4]]
+    opened = [open_stream(mpi_server.port, "/v1/completions", {**body, "prompt": p}) for p in PROMPTS[:4]]
+    tokens: list[list[int]] = [[] for _ in opened]
+    for i, (_, resp) in enumerate(opened):  # every stream is under way
+        while len(tokens[i]) < 20:
+            tokens[i] += next_event(resp)["choices"][0].get("token_ids", [])
+    health = mpi_server.health()
+    assert health["running"] == 4 and health["draft_rank"]["requests"] > 0  # mid-run, drafting
+    os.kill(health["draft_rank"]["pid"], signal.SIGKILL)
+    finals = []
+    for i, (conn, resp) in enumerate(opened):
+        deadline = time.monotonic() + 60
+        while (ev := next_event(resp)) not in (None, "[DONE]"):
+            assert time.monotonic() < deadline
+            assert "error" not in ev, ev
+            tokens[i] += ev["choices"][0].get("token_ids", [])
+            if ev["choices"][0]["finish_reason"]:
+                finals.append(ev)
+        conn.close()
+    assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"] * 4
+    assert all(f["usage"]["drafted_tokens"] > 0 for f in finals)  # speculated before the kill
+    assert tokens == [e["token_ids"] for e in expect]  # nothing lost or duplicated, still lossless
+    wait_until(lambda: mpi_server.health()["status"] == "degraded", 10, "/health to report the loss")
+    assert mpi_server.health()["draft_rank"]["state"] == "lost"
+    assert mpi_server.proc.poll() is None  # rank 0 (and mpirun) survived
+    status, _, full = post(mpi_server.port, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8})
+    assert status == 200 and full["usage"]["completion_tokens"] >= 1 and full["usage"]["drafted_tokens"] == 0
+    wait_until(lambda: metric(mpi_server.port, "specbuild_kv_blocks_used") == 0, 5, "KV blocks to be freed")
+    mpi_server.proc.send_signal(signal.SIGTERM)
+    mpi_server.proc.wait(timeout=20)
+    out = mpi_server.output()
+    assert "stopped" in out and "forced exit" not in out, out[-2000:]
+
+
+@pytest.mark.parametrize("launch, flag, message", [
+    (3, True, "needs exactly 2 MPI ranks, got world size 3"),
+    (2, False, "world size 2 is not supported without --parallel-draft"),
+    (0, True, "needs exactly 2 MPI ranks, got world size 1"),
+])
+def test_world_size_refused_at_start(bundle, launch, flag, message):
+    if launch:
+        need_mpi()
+    cmd = ([MPIRUN, "-n", str(launch)] if launch else []) + CLI + ["serve", bundle, "--port", "0"] + \
+        (["--parallel-draft"] if flag else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count(message) == 1 and "supported: 1 process" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
