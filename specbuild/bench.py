@@ -185,9 +185,14 @@ class SpecbuildRunner:
         from .runtime.sampling import SamplingParams
         from .runtime.spec_config import SpeculationConfig
 
-        known = {k: v for k, v in (engine.meta.default_speculation or {}).items()
-                 if k in SpeculationConfig.__dataclass_fields__ and k != "method"}
-        base = SpeculationConfig.make(SpeculationConfig(), **known) if method != "none" else None
+        default = dict(engine.meta.default_speculation or {})
+        base = None  # the bundle's recorded settings apply to its own default method only
+        if method != "none" and default.get("method") == method:
+            base = SpeculationConfig(**{k: v for k, v in default.items() if k in SpeculationConfig.__dataclass_fields__})
+        limit = engine.meta.limits.max_draft_len
+        if method != "none" and not any(v is not None for v in spec_fields.values()):
+            base = base or SpeculationConfig(method=method)
+            base = SpeculationConfig.make(base, gamma_max=min(base.gamma_max, limit))  # fit the bundle
         self.engine = engine
         self.speculation = SpeculationConfig.make(base, method=method, **spec_fields)
         self.sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0, ignore_eos=ignore_eos)
@@ -244,10 +249,22 @@ def load_transformers_model(source: str, dtype):
         raise ValueError(f"peer rows need the bundle's source checkpoint, and {source!r} does not exist")
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     kw = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
-    if source.endswith(".gguf"):
-        kw["gguf_file"] = os.path.basename(source)
-        source = os.path.dirname(source)
-    return transformers.AutoModelForCausalLM.from_pretrained(source, **kw).eval()
+    if not source.endswith(".gguf"):
+        return transformers.AutoModelForCausalLM.from_pretrained(source, **kw).eval()
+    # What from_pretrained(dir, gguf_file=name) runs (transformers' own GGUF reader and
+    # dequantisation), without the `accelerate` package that from_pretrained demands for GGUF.
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = transformers.AutoConfig.from_pretrained(os.path.dirname(source), gguf_file=os.path.basename(source))
+    model = transformers.AutoModelForCausalLM.from_config(config, **kw)
+    tensors = load_gguf_checkpoint(source, return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    missing = set(result.missing_keys) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if result.unexpected_keys or missing:
+        raise ValueError(f"transformers' GGUF reader gave unexpected {result.unexpected_keys[:3]} / missing "
+                         f"{sorted(missing)[:3]} tensors for {source!r}")
+    model.tie_weights()
+    return model.eval()
 
 
 # ---- aggregation ------------------------------------------------------------------------
@@ -401,7 +418,7 @@ def format_table(report: dict) -> str:
     if fl:
         lines += ["", f"decode step vs memory-bandwidth floor ({fl['dtype']}, plain, batch 1, median of {fl['samples']}):",
                   f"  weights read per step {fl['weight_bytes'] / 1e6:.1f} MB; copy bandwidth {fl['copy_gb_per_s']:.2f} GB/s "
-                  f"(clone of {fl['copy_bytes'] >> 20} MiB, read + write counted)",
+                  f"(copy of {fl['copy_bytes'] >> 20} MiB, read + write counted)",
                   f"  floor {fl['floor_ms']:.2f} ms/token; measured {fl['step_ms']:.2f} ms/token; ratio {fl['ratio']:.2f}x"]
     lines += [f"note: {n}" for n in report.get("notes", [])]
     lines.append(f"command: {env['command']}")

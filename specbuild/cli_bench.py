@@ -91,7 +91,8 @@ def environment(threads: int, command: str) -> dict:
     from . import __version__
     return {"specbuild": __version__, "torch": torch.__version__, "transformers": tf_version, "threads": threads,
             "cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(), "command": command,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_start": list(os.getloadavg())}
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_start": list(os.getloadavg()),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
 
 def run_bench(bundle_dir: str, cfg: BenchConfig, command: str = "") -> dict:
@@ -118,6 +119,7 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
     from .runtime.engine import Engine, EngineConfig
 
     engine = Engine(bundle_dir, EngineConfig(device=cfg.device, threads=cfg.threads, max_batch_size=cfg.batch_size))
+    env = environment(torch.get_num_threads(), command)
     roles = engine.meta.roles
     methods = resolve_methods(cfg.methods, roles)
     render = lambda messages: engine.encode(engine.render_chat(messages), add_special_tokens=False)  # noqa: E731
@@ -129,8 +131,7 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
         return len(skeleton) + len(q["turns"]) * (cfg.max_tokens + 8) < engine.max_seq_len
 
     chosen = B.select_questions(questions, split, cfg.split, cfg.per_category, fits)
-    unfit = len(B.select_questions(questions, split, cfg.split, None)) - len(B.select_questions(
-        questions, split, cfg.split, None, fits))
+    unfit = sum(not fits(q) for q in B.select_questions(questions, split, cfg.split, None))
     if not chosen:
         raise ValueError(f"no question of the {cfg.split} split fits max_seq_len={engine.max_seq_len} "
                          f"with max_tokens={cfg.max_tokens}")
@@ -171,7 +172,6 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
     if cfg.floor:
         floor = measure_floor(engine, render(B.chat_messages(chosen[0]["turns"], [])), cfg.max_tokens,
                                 cfg.repeats, cfg.floor_bytes)
-    env = environment(torch.get_num_threads(), command)
     env["loadavg_end"] = list(os.getloadavg())
     notes = []
     for r in summary:
@@ -184,6 +184,10 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
                      f"{engine.max_seq_len}")
     if cfg.batch_size > 1 and cfg.peers:
         notes.append("transformers rows run one prompt at a time (batch 1)")
+    busy = max(env["loadavg_start"][0], env["loadavg_end"][0]) > (env["cpu_count"] or 1)
+    if busy and env["threads"] > 1 and not env["omp_wait_policy"]:
+        notes.append("the machine was oversubscribed: spinning OpenMP threads stall each other there; "
+                     "OMP_WAIT_POLICY=PASSIVE or --threads 1 steadies multi-threaded timings")
     notes.append(f"load average {env['loadavg_start'][0]:.1f} at start, {env['loadavg_end'][0]:.1f} at end on "
                  f"{env['cpu_count']} logical CPUs (a shared machine adds noise)")
     return {"bundle": os.path.abspath(bundle_dir), "target_format": target_format, "env": env,
@@ -194,17 +198,17 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
 
 # ---- the memory-bandwidth floor ---------------------------------------------------------
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> dict:
-    """Median seconds of cloning an nbytes float32 tensor; GB/s counts read + write (2 * nbytes)."""
+    """Median seconds of copying an nbytes float32 tensor into a preallocated one (a fresh
+    clone would time page faults, not memory); GB/s counts read + write (2 * nbytes)."""
     import torch
 
     src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-    src.clone()  # page in the destination allocator's memory once
+    dst = torch.zeros_like(src)  # touched: its pages exist before the timing
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        dst = src.clone()
+        dst.copy_(src)
         times.append(time.perf_counter() - t0)
-        del dst
     t = statistics.median(times)
     return {"bytes": src.numel() * 4, "seconds": t, "gb_per_s": 2 * src.numel() * 4 / t / 1e9}
 
@@ -261,7 +265,7 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
                                          "role); needs the bench extra.")
 @click.option("--floor", is_flag=True, help="Also measure the decode step against the memory-bandwidth floor.")
 @click.option("--floor-mib", type=int, default=256, show_default=True,
-              help="Size of the tensor cloned to measure copy bandwidth (well above the CPU caches).")
+              help="Size of the tensor copied to measure memory bandwidth (well above the CPU caches).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON instead of the table.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 def bench(bundle, dataset, split, per_category, max_tokens, speculation, gamma, gamma_min, gamma_max, batch_size,
