@@ -24,6 +24,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class CompileOptions:
+    """quantize: the layers' linear weights (none | int8 per row | int4 per group_size
+    inputs), weight-only, their inputs rounded to `activations` (bfloat16 | float32).
+    embedding_format / lm_head_format: dense (= dtype), float32, bfloat16, float16, int8, int4.
+    formats: dense copies (float32 | bfloat16) of quantized weights that the runtime builds
+    at load for wide verification (float32 copies give the same numbers)."""
+
     dtype: str = "float32"
     max_seq_len: int = 2048
     max_batch_size: int = 8
@@ -32,8 +38,17 @@ class CompileOptions:
     tp: int = 1
     pp: int = 1
     trtllm_dtype: str = "float16"
+    quantize: str = "none"
+    group_size: int = 32
+    activations: str = "bfloat16"
+    embedding_format: str = "dense"
+    lm_head_format: str = "dense"
+    formats: tuple[str, ...] = ("float32",)
 
     def __post_init__(self) -> None:
+        from .quantize import check_quant_options
+
+        check_quant_options(self)
         if self.backend not in ("torch", "tensorrt-llm"):
             raise SpecbuildError(f"--backend {self.backend!r} is not one of torch, tensorrt-llm")
         if self.dtype not in DTYPES:
@@ -41,14 +56,24 @@ class CompileOptions:
         Limits(self.max_seq_len, self.max_batch_size, self.max_draft_len)  # validates ranges
 
 
-def write_role(bundle_dir: str, role: str, ckpt: Checkpoint, dtype: str) -> dict[str, Any]:
-    """Write <bundle>/<role>/model.json + weights.safetensors; return the role's entry."""
+def write_role(bundle_dir: str, role: str, ckpt: Checkpoint, dtype: str,
+               options: CompileOptions | None = None) -> dict[str, Any]:
+    """Write <bundle>/<role>/model.json + weights.safetensors (+ quant.json when a weight
+    is quantized or in another dtype, see build/quantize.py); return the role's entry."""
+    from .quantize import quantize_role
+
     role_dir = os.path.join(bundle_dir, role)
     weights = to_runtime_layout(ckpt, DTYPES[dtype])
+    quant = quantize_role(ckpt, weights, dtype, options) if options is not None else None
     config = dataclasses.replace(ckpt.config, dtype=dtype)
     write_model_config(role_dir, config)
     save_file(weights, os.path.join(role_dir, "weights.safetensors"), metadata={"format": "specbuild-runtime-v1"})
-    return {
+    extra = {}
+    if quant is not None:
+        with open(os.path.join(role_dir, "quant.json"), "w") as f:
+            json.dump(quant, f, indent=1)
+        extra = {k: quant[k] for k in ("quantize", "activations", "formats", "bytes_by_format", "conversions")}
+    return {**extra,
         "path": role,
         "source": os.path.abspath(ckpt.source) if ckpt.source else "",
         "source_format": ckpt.source_format,
@@ -96,10 +121,10 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".specbuild-", dir=parent)
     try:
-        roles = {"target": write_role(tmp, "target", tgt, options.dtype)}
+        roles = {"target": write_role(tmp, "target", tgt, options.dtype, options)}
         say(f"wrote target ({roles['target']['bytes'] / 1e6:.1f} MB, {options.dtype})")
         if drf is not None:
-            roles["draft"] = write_role(tmp, "draft", drf, options.dtype)
+            roles["draft"] = write_role(tmp, "draft", drf, options.dtype, options)
             say(f"wrote draft ({roles['draft']['bytes'] / 1e6:.1f} MB)")
         with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
             f.write(tgt.tokenizer_json)

@@ -15,6 +15,7 @@ from ..errors import CheckpointError
 from .checkpoints import Checkpoint, check_tensors
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+RAW_KEPT = ("Q4_1", "Q8_0")  # quantized types whose raw blocks build/quantize.py can carry
 
 LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -138,20 +139,26 @@ def read_gguf(path: str) -> Checkpoint:
     tokenizer_json, special = tokenizer_from_gguf(reader)
     tensors: dict[str, torch.Tensor] = {}
     quant_types: dict[str, str] = {}
+    raw_quant: dict[str, tuple[str, torch.Tensor, tuple[int, ...]]] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
         w = dequantize_tensor(t)
-        if config.architecture == "llama":
-            if name.endswith("q_proj.weight"):
-                w = unpermute_rows(w, config.num_heads)
-            elif name.endswith("k_proj.weight"):
-                w = unpermute_rows(w, config.num_kv_heads)
+        # Q4_1/Q8_0 blocks run along the input dim, so rows are independent and the q/k
+        # unpermutation applies to the raw rows [out, bytes per row] as to the values.
+        raw = torch.from_numpy(np.array(t.data)) if t.tensor_type.name in RAW_KEPT else None
+        heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}.get(name.split(".", 4)[-1])
+        if config.architecture == "llama" and heads is not None:
+            w = unpermute_rows(w, heads)
+            raw = unpermute_rows(raw, heads) if raw is not None else None
         tensors[name] = w
         quant_types[name] = t.tensor_type.name
+        if raw is not None:
+            raw_quant[name] = (t.tensor_type.name, raw.contiguous(), tuple(w.shape))
     ckpt = Checkpoint(
         config, tensors, tokenizer_json, special, source=path, source_format="gguf", quant_types=quant_types
     )
+    ckpt.raw_quant = raw_quant  # HF name -> (GGUF type, raw rows [out, bytes per row] uint8, shape)
     check_tensors(ckpt)
     return ckpt

@@ -5,7 +5,10 @@ single decode token, or a verify window of draft tokens) are flattened into T ro
 their K/V are written into the cache at `write_slots`, and attention reads each
 sequence's rows through `read_slots` under an explicit boolean `mask` (causal by default,
 a tree mask for tree speculation). Masks and positions are arguments, never model state.
-Weights are in the runtime layout of bundle.py (q/k/v fused, gate/up fused).
+Weights are in the runtime layout of bundle.py (q/k/v fused, gate/up fused). A linear weight
+is a plain tensor or a `qlinear.QLinear` (int8/int4/other dtypes); `plans` picks a QLinear's
+format per forward by its row count T (e.g. int4 for narrow steps, a float32 copy for wide
+verification). Plain tensors run exactly as F.linear.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from ..bundle import ModelConfig
 from ..plugins.attention import paged_attention
 from .kv_cache import PagedKVCache
+from .qlinear import as_dense, embed_rows, linear, weight_nbytes
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -77,7 +81,7 @@ class ForwardBatch:
 class Decoder:
     """The runtime model. Holds weights (runtime layout) and rope tables; no request state."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_seq_len: int,
+    def __init__(self, config: ModelConfig, weights: dict, max_seq_len: int,
                  device: str | torch.device = "cpu") -> None:
         self.config = config
         self.device = torch.device(device)
@@ -90,6 +94,12 @@ class Decoder:
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+        self.plans: dict = {}  # "layers" | "lm_head" -> qlinear.FormatPlan (QLinear weights only)
+
+    def format_for(self, group: str, width: int) -> str | None:
+        """The format QLinear weights of `group` run in for a forward of `width` rows."""
+        plan = self.plans.get(group)
+        return plan.choose(width) if plan is not None else None
 
     def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
         c = self.config
@@ -104,40 +114,43 @@ class Decoder:
         the final-normed hidden states [R, hidden] of those rows (for Medusa heads).
         """
         c, w = self.config, self.w
-        x = w["embed"].index_select(0, batch.input_ids)  # [T, hidden]
+        x = embed_rows(w["embed"], batch.input_ids)  # [T, hidden]
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
         t = x.shape[0]
+        fmt = self.format_for("layers", t)
         for i in range(c.num_layers):
             p = f"layers.{i}."
             h = rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
-            qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))  # [T, (H + 2KV) * D]
+            qkv = linear(h, w[p + "qkv"], fmt, w.get(p + "qkv_bias"))  # [T, (H + 2KV) * D]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rope(q.view(t, c.num_heads, c.head_dim), cos, sin)
             k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
             cache.k[i].index_copy_(0, batch.write_slots, k)
             cache.v[i].index_copy_(0, batch.write_slots, v.view(t, c.num_kv_heads, c.head_dim))
             attn = paged_attention(q, cache.k[i], cache.v[i], batch.read_slots, batch.mask, self.scale)
-            x = x + F.linear(attn.reshape(t, self.q_size), w[p + "o"])
+            x = x + linear(attn.reshape(t, self.q_size), w[p + "o"], fmt)
             h = rms_norm(x, w[p + "mlp_norm"], c.rms_norm_eps)
-            gate, up = F.linear(h, w[p + "gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w[p + "down"])
+            gate, up = linear(h, w[p + "gate_up"], fmt).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, w[p + "down"], fmt)
         rows = x.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != t else x
         hidden = rms_norm(rows, w["norm"], c.rms_norm_eps)
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0])).float()
         return (logits, hidden) if return_hidden else logits
 
 
-def weight_bytes(weights: dict[str, torch.Tensor], tied: bool) -> int:
+def weight_bytes(weights: dict, tied: bool) -> int:
     """Bytes one decode step reads: every weight once (embedding rows are negligible, the
-    lm_head is read in full; a tied embedding counts once, as the lm_head)."""
-    return sum(t.numel() * t.element_size() for n, t in weights.items() if n != "embed" or tied)
+    lm_head is read in full; a tied embedding counts once, as the lm_head). A QLinear counts
+    its primary (narrow-step) format."""
+    return sum(weight_nbytes(t) for n, t in weights.items() if n != "embed" or tied)
 
 
 @torch.inference_mode()
 def reference_forward(config: ModelConfig, weights: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
     """Plain full-sequence causal forward without any cache: the yardstick for the paged
-    decoder and for checkpoint round trips. input_ids: [T]. Returns logits [T, vocab] float32."""
-    c, w = config, weights
+    decoder and for checkpoint round trips. input_ids: [T]. Returns logits [T, vocab] float32.
+    QLinear weights enter as their dequantised values (dense matmuls throughout)."""
+    c, w = config, {k: as_dense(v) for k, v in weights.items()}
     dtype = w["embed"].dtype
     t = input_ids.shape[0]
     cos, sin = rope_tables(c, t, dtype)

@@ -1,0 +1,55 @@
+#!/usr/bin/env python
+"""Weight formats on one model: plain decoding speed against the memory floor, verify cost
+by width, perplexity and greedy agreement with float32 (see specbuild/formats_bench.py).
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/bench_formats.py --target smollm2-135m --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (shared machines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m", help="HF directory, .gguf file or preset")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--formats", default=None,
+                    help="comma-separated names from float32,bfloat16,int8,int4 (the first is the baseline)")
+    ap.add_argument("--work-dir", default=None, help="where the bundles go (a temp dir by default)")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--ppl-tokens", type=int, default=512)
+    ap.add_argument("--json", default=None, help="also write the report here")
+    args = ap.parse_args()
+
+    import torch
+
+    from specbuild.formats_bench import DEFAULT_FORMATS, format_report, run_formats_bench
+
+    torch.set_num_threads(args.threads)
+    names = args.formats.split(",") if args.formats else list(DEFAULT_FORMATS)
+    unknown = [n for n in names if n not in DEFAULT_FORMATS]
+    if unknown:
+        print(f"error: formats {unknown} are not among {', '.join(DEFAULT_FORMATS)}", file=sys.stderr)
+        return 2
+    report = run_formats_bench(args.target, {n: DEFAULT_FORMATS[n] for n in names}, threads=args.threads,
+                               work_dir=args.work_dir, ppl_tokens=args.ppl_tokens, prompts=args.prompts,
+                               gen_tokens=args.gen_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats,
+                               progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Compile-time quantization: GGUF Q4_1 carried onto int4 exactly (float32 activations) and
+with reported rounding (bfloat16), Q8_0 read, quantized bundles written unpacked and loaded
+packed, greedy agreement between formats, and lossless speculation on a quantized bundle."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from specbuild.build.compile import CompileOptions, compile_bundle
+from specbuild.build.quantize import carry_q4_1, convert_tensor, q4_1_codes, q8_0_values, tensor_formats
+from specbuild.errors import SpecbuildError
+from specbuild.formats_bench import sequence_logits
+from specbuild.runtime.engine import Engine, EngineConfig
+from specbuild.runtime.qlinear import FormatPlan, Int4Format, QLinear, pack_nibbles
+from specbuild.runtime.sampling import SamplingParams
+from specbuild.runtime.sequence import Request
+from specbuild.runtime.spec_config import SpeculationConfig
+from tiny import make_tiny_hf
+
+
+def gguf_blocks(w: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """gguf's own quantizer and dequantizer: (raw rows uint8, gguf's float32 values)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    t = getattr(GGMLQuantizationType, qtype)
+    raw = quantize(w.astype(np.float32), t)
+    return torch.from_numpy(raw.copy()), torch.from_numpy(dequantize(raw, t).reshape(w.shape).copy())
+
+
+@pytest.mark.parametrize("shape", [(48, 64), (40, 96), (7, 160)])
+def test_q4_1_carried_exactly_with_float32_activations(shape):
+    w = np.random.default_rng(shape[0]).standard_normal(shape).astype(np.float32) * 0.05
+    w[0, :32] += 3.0  # a block whose zero (m + 8 d) sits far from 0
+    raw, values = gguf_blocks(w, "Q4_1")
+    q, scales, zeros, exact = carry_q4_1(raw, shape[1], torch.float32)
+    assert exact
+    fast = Int4Format(pack_nibbles(q), scales, zeros, 32, torch.float32)
+    assert torch.equal(fast.dense(), values)  # reference dequantisation == gguf's
+    assert torch.equal(fast(torch.eye(shape[1])).t(), values)  # the kernel reads the same weights
+    got = convert_tensor(values, "int4", "float32", 32, ("Q4_1", raw))
+    assert got.conversion == "exact" and got.max_abs_change == 0.0
+
+
+def test_q4_1_with_bfloat16_scales_reports_the_change():
+    w = np.random.default_rng(1).standard_normal((32, 128)).astype(np.float32) * 0.1 + 0.7
+    raw, values = gguf_blocks(w, "Q4_1")
+    got = convert_tensor(values, "int4", "bfloat16", 32, ("Q4_1", raw))
+    assert got.conversion == "rounded"
+    qcodes, d, m = q4_1_codes(raw, 128)
+    assert torch.equal(got.tensors[".scales"], d.bfloat16().float())
+    assert torch.equal(got.tensors[".zeros"], (m + 8 * d).bfloat16().float())
+    # codes unchanged; the change is the zero's and scale's rounding: below 1/128 of the largest zero
+    assert 0 < got.max_abs_change <= float((m + 8 * d).abs().max()) * 2 ** -8 + 8 * float(d.max()) * 2 ** -8
+    regrouped = convert_tensor(values, "int4", "bfloat16", 64, ("Q4_1", raw))
+    assert regrouped.conversion == "converted" and regrouped.group_size == 64
+
+
+def test_q8_0_values_and_conversion():
+    w = np.random.default_rng(2).standard_normal((24, 96)).astype(np.float32)
+    raw, values = gguf_blocks(w, "Q8_0")
+    assert torch.equal(q8_0_values(raw, 96), values)
+    got = convert_tensor(values, "int8", "bfloat16", 32, ("Q8_0", raw))
+    assert got.conversion == "converted"
+    assert 0 < got.max_abs_change < float(values.abs().max()) / 127  # one per-row step at most
+    assert got.nbytes == 24 * 96 + 24 * 4
+
+
+def test_tensor_formats_and_option_errors():
+    names = ["embed", "norm", "layers.0.qkv", "layers.0.attn_norm", "layers.0.down", "lm_head"]
+    f = tensor_formats(names, "int4", "dense", "int8", tied=False)
+    assert f == {"embed": "dense", "layers.0.qkv": "int4", "layers.0.down": "int4", "lm_head": "int8"}
+    assert tensor_formats(["embed"], "none", "dense", "int8", tied=True) == {"embed": "int8"}
+    with pytest.raises(SpecbuildError, match="tied"):
+        tensor_formats(["embed"], "none", "int4", "int8", tied=True)
+    for bad in ({"quantize": "int3"}, {"group_size": 48}, {"lm_head_format": "fp8"}, {"formats": ("int4",)},
+                {"activations": "float16"}):
+        with pytest.raises(SpecbuildError, match=str(list(bad.values())[0]).strip("(),'")):
+            CompileOptions(**bad)
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory) -> str:
+    return make_tiny_hf(str(tmp_path_factory.mktemp("q") / "hf"), scale=4.0, seed=3, inter=192)
+
+
+@pytest.fixture(scope="module")
+def bundles(tiny_src, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("qb")
+    opts = {"float32": {}, "int8": {"quantize": "int8", "lm_head_format": "int8"},
+            "int4": {"quantize": "int4", "lm_head_format": "int8"}}
+    return {n: compile_bundle(tiny_src, str(root / n), CompileOptions(max_seq_len=256, **o)) for n, o in opts.items()}
+
+
+def test_group_size_must_divide_the_inputs(tiny_src, tmp_path):
+    with pytest.raises(SpecbuildError, match="group-size 128 does not divide the 64 inputs"):
+        compile_bundle(tiny_src, str(tmp_path / "b"), CompileOptions(quantize="int4", group_size=128))
+
+
+def test_quantized_bundle_is_stored_unpacked_and_loaded_packed(bundles):
+    from safetensors.torch import load_file
+
+    role = os.path.join(bundles["int4"], "target")
+    stored = load_file(os.path.join(role, "weights.safetensors"))
+    assert stored["layers.0.qkv.qweight"].dtype == torch.uint8 and stored["layers.0.qkv.qweight"].shape == (128, 32)
+    assert stored["lm_head.qweight"].dtype == torch.int8 and "layers.0.qkv" not in stored
+    with open(os.path.join(role, "quant.json")) as f:
+        quant = json.load(f)
+    assert quant["tensors"]["layers.1.gate_up"] == {**quant["tensors"]["layers.1.gate_up"], "format": "int4",
+                                                     "conversion": "quantized", "group_size": 32}
+    assert quant["tensors"]["embed"]["format"] == "dense" and quant["formats"] == ["float32"]
+    meta = json.load(open(os.path.join(bundles["int4"], "bundle.json")))["roles"]["target"]
+    assert set(meta["bytes_by_format"]) == {"float32", "int4", "int8"} and meta["quantize"] == "int4"
+    engine = Engine(bundles["int4"], EngineConfig(max_batch_size=2))
+    w = engine.model.w
+    assert isinstance(w["layers.0.qkv"], QLinear) and set(w["layers.0.qkv"].formats) == {"int4", "float32"}
+    assert isinstance(w["norm"], torch.Tensor) and isinstance(engine.model.lm_head, QLinear)
+    plain = Engine(bundles["float32"], EngineConfig(max_batch_size=2))
+    assert plain.model.plans == {} and all(isinstance(v, torch.Tensor) for v in plain.model.w.values())
+
+
+def test_inspect_shows_bytes_per_format_and_conversions(bundles):
+    from click.testing import CliRunner
+
+    from specbuild.cli import main
+
+    out = CliRunner().invoke(main, ["inspect", bundles["int4"]])
+    assert out.exit_code == 0, out.output
+    assert "bytes by format:" in out.output and "int4" in out.output
+    assert "quantized qkv" in out.output and "float -> int4" in out.output
+
+
+def test_greedy_agreement_between_formats(bundles):
+    """Teacher-forced: each format's argmax on float32's greedy text."""
+    base = Engine(bundles["float32"], EngineConfig(max_batch_size=1))
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    text = base.generate([Request(prompt_ids=prompt, sampling=SamplingParams(max_tokens=48, ignore_eos=True))])[0]
+    ids = prompt + text["token_ids"]
+    agree = {}
+    for name in ("int8", "int4"):
+        engine = Engine(bundles[name], EngineConfig(max_batch_size=1))
+        logits = sequence_logits(engine.model, engine.cache, ids)[len(prompt) - 1:-1]
+        agree[name] = float((logits.argmax(-1) == torch.tensor(text["token_ids"])).float().mean())
+    assert agree["int8"] >= 0.95 and agree["int4"] >= 0.7, agree
+    assert agree["int8"] >= agree["int4"]
+
+
+@pytest.mark.parametrize("plan", [None, ((1, 1 << 30), ("int4", "float32"))])
+def test_speculative_greedy_equals_plain_on_a_quantized_bundle(bundles, plan):
+    """Same bundle, plain vs prompt-lookup speculation; with a forced plan the verify passes
+    run in the float32 copy and the plain steps in int4 (the copies give the same numbers)."""
+    engine = Engine(bundles["int4"], EngineConfig(max_batch_size=4))
+    if plan is not None:
+        engine.model.plans = {"layers": FormatPlan(*plan)}
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21, 22, 20, 21, 22, 20], list(range(30, 60)) + list(range(30, 40))]
+
+    def run(spec):
+        return engine.generate([Request(prompt_ids=p, speculation=spec,
+                                        sampling=SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts])
+
+    plain = run(SpeculationConfig.make(None, method="none"))
+    spec = run(SpeculationConfig.make(None, method="ngram", gamma=3))
+    assert sum(r["stats"]["drafted"] for r in spec) > 0 and sum(r["stats"]["accepted"] for r in spec) > 0
+    for r, p in zip(spec, plain):
+        assert r["token_ids"] == p["token_ids"]
+
+
+@pytest.mark.integration
+def test_smollm2_q4_1_carried_and_unpermuted(smollm2_gguf):
+    """The raw Q4_1 rows of q/k (unpermuted like the values) decode to the checkpoint's
+    dequantised tensors exactly; with float32 activations every layer weight is exact."""
+    from specbuild.build.checkpoints import read_checkpoint
+    from specbuild.build.quantize import runtime_raw
+    from specbuild.runtime.qlinear import dequantize_int4
+
+    ckpt = read_checkpoint(smollm2_gguf)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.5.mlp.down_proj.weight"):
+        qtype, raw, shape = ckpt.raw_quant[name]
+        q, d, m = q4_1_codes(raw, shape[1])
+        assert qtype == "Q4_1" and torch.equal(dequantize_int4(q, d, m + 8 * d, 32), ckpt.tensors[name])
+    assert ckpt.raw_quant["model.embed_tokens.weight"][0] == "Q8_0"
+    raw = runtime_raw(ckpt.raw_quant, ckpt.config.num_layers, ckpt.config.tie_word_embeddings)
+    qkv = torch.cat([ckpt.tensors[f"model.layers.3.self_attn.{p}_proj.weight"] for p in "qkv"])
+    got = convert_tensor(qkv, "int4", "float32", 32, raw["layers.3.qkv"])
+    assert got.conversion == "exact"
+    bf = convert_tensor(qkv, "int4", "bfloat16", 32, raw["layers.3.qkv"])
+    assert bf.conversion == "rounded" and bf.max_abs_change < 0.05
+    assert torch.equal(q8_0_values(raw["embed"][1], 576), ckpt.tensors["model.embed_tokens.weight"])
