@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": (".cli_serve", "serve"),
     "bench": (".cli_bench", "bench"),
     "verify": (".cli_verify", "verify"),
+    "triton-repo": (".cli_triton", "triton_repo"),
 }
 
 
