@@ -1,0 +1,550 @@
+"""The request-level backend contract, parametrised over backends.
+
+    torch              specbuild's own engine (runs everywhere)
+    tensorrt-llm-stub  TrtllmEngine (the real adapter code) driving a stand-in for
+                       `tensorrt_llm.bindings.executor` defined below: greedy only, its tokens
+                       from the torch engine, its request/response shapes those of the
+                       documented executor API. It checks the adapter's logic (draft rounds,
+                       streaming, stats, abort, limits, leader mode), NOT TensorRT-LLM.
+    tensorrt-llm       real engines (marked tensorrt_llm + gpu; skipped here with the reason)
+
+Every backend must: stream events whose tokens and text add up to the result; give greedy
+output equal to plain greedy decoding whatever the method (and propose and accept drafts
+when speculating); batch without changing greedy output; abort; refuse bad input at submit
+with nothing queued; refuse draft lengths over the limit; report the same stats keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+import types
+
+import pytest
+import torch
+from tiny import make_tiny_hf
+
+from specbuild.errors import RequestError, SpecbuildError
+from specbuild.runtime.backend import STATS_KEYS, Backend, TorchEngine, guarantees, open_engine, resolve_backend
+from specbuild.runtime.engine import EngineConfig
+from specbuild.runtime.sampling import SamplingParams
+from specbuild.runtime.sequence import Request
+from specbuild.runtime.trtllm_engine import MODE_BITS, EngineLimitError, accepted_prefix, engine_limits
+
+VOCAB = 320
+LOOPY = [5, 5, 5, 5, 5, 5, 5, 5]  # the tiny model answers it with a loop: prompt lookup finds drafts
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def prompts(k: int, length: int = 12) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [LOOPY] + [torch.randint(3, VOCAB, (length,), generator=gen).tolist() for _ in range(k - 1)]
+
+
+# ---- bundles --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("backend_hf")
+    target = make_tiny_hf(str(root / "target"), scale=8.0)
+    return target, target  # the target drafts for itself: its drafts are accepted (the stub corrupts some)
+
+
+def _compile(hf_pair, out: str) -> str:
+    from specbuild.build.compile import CompileOptions, compile_bundle
+
+    opts = CompileOptions(dtype="float64", max_seq_len=128, max_batch_size=4, max_draft_len=4,
+                          backend="tensorrt-llm", trtllm_dtype="float32")
+    return compile_bundle(hf_pair[0], out, opts, draft=hf_pair[1])
+
+
+@pytest.fixture(scope="module")
+def trt_bundle(hf_pair, tmp_path_factory) -> str:
+    """tiny target + draft, compiled with --backend tensorrt-llm (checkpoints, no engines here)."""
+    return _compile(hf_pair, str(tmp_path_factory.mktemp("trt_bundle") / "bundle"))
+
+
+def build_flags(argv: list[str]) -> dict[str, str | None]:
+    out, i = {}, 1
+    while i < len(argv):
+        has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        out[argv[i][2:]] = argv[i + 1] if has_value else None
+        i += 2 if has_value else 1
+    return out
+
+
+def write_engine_config(bundle: str, role: str, **build_override) -> dict:
+    """engines/<role>/config.json as trtllm-build writes it from the bundle's own build command:
+    pretrained_config = the checkpoint's config.json, build_config = the flags."""
+    root = os.path.join(bundle, "trtllm")
+    meta = json.load(open(os.path.join(root, "trtllm.json")))
+    f = build_flags(meta["build_commands"][role])
+    build = {"max_batch_size": int(f["max_batch_size"]), "max_seq_len": int(f["max_seq_len"]),
+             "max_input_len": int(f["max_input_len"]), "max_draft_len": int(f.get("max_draft_len") or 0),
+             "speculative_decoding_mode": MODE_BITS[f.get("speculative_decoding_mode") or "none"],
+             "gather_generation_logits": "gather_generation_logits" in f,
+             "plugin_config": {"use_paged_context_fmha": f.get("use_paged_context_fmha") == "enable"}}
+    build.update(build_override)
+    cfg = {"version": "stub", "pretrained_config": json.load(open(os.path.join(root, "checkpoints", role,
+                                                                                "config.json"))),
+           "build_config": build}
+    engine = os.path.join(root, meta["roles"][role]["engine_dir"])
+    os.makedirs(engine, exist_ok=True)
+    with open(os.path.join(engine, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def stub_bundle(trt_bundle, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("stub_bundle") / "bundle")
+    shutil.copytree(trt_bundle, out)
+    for role in ("target", "draft"):
+        write_engine_config(out, role)
+    return out
+
+
+@pytest.fixture(scope="module")
+def medusa_bundle(hf_pair, stub_bundle, tmp_path_factory) -> str:
+    """The same bundle, its TensorRT-LLM part rewritten for a target with 3 random Medusa heads."""
+    from specbuild.build.checkpoints import read_hf_dir
+    from specbuild.build.trtllm_build import write_trtllm_bundle_part
+
+    out = str(tmp_path_factory.mktemp("medusa_bundle") / "bundle")
+    shutil.copytree(stub_bundle, out)
+    shutil.rmtree(os.path.join(out, "trtllm"))
+    gen = torch.Generator().manual_seed(7)
+    heads = {}
+    for h in range(3):
+        heads[f"{h}.0.linear.weight"] = torch.randn(64, 64, generator=gen)
+        heads[f"{h}.0.linear.bias"] = torch.randn(64, generator=gen)
+        heads[f"{h}.1.weight"] = torch.randn(VOCAB, 64, generator=gen)
+    write_trtllm_bundle_part(out, read_hf_dir(hf_pair[0]), medusa=heads, tree_paths=[[0], [1], [0, 0], [0, 0, 0]],
+                             dtype="float32", max_batch_size=4, max_seq_len=128)
+    write_engine_config(out, "target")
+    return out
+
+
+# ---- a stand-in for tensorrt_llm.bindings.executor -------------------------------------------------
+class _Rec(types.SimpleNamespace):
+    def __init__(self, *args, **kw):
+        super().__init__(args=args, **kw)
+
+
+_ORACLES: dict[str, TorchEngine] = {}
+
+
+def oracle(bundle: str, ids: list[int], n: int) -> list[int]:
+    """Plain greedy continuation by the torch engine (what a correct engine must produce)."""
+    if bundle not in _ORACLES:
+        _ORACLES[bundle] = TorchEngine(bundle, EngineConfig())
+    r = _ORACLES[bundle].generate([Request(prompt_ids=list(ids), sampling=greedy(n),
+                                           speculation={"method": "none"})])[0]
+    return r["token_ids"]
+
+
+class StubResponse:
+    def __init__(self, request_id, tokens=(), final=True, reason="LENGTH", error=None):
+        self.request_id, self.error_msg = request_id, error
+        self.result = types.SimpleNamespace(is_final=final, output_token_ids=[list(tokens)],
+                                            finish_reasons=[types.SimpleNamespace(name=reason)],
+                                            generation_logits=None, request_perf_metrics=None)
+
+    def has_error(self):
+        return self.error_msg is not None
+
+
+class StubExecutor:
+    """Greedy executor: tokens from the torch oracle; drafts accepted while equal to its
+    argmax, one more token after; streaming answers one engine iteration per await (Medusa
+    iterations yield 3, 1, 2, ... tokens); a draft-role engine corrupts every third token."""
+
+    instances: list["StubExecutor"] = []
+
+    def __init__(self, engine_dir, model_type, config):
+        self.role = os.path.basename(engine_dir)
+        self.bundle = os.path.dirname(os.path.dirname(os.path.dirname(engine_dir)))
+        self.limits = engine_limits(json.load(open(os.path.join(engine_dir, "config.json"))))
+        self.medusa = getattr(config.decoding_config, "decoding_mode", None) == "medusa"
+        self.config, self.requests, self.pending, self.next_id, self.shut = config, [], {}, 1, False
+        StubExecutor.instances.append(self)
+
+    def can_enqueue_requests(self):
+        return int(os.environ.get("PMI_RANK", "0")) == 0
+
+    def enqueue_request(self, req):
+        rid, self.next_id = self.next_id, self.next_id + 1
+        self.requests.append(req)
+        drafts = req.external_draft_tokens_config.tokens if req.external_draft_tokens_config else []
+        ids = req.input_token_ids
+        if len(drafts) > self.limits["max_draft_len"]:  # what TensorRT-LLM answers
+            self.pending[rid] = [StubResponse(rid, error=f"Number of draft tokens ({len(drafts)}) > maximum "
+                                                         f"({self.limits['max_draft_len']})")]
+            return rid
+        # sampled requests are answered greedily (a stand-in, not a sampler); never with drafts
+        assert req.sampling_config.top_k == 1 or not drafts, "sampled drafts reached the stub"
+        assert len(ids) + req.max_tokens <= self.limits["max_seq_len"]
+        tokens = oracle(self.bundle, ids, len(drafts) + 1 if drafts else req.max_tokens)
+        if self.role == "draft":
+            tokens = [(t + 1) % VOCAB if (len(ids) + i) % 3 == 0 else t for i, t in enumerate(tokens)]
+        if drafts:
+            tokens = tokens[:accepted_prefix(drafts, tokens) + 1]
+        reason = "LENGTH"
+        if req.end_id is not None and req.end_id in tokens:
+            tokens, reason = tokens[:tokens.index(req.end_id) + 1], "END_ID"
+        if not req.streaming:
+            chunks = [tokens]
+        elif self.medusa:
+            chunks, rest, sizes = [tokens[:1]], tokens[1:], [3, 1, 2]
+            while rest:
+                chunks.append(rest[:sizes[len(chunks) % 3]])
+                rest = rest[len(chunks[-1]):]
+        else:
+            chunks = [[t] for t in tokens]
+        self.pending[rid] = [StubResponse(rid, c, i == len(chunks) - 1, reason) for i, c in enumerate(chunks)]
+        return rid
+
+    def await_responses(self, timeout=None):
+        out = []
+        for rid in list(self.pending):  # one iteration: at most one answer per request
+            out.append(self.pending[rid].pop(0))
+            if not self.pending[rid]:
+                del self.pending[rid]
+        return out
+
+    def cancel_request(self, rid):
+        if rid in self.pending:
+            self.pending[rid] = [StubResponse(rid, (), True, "CANCELLED")]
+
+    def shutdown(self):
+        self.shut = True
+
+
+def stub_module() -> types.ModuleType:
+    m = types.ModuleType("tensorrt_llm.bindings.executor")
+    m.ModelType = types.SimpleNamespace(DECODER_ONLY="decoder_only")
+    m.CommunicationType = types.SimpleNamespace(MPI="mpi")
+    m.CommunicationMode = types.SimpleNamespace(LEADER="leader")
+    m.DecodingMode = types.SimpleNamespace(Medusa=lambda: "medusa")
+    for name in ("KvCacheConfig", "DecodingConfig", "ExecutorConfig", "ParallelConfig", "OutputConfig"):
+        setattr(m, name, _Rec)
+    m.SamplingConfig = lambda beam_width=1, **kw: types.SimpleNamespace(beam_width=beam_width, top_k=kw.get("top_k"),
+                                                                        **{k: v for k, v in kw.items() if k != "top_k"})
+    m.ExternalDraftTokensConfig = lambda tokens, logits=None, acceptance_threshold=None: types.SimpleNamespace(
+        tokens=list(tokens), logits=logits)
+    m.Request = lambda input_token_ids, max_tokens, **kw: types.SimpleNamespace(
+        input_token_ids=list(input_token_ids), max_tokens=max_tokens, end_id=kw.pop("end_id", None),
+        streaming=kw.pop("streaming", False), external_draft_tokens_config=kw.pop("external_draft_tokens_config", None),
+        **kw)
+    m.Executor = StubExecutor
+    return m
+
+
+@pytest.fixture()
+def stub_trtllm(monkeypatch):
+    executor = stub_module()
+    bindings = types.ModuleType("tensorrt_llm.bindings")
+    bindings.executor = executor
+    pkg = types.ModuleType("tensorrt_llm")
+    pkg.bindings, pkg.__version__ = bindings, "stub"
+    for name, mod in (("tensorrt_llm", pkg), ("tensorrt_llm.bindings", bindings),
+                      ("tensorrt_llm.bindings.executor", executor)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    StubExecutor.instances.clear()
+    return executor
+
+
+def _skip_without_real_tensorrt_llm():
+    from specbuild.runtime.trtllm_engine import tensorrt_llm_importable
+
+    ok, reason = tensorrt_llm_importable()
+    if not ok:
+        pytest.skip(f"needs TensorRT-LLM: {reason}")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def real_trt_bundle(hf_pair, tmp_path_factory) -> str:
+    _skip_without_real_tensorrt_llm()  # compile builds the engines where TensorRT-LLM imports
+    return _compile(hf_pair, str(tmp_path_factory.mktemp("real_trt") / "bundle"))
+
+
+BACKENDS = [
+    pytest.param("torch", id="torch"),
+    pytest.param("tensorrt-llm-stub", id="tensorrt-llm-stub"),
+    pytest.param("tensorrt-llm", id="tensorrt-llm", marks=[pytest.mark.tensorrt_llm, pytest.mark.gpu]),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, trt_bundle, stub_bundle):
+    name = request.param
+    if name == "torch":
+        engine = open_engine(trt_bundle, EngineConfig(), backend="torch")
+    elif name == "tensorrt-llm-stub":
+        request.getfixturevalue("stub_trtllm")
+        from specbuild.runtime.trtllm_engine import TrtllmEngine
+
+        engine = TrtllmEngine(stub_bundle, EngineConfig())
+    else:
+        engine = open_engine(request.getfixturevalue("real_trt_bundle"), EngineConfig(), backend="tensorrt-llm")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(trt_bundle):
+    """Plain greedy tokens from the torch engine: prompt ids -> first n tokens."""
+    engine = TorchEngine(trt_bundle, EngineConfig())
+
+    def ref(ids: list[int], n: int) -> list[int]:
+        return engine.generate([Request(prompt_ids=ids, sampling=greedy(n), speculation={"method": "none"})])[0][
+            "token_ids"]
+
+    return ref
+
+
+# ---- the contract ---------------------------------------------------------------------------------
+def test_is_a_backend_and_describes_its_guarantees(backend):
+    assert isinstance(backend, Backend)
+    table = backend.describe_guarantees()
+    assert table["backend"] == ("torch" if backend.backend_name == "torch" else "tensorrt-llm")
+    assert set(table["methods"]) == set(backend.methods) - ({"auto"} if backend.backend_name != "torch" else set())
+    assert table["methods"]["none"] == {**table["methods"]["none"], "greedy": "lossless"}
+    assert backend.encode("the") and isinstance(backend.render_chat([{"role": "user", "content": "hi"}]), str)
+
+
+def test_stream_adds_up_to_the_result(backend):
+    handle = backend.submit(Request(prompt_ids=LOOPY, sampling=greedy(10), speculation={"method": "none"}))
+    events = list(handle)
+    result = handle.result()
+    assert [t for e in events for t in e.token_ids] == result["token_ids"] and len(result["token_ids"]) == 10
+    assert "".join(e.text for e in events) == result["text"]
+    assert events[-1].finished and not any(e.finished for e in events[:-1])
+    assert result["finish_reason"] == events[-1].finish_reason == "length"
+    assert set(STATS_KEYS) <= set(result["stats"]) and result["stats"]["generated_tokens"] == 10
+    assert not backend.has_work()
+
+
+def test_greedy_output_is_plain_greedy_for_every_method(backend, reference):
+    batch = prompts(3)
+    expected = [reference(p, 16) for p in batch]
+    for method in [m for m in backend.methods if m != "auto"]:
+        results = backend.generate([Request(prompt_ids=p, sampling=greedy(16), speculation={"method": method,
+                                                                                           "gamma": 3})
+                                    for p in batch])
+        assert [r["token_ids"] for r in results] == expected, method
+        if method != "none":  # speculation happened and was not all rejected
+            drafted = sum(r["stats"]["drafted"] for r in results)
+            accepted = sum(r["stats"]["accepted"] for r in results)
+            assert drafted > 0 and 0 < accepted <= drafted, (method, drafted, accepted)
+            assert results[0]["stats"]["mean_accepted_tokens"] > 1.0
+
+
+def test_batch_equals_each_alone(backend):
+    batch = prompts(4, 9)
+    alone = [backend.generate([Request(prompt_ids=p, sampling=greedy(8))])[0]["token_ids"] for p in batch]
+    together = backend.generate([Request(prompt_ids=p, sampling=greedy(8)) for p in batch])
+    assert [r["token_ids"] for r in together] == alone
+
+
+def test_abort_mid_stream(backend):
+    handle = backend.submit(Request(prompt_ids=LOOPY, sampling=greedy(40), speculation={"method": "none"}))
+    other = backend.submit(Request(prompt_ids=LOOPY[:5], sampling=greedy(4)))
+    first = next(iter(handle))
+    assert first.token_ids and not first.finished
+    backend.abort(handle)
+    rest = list(handle)
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
+    assert handle.result()["finish_reason"] == "abort" and len(handle.result()["token_ids"]) < 40
+    assert other.result()["finish_reason"] == "length"  # the neighbour is unaffected
+    assert not backend.has_work()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(prompt_ids=[]), "prompt is empty"),
+    (dict(prompt_ids=[5, VOCAB]), f"prompt token id {VOCAB} is out of range"),
+    (dict(prompt_ids=[5] * 128), "max_seq_len is 128"),
+    (dict(prompt_ids=[5, 6], speculation={"method": "bogus"}), "not one of"),
+    (dict(prompt_ids=[5, 6], speculation={"method": "ngram", "gamma_max": 9, "gamma": 9}), "max.draft.len"),
+])
+def test_bad_input_is_refused_at_submit(backend, bad, match):
+    with pytest.raises(RequestError, match=match):
+        backend.submit(Request(sampling=greedy(4), **bad))
+    assert not backend.has_work()
+
+
+def test_length_limit(backend):
+    r = backend.generate([Request(prompt_ids=[5] * 120, sampling=greedy(50))])[0]
+    assert r["finish_reason"] == "length" and len(r["token_ids"]) == 128 - 120
+
+
+def test_background_loop_serves_threads(backend):
+    backend.start()
+    try:
+        results = {}
+
+        def worker(i):
+            results[i] = backend.submit(Request(prompt_ids=prompts(3)[i], sampling=greedy(6))).result()
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert sorted(results) == [0, 1, 2] and all(len(r["token_ids"]) == 6 for r in results.values())
+    finally:
+        backend.stop()
+
+
+def test_seeded_sampling_reproduces(backend, request):
+    if request.node.callspec.params["backend"] == "tensorrt-llm-stub":
+        pytest.skip("the stub executor does not sample (it answers sampled requests greedily)")
+    params = SamplingParams(temperature=0.8, max_tokens=8, seed=1234, ignore_eos=True)
+    a, b = (backend.generate([Request(prompt_ids=LOOPY, sampling=params, speculation={"method": "none"})])[0]
+            for _ in range(2))
+    assert a["token_ids"] == b["token_ids"] and a["stats"]["seed"] == 1234
+
+
+# ---- TensorRT-LLM adapter specifics (stub executor) ---------------------------------------------------
+def stub_engine(bundle: str, **config):
+    from specbuild.runtime.trtllm_engine import TrtllmEngine
+
+    return TrtllmEngine(bundle, EngineConfig(**config))
+
+
+def test_draft_rounds_send_what_the_executor_api_expects(stub_trtllm, stub_bundle, reference):
+    engine = stub_engine(stub_bundle)
+    target, draft = StubExecutor.instances
+    assert (target.role, draft.role) == ("target", "draft")
+    for ex in (target, draft):
+        assert ex.config.kv_cache_config.enable_block_reuse is True  # draft/target needs KV reuse
+        assert ex.config.parallel_config.args == ("mpi", "leader")
+    r = engine.generate([Request(prompt_ids=LOOPY, sampling=greedy(12), speculation={"method": "draft", "gamma": 3})])[0]
+    assert r["token_ids"] == reference(LOOPY, 12)
+    verifies = [q for q in target.requests if q.external_draft_tokens_config]
+    assert verifies and all(not q.streaming and q.output_config.exclude_input_from_output for q in verifies)
+    produced = LOOPY + r["token_ids"]
+    for q in verifies:  # the text so far, up to three drafts, room for the drafts plus one token
+        n = len(q.external_draft_tokens_config.tokens)
+        assert 1 <= n <= 3 and q.max_tokens == n + 1
+        assert q.input_token_ids == produced[:len(q.input_token_ids)]
+    assert all(q.max_tokens <= 3 and not q.streaming for q in draft.requests)
+    s = r["stats"]
+    assert s["drafted"] == sum(len(q.external_draft_tokens_config.tokens) for q in verifies)
+    assert 0 < s["accepted"] < s["drafted"]  # the stub's draft engine corrupts every third token
+    assert s["acceptance_by_position"][0] is not None and s["gamma"]["max"] == 3
+    engine.close()
+    assert target.shut and draft.shut
+
+
+def test_medusa_engine(stub_trtllm, medusa_bundle, reference):
+    engine = stub_engine(medusa_bundle)
+    (target,) = StubExecutor.instances
+    assert target.config.decoding_config.decoding_mode == "medusa"
+    assert target.config.decoding_config.medusa_choices == [[0], [1], [0, 0], [0, 0, 0]]
+    assert engine.methods == ["none", "medusa"] and engine.default_speculation.method == "medusa"
+    r = engine.generate([Request(prompt_ids=LOOPY, sampling=greedy(14))])[0]
+    assert r["token_ids"] == reference(LOOPY, 14)
+    # iterations after the prompt's yield 2, 3, 1, 2, ... tokens: accepted 1, 2, 0, 1, ... of 4 nodes each
+    s = r["stats"]
+    assert s["accepted"] == 14 - s["target_passes"] and s["drafted"] == 4 * (s["target_passes"] - 1)
+    assert s["mean_accepted_tokens"] > 1.0 and len(s["acceptance_by_position"]) == 3
+    for method in ("medusa", None):
+        with pytest.raises(RequestError, match="greedy-only"):
+            engine.submit(Request(prompt_ids=LOOPY, sampling=SamplingParams(temperature=0.7, max_tokens=4),
+                                  speculation=None if method is None else {"method": method}))
+    table = engine.describe_guarantees()
+    assert table["methods"]["medusa"]["sampled"] == "refused" and table["methods"]["medusa"]["greedy"] == "lossless"
+
+
+def test_sampled_speculation_is_refused_or_served_without_drafts(stub_trtllm, stub_bundle):
+    engine = stub_engine(stub_bundle)
+    hot = SamplingParams(temperature=0.7, max_tokens=5, ignore_eos=True, seed=3)
+    for method, match in (("ngram", "prompt lookup is not lossless"), ("draft", "--gather_generation_logits")):
+        with pytest.raises(RequestError, match=match):
+            engine.submit(Request(prompt_ids=LOOPY, sampling=hot, speculation={"method": method}))
+    assert engine.default_speculation.method == "draft"  # the bundle's default (a draft was compiled)
+    r = engine.generate([Request(prompt_ids=LOOPY, sampling=hot)])[0]  # default: served without drafts
+    assert len(r["token_ids"]) == 5 and r["stats"]["drafted"] == 0
+    assert "--gather_generation_logits" in r["stats"]["stat_speculation_off"]
+    (sent,) = [q for q in StubExecutor.instances[0].requests]
+    assert sent.streaming and sent.sampling_config.temperature == 0.7 and sent.sampling_config.seed is not None
+    assert sent.external_draft_tokens_config is None
+
+
+def test_load_time_checks_name_the_rebuild_flag(stub_trtllm, stub_bundle, tmp_path):
+    bundle = str(tmp_path / "b")
+    shutil.copytree(stub_bundle, bundle)
+    write_engine_config(bundle, "target", speculative_decoding_mode=MODE_BITS["none"], max_draft_len=0)
+    with pytest.raises(EngineLimitError, match="rebuild with --speculative_decoding_mode draft_tokens_external "
+                                               "--max_draft_len 4"):
+        stub_engine(bundle)
+    write_engine_config(bundle, "target", max_batch_size=2)
+    with pytest.raises(EngineLimitError, match=r"max_batch_size 4 > maximum \(2\)"):
+        stub_engine(bundle)
+    assert stub_engine(bundle, max_batch_size=2).max_batch_size == 2
+    assert len(StubExecutor.instances) == 2  # the refused loads built no executor
+
+
+def test_executor_errors_end_the_request(stub_trtllm, stub_bundle):
+    engine = stub_engine(stub_bundle)
+    StubExecutor.instances[0].limits["max_draft_len"] = 1  # the engine turns out smaller than it said
+    periodic = [10, 11, 12, 13, 10, 11, 12]  # prompt lookup drafts [13, 10, 11] at once
+    r = engine.generate([Request(prompt_ids=periodic, sampling=greedy(8), speculation={"method": "ngram", "gamma": 3})])[0]
+    assert r["finish_reason"] == "error" and "Number of draft tokens (3) > maximum (1)" in r["error"]
+    assert not engine.has_work()
+
+
+def test_leader_mode(stub_trtllm, stub_bundle, tmp_path, monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("PMI_RANK", "1")
+    with pytest.raises(SpecbuildError, match=r"built for tp\*pp = 1 ranks .* 2 were launched"):
+        stub_engine(stub_bundle)
+    bundle = str(tmp_path / "b")
+    shutil.copytree(stub_bundle, bundle)
+    for role in ("target", "draft"):
+        path = os.path.join(bundle, "trtllm", "engines", role, "config.json")
+        cfg = json.load(open(path))
+        cfg["pretrained_config"]["mapping"].update(world_size=2, tp_size=2)
+        json.dump(cfg, open(path, "w"))
+    worker = stub_engine(bundle)
+    assert not worker.is_leader and worker.rank == 1
+    with pytest.raises(SpecbuildError, match="only rank 0 takes requests"):
+        worker.submit(Request(prompt_ids=LOOPY, sampling=greedy(2)))
+    worker.wait_as_worker()
+    assert all(ex.shut for ex in StubExecutor.instances[-2:])
+    monkeypatch.setenv("PMI_RANK", "0")
+    assert stub_engine(bundle).is_leader
+
+
+def test_open_engine_picks_the_backend(stub_trtllm, trt_bundle, stub_bundle, tiny_bundle):
+    assert resolve_backend(tiny_bundle, "auto")[0] == "torch"
+    assert "compiled for the torch backend" in resolve_backend(tiny_bundle, "auto")[1]
+    name, why = resolve_backend(trt_bundle, "auto")
+    assert name == "torch" and "engines not built" in why and "build.sh" in why
+    if not torch.cuda.is_available():
+        assert resolve_backend(stub_bundle, "auto") == ("torch", "TensorRT-LLM needs a CUDA device and torch sees none")
+        with pytest.raises(SpecbuildError, match="--backend tensorrt-llm cannot run .* needs a CUDA device"):
+            open_engine(stub_bundle, backend="tensorrt-llm")
+    assert type(open_engine(stub_bundle, backend="torch")) is TorchEngine
+    with pytest.raises(SpecbuildError, match="--backend 'onnx' is not one of auto, torch, tensorrt-llm"):
+        resolve_backend(trt_bundle, "onnx")
+
+
+def test_guarantees_table():
+    torch_table = guarantees("torch")
+    assert all(row["greedy"] == row["sampled"] == "lossless" for row in torch_table["methods"].values())
+    dte = guarantees("tensorrt-llm", mode="draft_tokens_external")
+    assert dte["methods"]["draft"]["sampled"] == "refused" and dte["methods"]["ngram"]["greedy"] == "lossless"
+    assert guarantees("tensorrt-llm", mode="draft_tokens_external",
+                      gather_generation_logits=True)["methods"]["draft"]["sampled"] == "lossless"
+    assert set(guarantees("tensorrt-llm", mode="none")["methods"]) == {"none"}
+    with pytest.raises(ValueError, match="backend 'x'"):
+        guarantees("x")
