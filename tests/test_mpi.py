@@ -88,10 +88,11 @@ def test_request_and_reply_round_trip():
     probs = torch.rand(4, 50, generator=gen)
     probs /= probs.sum(-1, keepdim=True)
     meta, prob_buf = W.encode_reply(11, [(7, W.OK, [5, 6, 7, 8], probs), (9, W.OK, [1, 2], None),
-                                         (10, W.RESYNC, [], None)], 50, 0.25)
+                                         (10, W.RESYNC, [], None)], 50, 0.25, seen_at=123.5)
     assert meta[3] == len(meta) and prob_buf.dtype == np.float32 and prob_buf.shape == (4, 50)
-    step, results, secs = W.decode_reply(meta, prob_buf, sampled={7})
-    assert step == 11 and secs == 0.25
+    step, results, timing = W.decode_reply(meta, prob_buf, sampled={7})
+    assert step == 11 and timing.draft_seconds == 0.25 and timing.seen_at == 123.5
+    assert 0 < timing.ready_at <= time.monotonic()
     assert results[7][:2] == (W.OK, [5, 6, 7, 8]) and torch.equal(results[7][2], probs.float())
     assert results[9] == (W.OK, [1, 2], None) and results[10] == (W.RESYNC, [], None)
 
@@ -109,6 +110,30 @@ def test_minedraft_greedy_equals_plain_and_standard(bundle, engine):
     assert stats["minedraft_steps"] > 10, stats  # two batches really alternated
     assert stats["imbalance_sum"] <= stats["minedraft_steps"], stats  # balance counter kept |A - B| <= 1 mostly
     assert md_engine.cache.used_blocks == 0 and worker.proposer.cache.used_blocks == 0 and not worker.mirrors
+
+
+def test_uneven_finishes_rebalance_without_starving(bundle, engine):
+    """Requests that end at different times unbalance the batches; the surplus moves over
+    and nobody is left waiting (a request stuck in both batches would never be verified)."""
+    lengths = [4, 40, 5, 40, 6, 40, 7, 40]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(lengths))]
+
+    def reqs(method):
+        spec = SpeculationConfig.make(None, method=method, gamma=3)
+        return [Request(prompt_ids=p, speculation=spec, sampling=SamplingParams(max_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, lengths)]
+
+    plain = engine.generate(reqs("none"))
+    md_engine, scheduler, _ = loopback_engine(bundle)
+    handles = [md_engine.submit(r) for r in reqs("draft")]
+    steps = 0
+    while md_engine.has_work():
+        md_engine.step()
+        steps += 1
+        assert steps < 200, (scheduler.batches, scheduler.stats)
+        assert abs(scheduler.balance) <= 1 or not all(scheduler.batches)
+    assert [h.result()["token_ids"] for h in handles] == [p["token_ids"] for p in plain]
+    assert scheduler.stats["minedraft_steps"] > 0
 
 
 def test_minedraft_sampled_carries_draft_probs_and_is_reproducible(bundle):

@@ -9,7 +9,9 @@ request  int64 [REQ_HEAD + n * REQ_FIELDS + new tokens + releases]
          (tokens that follow in the token area), gamma, top_k, seed, temperature and top_p
          (float64 bit patterns)
 reply    int64 [REP_HEAD + n * REP_FIELDS + drafted tokens]
-         head: step, n_seqs, draft time (float64 bits, seconds), total length
+         head: step, n_seqs, draft time (seconds), total length, when the request was seen
+         and when the reply was ready (time.monotonic of the draft rank: one clock per host);
+         the times are float64 bit patterns
          per sequence: seq_id, status (OK / RESYNC / FAILED), n_tokens
 probs    float32 [rows, vocab]: for each OK sampled sequence in order, its n_tokens rows
          (the distribution each draft token was sampled from; rejection sampling needs it)
@@ -38,7 +40,7 @@ log = logging.getLogger("specbuild.draft_worker")
 KIND_DRAFT, KIND_RELEASE, KIND_STOP = 1, 2, 3
 TAG_REQUEST, TAG_REPLY, TAG_PROBS, TAG_HELLO = 11, 12, 13, 14
 REQ_HEAD, REQ_FIELDS = 4, 9
-REP_HEAD, REP_FIELDS = 4, 3
+REP_HEAD, REP_FIELDS = 6, 3
 OK, RESYNC, FAILED = 0, 1, 2
 HELLO_LEN = 4  # pid, vocab, draft cache blocks, 0
 DRAFT_SEED_SALT = 0x5DEECE66D  # the drafter's uniforms: a stream apart from the verifier's
@@ -50,6 +52,13 @@ def f2i(x: float) -> int:
 
 def i2f(x: int) -> float:
     return float(np.array([x], dtype=np.int64).view(np.float64)[0])
+
+
+@dataclass
+class ReplyTiming:
+    draft_seconds: float
+    seen_at: float  # time.monotonic() on the draft rank (0: unknown)
+    ready_at: float
 
 
 @dataclass
@@ -90,7 +99,7 @@ def decode_request(buf: np.ndarray) -> tuple[int, int, list[Order], list[int]]:
 
 
 def encode_reply(step: int, results: list[tuple[int, int, list[int], torch.Tensor | None]], vocab: int,
-                 draft_seconds: float) -> tuple[np.ndarray, np.ndarray]:
+                 draft_seconds: float, seen_at: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """results: (seq_id, status, tokens, probs [k, vocab] or None). Returns (meta, probs)."""
     fields, tokens, prob_rows = [], [], []
     for seq_id, status, toks, probs in results:
@@ -98,16 +107,18 @@ def encode_reply(step: int, results: list[tuple[int, int, list[int], torch.Tenso
         tokens += toks
         if probs is not None:
             prob_rows.append(probs.float().numpy())
-    meta = np.array([step, len(results), f2i(draft_seconds), 0] + fields + tokens, dtype=np.int64)
-    meta[3] = len(meta)
     probs = np.ascontiguousarray(np.concatenate(prob_rows)) if prob_rows else np.zeros((0, vocab), np.float32)
+    meta = np.array([step, len(results), f2i(draft_seconds), 0, f2i(seen_at), 0] + fields + tokens, dtype=np.int64)
+    meta[3] = len(meta)
+    meta[5] = f2i(time.monotonic())
     return meta, probs
 
 
-def decode_reply(meta: np.ndarray, probs: np.ndarray, sampled: set[int]) -> tuple[int, dict, float]:
-    """-> (step, {seq_id: (status, tokens, probs [k, vocab] or None)}, draft seconds).
+def decode_reply(meta: np.ndarray, probs: np.ndarray, sampled: set[int]) -> tuple[int, dict, ReplyTiming]:
+    """-> (step, {seq_id: (status, tokens, probs [k, vocab] or None)}, timing).
     `sampled`: the seq_ids whose drafts carry probabilities (non-greedy requests)."""
-    step, n, secs = int(meta[0]), int(meta[1]), i2f(int(meta[2]))
+    step, n = int(meta[0]), int(meta[1])
+    timing = ReplyTiming(i2f(int(meta[2])), i2f(int(meta[4])), i2f(int(meta[5])))
     rows = meta[REP_HEAD:REP_HEAD + n * REP_FIELDS].reshape(n, REP_FIELDS).tolist()
     t, r, out = REP_HEAD + n * REP_FIELDS, 0, {}
     for seq_id, status, k in rows:
@@ -118,7 +129,7 @@ def decode_reply(meta: np.ndarray, probs: np.ndarray, sampled: set[int]) -> tupl
             p = torch.from_numpy(probs[r:r + k].copy())
             r += k
         out[seq_id] = (status, toks, p)
-    return step, out, secs
+    return step, out, timing
 
 
 class MirrorSeq:
@@ -149,8 +160,9 @@ class DraftWorker:
         if mirror is not None:
             self.proposer.release(mirror)
 
-    def handle(self, buf: np.ndarray) -> tuple[int, tuple[np.ndarray, np.ndarray] | None]:
-        """One request -> (kind, (meta, probs) or None when no reply is due)."""
+    def handle(self, buf: np.ndarray, seen_at: float = 0.0) -> tuple[int, tuple[np.ndarray, np.ndarray] | None]:
+        """One request -> (kind, (meta, probs) or None when no reply is due). seen_at: when
+        it arrived (time.monotonic), reported back for the verifier's latency figures."""
         kind, step, orders, releases = decode_request(buf)
         for seq_id in releases:
             self.drop(seq_id)
@@ -195,7 +207,7 @@ class DraftWorker:
             if o.temperature > 0 and status[o.seq_id] == OK and probs is None:
                 probs = torch.zeros(0, self.vocab)
             results.append((o.seq_id, status[o.seq_id], toks, probs))
-        return kind, encode_reply(step, results, self.vocab, time.perf_counter() - t0)
+        return kind, encode_reply(step, results, self.vocab, time.perf_counter() - t0, seen_at)
 
 
 def load_draft_proposer(bundle_dir: str, config):
@@ -245,10 +257,11 @@ def run_draft_rank(ctx, bundle_dir: str, config, timeout_s: float) -> int:
         if count is None:
             log.info("draft rank leaving: %s", ctx.reason or "orphaned")
             return 0
-        buf = ctx.recv_now(count, TAG_REQUEST, time.monotonic() + timeout_s)
+        seen_at = time.monotonic()
+        buf = ctx.recv_now(count, TAG_REQUEST, seen_at + timeout_s)
         if buf is None:
             return 0
-        kind, reply = worker.handle(buf)
+        kind, reply = worker.handle(buf, seen_at)
         if kind == KIND_STOP:
             log.info("draft rank stopping (%d requests served)", worker.requests)
             return 0

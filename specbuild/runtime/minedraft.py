@@ -9,8 +9,8 @@ The decoding requests that speculate with the draft model form two batches. One 
 so the drafting time hides behind verification. Placement (the balance counter
 `balance` = |batch 0| - |batch 1|, kept within [-1, 1]): a request that starts decoding
 joins the batch being drafted this step unless that batch is already the larger one, and
-a surplus of two or more moves from the batch being drafted to the other; finished and
-aborted requests leave their batch at the next step. When one batch is empty the step is
+a surplus of two or more moves to the other batch (preferably requests whose drafts are
+not in hand); finished and aborted requests leave their batch at the next step. When one batch is empty the step is
 ordinary speculation (draft, wait, verify) through the same remote drafter. KV blocks of
 the target are reserved when a sequence is verified (build_forward_batch), never for
 the batch that is only being drafted, whose draft K/V lives on the draft rank: nothing is
@@ -127,7 +127,11 @@ class RemoteDraftProposer:
         self.releases: list[int] = []
         self.sync_allowed = True
         self.step = 0
+        # seconds, summed over requests: drafting on the draft rank; request send -> seen there
+        # (transfer + its polling); reply ready -> collected here, counted from the later of
+        # "ready" and "verifier free to look" (transfer + our polling); encode/decode here
         self.stats = {"requests": 0, "sequences": 0, "draft_seconds": 0.0, "round_trip_seconds": 0.0,
+                      "request_latency_seconds": 0.0, "reply_latency_seconds": 0.0, "codec_seconds": 0.0,
                       "failed_sequences": 0, "resyncs": 0}
 
     @property
@@ -152,7 +156,9 @@ class RemoteDraftProposer:
                                   float(p.temperature), float(p.top_p)))
             seq.extra["remote_sent"] = len(ids)
             seq.extra["remote_keep"] = NO_ROLLBACK
+        tc = time.perf_counter()
         request = W.encode_request(W.KIND_DRAFT, self.step, orders, self.releases)
+        self.stats["codec_seconds"] += time.perf_counter() - tc
         self.releases = []
         meta_len = W.REP_HEAD + sum(W.REP_FIELDS + g for _, g in pairs)
         prob_rows = sum(g for s, g in pairs if not s.params.greedy)
@@ -167,17 +173,24 @@ class RemoteDraftProposer:
         if sent is None:
             return
         ticket, t0, seqs = sent
+        t_free = time.monotonic()  # the verifier starts looking for the reply
         reply = self.transport.collect(ticket, t0 + self.timeout_s)
+        t_got = time.monotonic()
         if reply is None:
             log.warning("no drafts from the draft rank (%s): continuing with plain decoding", self.transport.reason)
             return
         meta, probs = reply
         sampled = {i for i, s in seqs.items() if not s.params.greedy}
-        _, results, secs = W.decode_reply(meta, probs, sampled)
+        tc = time.perf_counter()
+        _, results, timing = W.decode_reply(meta, probs, sampled)
+        self.stats["codec_seconds"] += time.perf_counter() - tc
         self.stats["requests"] += 1
         self.stats["sequences"] += len(results)
-        self.stats["draft_seconds"] += secs
-        self.stats["round_trip_seconds"] += time.monotonic() - t0
+        self.stats["draft_seconds"] += timing.draft_seconds
+        self.stats["round_trip_seconds"] += t_got - t0
+        if timing.seen_at:  # CLOCK_MONOTONIC is one clock for every process on the host
+            self.stats["request_latency_seconds"] += max(0.0, timing.seen_at - t0)
+            self.stats["reply_latency_seconds"] += max(0.0, t_got - max(timing.ready_at, t_free))
         for seq_id, (status, tokens, draft_probs) in results.items():
             seq = seqs[seq_id]
             if status == W.RESYNC:
@@ -207,6 +220,9 @@ class RemoteDraftProposer:
                               method="draft")
             out.append(draft)
         return out
+
+    def has_draft(self, seq) -> bool:
+        return self._valid(seq)
 
     def _valid(self, seq) -> bool:
         entry = self.prefetched.get(seq.seq_id)
@@ -255,8 +271,12 @@ class MineDraftScheduler(Scheduler):
         for seq in self.running:
             if id(seq) in live and id(seq) not in placed:
                 (drafted if len(drafted) <= len(verified) else verified).append(seq)
-        while len(drafted) - len(verified) >= 2:
-            verified.append(drafted.pop())
+        for big, small in ((drafted, verified), (verified, drafted)):
+            while len(big) - len(small) >= 2:  # prefer moving one whose drafts are not in hand
+                victim = ([s for s in big if not self.remote.has_draft(s)] or big)[-1]
+                big.remove(victim)
+                small.append(victim)
+        assert not {id(s) for s in self.batches[0]} & {id(s) for s in self.batches[1]}
         self.balance = len(self.batches[0]) - len(self.batches[1])
 
     def draft_orders(self, batch: list) -> list[tuple[object, int]]:

@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""Load benchmark over loopback HTTP: plain decoding, standard speculation on one rank,
+MineDraft on two ranks, each served by `specbuild serve` and hit by N concurrent
+streaming clients over Spec-Bench eval prompts.
+
+    .venv/bin/python scripts/bench_load.py [--bundle B] [--clients 8] [--requests 24]
+        [--max-tokens 64] [--gamma 4] [--rows plain,standard,minedraft,standard-2t] [--json out.json]
+
+Without --bundle it builds a synthetic pair in a temp dir: a Llama target whose layers past
+the first `--draft-layers` add only small corrections (their output projections are scaled
+by `--tail-scale`), and a draft made of the target's first layers. The draft is
+`draft-layers / layers` of the target's layer cost and agrees with it often: the regime
+MineDraft is about (drafting time comparable to verification time).
+
+Rows (threads are torch threads per rank):
+    plain         1 rank x 1 thread, no speculation
+    standard      1 rank x 1 thread, draft model, gamma fixed
+    minedraft     2 ranks x 1 thread (`mpirun -n 2 ... --parallel-draft`), same gamma
+    standard-2t   1 rank x 2 threads (the equal-core comparison for minedraft)
+
+Reported per row: output tokens/s over the run, p50/p99 TTFT and TPOT (ms), mean end-to-end
+latency (s), mean accepted tokens per target pass, and for MineDraft the time the verifier
+waited for drafts, the draft rank's compute time, the round trip and the batch imbalance.
+Every wait is bounded; servers are killed (process group) at the end of each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+MPIRUN = os.path.join(os.path.dirname(PY), "mpirun")
+CLI = [PY, "-c", "from specbuild.cli import main; main()"]
+ROWS = {"plain": (1, 1, "none"), "standard": (1, 1, "draft"), "minedraft": (2, 1, "draft"),
+        "standard-2t": (1, 2, "draft"), "plain-2t": (1, 2, "none")}
+
+
+def build_pair(root: str, layers: int, draft_layers: int, hidden: int, tail_scale: float) -> str:
+    """Synthetic target + draft (see the module doc), compiled into a float32 bundle."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from tiny import make_tiny_hf  # the tests' random HF checkpoint writer (tokenizer included)
+
+    from specbuild.build.compile import CompileOptions, compile_bundle
+
+    target = make_tiny_hf(os.path.join(root, "target"), hidden=hidden, layers=layers, heads=8, kv_heads=4,
+                          inter=hidden * 3, scale=4.0, seed=11)
+    path = os.path.join(target, "model.safetensors")
+    tensors = load_file(path)
+    for name in list(tensors):
+        m = re.match(r"model\.layers\.(\d+)\.(self_attn\.o_proj|mlp\.down_proj)\.weight", name)
+        if m and int(m.group(1)) >= draft_layers:
+            tensors[name] = tensors[name] * tail_scale
+    save_file(tensors, path, metadata={"format": "pt"})
+    draft = os.path.join(root, "draft")
+    make_tiny_hf(draft, hidden=hidden, layers=draft_layers, heads=8, kv_heads=4, inter=hidden * 3, seed=11)
+    kept = {k: v for k, v in tensors.items()
+            if not (m := re.match(r"model\.layers\.(\d+)\.", k)) or int(m.group(1)) < draft_layers}
+    save_file(kept, os.path.join(draft, "model.safetensors"), metadata={"format": "pt"})
+    del torch
+    return compile_bundle(target, os.path.join(root, "bundle"), CompileOptions(dtype="float32", max_seq_len=1024,
+                                                                               max_batch_size=16), draft=draft)
+
+
+def eval_prompts(n: int, max_chars: int) -> list[str]:
+    from specbuild import bench as B
+
+    questions = B.select_questions(B.load_questions(), B.load_split(), "eval", None)
+    prompts = [q["turns"][0][:max_chars] for q in questions]
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+class Server:
+    def __init__(self, bundle: str, ranks: int, threads: int, batch: int, log_path: str) -> None:
+        args = ["serve", bundle, "--port", "0", "--threads", str(threads), "--max-batch-size", str(batch),
+                "--log-level", "warning", "--max-queue", "1024"]
+        cmd = CLI + args
+        if ranks == 2:
+            cmd = [MPIRUN, "-disable-auto-cleanup", "-n", "2", *CLI, *args, "--parallel-draft"]
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 180
+        while not (m := re.search(r"on http://127\.0\.0\.1:(\d+)", open(log_path).read())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not start:\n{open(log_path).read()[-3000:]}")
+            time.sleep(0.1)
+        self.port = int(m.group(1))
+
+    def get_json(self, path: str) -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("GET", path)
+            return json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+def one_request(port: int, prompt: str, body: dict, timeout: float) -> dict:
+    """Stream one completion; returns times (perf_counter seconds), tokens and usage."""
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "prompt": prompt, "stream": True}),
+                  headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    first = last = None
+    tokens, usage = 0, {}
+    while line := resp.readline():
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        ids = chunk["choices"][0].get("token_ids") or []
+        if ids:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            tokens += len(ids)
+        usage = chunk.get("usage") or usage
+    conn.close()
+    return {"start": t0, "first": first, "last": last, "end": time.perf_counter(), "tokens": tokens, "usage": usage}
+
+
+def run_load(port: int, prompts: list[str], clients: int, body: dict, timeout: float) -> tuple[list[dict], float]:
+    todo = list(enumerate(prompts))
+    lock = threading.Lock()
+    results: list[dict] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                _, prompt = todo.pop(0)
+            r = one_request(port, prompt, body, timeout)
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return results, time.perf_counter() - t0
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
+
+
+def summarize(name: str, results: list[dict], wall: float, health: dict) -> dict:
+    ttft = [(r["first"] - r["start"]) * 1e3 for r in results if r["first"]]
+    tpot = [(r["last"] - r["first"]) / (r["tokens"] - 1) * 1e3 for r in results if r["tokens"] > 1]
+    tokens = sum(r["tokens"] for r in results)
+    passes = sum(r["tokens"] / max(r["usage"].get("mean_accepted_tokens", 1.0), 1e-9) for r in results)
+    row = {"row": name, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 2),
+           "tokens_per_s": round(tokens / wall, 1), "ttft_p50_ms": round(pct(ttft, 0.5), 1),
+           "ttft_p99_ms": round(pct(ttft, 0.99), 1), "tpot_p50_ms": round(pct(tpot, 0.5), 2),
+           "tpot_p99_ms": round(pct(tpot, 0.99), 2),
+           "e2e_mean_s": round(statistics.mean(r["end"] - r["start"] for r in results), 3),
+           "mean_accepted_tokens": round(tokens / passes, 3) if passes else None}
+    dr = health.get("draft_rank")
+    if dr:
+        steps = max(dr["minedraft_steps"], 1)
+        row["minedraft"] = {
+            "minedraft_steps": dr["minedraft_steps"], "ordinary_steps": dr["ordinary_steps"],
+            "verify_ms_per_step": round(dr["verify_seconds"] / steps * 1e3, 2),
+            "wait_ms_per_step": round(dr["wait_seconds"] / steps * 1e3, 2),
+            "draft_ms_per_request": round(dr["draft_seconds"] / max(dr["requests"], 1) * 1e3, 2),
+            "request_latency_ms": round(dr["request_latency_seconds"] / max(dr["requests"], 1) * 1e3, 3),
+            "reply_latency_ms": round(dr["reply_latency_seconds"] / max(dr["requests"], 1) * 1e3, 3),
+            "codec_ms_per_request": round(dr["codec_seconds"] / max(dr["requests"], 1) * 1e3, 3),
+            "mean_imbalance": round(dr["imbalance_sum"] / steps, 2),
+            "mean_batch": round(dr["batch_sum"] / steps, 2), "state": dr["state"]}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", help="bundle with a draft role [a synthetic pair is built]")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--tail-scale", type=float, default=0.05)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-chars", type=int, default=300)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--rows", default="plain,standard,minedraft,standard-2t")
+    ap.add_argument("--timeout", type=float, default=600, help="bound on each row's load (seconds)")
+    ap.add_argument("--json", help="write the rows here too")
+    args = ap.parse_args()
+    rows = args.rows.split(",")
+    bad = [r for r in rows if r not in ROWS]
+    if bad:
+        sys.exit(f"error: unknown row {bad[0]!r}; rows: {', '.join(ROWS)}")
+    if "minedraft" in rows and not os.access(MPIRUN, os.X_OK):
+        sys.exit(f"error: {MPIRUN} missing; pip install mpi4py mpich")
+    work = tempfile.mkdtemp(prefix="specbuild_bench_load_")
+    bundle = args.bundle or build_pair(work, args.layers, args.draft_layers, args.hidden, args.tail_scale)
+    prompts = eval_prompts(args.requests, args.prompt_chars)
+    report = []
+    for name in rows:
+        ranks, threads, method = ROWS[name]
+        body = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0, "speculation": method,
+                "return_token_ids": True, **({"gamma": args.gamma} if method != "none" else {})}
+        srv = Server(bundle, ranks, threads, args.clients, os.path.join(work, f"{name}.log"))
+        try:
+            run_load(srv.port, prompts[:2], 2, body, args.timeout)  # warm-up (calibration, first-call costs)
+            if ranks == 2:
+                before = srv.get_json("/health")["draft_rank"]
+            results, wall = run_load(srv.port, prompts, args.clients, body, args.timeout)
+            health = srv.get_json("/health")
+            if ranks == 2:  # this run's share of the draft rank's counters
+                for key, value in before.items():
+                    if isinstance(value, (int, float)) and key in health["draft_rank"] and key != "pid":
+                        health["draft_rank"][key] -= value
+        finally:
+            srv.stop()
+        row = summarize(name, results, wall, health)
+        row.update(ranks=ranks, threads_per_rank=threads)
+        report.append(row)
+        print(json.dumps(row), flush=True)
+    by = {r["row"]: r for r in report}
+    if "standard" in by and "minedraft" in by:
+        s, m = by["standard"], by["minedraft"]
+        print(f"minedraft vs standard (one extra core): throughput x{m['tokens_per_s'] / s['tokens_per_s']:.2f}, "
+              f"mean e2e latency {100 * (1 - m['e2e_mean_s'] / s['e2e_mean_s']):+.0f}% lower")
+    if "standard-2t" in by and "minedraft" in by:
+        s, m = by["standard-2t"], by["minedraft"]
+        print(f"minedraft vs standard-2t (equal cores): throughput x{m['tokens_per_s'] / s['tokens_per_s']:.2f}, "
+              f"mean e2e latency {100 * (1 - m['e2e_mean_s'] / s['e2e_mean_s']):+.0f}% lower")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": report}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
