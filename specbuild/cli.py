@@ -45,6 +45,8 @@ def main() -> None:
 @main.command()
 @click.option("--target", required=True, help="Target model: a HF directory, a .gguf file or a preset (smollm2-135m).")
 @click.option("--draft", default=None, help="Draft model (same tokenizer as the target).")
+@click.option("--medusa", default=None, help="Medusa heads (FasterDecoding or TensorRT-LLM layout) for the target.")
+@click.option("--tree", default=None, help="Medusa token tree: preset name or JSON file [default: a chain per head].")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Bundle directory to write.")
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
 @click.option("--max-seq-len", default=2048, show_default=True, type=int, help="Longest prompt + output.")
@@ -70,7 +72,7 @@ def main() -> None:
 @click.option("--wide-format", "wide_formats", multiple=True, type=click.Choice(["float32", "bfloat16"]),
               help="Dense copies of quantized weights built at load for wide verification [float32].")
 @user_errors
-def compile(target, draft, out_dir, dtype, max_seq_len, max_batch_size, max_draft_len, backend, tp, pp,
+def compile(target, draft, medusa, tree, out_dir, dtype, max_seq_len, max_batch_size, max_draft_len, backend, tp, pp,
             trtllm_dtype, quantize, group_size, activations, embedding_format, lm_head_format, wide_formats) -> None:
     """Compile checkpoints into a speculation bundle."""
     import time
@@ -83,7 +85,8 @@ def compile(target, draft, out_dir, dtype, max_seq_len, max_batch_size, max_draf
                              quantize=quantize, group_size=int(group_size), activations=activations,
                              embedding_format=embedding_format, lm_head_format=lm_head_format,
                              formats=tuple(wide_formats) or ("float32",))
-    compile_bundle(target, out_dir, options, draft=draft, progress=lambda m: click.echo(m, err=True))
+    compile_bundle(target, out_dir, options, draft=draft, medusa=medusa, tree=tree,
+                   progress=lambda m: click.echo(m, err=True))
     click.echo(f"bundle written to {out_dir} in {time.perf_counter() - t0:.1f}s", err=True)
 
 
@@ -112,6 +115,9 @@ def inspect(bundle, as_json) -> None:
         if os.path.isfile(quant_path):
             with open(quant_path) as f:
                 info["roles"][role]["quant"] = json.load(f)
+    from .runtime.backend import bundle_guarantees, guarantee_lines
+
+    info["guarantees"] = bundle_guarantees(bundle)
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -132,6 +138,9 @@ def inspect(bundle, as_json) -> None:
         if "quant" in r:
             for line in quant_lines(r["quant"]):
                 click.echo("    " + line)
+    for table in info["guarantees"].values():
+        for line in guarantee_lines(table):
+            click.echo(line)
 
 
 def quant_lines(quant: dict) -> list[str]:
@@ -201,17 +210,27 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
 @sampling_options
 @speculation_options
 @click.option("--threads", type=int, default=None, help="Torch CPU threads.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N (torch backend).")
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
+              help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
 @user_errors
 def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
-             speculation, gamma, gamma_min, gamma_max, tree, typical, threads, device, as_json) -> None:
+             speculation, gamma, gamma_min, gamma_max, tree, typical, threads, device, backend, as_json) -> None:
     """Generate text from one or more prompts (batched)."""
-    from .runtime.engine import Engine, EngineConfig
+    from .runtime.backend import open_engine
+    from .runtime.engine import EngineConfig
     from .runtime.sequence import Request
 
-    engine = Engine(bundle, EngineConfig(device=device, threads=threads))
+    engine = open_engine(bundle, EngineConfig(device=device, threads=threads), backend=backend)
+    if not getattr(engine, "is_leader", True):  # mpirun leader mode: rank 0 serves, the others wait
+        engine.wait_as_worker()
+        return
     spec = make_speculation(engine, speculation, gamma, gamma_min, gamma_max, tree, typical)
+    # no speculation flag: the backend's default (the TensorRT-LLM backend may then serve a sampled
+    # request without drafts where it cannot speculate losslessly, instead of refusing it)
+    asked = any(v is not None for v in (speculation, gamma, gamma_min, gamma_max, tree, typical))
+    request_spec = spec if asked else None
     if spec.typical:
         click.echo("warning: --typical acceptance is LOSSY: output is not the target's distribution", err=True)
     handles = []
@@ -220,13 +239,14 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             ids = engine.encode(engine.render_chat(messages), add_special_tokens=False)
-            handles.append(engine.submit(Request(prompt_ids=ids, sampling=params, speculation=spec)))
+            handles.append(engine.submit(Request(prompt_ids=ids, sampling=params, speculation=request_spec)))
         else:
-            handles.append(engine.submit(Request(prompt=prompt, sampling=params, speculation=spec)))
+            handles.append(engine.submit(Request(prompt=prompt, sampling=params, speculation=request_spec)))
     if as_json:
         engine.run_until_done()
         for h in handles:
             click.echo(json.dumps(h.result()))
+        engine.close()
         return
     stream = len(handles) == 1
     for i, h in enumerate(handles):
@@ -245,6 +265,9 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
                      f"{s['accepted']}/{s['drafted']} drafts accepted") if spec.enabled else ""
         click.echo(f"[{s['generated_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, ttft {s['ttft_ms']:.0f} ms, "
                    f"finish={r['finish_reason']}, seed={s['seed']}{spec_info}]", err=True)
+        if s.get("stat_speculation_off"):
+            click.echo(f"note: served without drafts: {s['stat_speculation_off']}", err=True)
+    engine.close()
 
 
 if __name__ == "__main__":

@@ -548,3 +548,25 @@ def test_guarantees_table():
     assert set(guarantees("tensorrt-llm", mode="none")["methods"]) == {"none"}
     with pytest.raises(ValueError, match="backend 'x'"):
         guarantees("x")
+
+
+def test_cli_backend_choice_and_inspect(trt_bundle):
+    import subprocess
+
+    def specbuild(*args):
+        return subprocess.run([sys.executable, "-m", "specbuild.cli", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    r = specbuild("generate", trt_bundle, "--prompt", "the", "--max-tokens", "3", "--backend", "tensorrt-llm")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert "--backend tensorrt-llm cannot run" in r.stderr and "engines not built" in r.stderr
+    r = specbuild("generate", trt_bundle, "--prompt", "the", "--max-tokens", "3", "--json")  # auto -> torch
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["token_ids"]) == 3
+    r = specbuild("inspect", trt_bundle)
+    assert r.returncode == 0, r.stderr
+    assert "guarantees on the torch backend:" in r.stdout and "guarantees on the tensorrt-llm backend:" in r.stdout
+    assert "greedy lossless  sampled refused" in r.stdout  # prompt lookup on TensorRT-LLM
+    table = json.loads(specbuild("inspect", trt_bundle, "--json").stdout)["guarantees"]
+    assert table["tensorrt-llm"]["methods"]["draft"]["sampled"] == "refused"
+    assert table["torch"]["methods"]["draft"]["sampled"] == "lossless"

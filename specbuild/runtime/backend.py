@@ -132,6 +132,22 @@ def guarantees(backend: str, *, mode: str = "none", gather_generation_logits: bo
             "notes": notes}
 
 
+def bundle_guarantees(bundle_dir: str) -> dict[str, dict[str, Any]]:
+    """backend -> guarantees table, for each backend this bundle can run on (inspect)."""
+    meta = read_meta(bundle_dir)
+    torch_methods = ["none", "ngram", *[m for m in ("draft", "medusa") if m in meta.roles], "auto"]
+    out = {"torch": guarantees("torch", methods=torch_methods)}
+    if meta.backend == "tensorrt-llm":
+        from .trtllm_engine import read_trtllm_meta
+
+        trt = read_trtllm_meta(bundle_dir)
+        methods = {"medusa": ["none", "medusa"], "draft_tokens_external": ["none", "ngram"]}.get(trt["mode"], ["none"])
+        methods += ["draft"] if trt["mode"] == "draft_tokens_external" and "draft" in trt["roles"] else []
+        out["tensorrt-llm"] = guarantees("tensorrt-llm", mode=trt["mode"], methods=methods,
+                                         gather_generation_logits=bool(trt.get("gather_generation_logits")))
+    return out
+
+
 def guarantee_lines(table: dict[str, Any]) -> list[str]:
     """The table as aligned text lines (inspect, README)."""
     lines = [f"guarantees on the {table['backend']} backend:"]
