@@ -4,6 +4,8 @@ KV compaction) is tested independently of Medusa heads."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -130,3 +132,40 @@ def test_sampled_tree_speculation_matches_exact_distribution(engine):
     r = check(engine, PROMPTS[0], 1.0, 3, SpeculationConfig.make(None, method="medusa", gamma=4, tree="default"), 600)
     assert r.drafted > 0 and r.accepted > 0
     assert r.p_value > 0.001, r
+
+
+@pytest.fixture(scope="module")
+def medusa_bundle(tmp_path_factory, tiny_bundle):
+    """The tiny bundle compiled with Medusa heads trained on its own answers (seconds)."""
+    import json
+
+    from specbuild.build.medusa_train import MedusaTrainConfig, train_medusa
+
+    root = tmp_path_factory.mktemp("medusa")
+    data = root / "data.jsonl"
+    with open(data, "w") as f:
+        for i in range(14):
+            f.write(json.dumps({"prompt": " ".join(f"word{(i * 7 + j) % 23}" for j in range(12))}) + "\n")
+    heads = str(root / "heads")
+    train_medusa(tiny_bundle, str(data), heads,
+                 MedusaTrainConfig(num_heads=3, steps=300, batch_positions=32, lr=1e-2, max_prompts=12, eval_prompts=2,
+                                   max_answer_tokens=24, bf16="off", ignore_eos=True), progress=False,
+                 log=lambda m: None)
+    source = json.load(open(os.path.join(tiny_bundle, "bundle.json")))["roles"]["target"]["source"]
+    return compile_bundle(source, str(root / "bundle"), CompileOptions(dtype="float32"), medusa=heads,
+                          tree="mc_sim_7b_top10")
+
+
+def test_compiled_medusa_bundle_is_lossless_and_accepts(medusa_bundle):
+    engine = Engine(medusa_bundle, EngineConfig(max_batch_size=4))
+    assert engine.default_speculation.method == "medusa" and "medusa" in engine.methods
+    prompts = [engine.encode(" ".join(f"word{(3 * j) % 23}" for j in range(10))), [40, 41, 42]]
+    plain = run(engine, method="none", prompts=prompts, max_tokens=24)
+    for tree in (None, "chain_2", "mc_sim_7b_top10"):
+        spec = run(engine, tree=tree, prompts=prompts, max_tokens=24)
+        assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain], tree
+        assert sum(r["stats"]["drafted"] for r in spec) > 0
+    assert sum(r["stats"]["accepted"] for r in spec) > 0
+    with pytest.raises(ValueError, match="depth 4 but the bundle has 3 Medusa heads"):
+        engine.submit(Request(prompt_ids=[1, 2], speculation=SpeculationConfig.make(None, method="medusa",
+                                                                                    tree="chain_4")))

@@ -100,7 +100,8 @@ def check_same_tokenizer(target: Checkpoint, other: Checkpoint, role: str) -> No
 
 
 def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptions = CompileOptions(),
-                   draft: str | Checkpoint | None = None, speculation: dict | None = None,
+                   draft: str | Checkpoint | None = None, medusa: str | None = None, tree: str | None = None,
+                   speculation: dict | None = None,
                    sampling: dict | None = None, progress=None) -> str:
     """Read the sources, write the bundle atomically (temp dir, then rename). Returns out_dir."""
     say = progress or (lambda msg: None)
@@ -126,27 +127,47 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
         if drf is not None:
             roles["draft"] = write_role(tmp, "draft", drf, options.dtype, options)
             say(f"wrote draft ({roles['draft']['bytes'] / 1e6:.1f} MB)")
+        limits = Limits(options.max_seq_len, options.max_batch_size, options.max_draft_len)
+        if medusa is not None:
+            from .medusa import write_medusa_role
+
+            roles["medusa"] = write_medusa_role(tmp, medusa, tree, progress=say)
+            roles["medusa"]["tokenizer_fingerprint"] = tokenizer_fingerprint(tgt.tokenizer_json)
+            if limits.max_draft_len < roles["medusa"]["tree_nodes"]:
+                limits = dataclasses.replace(limits, max_draft_len=roles["medusa"]["tree_nodes"])
+        elif tree is not None:
+            raise SpecbuildError("--tree needs --medusa HEADS (the tree is drafted by Medusa heads)")
         with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
             f.write(tgt.tokenizer_json)
-        trtllm_meta = None
         if options.backend == "tensorrt-llm":
             from .trtllm_build import build_engines, write_trtllm_bundle_part
 
+            heads, tree_paths, max_draft = None, None, (options.max_draft_len if drf is not None else None)
+            if medusa is not None:  # heads with the target's lm_head written as copies, the bundle's tree
+                from ..plugins.tree import load_tree
+                from .medusa import read_medusa
+
+                mw = read_medusa(medusa)
+                lm = tgt.tensors.get("lm_head.weight", tgt.tensors["model.embed_tokens.weight"])
+                heads = mw.tensors(lm)
+                spec = load_tree(os.path.join(tmp, "medusa", "tree.json"))
+                tree_paths, max_draft = [list(p) for p in spec.paths], spec.num_drafts
             say(f"writing TensorRT-LLM checkpoints (tp={options.tp}, pp={options.pp}, {options.trtllm_dtype})")
-            trtllm_meta = write_trtllm_bundle_part(
-                tmp, tgt, drf, tp=options.tp, pp=options.pp, dtype=options.trtllm_dtype,
-                max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
-                max_draft_len=options.max_draft_len if drf is not None else None)
+            write_trtllm_bundle_part(
+                tmp, tgt, drf, medusa=heads, tree_paths=tree_paths, tp=options.tp, pp=options.pp,
+                dtype=options.trtllm_dtype, max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
+                max_draft_len=max_draft)
             if build_engines(os.path.join(tmp, "trtllm")):
                 say("TensorRT-LLM engines built")
             else:
                 say("TensorRT-LLM is not importable here: checkpoints written; run trtllm/build.sh "
                     "on a machine with TensorRT-LLM to build the engines")
-        default_spec = speculation or {"method": "draft" if drf is not None else "none"}
+        default_spec = speculation or {"method": "medusa" if medusa is not None else
+                                       "draft" if drf is not None else "none"}
         meta = BundleMeta(
             roles=roles,
             tokenizer_fingerprint=tokenizer_fingerprint(tgt.tokenizer_json),
-            limits=Limits(options.max_seq_len, options.max_batch_size, options.max_draft_len),
+            limits=limits,
             default_sampling=sampling or {"temperature": 0.0, "max_tokens": 128},
             default_speculation=default_spec,
             special_tokens=tgt.special,

@@ -149,6 +149,12 @@ class Engine:
             attach_format_plans(draft_model, self.meta.limits.max_draft_len)
             proposers["draft"] = DraftModelProposer(draft_model, self.cache.num_blocks, self.target_config.vocab_size,
                                                     self.config.block_size)
+        if "medusa" in self.meta.roles:
+            from .medusa_heads import load_medusa
+            from .proposers.medusa import MedusaProposer
+
+            role = load_medusa(self.bundle_dir, self.model.w, self.config.device)
+            proposers["medusa"] = MedusaProposer(role.heads, role.tree)
         return Speculator(self.model, self.cache, proposers, self.meta.limits.max_draft_len, self.max_seq_len,
                           binning=self.config.binning)
 
@@ -223,6 +229,13 @@ class Engine:
         if spec.method != "none" and spec.gamma_max > self.meta.limits.max_draft_len:
             raise RequestError(f"gamma_max={spec.gamma_max} exceeds the bundle's max_draft_len "
                                f"{self.meta.limits.max_draft_len}; recompile with --max-draft-len")
+        medusa = self.speculator.proposers.get("medusa")
+        if spec.method in ("medusa", "auto") and hasattr(medusa, "validate_tree"):
+            tree = medusa.validate_tree(spec.tree)
+            if tree.num_drafts > self.meta.limits.max_draft_len:
+                raise RequestError(f"tree {tree.name or spec.tree!r} has {tree.num_drafts} nodes; the bundle's "
+                                   f"max_draft_len is {self.meta.limits.max_draft_len} (recompile with "
+                                   "--max-draft-len)")
         return spec
 
     def abort(self, handle: Handle) -> None:

@@ -229,13 +229,18 @@ class Scheduler:
         groups = self.speculator.bins(items) if self.speculator else [items]
         for group in groups:
             batch = build_forward_batch(group, self.cache)
-            logits = self.model.forward(batch, self.cache)
+            hidden = None
+            if self.speculator and self.speculator.wants_hidden:
+                logits, hidden = self.model.forward(batch, self.cache, return_hidden=True)
+            else:
+                logits = self.model.forward(batch, self.cache)
             self.passes += 1
-            self.finish_items(group, logits)
+            self.finish_items(group, logits, hidden)
         return len(items)
 
-    def finish_items(self, items: list[WorkItem], logits: torch.Tensor) -> None:
-        """logits: [sum over completing items of (1 + n_draft), vocab]."""
+    def finish_items(self, items: list[WorkItem], logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        """logits: [sum over completing items of (1 + n_draft), vocab]; hidden: the same rows'
+        final-normed hidden states [rows, hidden] when a drafter reads them (Medusa)."""
         r = 0
         for it in items:
             seq = it.seq
@@ -245,6 +250,7 @@ class Scheduler:
                 self.commit(seq, seq.num_cached)
                 continue
             rows = logits[r:r + 1 + it.n_draft]  # [1 + k, vocab]
+            hidden_rows = hidden[r:r + 1 + it.n_draft] if hidden is not None else None
             r += 1 + it.n_draft
             was_decode = len(it.chunk) == 1 and seq.output_ids
             if it.n_draft:
@@ -260,6 +266,12 @@ class Scheduler:
             self.commit(seq, seq.num_cached)
             before = len(seq.text)
             kept = seq.append_tokens(new_tokens)
+            if hidden_rows is not None and not seq.finished:
+                # the row whose logits chose the new last token: the last accepted node
+                # (chain: draft `accepted`; tree: that node's index); 0 when none was accepted
+                row = it.draft.last_row if it.n_draft and getattr(it.draft, "last_row", None) is not None \
+                    else accepted
+                self.speculator.observe_hidden(seq, hidden_rows[row])
             if seq.handle is not None:
                 seq.handle._emit(Event(kept, seq.text[before:], seq.finished, seq.finish_reason))
             if seq.finished:

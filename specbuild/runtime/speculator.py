@@ -91,6 +91,14 @@ class Speculator:
         return costs
 
     # ---- per-step hooks ------------------------------------------------------------------------
+    @property
+    def wants_hidden(self) -> bool:
+        """Medusa heads read the target's hidden state of the row that chose each root."""
+        return "medusa" in self.proposers and hasattr(self.proposers["medusa"], "observe")
+
+    def observe_hidden(self, seq, hidden_row: torch.Tensor) -> None:
+        self.proposers["medusa"].observe(seq, hidden_row)
+
     def max_extra_tokens(self, seq) -> int:
         return self.max_draft_len + 1
 
@@ -168,6 +176,7 @@ class Speculator:
             res = self.verify_tree(seq, draft, target_logits)
             a = len(res.accepted_nodes)
             seq.extra["accepted_nodes"] = res.accepted_nodes
+            draft.last_row = res.accepted_nodes[-1] if res.accepted_nodes else 0
             # by depth: the fraction of tree steps whose accepted path reached depth d + 1
             self.record(seq, draft, k, a, depth_counts=[1] * max(draft.depths))
             return a, list(res.tokens)

@@ -22,6 +22,7 @@ class Draft:
     depths: list[int] | None = None  # tree only: [n] depth of nodes 1..n (>= 1)
     tree_mask: torch.Tensor | None = None  # tree only: [n + 1, n + 1] bool ancestor mask, root row 0
     method: str = ""
+    last_row: int | None = None  # set by tree verification: the row of the last accepted node
 
     def __len__(self) -> int:
         return len(self.tokens)
