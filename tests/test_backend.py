@@ -167,6 +167,7 @@ class StubExecutor:
     instances: list["StubExecutor"] = []
 
     def __init__(self, engine_dir, model_type, config):
+        engine_dir = str(engine_dir)
         self.role = os.path.basename(engine_dir)
         self.bundle = os.path.dirname(os.path.dirname(os.path.dirname(engine_dir)))
         self.limits = engine_limits(json.load(open(os.path.join(engine_dir, "config.json"))))
@@ -231,7 +232,8 @@ def stub_module() -> types.ModuleType:
     m.CommunicationType = types.SimpleNamespace(MPI="mpi")
     m.CommunicationMode = types.SimpleNamespace(LEADER="leader")
     m.DecodingMode = types.SimpleNamespace(Medusa=lambda: "medusa")
-    for name in ("KvCacheConfig", "DecodingConfig", "ExecutorConfig", "ParallelConfig", "OutputConfig"):
+    for name in ("KvCacheConfig", "DecodingConfig", "ExecutorConfig", "ParallelConfig", "OutputConfig",
+                 "ExtendedRuntimePerfKnobConfig"):
         setattr(m, name, _Rec)
     m.SamplingConfig = lambda beam_width=1, **kw: types.SimpleNamespace(beam_width=beam_width, top_k=kw.get("top_k"),
                                                                         **{k: v for k, v in kw.items() if k != "top_k"})
@@ -449,6 +451,7 @@ def test_medusa_engine(stub_trtllm, medusa_bundle, reference):
     (target,) = StubExecutor.instances
     assert target.config.decoding_config.decoding_mode == "medusa"
     assert target.config.decoding_config.medusa_choices == [[0], [1], [0, 0], [0, 0, 0]]
+    assert target.config.extended_runtime_perf_knob_config.multi_block_mode is False
     assert engine.methods == ["none", "medusa"] and engine.default_speculation.method == "medusa"
     r = engine.generate([Request(prompt_ids=LOOPY, sampling=greedy(14))])[0]
     assert r["token_ids"] == reference(LOOPY, 14)

@@ -39,6 +39,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
@@ -327,7 +328,9 @@ class TrtllmEngine:
         cfg = trt.ExecutorConfig(max_beam_width=1, max_batch_size=self.max_batch_size, kv_cache_config=kv,
                                  decoding_config=decoding)
         cfg.parallel_config = trt.ParallelConfig(trt.CommunicationType.MPI, trt.CommunicationMode.LEADER)
-        return trt.Executor(engine_dir, trt.ModelType.DECODER_ONLY, cfg)
+        if medusa:  # as ModelRunnerCpp.from_dir does: Medusa does not support multi-block mode
+            cfg.extended_runtime_perf_knob_config = trt.ExtendedRuntimePerfKnobConfig(multi_block_mode=False)
+        return trt.Executor(Path(engine_dir), trt.ModelType.DECODER_ONLY, cfg)
 
     # ---- what this bundle can serve ---------------------------------------------------------
     @property
