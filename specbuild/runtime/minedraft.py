@@ -174,7 +174,8 @@ class RemoteDraftProposer:
             return
         ticket, t0, seqs = sent
         t_free = time.monotonic()  # the verifier starts looking for the reply
-        reply = self.transport.collect(ticket, t0 + self.timeout_s)
+        # the deadline runs from here: a long verification of the other batch is not the drafter's fault
+        reply = self.transport.collect(ticket, t_free + self.timeout_s)
         t_got = time.monotonic()
         if reply is None:
             log.warning("no drafts from the draft rank (%s): continuing with plain decoding", self.transport.reason)
@@ -200,7 +201,7 @@ class RemoteDraftProposer:
                 seq.extra["remote_failed"] = True
                 self.stats["failed_sequences"] += 1
                 log.warning("sequence %d: the drafter failed on it; decoding it plainly from now on", seq_id)
-            elif tokens:
+            elif tokens and not seq.finished:  # (an abort may have come in the meantime)
                 self.prefetched[seq_id] = (len(seq.all_ids), Draft(tokens, draft_probs, method="draft"))
 
     # ---- Proposer protocol -------------------------------------------------------------------
