@@ -11,16 +11,17 @@ from .cli import user_errors
 
 @click.command("train-medusa")
 @click.argument("bundle", type=click.Path())
-@click.option("--data", "data_path", required=True, type=click.Path(),
-              help="Spec-Bench-style jsonl ({\"turns\": [...]} or {\"prompt\": ...}); the train split is used "
-                   "when the package's Spec-Bench split covers its question ids, else a seeded 90/10 split.")
+@click.option("--data", "data_path", default=None, type=click.Path(),
+              help="Spec-Bench-style jsonl ({\"turns\": [...]} or {\"prompt\": ...}) [default: the packaged "
+                   "Spec-Bench]. Its train split is used when the package's split covers its question ids "
+                   "(eval split for the accuracy report), else a seeded 90/10 split.")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Directory for the heads (and caches).")
 @click.option("--heads", "num_heads", default=4, show_default=True, type=int, help="Medusa heads (tree depth limit).")
 @click.option("--layers", "num_layers", default=1, show_default=True, type=int, help="Residual blocks per head.")
 @click.option("--steps", default=None, type=int, help="Optimizer steps [default: --epochs over the positions].")
-@click.option("--epochs", default=2.0, show_default=True, type=float, help="Passes over the training positions.")
+@click.option("--epochs", default=4.0, show_default=True, type=float, help="Passes over the training positions.")
 @click.option("--batch-positions", default=128, show_default=True, type=int, help="Positions per step.")
-@click.option("--lr", default=1e-3, show_default=True, type=float, help="AdamW peak learning rate.")
+@click.option("--lr", default=3e-3, show_default=True, type=float, help="AdamW peak learning rate.")
 @click.option("--shared-lm-head/--own-lm-head", default=True, show_default=True,
               help="Heads use the target's lm_head (frozen, not stored) or train their own copies (slower, larger).")
 @click.option("--soft-labels", is_flag=True, help="Match the target's distribution (KL) instead of its tokens.")

@@ -192,10 +192,12 @@ def test_heads_forward_matches_reference(num_layers):
     fd = fd_heads(4, num_layers, seed=7)
     del fd[f"0.{num_layers}.weight"], fd[f"3.{num_layers}.weight"]  # heads 0 and 3 share
     hidden = torch.randn(5, HIDDEN, generator=gen)
-    got = MedusaHeads(fd, 4, num_layers, shared).forward(hidden)
+    heads = MedusaHeads(fd, 4, num_layers, shared)
+    got = heads.forward(hidden)
     want = reference_medusa_logits(fd, 4, num_layers, shared, hidden)
     assert got.shape == (5, 4, VOCAB) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(heads.forward(hidden, 2).double(), want[:, :2], rtol=1e-5, atol=1e-4)
     all_shared = {k: v for k, v in fd.items() if "linear" in k}
     heads = MedusaHeads(all_shared, 4, num_layers, shared)
     assert heads.all_shared

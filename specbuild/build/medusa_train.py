@@ -40,6 +40,7 @@ from .medusa import FD_FILE
 
 IGNORE = -100
 SPLIT_RESOURCE = "data/spec_bench/split.json"
+QUESTIONS_RESOURCE = "data/spec_bench/question.jsonl"
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,9 @@ class MedusaTrainConfig:
     num_heads: int = 4
     num_layers: int = 1
     steps: int | None = None  # None: `epochs` passes over the training positions
-    epochs: float = 2.0
+    epochs: float = 4.0
     batch_positions: int = 128
-    lr: float = 1e-3
+    lr: float = 3e-3
     weight_decay: float = 0.0
     decay: float = 0.8  # loss weight of head k is decay ** k
     shared_lm_head: bool = True
@@ -84,9 +85,13 @@ class MedusaTrainConfig:
 
 
 # ---- data ------------------------------------------------------------------------------------
-def load_records(path: str) -> list[dict]:
+def load_records(path: str | None) -> list[dict]:
     """Spec-Bench-style jsonl: {"turns": [...]} (the first turn is the prompt) or
-    {"prompt": ...}; question_id kept when present."""
+    {"prompt": ...}; question_id kept when present. None: the packaged Spec-Bench."""
+    if path is None:
+        from importlib import resources
+
+        path = str(resources.files("specbuild").joinpath(QUESTIONS_RESOURCE))
     if not os.path.isfile(path):
         raise SpecbuildError(f"--data {path!r} does not exist")
     out = []
@@ -128,7 +133,8 @@ def _package_split() -> dict | None:
 
 def split_records(records: list[dict], cfg: MedusaTrainConfig) -> tuple[list[dict], list[dict], str]:
     """(train, eval, how): the package's Spec-Bench split by question id when every record
-    has one in it, else a seeded 90/10 split of the file; each capped (seeded sample)."""
+    has one in it, else a seeded 90/10 split of the file; both in a seeded random order
+    (`distill` takes the first ones that fit)."""
     gen = torch.Generator().manual_seed(cfg.seed)
     split = _package_split()
     if split and all(str(r["id"]) in split["train"] | split["eval"] for r in records):
@@ -136,19 +142,22 @@ def split_records(records: list[dict], cfg: MedusaTrainConfig) -> tuple[list[dic
         evals = [r for r in records if str(r["id"]) in split["eval"]]
         how = "Spec-Bench split (package data)"
     else:
-        order = torch.randperm(len(records), generator=gen).tolist()
         n_eval = min(cfg.eval_prompts, max(1, len(records) // 10)) if len(records) > 1 else 0
+        order = torch.randperm(len(records), generator=gen).tolist()
         evals = [records[i] for i in order[:n_eval]]
         train = [records[i] for i in order[n_eval:]]
-        how = f"seeded split of the file ({len(train)} train / {len(evals)} eval)"
-    def cap(rs, n):
-        return [rs[i] for i in sorted(torch.randperm(len(rs), generator=gen)[:n].tolist())]
-    return cap(train, cfg.max_prompts), cap(evals, cfg.eval_prompts), how
+        how = "seeded 90/10 split of the file"
+
+    def shuffled(rs):
+        return [rs[i] for i in torch.randperm(len(rs), generator=gen).tolist()]
+    return shuffled(train), shuffled(evals), how
 
 
-def distill(engine, records: list[dict], cfg: MedusaTrainConfig, path: str, progress: bool) -> list[dict]:
-    """The target's answers to `records`, appended to `path` (jsonl) as they finish; lines
-    already there (same id) are reused. Returns [{"id", "prompt_ids", "answer_ids"}]."""
+def distill(engine, records: list[dict], limit: int, cfg: MedusaTrainConfig, path: str,
+            progress: bool) -> list[dict]:
+    """The target's answers to the first `limit` records whose prompt fits (chat template,
+    <= max_prompt_tokens), appended to `path` (jsonl) as they finish; lines already there
+    (same id) are reused. Returns [{"id", "prompt_ids", "answer_ids"}]."""
     from tqdm import tqdm
 
     from ..runtime.sampling import SamplingParams
@@ -161,14 +170,17 @@ def distill(engine, records: list[dict], cfg: MedusaTrainConfig, path: str, prog
                 if line.strip():
                     rec = json.loads(line)
                     done[str(rec["id"])] = rec
-    todo, skipped = [], 0
+    todo, chosen = [], []
     for i, r in enumerate(records):
+        if len(chosen) == limit:
+            break
         if str(r["id"]) in done:
+            chosen.append(r)
             continue
         ids = engine.encode(engine.render_chat([{"role": "user", "content": r["text"]}]), add_special_tokens=False)
         if len(ids) > cfg.max_prompt_tokens or len(ids) + cfg.max_answer_tokens > engine.max_seq_len:
-            skipped += 1
             continue
+        chosen.append(r)
         todo.append((r, ids, cfg.seed + i))
     bar = tqdm(total=len(todo), desc="target answers", unit="prompt", disable=not progress or not todo)
     with open(path, "a") as out:
@@ -191,7 +203,7 @@ def distill(engine, records: list[dict], cfg: MedusaTrainConfig, path: str, prog
                 done[str(r["id"])] = rec
                 bar.update(1)
     bar.close()
-    wanted = [done[str(r["id"])] for r in records if str(r["id"]) in done]
+    wanted = [done[str(r["id"])] for r in chosen]
     return [w for w in wanted if len(w["answer_ids"]) >= 2]
 
 
@@ -371,7 +383,7 @@ def _hidden_cache(engine, seqs: list[dict], path: str, resume: bool, progress: b
     return data
 
 
-def train_medusa(bundle_dir: str, data_path: str, out_dir: str, cfg: MedusaTrainConfig = MedusaTrainConfig(),
+def train_medusa(bundle_dir: str, data_path: str | None, out_dir: str, cfg: MedusaTrainConfig = MedusaTrainConfig(),
                  resume: bool = False, progress: bool = True, log=print) -> dict:
     """Run the four phases (module docstring); returns the report (also `<out>/report.json`)."""
     from safetensors.torch import save_file
@@ -391,9 +403,12 @@ def train_medusa(bundle_dir: str, data_path: str, out_dir: str, cfg: MedusaTrain
             if os.path.exists(os.path.join(out_dir, name)):
                 os.remove(os.path.join(out_dir, name))
     engine = Engine(bundle_dir, EngineConfig(device=cfg.device))
-    log(f"prompts: {len(train_recs)} train, {len(eval_recs)} eval ({how}); batch {engine.max_batch_size}")
-    train_seqs = distill(engine, train_recs, cfg, os.path.join(out_dir, "answers_train.jsonl"), progress)
-    eval_seqs = distill(engine, eval_recs, cfg, os.path.join(out_dir, "answers_eval.jsonl"), progress)
+    log(f"prompts: up to {cfg.max_prompts} of {len(train_recs)} train, {cfg.eval_prompts} of {len(eval_recs)} "
+        f"eval ({how}); the target answers {engine.max_batch_size} at a time")
+    train_seqs = distill(engine, train_recs, cfg.max_prompts, cfg, os.path.join(out_dir, "answers_train.jsonl"),
+                         progress)
+    eval_seqs = distill(engine, eval_recs, cfg.eval_prompts, cfg, os.path.join(out_dir, "answers_eval.jsonl"),
+                        progress)
     t_distill = time.perf_counter()
     if not train_seqs:
         raise SpecbuildError("no training answers: every prompt was too long or the target answered with < 2 tokens")

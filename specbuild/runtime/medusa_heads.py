@@ -92,24 +92,28 @@ class MedusaHeads:
         self.all_shared = len(converted) == 1
 
     @torch.inference_mode()
-    def hidden_out(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, heads, H]
-        """The residual blocks of every head on hidden [B, H]."""
-        x = hidden.to(self.device, self.dtype).unsqueeze(1).expand(-1, self.num_heads, -1)
+    def hidden_out(self, hidden: torch.Tensor, num: int) -> torch.Tensor:  # [B, num, H]
+        """The residual blocks of heads 0..num-1 on hidden [B, H]."""
+        x = hidden.to(self.device, self.dtype).unsqueeze(1).expand(-1, num, -1)
         for w, b in zip(self.layer_w, self.layer_b):
-            x = x + F.silu(torch.einsum("bhi,hoi->bho", x, w) + b)
+            x = x + F.silu(torch.einsum("bhi,hoi->bho", x, w[:num]) + b[:num])
         return x
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, heads, vocab] float32
-        """hidden: [B, H], the target's final-normed hidden states."""
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """hidden: [B, H], the target's final-normed hidden states. Returns logits
+        [B, num_heads, vocab] float32 of heads 0..num_heads-1 (default: all)."""
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise ValueError(f"hidden has shape {tuple(hidden.shape)}, expected [batch, {self.hidden_size}]")
-        x = self.hidden_out(hidden)  # [B, heads, H]
+        num = self.num_heads if num_heads is None else num_heads
+        if not 1 <= num <= self.num_heads:
+            raise ValueError(f"num_heads={num} is outside [1, {self.num_heads}]")
+        x = self.hidden_out(hidden, num)  # [B, num, H]
         b = x.shape[0]
         if self.all_shared:
-            logits = F.linear(x.reshape(b * self.num_heads, -1), self.lm_heads[0])
-            return logits.view(b, self.num_heads, -1).float()
-        return torch.stack([F.linear(x[:, h], self.lm_heads[h]) for h in range(self.num_heads)], 1).float()
+            logits = F.linear(x.reshape(b * num, -1), self.lm_heads[0])
+            return logits.view(b, num, -1).float()
+        return torch.stack([F.linear(x[:, h], self.lm_heads[h]) for h in range(num)], 1).float()
 
     __call__ = forward
 

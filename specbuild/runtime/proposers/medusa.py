@@ -123,7 +123,8 @@ class MedusaProposer:
         if not live:
             return out
         k = max(max(trees[b].ranks) for b in live) + 1
-        logits = self.heads.forward(hidden[live])  # [L, heads, vocab]
+        depth = max(trees[b].max_depth for b in live)  # heads deeper than every tree are skipped
+        logits = self.heads.forward(hidden[live], depth)  # [L, depth, vocab]
         top = logits.topk(k, dim=-1).indices.cpu()  # [L, heads, k], best first
         for row, b in enumerate(live):
             tree = trees[b]
