@@ -463,6 +463,10 @@ def test_medusa_engine(stub_trtllm, medusa_bundle, reference):
         with pytest.raises(RequestError, match="greedy-only"):
             engine.submit(Request(prompt_ids=LOOPY, sampling=SamplingParams(temperature=0.7, max_tokens=4),
                                   speculation=None if method is None else {"method": method}))
+    with pytest.raises(RequestError, match="per-request trees are torch-only"):
+        engine.submit(Request(prompt_ids=LOOPY, sampling=greedy(4), speculation={"method": "medusa",
+                                                                                 "tree": "mc_sim_7b_63"}))
+    assert not engine.has_work()
     table = engine.describe_guarantees()
     assert table["methods"]["medusa"]["sampled"] == "refused" and table["methods"]["medusa"]["greedy"] == "lossless"
 

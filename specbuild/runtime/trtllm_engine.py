@@ -372,6 +372,9 @@ class TrtllmEngine:
                                f"engines (available: {', '.join(self.methods)})")
         if spec.typical:
             raise RequestError("typical acceptance is not available on the tensorrt-llm backend (torch only)")
+        if spec.tree is not None and spec.method == "medusa" and spec.tree != (self.tree or {}).get("name"):
+            raise RequestError(f"tree {spec.tree!r}: TensorRT-LLM fixes the Medusa tree when its executor starts "
+                               f"(this engine's is {(self.tree or {}).get('name')!r}); per-request trees are torch-only")
         cap = self.limits["max_draft_len"]
         if spec.method in ("ngram", "draft") and spec.gamma_max > cap:
             raise RequestError(f"Number of draft tokens ({spec.gamma_max}) > maximum ({cap}) of the target engine: "
