@@ -192,3 +192,19 @@ def test_smollm2_q4_1_carried_and_unpermuted(smollm2_gguf):
     bf = convert_tensor(qkv, "int4", "bfloat16", 32, raw["layers.3.qkv"])
     assert bf.conversion == "rounded" and bf.max_abs_change < 0.05
     assert torch.equal(q8_0_values(raw["embed"][1], 576), ckpt.tensors["model.embed_tokens.weight"])
+
+
+def test_formats_bench_on_a_tiny_model(tiny_src, tmp_path):
+    from specbuild.formats_bench import format_report, run_formats_bench
+
+    formats = {"float32": {}, "int4": {"quantize": "int4", "lm_head_format": "int8"}}
+    report = run_formats_bench(tiny_src, formats, threads=1, work_dir=str(tmp_path), ppl_texts=2, ppl_tokens=64,
+                               prompts=2, gen_tokens=8, decode_tokens=8, repeats=1, widths=(1, 5))
+    f32, int4 = report["rows"]
+    assert int4["weight_mb"] < f32["weight_mb"] / 2 and int4["bytes_by_format"]["int4"] > 0
+    assert set(int4["verify_ms"]) == {1, 5} and int4["verify_w5_over_w1"] > 0 and int4["floor_ms"] > 0
+    assert 1.0 < f32["perplexity"] < float("inf") and f32["perplexity_change_pct"] == 0.0  # random weights: any ppl
+    assert int4["agreement"]["outputs"] == 2 and 0.0 <= int4["agreement"]["top1_agreement"] <= 1.0
+    assert "agreement" not in f32 and report["llama_cpp"] is None  # not a GGUF source
+    table = format_report(report)
+    assert "int4" in table and "float32" in table and "w5" in table

@@ -133,8 +133,13 @@ class Int4Format:
             scales_zeros = torch.cat([scales_zeros, scales_zeros.new_zeros(pad, *scales_zeros.shape[1:])])
         self.scales_zeros = aligned(scales_zeros.transpose(0, 1))  # [K / G, N_pad, 2]
         if q.device.type == "cuda":
-            hi_lo = (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8)  # CUDA packs high nibble first
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(hi_lo.contiguous(), 8)
+            # CUDA takes the high nibble first and K in tiles of 16 * innerKTiles (8, 4 or 2);
+            # untested here (no GPU): build_qlinears' self-check compares it with the reference
+            hi_lo = (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            tiles = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
+            if tiles is None:
+                raise ValueError(f"the CUDA int4 kernel needs in_features divisible by 32, got {k}")
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(hi_lo.contiguous(), tiles)
             self._mm = torch.ops.aten._weight_int4pack_mm
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
