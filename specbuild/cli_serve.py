@@ -68,7 +68,8 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, kv_cac
 
         config = ServeConfig(host=host, port=port, max_queue=max_queue, model_name=model_name)
         engine = Engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
-                                             kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk))
+                                             kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
+                                             load_draft=ctx.role != "verifier"))
         app = OpenAIServer(engine, config)
         if ctx.role == "verifier":
             transport = connect_draft_rank(ctx, engine, app, draft_timeout)

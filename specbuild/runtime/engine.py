@@ -40,6 +40,7 @@ class EngineConfig:
     block_size: int = 16
     prefill_chunk: int = 256
     binning: str = "ragged"  # ragged (one flattened pass) | padded | bins (planned micro-batches)
+    load_draft: bool = True  # False: the draft model runs elsewhere (MineDraft's draft rank)
 
     def __post_init__(self) -> None:
         if self.binning not in ("ragged", "padded", "bins"):
@@ -80,6 +81,25 @@ def attach_format_plans(model: Decoder, max_draft_len: int) -> None:
         log.info("formats for %s: %s (measured in %.2fs)", group, plan.describe(), time.perf_counter() - t0)
 
 
+def shared_draft_weights(bundle_dir: str, role: dict, weights: dict, target_w: dict) -> tuple[dict, torch.Tensor | None]:
+    """A draft role's weights with its `shares` filled in from the target's (the same
+    tensors, not copies; with a `vocab_map` the output layer is the shared tensor's rows at
+    those ids) and its vocab_map ([N] target ids) or None. See build/draft_role.py."""
+    from .qlinear import as_dense
+
+    vocab_map = None
+    if role.get("vocab_map"):
+        from safetensors.torch import load_file
+
+        vocab_map = load_file(os.path.join(bundle_dir, role["vocab_map"]))["vocab_map"]
+    for name, ref in (role.get("shares") or {}).items():
+        shared = target_w[ref.split("/", 1)[1]]
+        if name == "lm_head" and vocab_map is not None:
+            shared = as_dense(shared)[vocab_map.to(as_dense(shared).device)].contiguous()
+        weights = {**weights, name: shared}
+    return weights, vocab_map
+
+
 class Engine:
     """A loaded bundle plus the scheduler that serves it."""
 
@@ -117,7 +137,7 @@ class Engine:
         self.speculator = self.make_speculator()
         self.default_speculation = SpeculationConfig.make(
             None, **{k: v for k, v in self.meta.default_speculation.items()})
-        if self.default_speculation.method not in self.methods:
+        if self.default_speculation.method not in self.methods + list(self.meta.roles):
             self.default_speculation = SpeculationConfig.make(None, method="none")
         self.default_speculation = SpeculationConfig.make(
             self.default_speculation, gamma_max=min(self.default_speculation.gamma_max, limits.max_draft_len))
@@ -141,14 +161,16 @@ class Engine:
         from .speculator import Speculator
 
         proposers = {"ngram": NgramProposer()}
-        if "draft" in self.meta.roles:
+        if "draft" in self.meta.roles and self.config.load_draft:
             draft_dir = os.path.join(self.bundle_dir, self.meta.roles["draft"]["path"])
             draft_config = read_model_config(draft_dir)
-            draft_model = Decoder(draft_config, load_weights(draft_dir, self.config.device),
+            weights, vocab_map = shared_draft_weights(self.bundle_dir, self.meta.roles["draft"],
+                                                      load_weights(draft_dir, self.config.device), self.model.w)
+            draft_model = Decoder(draft_config, weights,
                                   self.max_seq_len + self.meta.limits.max_draft_len + 2, device=self.config.device)
             attach_format_plans(draft_model, self.meta.limits.max_draft_len)
             proposers["draft"] = DraftModelProposer(draft_model, self.cache.num_blocks, self.target_config.vocab_size,
-                                                    self.config.block_size)
+                                                    self.config.block_size, vocab_map=vocab_map)
         if "medusa" in self.meta.roles:
             from .medusa_heads import load_medusa
             from .proposers.medusa import MedusaProposer

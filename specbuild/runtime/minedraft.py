@@ -344,7 +344,7 @@ class MineDraftScheduler(Scheduler):
 def install(engine, transport, timeout_s: float = 5.0) -> MineDraftScheduler:
     """Swap the engine's drafter for the remote one and its scheduler for MineDraft's
     (before `engine.start()`). Returns the new scheduler."""
-    if "draft" not in engine.speculator.proposers:
+    if "draft" not in engine.meta.roles:  # the local draft model is not loaded (load_draft=False)
         from ..errors import BundleError
 
         raise BundleError(f"bundle {engine.bundle_dir!r} has no draft model; --parallel-draft needs one")
