@@ -13,6 +13,8 @@ import click
 COMMANDS: dict[str, tuple[str, str]] = {
     "train-medusa": (".cli_medusa", "train_medusa_cmd"),
     "export-medusa": (".cli_medusa", "export_medusa_cmd"),
+    "train-draft": (".cli_draft", "train_draft_cmd"),
+    "export-draft": (".cli_draft", "export_draft_cmd"),
     "serve": (".cli_serve", "serve"),
     "bench": (".cli_bench", "bench"),
     "verify": (".cli_verify", "verify"),

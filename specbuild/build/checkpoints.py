@@ -29,6 +29,13 @@ PRESETS: dict[str, dict[str, str]] = {
 }
 
 
+# Drafters trained for the presets, shipped inside this package (specbuild/data/drafters/).
+DRAFTER_PRESETS: dict[str, str] = {
+    "smollm2-135m-draft": "data/drafters/smollm2-135m-draft",
+    "smollm2-135m-medusa": "data/drafters/smollm2-135m-medusa",
+}
+
+
 @dataclass
 class Checkpoint:
     """A model as read from disk, in Hugging Face tensor names (float32 or source dtype)."""
@@ -44,6 +51,10 @@ class Checkpoint:
 
 def resolve_source(src: str) -> str:
     """A preset name or a path -> an existing path; errors say how to get what is missing."""
+    if src in DRAFTER_PRESETS:
+        from importlib import resources
+
+        return str(resources.files("specbuild").joinpath(DRAFTER_PRESETS[src]))
     if src in PRESETS:
         preset = PRESETS[src]
         spec = importlib.util.find_spec(preset["package"])  # no import: its __init__ needs `llm`
@@ -58,7 +69,7 @@ def resolve_source(src: str) -> str:
         return path
     if not os.path.exists(src):
         looks_like_name = os.sep not in src and "." not in src
-        hint = f" (known presets: {', '.join(sorted(PRESETS))})" if looks_like_name else ""
+        hint = f" (known presets: {', '.join(sorted(PRESETS) + sorted(DRAFTER_PRESETS))})" if looks_like_name else ""
         raise CheckpointError(f"checkpoint {src!r} does not exist{hint}")
     return src
 

@@ -107,8 +107,17 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
     say = progress or (lambda msg: None)
     say(f"reading target {target if isinstance(target, str) else target.source}")
     tgt = read_checkpoint(target) if isinstance(target, str) else target
+    from .draft_role import resolve_drafter
+    from .draft_train import is_draft_dir
+
+    draft = resolve_drafter(draft) if isinstance(draft, str) else draft
+    medusa = resolve_drafter(medusa)
+    own_draft = isinstance(draft, str) and is_draft_dir(draft)  # a train-draft directory (shares the target's)
+    if own_draft and options.backend == "tensorrt-llm":
+        raise SpecbuildError(f"--draft {draft!r} is a specbuild draft (shared embedding, reduced vocabulary); "
+                             "for --backend tensorrt-llm export it first with `specbuild export-draft`")
     drf = None
-    if draft is not None:
+    if draft is not None and not own_draft:
         say(f"reading draft {draft if isinstance(draft, str) else draft.source}")
         drf = read_checkpoint(draft) if isinstance(draft, str) else draft
         check_same_tokenizer(tgt, drf, "draft")
@@ -124,7 +133,14 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
     try:
         roles = {"target": write_role(tmp, "target", tgt, options.dtype, options)}
         say(f"wrote target ({roles['target']['bytes'] / 1e6:.1f} MB, {options.dtype})")
-        if drf is not None:
+        if own_draft:
+            from .draft_role import write_draft_role
+
+            roles["draft"] = write_draft_role(tmp, draft, tgt.config, tgt.tokenizer_json,
+                                              tgt.config.tie_word_embeddings, options.dtype)
+            say(f"wrote draft ({roles['draft']['bytes'] / 1e6:.1f} MB of its own; embedding and output rows "
+                "shared with the target)")
+        elif drf is not None:
             roles["draft"] = write_role(tmp, "draft", drf, options.dtype, options)
             say(f"wrote draft ({roles['draft']['bytes'] / 1e6:.1f} MB)")
         limits = Limits(options.max_seq_len, options.max_batch_size, options.max_draft_len)
@@ -163,7 +179,7 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
                 say("TensorRT-LLM is not importable here: checkpoints written; run trtllm/build.sh "
                     "on a machine with TensorRT-LLM to build the engines")
         default_spec = speculation or {"method": "medusa" if medusa is not None else
-                                       "draft" if drf is not None else "none"}
+                                       "draft" if drf is not None or own_draft else "none"}
         meta = BundleMeta(
             roles=roles,
             tokenizer_fingerprint=tokenizer_fingerprint(tgt.tokenizer_json),
