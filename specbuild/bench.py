@@ -230,12 +230,12 @@ class TransformersRunner:
 
         results, total = [], 0.0
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=self.model.device)
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **self.kwargs)
+            new = out[0, len(p):].tolist()  # on the host: the timing includes the device's work
             total += time.perf_counter() - t0
-            new = out[0, len(p):].tolist()
             results.append({"token_ids": new, "text": self.tokenizer.decode(new, skip_special_tokens=True),
                             "stats": {"generated_tokens": len(new)}})
         return results, total

@@ -18,7 +18,9 @@ import click
 
 from . import bench as B
 
-DEFAULT_PER_CATEGORY = 8  # 48 questions: with none + ngram, 128 tokens, 3 repeats ~20 min on SmolLM2-135M
+# 48 questions (one of each MT-bench category): with none + ngram, 128 tokens and 3 repeats about
+# 2 x 3 x 6k tokens, ~20 min at SmolLM2-135M's ~30 tok/s plain on 2 idle cores.
+DEFAULT_PER_CATEGORY = 8
 
 
 @dataclass(frozen=True)
@@ -142,13 +144,13 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
     rows = [(B.RowRecord(f"specbuild {m}", "specbuild", m, fmt, cfg.batch_size),
              B.SpecbuildRunner(engine, m, cfg.max_tokens, **(spec_fields if m != "none" else {}))) for m in methods]
     if "transformers" in cfg.peers:
-        hf = B.load_transformers_model(target.get("source", ""), engine.model.dtype)
+        hf = B.load_transformers_model(target.get("source", ""), engine.model.dtype).to(engine.model.device)
         peer = lambda mode, **kw: (B.RowRecord(f"transformers {mode}", "transformers", mode, fmt, 1),  # noqa: E731
                                    B.TransformersRunner(hf, engine.tokenizer, cfg.max_tokens, engine.eos_ids, mode, **kw))
         rows += [peer("plain"), peer("prompt_lookup")]
         if "draft" in roles:
-            rows.append(peer("assisted", assistant=B.load_transformers_model(roles["draft"].get("source", ""),
-                                                                            engine.model.dtype)))
+            draft = B.load_transformers_model(roles["draft"].get("source", ""), engine.model.dtype)
+            rows.append(peer("assisted", assistant=draft.to(engine.model.device)))
     chunks = []
     for g in dict.fromkeys(B.task_group(q["category"]) for q in chosen):
         qs = [q for q in chosen if B.task_group(q["category"]) == g]
@@ -197,17 +199,20 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
 
 
 # ---- the memory-bandwidth floor ---------------------------------------------------------
-def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> dict:
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: str = "cpu") -> dict:
     """Median seconds of copying an nbytes float32 tensor into a preallocated one (a fresh
     clone would time page faults, not memory); GB/s counts read + write (2 * nbytes)."""
     import torch
 
-    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
     dst = torch.zeros_like(src)  # touched: its pages exist before the timing
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         dst.copy_(src)
+        sync()
         times.append(time.perf_counter() - t0)
     t = statistics.median(times)
     return {"bytes": src.numel() * 4, "seconds": t, "gb_per_s": 2 * src.numel() * 4 / t / 1e9}
@@ -227,7 +232,7 @@ def measure_floor(engine, prompt_ids: list[int], max_tokens: int, repeats: int, 
     runner = B.SpecbuildRunner(engine, "none", max(max_tokens, 16), ignore_eos=True)
     steps, bws = [], []
     for _ in range(max(repeats, 3)):
-        bws.append(copy_bandwidth(nbytes)["gb_per_s"])
+        bws.append(copy_bandwidth(nbytes, device=str(engine.model.device))["gb_per_s"])
         steps.append(runner([prompt_ids])[0][0]["stats"]["tpot_ms"])
     wb = weight_bytes(engine.model.w, engine.target_config.tie_word_embeddings)
     out = floor_summary(wb, statistics.median(bws), statistics.median(steps))
@@ -274,7 +279,9 @@ def bench(bundle, dataset, split, per_category, max_tokens, speculation, gamma, 
     tokens per task group, greedy outputs checked against plain decoding.
 
     Defaults (eval split, 8 per group, 128 tokens, 3 repeats, none + ngram) take about 20
-    minutes on SmolLM2-135M with 2 threads; use --per-category 1 for a quick look.
+    minutes on SmolLM2-135M with 2 idle cores, longer on a busy machine; use --per-category 1
+    for a quick look. Every row's weight format is named; the report records torch, threads,
+    the CPU, the load average and the command line.
     """
     import json
 
