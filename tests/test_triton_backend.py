@@ -334,13 +334,15 @@ def test_http_generate_stream_sse(server, engine):
 
 
 def test_eight_concurrent_speculative_streams(server, engine):
-    refs = reference(engine, PROMPTS, method="ngram")
+    long = 96  # long enough that a request outlives the others' admission
+    refs = reference(engine, PROMPTS, method="ngram", max_tokens=long)
     stream = GrpcStream(server.grpc)
     try:
-        for i, prompt in enumerate(PROMPTS):
-            stream.send(f"c{i}", make_inputs(tritonclient_grpc, prompt, MAX_TOKENS, stream=True, speculation="ngram",
-                                             return_perf_metrics=True))
-        got = {i: stream.collect(f"c{i}") for i in range(len(PROMPTS))}
+        for wave in range(2):  # the second wave: the forwarding threads' sends race again (see model.ipc_lock)
+            for i, prompt in enumerate(PROMPTS):
+                stream.send(f"c{wave}-{i}", make_inputs(tritonclient_grpc, prompt, long, stream=True,
+                                                        speculation="ngram", return_perf_metrics=True))
+            got = {i: stream.collect(f"c{wave}-{i}") for i in range(len(PROMPTS))}
     finally:
         stream.close()
     total_drafted = total_accepted = 0
@@ -357,10 +359,10 @@ def test_eight_concurrent_speculative_streams(server, engine):
         assert rate == pytest.approx(accepted / drafted if drafted else 0.0, rel=1e-6)
         total_drafted, total_accepted = total_drafted + drafted, total_accepted + accepted
     assert total_drafted > 0 and total_accepted > 0
-    # the requests were in flight together (they shared the engine's steps)
-    firsts = sorted(got[i][0][0] for i in got)
-    lasts = sorted(got[i][-1][0] for i in got)
-    assert sum(f < lasts[0] for f in firsts) >= 2
+    # the requests were served together (they shared the engine's steps): at some moment
+    # at least three of them were between their first and their last response (serial: one)
+    spans = [(got[i][0][0], got[i][-1][0]) for i in got]
+    assert max(sum(a <= t <= b for a, b in spans) for t, _ in spans) >= 3, spans
 
 
 def test_malformed_requests_fail_alone(server, engine):

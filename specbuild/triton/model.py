@@ -189,6 +189,7 @@ class EngineModel:
         self.max_queue = int(params.get("max_queue") or 64)
         self.closing = False
         self.lock = threading.Lock()
+        self.ipc_lock = threading.Lock()
         self.active: dict[int, tuple[Any, threading.Thread]] = {}
         self.metrics = self.make_metrics(model_config.get("name", "specbuild"))
         self.engine.start()
@@ -221,17 +222,30 @@ class EngineModel:
                                           f"{self.max_queue}; retry later")
                 handle = self.engine.submit(build_request(parsed, self.engine, request.request_id()))
             except (InputError, self.RequestError) as e:
-                sender.send(error_response(str(e), "INVALID_ARG"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self.send(sender, error_response(str(e), "INVALID_ARG"), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             except ConnectionError as e:
-                sender.send(error_response(str(e), "UNAVAILABLE"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self.send(sender, error_response(str(e), "UNAVAILABLE"), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            thread = threading.Thread(target=self.forward, args=(handle, sender, parsed), daemon=True,
+            thread = threading.Thread(target=self.forward, args=(handle, sender, parsed, request), daemon=True,
                                       name=f"specbuild-forward-{handle.request_id}")
             with self.lock:
                 self.active[id(handle)] = (handle, thread)
             thread.start()
         return None
+
+    # Every call that messages the Triton backend from a forwarding thread goes through
+    # ipc_lock: in 2.51 concurrent custom-metric updates from threads crash tritonserver
+    # (SIGSEGV in ModelInstanceState::ProcessMetricRequest), so none of it runs concurrently.
+    def send(self, sender, response, flags: int = 0) -> None:
+        with self.ipc_lock:
+            sender.send(response, flags=flags)
+
+    def is_cancelled(self, sender) -> bool:
+        if not hasattr(sender, "is_cancelled"):
+            return False
+        with self.ipc_lock:
+            return bool(sender.is_cancelled())
 
     def response(self, text: str, handle, perf: bool):
         outputs = [pb_utils.Tensor("text_output", string_tensor(text))]
@@ -240,32 +254,32 @@ class EngineModel:
             outputs += [pb_utils.Tensor(k, v) for k, v in perf_values(seq.drafted, seq.accepted).items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
-    def forward(self, handle, sender, parsed: Parsed) -> None:
-        """Relay one request's events to its sender until the final one (runs on its own thread)."""
+    def forward(self, handle, sender, parsed: Parsed, request=None) -> None:
+        """Relay one request's events to its sender until the final one (runs on its own thread).
+
+        `request` is held only so the stub keeps the request object until its final response."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         text: list[str] = []
         try:
             while True:
                 event = handle.get(timeout=POLL_S)
                 if event is None:
-                    cancelled = getattr(sender, "is_cancelled", lambda: False)()
-                    if cancelled or self.closing:
+                    if self.closing or self.is_cancelled(sender):
                         self.engine.abort(handle)  # emits a final "abort" event, handled below
                     continue
                 if event.finished and event.finish_reason in ("error", "abort"):
-                    reason = handle.error or ("the request was cancelled" if event.finish_reason == "abort" else
-                                              "internal error in the engine")
-                    sender.send(error_response(reason, "CANCELLED" if event.finish_reason == "abort" else "INTERNAL"),
-                                flags=final)
+                    aborted = event.finish_reason == "abort"
+                    reason = handle.error or ("the request was cancelled" if aborted else "internal error in the engine")
+                    self.send(sender, error_response(reason, "CANCELLED" if aborted else "INTERNAL"), final)
                     return
                 if parsed.stream:
                     if event.text or event.finished:
-                        sender.send(self.response(event.text, handle, parsed.perf and event.finished),
-                                    flags=final if event.finished else 0)
+                        response = self.response(event.text, handle, parsed.perf and event.finished)
+                        self.send(sender, response, final if event.finished else 0)
                 else:
                     text.append(event.text)
                     if event.finished:
-                        sender.send(self.response("".join(text), handle, parsed.perf), flags=final)
+                        self.send(sender, self.response("".join(text), handle, parsed.perf), final)
                 if event.finished:
                     self.count(handle.seq)
                     return
@@ -274,7 +288,7 @@ class EngineModel:
             if not handle.seq.finished:
                 self.engine.abort(handle)
             try:
-                sender.send(error_response(f"internal error: {e}", "INTERNAL"), flags=final)
+                self.send(sender, error_response(f"internal error: {e}", "INTERNAL"), final)
             except Exception:
                 pass
         finally:
@@ -285,7 +299,8 @@ class EngineModel:
         for name, value in (("generated_tokens", len(seq.output_ids)), ("draft_tokens", seq.drafted),
                             ("accepted_draft_tokens", seq.accepted)):
             if name in self.metrics and value:
-                self.metrics[name][1].increment(value)
+                with self.ipc_lock:
+                    self.metrics[name][1].increment(value)
 
     def finalize(self) -> None:
         self.closing = True
