@@ -51,6 +51,10 @@ class InputError(ValueError):
     """A request's input has a wrong shape or value; its message names the input."""
 
 
+class Unavailable(RuntimeError):
+    """The model cannot take the request now (queue full, shutting down)."""
+
+
 @dataclass(frozen=True)
 class Parsed:
     """A request's inputs as plain Python values (None: not given, the bundle's default)."""
@@ -215,16 +219,16 @@ class EngineModel:
             try:
                 parsed = parse_inputs({t.name(): t.as_numpy() for t in request.inputs()})
                 if self.closing:
-                    raise ConnectionError("the model is shutting down")
+                    raise Unavailable("the model is shutting down")
                 waiting = len(self.engine.scheduler.waiting)
                 if waiting >= self.max_queue:
-                    raise ConnectionError(f"{waiting} requests are waiting, the queue limit (max_queue) is "
+                    raise Unavailable(f"{waiting} requests are waiting, the queue limit (max_queue) is "
                                           f"{self.max_queue}; retry later")
                 handle = self.engine.submit(build_request(parsed, self.engine, request.request_id()))
             except (InputError, self.RequestError) as e:
                 self.send(sender, error_response(str(e), "INVALID_ARG"), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            except ConnectionError as e:
+            except Unavailable as e:
                 self.send(sender, error_response(str(e), "UNAVAILABLE"), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             thread = threading.Thread(target=self.forward, args=(handle, sender, parsed, request), daemon=True,
