@@ -193,7 +193,7 @@ def read_meta(bundle_dir: str) -> BundleMeta:
     if not os.path.isfile(path):
         raise BundleError(f"{bundle_dir!r} is not a bundle: no bundle.json (run `specbuild compile` first)")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise BundleError(f"{path} is not valid JSON: {e}") from None
@@ -202,7 +202,7 @@ def read_meta(bundle_dir: str) -> BundleMeta:
 
 def write_meta(bundle_dir: str, meta: BundleMeta) -> None:
     os.makedirs(bundle_dir, exist_ok=True)
-    with open(os.path.join(bundle_dir, "bundle.json"), "w") as f:
+    with open(os.path.join(bundle_dir, "bundle.json"), "w", encoding="utf-8") as f:
         json.dump(meta.to_json(), f, indent=2)
         f.write("\n")
 
@@ -211,13 +211,13 @@ def read_model_config(role_dir: str) -> ModelConfig:
     path = os.path.join(role_dir, "model.json")
     if not os.path.isfile(path):
         raise BundleError(f"{role_dir!r} has no model.json")
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         return ModelConfig.from_json(json.load(f))
 
 
 def write_model_config(role_dir: str, config: ModelConfig) -> None:
     os.makedirs(role_dir, exist_ok=True)
-    with open(os.path.join(role_dir, "model.json"), "w") as f:
+    with open(os.path.join(role_dir, "model.json"), "w", encoding="utf-8") as f:
         json.dump(config.to_json(), f, indent=2)
         f.write("\n")
 
@@ -227,7 +227,7 @@ def check_fingerprint(bundle_dir: str, meta: BundleMeta) -> str:
     path = os.path.join(bundle_dir, "tokenizer.json")
     if not os.path.isfile(path):
         raise BundleError(f"bundle {bundle_dir!r} has no tokenizer.json")
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         text = f.read()
     got = tokenizer_fingerprint(text)
     if got != meta.tokenizer_fingerprint:
