@@ -170,3 +170,20 @@ def test_int4_cuda_kernel_matches_reference():
     impl = Int4Format(pack_nibbles(q).cuda(), scales.cuda(), zeros.cuda(), 64, torch.bfloat16)
     x = torch.randn(5, 512, device="cuda").bfloat16()
     assert rel_err(impl(x), impl.reference(x)) < 2 ** -6
+
+
+def test_lm_head_rescoring_is_exact_at_the_top_and_width_invariant():
+    w = torch.randn(500, 96, generator=torch.Generator().manual_seed(5))
+    head = QLinear(Int8Format(*quantize_int8(w, torch.bfloat16), torch.bfloat16), torch.float32)
+    head.rescore_top = 16
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(6))
+    logits = head(x)
+    assert logits.dtype == torch.float32
+    exact = x.bfloat16().double() @ head.dense().double().T  # [7, 500]
+    top = exact.topk(3, dim=-1).indices
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    assert float((logits.gather(1, top).double() - exact.gather(1, top)).abs().max()) < 1e-4
+    bf16_only = head.formats["int8"](x.bfloat16()).float()
+    assert float((bf16_only.gather(1, top).double() - exact.gather(1, top)).abs().max()) > 1e-3  # what it fixes
+    for t in range(1, 7):  # a row's logits do not depend on the rows beside it
+        assert torch.equal(head(x[t:t + 1]), logits[t:t + 1])

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RESCORE_TOP = 64  # lm_head outputs per row recomputed in float32 (see QLinear.rescored)
 
 
 # ---- storage <-> values ----------------------------------------------------------------------
@@ -176,8 +177,9 @@ class QLinear:
         self.exact = {primary.name: True}
         self.dtype = dtype
         self.act_dtype = primary.act_dtype
-        self.shape = tuple(primary.dense().shape) if primary.kind == "dense" else (
+        self.shape = tuple(primary.weight.shape) if primary.kind == "dense" else (
             (primary.out_features, primary.in_features) if primary.kind == "int4" else tuple(primary.qweight.shape))
+        self.rescore_top = 0  # lm_head: outputs recomputed in float32 for each row's top-k
 
     def add_copy(self, name: str) -> None:
         """Add a dense copy (`float32`, `bfloat16`, `float16`) of the dequantised primary."""
@@ -189,31 +191,41 @@ class QLinear:
         self.formats[name] = copy
         self.exact[name] = bool(torch.equal(copy.weight.float(), dense))
 
-    def fmt(self, name: str | None):
-        return self.formats.get(name) if name is not None else None
-
     def __call__(self, x: torch.Tensor, fmt: str | None = None, reference: bool = False) -> torch.Tensor:
         """x: [T, K] (any float dtype) -> [T, N] in self.dtype, through format `fmt` (the
         primary when None or not held)."""
         impl = self.formats.get(fmt) or self.formats[self.primary]
         xa = x.to(self.act_dtype)
         out = impl.reference(xa) if reference else impl(xa)
+        if self.rescore_top and self.act_dtype != torch.float32:
+            return self.rescored(xa, out)
         return out.to(self.dtype)
+
+    def rescored(self, xa: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Logits [T, N] float32: the kernel's (rounded to the activation dtype: 3 digits,
+        so ties and 1-ulp flips between widths decide greedy tokens) with each row's top
+        `rescore_top` recomputed in float32 from the dequantised rows, one fixed-order dot
+        product per entry, so a row's values do not depend on how many rows ran with it."""
+        logits = out.float()
+        idx = logits.topk(min(self.rescore_top, logits.shape[1]), dim=-1).indices  # [T, k]
+        rows = self.rows(idx.reshape(-1), torch.float32).view(*idx.shape, -1)  # [T, k, K]
+        exact = (rows * xa.float().unsqueeze(1)).sum(-1)  # [T, k]
+        return logits.scatter_(1, idx, exact)
 
     def dense(self) -> torch.Tensor:
         """The weight's values as the primary format holds them: float32 [N, K]."""
         return self.formats[self.primary].dense()
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Embedding lookup: rows `ids` [T] dequantised -> [T, K] in self.dtype."""
-        impl = self.formats[self.primary]
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Embedding lookup: rows `ids` [T] dequantised -> [T, K] in dtype (self.dtype)."""
+        impl, dtype = self.formats[self.primary], dtype or self.dtype
         if impl.kind == "dense":
-            return impl.weight.index_select(0, ids).to(self.dtype)
+            return impl.weight.index_select(0, ids).to(dtype)
         if impl.kind == "int8":
-            return dequantize_int8(impl.qweight.index_select(0, ids), impl.scales.index_select(0, ids)).to(self.dtype)
+            return dequantize_int8(impl.qweight.index_select(0, ids), impl.scales.index_select(0, ids)).to(dtype)
         q = unpack_nibbles(impl.nibbles.index_select(0, ids))
         return dequantize_int4(q, impl.scales.index_select(0, ids), impl.zeros.index_select(0, ids),
-                               impl.group_size).to(self.dtype)
+                               impl.group_size).to(dtype)
 
     def nbytes(self, fmt: str | None = None) -> int:
         return (self.formats.get(fmt) or self.formats[self.primary]).nbytes
@@ -389,6 +401,8 @@ def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = 
             raise BundleError(f"quant.json: {name} has format {fmt!r}; this specbuild reads "
                               f"int4, int8, {', '.join(ACT_DTYPES)}")
         q = QLinear(impl, dtype)
+        if name == "lm_head" or (name == "embed" and "lm_head" not in quant["tensors"] and "lm_head" not in out):
+            q.rescore_top = RESCORE_TOP
         if fmt in ("int4", "int8"):
             for copy in quant.get("formats", []):
                 q.add_copy(copy)
