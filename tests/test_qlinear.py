@@ -187,3 +187,9 @@ def test_lm_head_rescoring_is_exact_at_the_top_and_width_invariant():
     assert float((bf16_only.gather(1, top).double() - exact.gather(1, top)).abs().max()) > 1e-3  # what it fixes
     for t in range(1, 7):  # a row's logits do not depend on the rows beside it
         assert torch.equal(head(x[t:t + 1]), logits[t:t + 1])
+
+
+def test_plan_does_not_extrapolate_a_format_measured_only_narrow():
+    costs = {"float32": {1: 10.0, 4: 11.0, 16: 14.0}, "int4": {1: 300.0}}  # int4 dropped after width 1
+    plan = FormatPlan.from_costs(costs, max_width=64)
+    assert plan.formats == ("float32",)

@@ -240,3 +240,24 @@ def test_smollm2_int4_speculation_equals_plain(smollm2_gguf, tmp_path_factory):
             i = next(j for j, (a, b) in enumerate(zip(r["token_ids"], p["token_ids"])) if a != b)
             top2 = torch.topk(last_logits(engine, prompt + p["token_ids"][:i]), 2).values
             assert float(top2[0] - top2[1]) < 0.05
+
+
+@pytest.mark.integration
+def test_smollm2_q4_1_with_float32_activations_is_the_gguf(smollm2_gguf, smollm2_bundle, tmp_path_factory):
+    """--activations float32 carries every Q4_1 block exactly; torch's int4 kernel is slow
+    with float32 inputs, so the cost table runs the (exact) float32 copy at every width and
+    the logits are the float32 bundle's."""
+    from specbuild.runtime.model import weight_bytes
+    from specbuild.verify_dist import last_logits
+
+    out = str(tmp_path_factory.mktemp("smollm2_exact") / "bundle")
+    bundle = compile_bundle(smollm2_gguf, out, CompileOptions(quantize="int4", activations="float32", max_seq_len=512))
+    with open(os.path.join(bundle, "target", "quant.json")) as f:
+        quant = json.load(f)
+    assert quant["conversions"] == {"exact": 121} and quant["bytes_by_format"]["int4"] > 0
+    engine = Engine(bundle, EngineConfig(threads=2, max_batch_size=1))
+    assert engine.model.plans["layers"].formats == ("float32",)
+    assert weight_bytes(engine.model.w, True) > 500e6  # what width-1 steps read: the float32 copies
+    plain = Engine(smollm2_bundle, EngineConfig(threads=2, max_batch_size=1))
+    ids = plain.encode("The capital of France is")
+    assert float((last_logits(engine, ids) - last_logits(plain, ids)).abs().max()) < 1e-4

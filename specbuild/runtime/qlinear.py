@@ -180,6 +180,7 @@ class QLinear:
         self.shape = tuple(primary.weight.shape) if primary.kind == "dense" else (
             (primary.out_features, primary.in_features) if primary.kind == "int4" else tuple(primary.qweight.shape))
         self.rescore_top = 0  # lm_head: outputs recomputed in float32 for each row's top-k
+        self.narrow: str | None = None  # the format width-1 forwards run in (set with a plan)
 
     def add_copy(self, name: str) -> None:
         """Add a dense copy (`float32`, `bfloat16`, `float16`) of the dequantised primary."""
@@ -258,10 +259,11 @@ def as_dense(weight) -> torch.Tensor:
 
 
 def weight_nbytes(weight) -> int:
-    """Bytes a narrow (width-1) step reads for this weight: the primary format's."""
+    """Bytes a narrow (width-1) step reads for this weight: those of the format a plan runs
+    width 1 in, else the primary format's."""
     if isinstance(weight, torch.Tensor):
         return weight.numel() * weight.element_size()
-    return weight.nbytes()
+    return weight.nbytes(weight.narrow)
 
 
 # ---- a format per width, from costs measured at start-up -----------------------------------
@@ -285,12 +287,16 @@ class FormatPlan:
     def from_costs(cls, costs_ms: dict[str, dict[int, float]], max_width: int = 4096) -> "FormatPlan":
         """Fit cost = a + b * width to each format's measurements (least squares, so one
         noisy sample cannot flip a width), then take the cheapest line at every width up to
-        max_width; neighbouring widths with the same choice merge into one range."""
+        max_width among the formats measured that wide (measure_costs stops measuring a
+        format that fell far behind); neighbouring widths with the same choice merge."""
         lines = {f: fit_line(c) for f, c in costs_ms.items() if c}
+        reach = {f: max(c) for f, c in costs_ms.items() if c}  # widths beyond: no extrapolating
+        widest = max(reach.values())
         bounds: list[int] = []
         formats: list[str] = []
         for w in range(1, max_width + 1):
-            best = min(lines, key=lambda f: (lines[f][0] + lines[f][1] * w, f))
+            known = [f for f in lines if reach[f] >= min(w, widest)]
+            best = min(known, key=lambda f: (lines[f][0] + lines[f][1] * w, f))
             if formats and formats[-1] == best:
                 bounds[-1] = w
             else:
@@ -331,18 +337,23 @@ def measure_costs(linears: list[QLinear], formats: list[str], widths: list[int],
     import time
 
     costs: dict[str, dict[int, float]] = {f: {} for f in formats}
+    live = list(formats)
     for w in widths:
         inputs = [torch.randn(w, q.shape[1]).to(device=_device(q), dtype=q.act_dtype) for q in linears]
-        best = {f: float("inf") for f in formats}
-        for _ in range(repeats + 1):
-            for f in formats:
+        best = {f: float("inf") for f in live}
+        for r in range(repeats + 1):
+            for f in live:
+                if r and best[f] > 0.05:  # a slow format (e.g. int4 with float32 inputs): once is enough
+                    continue
                 impls = [q.formats[f] for q in linears]
                 t0 = time.perf_counter()
                 for impl, x in zip(impls, inputs):
                     impl(x)
                 best[f] = min(best[f], time.perf_counter() - t0)
-        for f in formats:
+        for f in live:
             costs[f][w] = best[f] * 1e3
+        cheapest = min(best.values())
+        live = [f for f in live if best[f] <= 4 * cheapest]  # 4x behind: not measured wider
     return costs
 
 
@@ -424,13 +435,13 @@ def attach_plans(decoder, widths: list[int], sample_layers: int = 4, allow_inexa
     layer = [v for k, v in w.items() if isinstance(v, QLinear) and k.startswith("layers.")
              and int(k.split(".")[1]) < sample_layers]
     plans = {}
-    if layer:
-        plan = measure_plan(layer, widths, allow_inexact=allow_inexact)
+    groups = {"layers": [v for k, v in w.items() if isinstance(v, QLinear) and k.startswith("layers.")],
+              "lm_head": [decoder.lm_head] if isinstance(decoder.lm_head, QLinear) else []}
+    for group, sample in (("layers", layer), ("lm_head", groups["lm_head"])):
+        plan = measure_plan(sample, widths, allow_inexact=allow_inexact) if sample else None
         if plan is not None:
-            plans["layers"] = plan
-    if isinstance(decoder.lm_head, QLinear):
-        plan = measure_plan([decoder.lm_head], widths, allow_inexact=allow_inexact)
-        if plan is not None:
-            plans["lm_head"] = plan
+            plans[group] = plan
+            for q in groups[group]:
+                q.narrow = plan.choose(1)
     decoder.plans = plans
     return plans
