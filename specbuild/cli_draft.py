@@ -23,6 +23,8 @@ from .cli import user_errors
 @click.option("--tokens", default=24000, show_default=True, type=int, help="Answer tokens to distil in all.")
 @click.option("--sampled-share", default=0.25, show_default=True, type=float,
               help="Share of those tokens from sampled (not greedy) target answers.")
+@click.option("--prompt-positions/--answer-positions", default=True, show_default=True,
+              help="Learn the target's distributions at every position, or only where it wrote the answer.")
 @click.option("--init-layers", default=None, help="Target layers to start from, e.g. 0,29 [default: first, last].")
 @click.option("--epochs", default=4.0, show_default=True, type=float, help="Passes over the answers.")
 @click.option("--batch-seqs", default=4, show_default=True, type=int, help="Sequences per step.")
@@ -37,7 +39,8 @@ from .cli import user_errors
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
 @click.option("--resume", is_flag=True, help="Continue from the answers, hidden states and checkpoint in --out.")
 @user_errors
-def train_draft_cmd(bundle, data_path, out_dir, layers, hidden, draft_vocab, tokens, sampled_share, init_layers,
+def train_draft_cmd(bundle, data_path, out_dir, layers, hidden, draft_vocab, tokens, sampled_share, prompt_positions,
+                    init_layers,
                     epochs, batch_seqs, lr, max_answer_tokens, max_prompt_tokens, eval_prompts, train_minutes,
                     checkpoint_minutes, seed, threads, device, resume) -> None:
     """Distil a small draft model (sharing the target's embedding) from BUNDLE's target."""
@@ -53,7 +56,7 @@ def train_draft_cmd(bundle, data_path, out_dir, layers, hidden, draft_vocab, tok
         raise click.BadParameter(f"{init_layers!r} is not a comma-separated list of layer numbers",
                                  param_hint="--init-layers") from None
     cfg = DraftTrainConfig(layers=layers, hidden=hidden, draft_vocab=draft_vocab, tokens=tokens,
-                           sampled_share=sampled_share, init_layers=init, epochs=epochs, batch_seqs=batch_seqs, lr=lr,
+                           sampled_share=sampled_share, prompt_positions=prompt_positions, init_layers=init, epochs=epochs, batch_seqs=batch_seqs, lr=lr,
                            max_answer_tokens=max_answer_tokens, max_prompt_tokens=max_prompt_tokens,
                            eval_prompts=eval_prompts, train_minutes=train_minutes,
                            checkpoint_minutes=checkpoint_minutes, seed=seed, device=device)

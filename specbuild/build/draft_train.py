@@ -11,7 +11,7 @@ ids, also frozen and shared, so the draft stores only its layers and final norm.
    `sample_temperature`); eval prompts greedy (`answers_eval.jsonl`). Reuses
    medusa_train's data loading, split and answer generation.
 2. One target forward per sequence caches the final-normed hidden states of the rows that
-   predict answer tokens (`hidden_*.safetensors`); the target's soft labels over the
+   predict answer tokens, or with `prompt_positions` every row (`hidden_*.safetensors`); the target's soft labels over the
    vocab_map are these times the frozen output rows, computed per batch.
 3. The draft's layers start as copies of target layers (`init_layers`: the first and the
    last by default) and train on KL(target || draft) with the target's distribution renormalised
@@ -57,6 +57,7 @@ class DraftTrainConfig:
     draft_vocab: int = 8192
     tokens: int = 24000  # answer tokens to distil (greedy + sampled) in all
     sampled_share: float = 0.25  # of those tokens, the share from sampled answers
+    prompt_positions: bool = True  # also learn the target's distributions over the prompt tokens
     init_layers: tuple[int, ...] | None = None  # target layers to copy; None: first and last
     max_answer_tokens: int = 128
     max_prompt_tokens: int = 512
@@ -209,7 +210,7 @@ def batch_loss(model: TrainDraft, seqs: list[dict], hidden: torch.Tensor) -> tup
     it), mean over answer positions; hidden: the target's cached rows [R, H] for these seqs.
     Returns (loss, top-1 agreement with the target's argmax over the map)."""
     ids, rows, _ = pad_batch(seqs)
-    logits = model(ids)[rows[:, 0], rows[:, 1]]  # [R, N]
+    logits = model.hidden(ids)[rows[:, 0], rows[:, 1]] @ model.out_rows.T  # [R, N]: only the answer rows
     with torch.no_grad():
         target_logp = (hidden.float() @ model.out_rows.T).log_softmax(-1)  # [R, N]
         target_probs = target_logp.exp()
@@ -296,6 +297,10 @@ def train_draft(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Draft
         raise SpecbuildError("no training answers: every prompt was too long or the target answered with < 2 tokens")
     for i, s in enumerate(seqs):
         s["id"] = f"{s['id']}#{i}"  # greedy and sampled answers of one prompt are distinct sequences
+    vocab_seqs = list(seqs)
+    if cfg.prompt_positions:  # every position but the first predicts a token: rows 0 .. T-2
+        seqs = [{"id": s["id"], "prompt_ids": (s["prompt_ids"] + s["answer_ids"])[:1],
+                 "answer_ids": (s["prompt_ids"] + s["answer_ids"])[1:]} for s in seqs]
     t_distill = time.perf_counter()
     train = mt._hidden_cache(engine, seqs, os.path.join(out_dir, "hidden_train.safetensors"), resume, progress,
                              "target hidden states (train)")
@@ -309,7 +314,7 @@ def train_draft(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Draft
     embed = as_dense(engine.model.w["embed"]).float()
     lm_head = as_dense(engine.model.lm_head).float()
     shares_head = "lm_head" if "lm_head" in engine.model.w else "embed"
-    vocab_map = make_vocab_map(seqs, target_cfg.vocab_size, cfg.draft_vocab, engine.eos_ids)
+    vocab_map = make_vocab_map(vocab_seqs, target_cfg.vocab_size, cfg.draft_vocab, engine.eos_ids)
     dcfg = draft_config(target_cfg, cfg)
     layers = cfg.init_layers or tuple(sorted({0, target_cfg.num_layers - 1}))[:cfg.layers]
     if len(layers) < cfg.layers:
@@ -318,7 +323,8 @@ def train_draft(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Draft
                        lm_head[vocab_map])
     fingerprint = tokenizer_fingerprint(engine.tokenizer.to_str())
     del engine
-    answer_tokens = sum(len(s["answer_ids"]) for s in seqs)
+    answer_tokens = sum(len(s["answer_ids"]) for s in vocab_seqs)
+    positions = sum(len(s["answer_ids"]) for s in seqs)
     coverage = float(torch.isin(torch.tensor([t for s in eval_seqs for t in s["answer_ids"]] or [0]), vocab_map)
                      .float().mean()) if eval_seqs else None
     per_epoch = -(-len(seqs) // cfg.batch_seqs)
@@ -333,7 +339,8 @@ def train_draft(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Draft
         step, history = state["step"], state["history"]
         log(f"resumed at step {step} of {total}")
     log(f"training a {cfg.layers}-layer draft (init from target layers {list(layers)}, MLP {dcfg.intermediate_size}, "
-        f"draft vocabulary {cfg.draft_vocab}) on {len(seqs)} answers / {answer_tokens} tokens: {total} steps")
+        f"draft vocabulary {cfg.draft_vocab}) on {len(seqs)} answers / {answer_tokens} answer tokens, "
+        f"{positions} positions: {total} steps")
 
     def save() -> None:
         mt._save_atomic({"step": step, "model": model.state_dict(), "optim": optim.state_dict(),
@@ -378,7 +385,7 @@ def train_draft(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Draft
     with open(os.path.join(out_dir, DRAFT_JSON), "w") as f:
         json.dump(meta, f, indent=2)
     report = {
-        "config": asdict(cfg), "split": how, "train_answers": len(seqs), "answer_tokens": answer_tokens,
+        "config": asdict(cfg), "split": how, "train_answers": len(seqs), "answer_tokens": answer_tokens, "train_positions": positions,
         "eval_prompts": len(eval_seqs), "eval_tokens_in_vocab_map": coverage, "steps": step,
         "first_losses": history[:10], "last_losses": history[-10:], "eval_before": before, "eval_after": after,
         "seconds": {"distill": round(t_distill - t_start, 1), "hidden": round(t_hidden - t_distill, 1),
