@@ -25,7 +25,8 @@ from .cli import user_errors
               help="Share of those tokens from sampled (not greedy) target answers.")
 @click.option("--prompt-positions/--answer-positions", default=True, show_default=True,
               help="Learn the target's distributions at every position, or only where it wrote the answer.")
-@click.option("--init-layers", default=None, help="Target layers to start from, e.g. 0,29 [default: first, last].")
+@click.option("--init-layers", default=None,
+              help="Target layers to start from, e.g. 0,1 [default: the first --layers].")
 @click.option("--epochs", default=4.0, show_default=True, type=float, help="Passes over the answers.")
 @click.option("--batch-seqs", default=4, show_default=True, type=int, help="Sequences per step.")
 @click.option("--lr", default=3e-4, show_default=True, type=float, help="AdamW peak learning rate.")
@@ -56,7 +57,8 @@ def train_draft_cmd(bundle, data_path, out_dir, layers, hidden, draft_vocab, tok
         raise click.BadParameter(f"{init_layers!r} is not a comma-separated list of layer numbers",
                                  param_hint="--init-layers") from None
     cfg = DraftTrainConfig(layers=layers, hidden=hidden, draft_vocab=draft_vocab, tokens=tokens,
-                           sampled_share=sampled_share, prompt_positions=prompt_positions, init_layers=init, epochs=epochs, batch_seqs=batch_seqs, lr=lr,
+                           sampled_share=sampled_share, prompt_positions=prompt_positions, init_layers=init,
+                           epochs=epochs, batch_seqs=batch_seqs, lr=lr,
                            max_answer_tokens=max_answer_tokens, max_prompt_tokens=max_prompt_tokens,
                            eval_prompts=eval_prompts, train_minutes=train_minutes,
                            checkpoint_minutes=checkpoint_minutes, seed=seed, device=device)

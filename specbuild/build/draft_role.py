@@ -116,8 +116,10 @@ def export_draft(bundle_dir: str, out_dir: str) -> dict[str, Any]:
     files = ["model.safetensors", "config.json", "tokenizer.json"]
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    with open(os.path.join(bundle_dir, "tokenizer.json")) as src, open(os.path.join(out_dir, "tokenizer.json"), "w") as dst:
-        dst.write(src.read())
+    with open(os.path.join(bundle_dir, "tokenizer.json")) as src:
+        tokenizer_json = src.read()
+    with open(os.path.join(out_dir, "tokenizer.json"), "w") as dst:
+        dst.write(tokenizer_json)
     tok_cfg = {"chat_template": meta.special_tokens.get("chat_template"), "add_bos_token":
                bool(meta.special_tokens.get("add_bos_token"))}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:

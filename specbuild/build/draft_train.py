@@ -11,12 +11,14 @@ ids, also frozen and shared, so the draft stores only its layers and final norm.
    `sample_temperature`); eval prompts greedy (`answers_eval.jsonl`). Reuses
    medusa_train's data loading, split and answer generation.
 2. One target forward per sequence caches the final-normed hidden states of the rows that
-   predict answer tokens, or with `prompt_positions` every row (`hidden_*.safetensors`); the target's soft labels over the
-   vocab_map are these times the frozen output rows, computed per batch.
-3. The draft's layers start as copies of target layers (`init_layers`: the first and the
-   last by default) and train on KL(target || draft) with the target's distribution renormalised
-   over the vocab_map ( the draft puts probability zero outside it,
-   rejection sampling stays exact). AdamW, warmup + cosine, `checkpoint.pt` every few
+   predict answer tokens, or with `prompt_positions` every row (`hidden_*.safetensors`);
+   the target's soft labels over the vocab_map are these times the frozen output rows,
+   computed per batch.
+3. The draft's layers start as copies of target layers (`init_layers`: the first `layers`
+   by default, an early exit: KL 13 to the target on SmolLM2's eval answers, where its
+   first and last layer give KL 64) and train on KL(target || draft), the target's
+   distribution renormalised over the vocab_map (the draft puts probability zero outside
+   it; rejection sampling stays exact). AdamW, warmup + cosine, `checkpoint.pt` every few
    minutes; `--resume` continues from the answers, hidden caches and checkpoint.
 
 Output directory (a "specbuild draft", which `compile --draft DIR` recognises):
@@ -58,7 +60,7 @@ class DraftTrainConfig:
     tokens: int = 24000  # answer tokens to distil (greedy + sampled) in all
     sampled_share: float = 0.25  # of those tokens, the share from sampled answers
     prompt_positions: bool = True  # also learn the target's distributions over the prompt tokens
-    init_layers: tuple[int, ...] | None = None  # target layers to copy; None: first and last
+    init_layers: tuple[int, ...] | None = None  # target layers to copy; None: the first `layers`
     max_answer_tokens: int = 128
     max_prompt_tokens: int = 512
     eval_prompts: int = 12
@@ -98,7 +100,7 @@ class DraftTrainConfig:
 
 # ---- vocabulary map -----------------------------------------------------------------------------
 def make_vocab_map(seqs: list[dict], vocab: int, size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
-    """The `size` most frequent answer tokens (ties and the rest filled by lowest id, which
+    """The `size` most frequent tokens of the sequences' answer_ids (ties and the rest filled by lowest id, which
     for BPE vocabularies is merge order, roughly frequency), plus `always`; sorted [size]."""
     if size > vocab:
         raise SpecbuildError(f"--draft-vocab {size} exceeds the target's vocabulary {vocab}")
@@ -169,7 +171,8 @@ class TrainDraft(torch.nn.Module):
             qkv = h @ self.w(p + "qkv").T
             if p + "qkv_bias" in self.names:
                 qkv = qkv + self.w(p + "qkv_bias")
-            q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
+            kv = c.num_kv_heads * c.head_dim
+            q, k, v = qkv.split([c.num_heads * c.head_dim, kv, kv], -1)
             q = apply_rope(q.reshape(b * t, c.num_heads, c.head_dim), cos.repeat(b, 1), sin.repeat(b, 1))
             k = apply_rope(k.reshape(b * t, c.num_kv_heads, c.head_dim), cos.repeat(b, 1), sin.repeat(b, 1))
             q = q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
@@ -314,11 +317,12 @@ def train_draft(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Draft
     embed = as_dense(engine.model.w["embed"]).float()
     lm_head = as_dense(engine.model.lm_head).float()
     shares_head = "lm_head" if "lm_head" in engine.model.w else "embed"
-    vocab_map = make_vocab_map(vocab_seqs, target_cfg.vocab_size, cfg.draft_vocab, engine.eos_ids)
+    vocab_map = make_vocab_map([{"answer_ids": s["prompt_ids"] + s["answer_ids"]} for s in vocab_seqs],
+                               target_cfg.vocab_size, cfg.draft_vocab, engine.eos_ids)
     dcfg = draft_config(target_cfg, cfg)
-    layers = cfg.init_layers or tuple(sorted({0, target_cfg.num_layers - 1}))[:cfg.layers]
-    if len(layers) < cfg.layers:
-        layers = tuple(layers) + tuple(range(1, 1 + cfg.layers - len(layers)))
+    layers = cfg.init_layers or tuple(range(min(cfg.layers, target_cfg.num_layers)))
+    if len(layers) != cfg.layers:
+        raise SpecbuildError(f"--init-layers names {len(layers)} layers; the draft has --layers {cfg.layers}")
     model = TrainDraft(dcfg, init_from_target(engine.model.w, target_cfg, dcfg, tuple(layers)), embed,
                        lm_head[vocab_map])
     fingerprint = tokenizer_fingerprint(engine.tokenizer.to_str())
@@ -385,7 +389,8 @@ def train_draft(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Draft
     with open(os.path.join(out_dir, DRAFT_JSON), "w") as f:
         json.dump(meta, f, indent=2)
     report = {
-        "config": asdict(cfg), "split": how, "train_answers": len(seqs), "answer_tokens": answer_tokens, "train_positions": positions,
+        "config": asdict(cfg), "split": how, "train_answers": len(seqs), "answer_tokens": answer_tokens,
+        "train_positions": positions,
         "eval_prompts": len(eval_seqs), "eval_tokens_in_vocab_map": coverage, "steps": step,
         "first_losses": history[:10], "last_losses": history[-10:], "eval_before": before, "eval_after": after,
         "seconds": {"distill": round(t_distill - t_start, 1), "hidden": round(t_hidden - t_distill, 1),
