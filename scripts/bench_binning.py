@@ -10,11 +10,10 @@ strategy's greedy output equals plain decoding.
 from __future__ import annotations
 
 import argparse
-import os
+
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from specbuild import bench as B  # noqa: E402
 from specbuild.runtime.engine import Engine, EngineConfig  # noqa: E402

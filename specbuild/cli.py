@@ -11,10 +11,7 @@ import json
 import os
 import sys
 
-# Before torch loads OpenMP: idle worker threads sleep instead of spinning. Spinning made
-# steps 20-100x slower whenever another process shared the cores (measured on a 2-core
-# box); set OMP_WAIT_POLICY=ACTIVE yourself on a dedicated machine if it measures faster.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP spinning is configured in specbuild/__init__.py, before torch loads.
 
 import click  # noqa: E402
 

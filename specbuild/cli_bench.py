@@ -94,7 +94,8 @@ def environment(threads: int, command: str) -> dict:
     return {"specbuild": __version__, "torch": torch.__version__, "transformers": tf_version, "threads": threads,
             "cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(), "command": command,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_start": list(os.getloadavg()),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
 
 
 def run_bench(bundle_dir: str, cfg: BenchConfig, command: str = "") -> dict:
@@ -187,9 +188,9 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
     if cfg.batch_size > 1 and cfg.peers:
         notes.append("transformers rows run one prompt at a time (batch 1)")
     busy = max(env["loadavg_start"][0], env["loadavg_end"][0]) > (env["cpu_count"] or 1)
-    if busy and env["threads"] > 1 and not env["omp_wait_policy"]:
+    if busy and env["threads"] > 1 and not (env["omp_wait_policy"] or env["gomp_spincount"]):
         notes.append("the machine was oversubscribed: spinning OpenMP threads stall each other there; "
-                     "OMP_WAIT_POLICY=PASSIVE or --threads 1 steadies multi-threaded timings")
+                     "GOMP_SPINCOUNT=10000 or --threads 1 steadies multi-threaded timings")
     notes.append(f"load average {env['loadavg_start'][0]:.1f} at start, {env['loadavg_end'][0]:.1f} at end on "
                  f"{env['cpu_count']} logical CPUs (a shared machine adds noise)")
     return {"bundle": os.path.abspath(bundle_dir), "target_format": target_format, "env": env,

@@ -55,7 +55,6 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
     under that item's new-token mask (causal, or the tree's ancestor mask for tree drafts).
     """
     ids, pos, wslots, rslots, logit_rows = [], [], [], [], []
-    row_seq, col_seq, col_new, row_new = [], [], [], []
     blocks = []
     t = s = 0
     for k, it in enumerate(items):
