@@ -169,3 +169,14 @@ def test_compiled_medusa_bundle_is_lossless_and_accepts(medusa_bundle):
     with pytest.raises(ValueError, match="depth 4 but the bundle has 3 Medusa heads"):
         engine.submit(Request(prompt_ids=[1, 2], speculation=SpeculationConfig.make(None, method="medusa",
                                                                                     tree="chain_4")))
+
+
+def test_medusa_refuses_a_quantized_shared_lm_head(medusa_bundle, tmp_path):
+    import json
+
+    source = json.load(open(os.path.join(medusa_bundle, "bundle.json")))["roles"]["target"]["source"]
+    heads = json.load(open(os.path.join(medusa_bundle, "bundle.json")))["roles"]["medusa"]["source"]
+    with pytest.raises(Exception, match="Medusa heads need it dense"):
+        compile_bundle(source, str(tmp_path / "q"), CompileOptions(quantize="int8", lm_head_format="int8"),
+                       medusa=heads)
+    assert not os.path.exists(tmp_path / "q")

@@ -147,6 +147,13 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
         if medusa is not None:
             from .medusa import write_medusa_role
 
+            if options.lm_head_format not in ("dense", options.dtype) or \
+                    (tgt.config.tie_word_embeddings and options.embedding_format not in ("dense", options.dtype)):
+                raise SpecbuildError(
+                    f"--medusa shares the target's lm_head, which --lm-head-format/--embedding-format "
+                    f"{options.lm_head_format}/{options.embedding_format} stores quantized; Medusa heads "
+                    "need it dense: drop those flags (the layers may still be quantized)")
+
             roles["medusa"] = write_medusa_role(tmp, medusa, tree, progress=say)
             roles["medusa"]["tokenizer_fingerprint"] = tokenizer_fingerprint(tgt.tokenizer_json)
             if limits.max_draft_len < roles["medusa"]["tree_nodes"]:
