@@ -135,7 +135,22 @@ class Decoder:
         rows = x.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != t else x
         hidden = rms_norm(rows, w["norm"], c.rms_norm_eps)
         logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0])).float()
+        if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype in (torch.bfloat16, torch.float16):
+            logits = rescore_top(logits, hidden, self.lm_head)
         return (logits, hidden) if return_hidden else logits
+
+
+def rescore_top(logits: torch.Tensor, hidden: torch.Tensor, lm_head: torch.Tensor, top: int = 64) -> torch.Tensor:
+    """Recompute each row's `top` largest logits in float32 (one fixed-order dot product per
+    entry). Half-precision logits carry ~3 digits: exact ties and 1-ulp flips between verify
+    widths would otherwise decide greedy tokens, so speculative output could differ from
+    plain output of the same bundle. logits: [R, V] float32; hidden: [R, H]. In place."""
+    if logits.shape[0] == 0:
+        return logits
+    idx = logits.topk(min(top, logits.shape[1]), dim=-1).indices  # [R, k]
+    rows = lm_head.index_select(0, idx.reshape(-1)).float().view(*idx.shape, -1)  # [R, k, H]
+    exact = (rows * hidden.float().unsqueeze(1)).sum(-1)  # [R, k]
+    return logits.scatter_(1, idx, exact)
 
 
 def weight_bytes(weights: dict, tied: bool) -> int:
