@@ -100,6 +100,26 @@ def shared_draft_weights(bundle_dir: str, role: dict, weights: dict, target_w: d
     return weights, vocab_map
 
 
+def validated_prompt_ids(request: Request, encode, vocab_size: int, max_seq_len: int) -> list[int]:
+    """The request's prompt as token ids, or a RequestError naming the value and the limit.
+    Shared by every backend's submit()."""
+    if request.prompt_ids is None:
+        if request.prompt is None:
+            raise RequestError("a request needs a prompt or prompt_ids")
+        prompt_ids = encode(request.prompt)
+    else:
+        prompt_ids = [int(t) for t in request.prompt_ids]
+    if not prompt_ids:
+        raise RequestError("the prompt is empty (0 tokens)")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token id {bad[0]} is out of range [0, {vocab_size})")
+    if len(prompt_ids) >= max_seq_len:
+        raise RequestError(f"prompt is {len(prompt_ids)} tokens; max_seq_len is {max_seq_len} "
+                           "(the prompt plus at least one generated token must fit)")
+    return prompt_ids
+
+
 class Engine:
     """A loaded bundle plus the scheduler that serves it."""
 
@@ -203,21 +223,7 @@ class Engine:
 
     def submit(self, request: Request) -> Handle:
         """Validate and queue a request. Raises RequestError (nothing queued) on bad input."""
-        if request.prompt_ids is None:
-            if request.prompt is None:
-                raise RequestError("a request needs a prompt or prompt_ids")
-            prompt_ids = self.encode(request.prompt)
-        else:
-            prompt_ids = [int(t) for t in request.prompt_ids]
-        vocab = self.target_config.vocab_size
-        if not prompt_ids:
-            raise RequestError("the prompt is empty (0 tokens)")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise RequestError(f"prompt is {len(prompt_ids)} tokens; max_seq_len is {self.max_seq_len} "
-                               "(the prompt plus at least one generated token must fit)")
+        prompt_ids = validated_prompt_ids(request, self.encode, self.target_config.vocab_size, self.max_seq_len)
         params = request.sampling.with_seed()
         spec = self.resolve_speculation(request)
         seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)

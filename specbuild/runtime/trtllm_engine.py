@@ -45,7 +45,7 @@ from typing import Any
 from ..bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
 from ..errors import BundleError, RequestError, SpecbuildError
 from .backend import guarantees
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, validated_prompt_ids
 from .sampling import SamplingParams
 from .sequence import Event, Handle, Request, Sequence
 from .spec_config import SpeculationConfig
@@ -393,21 +393,7 @@ class TrtllmEngine:
         """Validate and queue a request. Raises RequestError (nothing queued) on bad input."""
         if not self.is_leader:
             raise SpecbuildError(f"rank {self.rank} is not the leader: only rank 0 takes requests")
-        if request.prompt_ids is None:
-            if request.prompt is None:
-                raise RequestError("a request needs a prompt or prompt_ids")
-            prompt_ids = self.encode(request.prompt)
-        else:
-            prompt_ids = [int(t) for t in request.prompt_ids]
-        vocab = self.target_config.vocab_size
-        if not prompt_ids:
-            raise RequestError("the prompt is empty (0 tokens)")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise RequestError(f"prompt is {len(prompt_ids)} tokens; max_seq_len is {self.max_seq_len} "
-                               "(the prompt plus at least one generated token must fit)")
+        prompt_ids = validated_prompt_ids(request, self.encode, self.target_config.vocab_size, self.max_seq_len)
         params = request.sampling.with_seed()
         spec, note = self.resolve_speculation(request, params)
         seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
