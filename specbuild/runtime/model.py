@@ -78,6 +78,24 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [R] int64, rows of T whose logits are wanted
 
 
+def ragged_mask(blocks: list[tuple], rows: int, cols: int) -> torch.Tensor | None:
+    """The attention mask [rows, cols] bool of a flattened ragged batch.
+
+    blocks: one (row0, col0, n_new, past, new_mask) per sequence: its n_new query rows start
+    at row0, its gathered K/V rows at col0 (past ones first, then the new ones); every row
+    sees the whole past and the new rows through new_mask [n_new, n_new] (None: causal).
+    Nothing crosses sequences. None when a single row may see everything (no mask needed).
+    """
+    if rows == 1 and len(blocks) == 1:
+        return None
+    mask = torch.zeros(rows, cols, dtype=torch.bool)
+    for r0, c0, n, past, new_mask in blocks:
+        mask[r0:r0 + n, c0:c0 + past] = True
+        mask[r0:r0 + n, c0 + past:c0 + past + n] = torch.ones(n, n, dtype=torch.bool).tril() \
+            if new_mask is None else new_mask
+    return mask
+
+
 class Decoder:
     """The runtime model. Holds weights (runtime layout) and rope tables; no request state."""
 

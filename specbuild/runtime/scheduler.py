@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_cache import PagedKVCache
-from .model import Decoder, ForwardBatch
+from .model import Decoder, ForwardBatch, ragged_mask
 from .sampling import sample_from, warp_probs
 from .sequence import Event, Sequence
 
@@ -84,12 +84,7 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
         blocks.append((t, s, n, it.start, new_mask))
         t += n
         s += it.start + n
-    mask = None
-    if not (len(items) == 1 and items[0].width == 1):
-        mask = torch.zeros(t, s, dtype=torch.bool)
-        for r0, c0, n, past, new_mask in blocks:
-            mask[r0:r0 + n, c0:c0 + past] = True
-            mask[r0:r0 + n, c0 + past:c0 + past + n] = new_mask
+    mask = ragged_mask(blocks, t, s)
     dev = cache.device
     return ForwardBatch(
         input_ids=torch.cat(ids).to(dev),

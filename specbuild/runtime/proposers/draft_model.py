@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from ..model import Decoder, ForwardBatch
+from ..model import Decoder, ForwardBatch, ragged_mask
 from ..sampling import sample_from, warp_probs
 from .base import Draft
 
@@ -49,17 +49,12 @@ class DraftModelProposer:
             pos.append(torch.arange(start, start + n))
             wslots.append(slots[start:])
             rslots.append(slots)
-            blocks.append((t, s, n, start))
+            blocks.append((t, s, n, start, None))
             t += n
             s += start + n
             last.append(t - 1)
             seq.extra["draft_len"] = start + n
-        mask = None
-        if t > 1:
-            mask = torch.zeros(t, s, dtype=torch.bool)
-            for r0, c0, n, past in blocks:
-                mask[r0:r0 + n, c0:c0 + past] = True
-                mask[r0:r0 + n, c0 + past:c0 + past + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        mask = ragged_mask(blocks, t, s)
         dev = self.cache.device
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(pos).to(dev),
                              torch.cat(wslots).to(dev), torch.cat(rslots).to(dev),
