@@ -222,8 +222,12 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: str = "cpu
 def floor_summary(weight_bytes: int, gb_per_s: float, step_ms: float) -> dict:
     """floor_ms = weight bytes read per step / bandwidth; ratio = measured step / floor."""
     floor_ms = weight_bytes / (gb_per_s * 1e9) * 1e3
-    return {"weight_bytes": weight_bytes, "copy_gb_per_s": round(gb_per_s, 3), "floor_ms": round(floor_ms, 3),
-            "step_ms": round(step_ms, 3), "ratio": round(step_ms / floor_ms, 3)}
+
+    def sig(x: float) -> float:  # 4 significant digits: tiny models have floors of ~0.02 ms
+        return float(f"{x:.4g}")
+
+    return {"weight_bytes": weight_bytes, "copy_gb_per_s": sig(gb_per_s), "floor_ms": sig(floor_ms),
+            "step_ms": sig(step_ms), "ratio": sig(step_ms / floor_ms)}
 
 
 def measure_floor(engine, prompt_ids: list[int], max_tokens: int, repeats: int, nbytes: int = 256 << 20) -> dict:

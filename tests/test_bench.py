@@ -195,7 +195,7 @@ def _check_rows(report, names, turns, max_tokens):
 
 def test_bench_end_to_end_on_a_tiny_bundle(bench_bundle):
     report = _bench_json([bench_bundle, "--per-category", "1", "--max-tokens", "8", "--repeats", "1",
-                          "--speculation", "ngram", "--floor", "--floor-mib", "16"])
+                          "--speculation", "ngram", "--gamma", "3", "--floor", "--floor-mib", "16"])
     _check_rows(report, ["specbuild none", "specbuild ngram"], turns=7, max_tokens=8)
     assert report["questions"] == 6 and len(report["question_ids"]) == 6
     assert set(report["question_ids"]) <= set(B.load_split()["eval"])
