@@ -308,9 +308,13 @@ class Engine:
             except Exception:  # a bug must not leave clients hanging: fail what was running
                 log.exception("engine step failed; failing the running requests")
                 with self._lock:
-                    for seq in list(self.scheduler.running):
-                        self.scheduler.release(seq)
-                        self.scheduler.fail(seq, "internal error in the engine step (see server log)")
+                    self._fail_running("internal error in the engine step (see server log)")
+
+    def _fail_running(self, message: str) -> None:
+        """Release and fail every running request (called with the lock held)."""
+        for seq in list(self.scheduler.running):
+            self.scheduler.release(seq)
+            self.scheduler.fail(seq, message)
 
     def stop(self) -> None:
         self._stop = True

@@ -250,6 +250,10 @@ class TrtllmEngine:
     render_chat = Engine.render_chat
     run_until_done = Engine.run_until_done
     generate = Engine.generate
+    # the background loop is the torch engine's; only the failure path differs (_fail_running)
+    start = Engine.start
+    _loop = Engine._loop
+    stop = Engine.stop
 
     def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig()) -> None:
         t0 = time.perf_counter()
@@ -587,36 +591,11 @@ class TrtllmEngine:
             seq.handle.error = message
             seq.handle._emit(Event([], "", True, "error"))
 
-    def start(self) -> None:
-        """Run the step loop on a background thread (servers)."""
-        if self._thread is not None:
-            return
-        self.background, self._stop = True, False
-        self._thread = threading.Thread(target=self._loop, name="specbuild-trtllm", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop:
-            if not self.has_work():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
-                self.step()
-            except Exception:  # a bug must not leave clients hanging: fail what was running
-                log.exception("TensorRT-LLM step failed; failing the running requests")
-                with self._lock:
-                    for seq in list(self.scheduler.running):
-                        self._release(seq)
-                        self._fail(seq, "internal error in the engine step (see server log)")
-
-    def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-        self.background = False
+    def _fail_running(self, message: str) -> None:
+        """Release and fail every running request (the shared loop calls it, lock held)."""
+        for seq in list(self.scheduler.running):
+            self._release(seq)
+            self._fail(seq, message)
 
     def close(self) -> None:
         """Stop the loop and shut the executors down (the leader's shutdown releases the workers)."""
