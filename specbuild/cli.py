@@ -55,6 +55,9 @@ def main() -> None:
 @click.option("--pp", default=1, show_default=True, type=int, help="Pipeline parallelism, 1 or 2 (tensorrt-llm).")
 @click.option("--trtllm-dtype", default="float16", show_default=True,
               type=click.Choice(["float16", "bfloat16", "float32"]), help="Weight dtype of the TensorRT-LLM checkpoints.")
+@click.option("--trtllm-gather-generation-logits", is_flag=True,
+              help="Build the draft and target engines with --gather_generation_logits (tensorrt-llm with --draft): "
+                   "needed to speculate on sampled (temperature > 0) requests; costs GPU memory.")
 @click.option("--quantize", default="none", show_default=True, type=click.Choice(["none", "int8", "int4"]),
               help="Weight-only quantization of the layers' linear weights (a GGUF's Q4_1 is carried into int4).")
 @click.option("--group-size", default=32, show_default=True, type=click.Choice(["32", "64", "128"]),
@@ -70,7 +73,8 @@ def main() -> None:
               help="Dense copies of quantized weights built at load for wide verification [float32].")
 @user_errors
 def compile(target, draft, medusa, tree, out_dir, dtype, max_seq_len, max_batch_size, max_draft_len, backend, tp, pp,
-            trtllm_dtype, quantize, group_size, activations, embedding_format, lm_head_format, wide_formats) -> None:
+            trtllm_dtype, trtllm_gather_generation_logits, quantize, group_size, activations, embedding_format,
+            lm_head_format, wide_formats) -> None:
     """Compile checkpoints into a speculation bundle."""
     import time
 
@@ -79,6 +83,7 @@ def compile(target, draft, medusa, tree, out_dir, dtype, max_seq_len, max_batch_
     t0 = time.perf_counter()
     options = CompileOptions(dtype=dtype, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                              max_draft_len=max_draft_len, backend=backend, tp=tp, pp=pp, trtllm_dtype=trtllm_dtype,
+                             trtllm_gather_generation_logits=trtllm_gather_generation_logits,
                              quantize=quantize, group_size=int(group_size), activations=activations,
                              embedding_format=embedding_format, lm_head_format=lm_head_format,
                              formats=tuple(wide_formats) or ("float32",))
@@ -114,6 +119,8 @@ def inspect(bundle, as_json) -> None:
                 info["roles"][role]["quant"] = json.load(f)
     from .runtime.backend import bundle_guarantees, guarantee_lines
 
+    if meta.backend == "tensorrt-llm":
+        info["trtllm"] = trtllm_info(bundle)
     info["guarantees"] = bundle_guarantees(bundle)
     if as_json:
         click.echo(json.dumps(info, indent=2))
@@ -135,9 +142,43 @@ def inspect(bundle, as_json) -> None:
         if "quant" in r:
             for line in quant_lines(r["quant"]):
                 click.echo("    " + line)
+    if "trtllm" in info:
+        for line in trtllm_lines(info["trtllm"]):
+            click.echo(line)
     for table in info["guarantees"].values():
         for line in guarantee_lines(table):
             click.echo(line)
+
+
+def trtllm_info(bundle: str) -> dict:
+    """inspect's view of the bundle's TensorRT-LLM part (trtllm/trtllm.json, and which engines exist)."""
+    from .runtime.trtllm_engine import engine_dirs, read_trtllm_meta
+
+    trt = read_trtllm_meta(bundle)
+    built = {role: os.path.isfile(os.path.join(d, "config.json")) for role, d in engine_dirs(bundle).items()}
+    return {"mode": trt["mode"], "dtype": trt["dtype"], "limits": trt["limits"],
+            "gather_generation_logits": bool(trt.get("gather_generation_logits")),
+            "roles": {role: {"tp": r["tp"], "pp": r["pp"], "engine_built": built[role]}
+                      for role, r in trt["roles"].items()},
+            "build_script": os.path.join("trtllm", trt["build_script"])}
+
+
+def trtllm_lines(trt: dict) -> list[str]:
+    """inspect's summary of the TensorRT-LLM part: mode, engines, whether they gather generation logits."""
+    lim = trt["limits"]
+    roles = ", ".join(f"{role} tp={r['tp']} pp={r['pp']} engine {'built' if r['engine_built'] else 'not built'}"
+                      for role, r in trt["roles"].items())
+    lines = [f"tensorrt-llm mode={trt['mode']} dtype={trt['dtype']} max_seq_len={lim['max_seq_len']} "
+             f"max_batch_size={lim['max_batch_size']} max_draft_len={lim['max_draft_len']}",
+             f"    {roles} (build: {trt['build_script']})"]
+    if trt["gather_generation_logits"]:
+        lines.append("    gather_generation_logits=yes: sampled requests speculate with the draft engine")
+    elif trt["mode"] == "draft_tokens_external":
+        lines.append("    gather_generation_logits=no: sampled requests cannot speculate (recompile with "
+                     "--trtllm-gather-generation-logits)")
+    else:
+        lines.append("    gather_generation_logits=no")
+    return lines
 
 
 def quant_lines(quant: dict) -> list[str]:

@@ -500,6 +500,39 @@ def test_load_time_checks_name_the_rebuild_flag(stub_trtllm, stub_bundle, tmp_pa
     assert len(StubExecutor.instances) == 2  # the refused loads built no executor
 
 
+def test_sampled_speculation_default_needs_gathered_logits(stub_trtllm, stub_bundle, tmp_path):
+    """A bundle whose defaults sample with draft tokens is refused at load on engines built without
+    --gather_generation_logits; the error names the flag. Engines that gather them load and accept
+    sampled drafts (the guarantees table says so)."""
+    bundle = str(tmp_path / "b")
+    shutil.copytree(stub_bundle, bundle)
+    meta_path = os.path.join(bundle, "bundle.json")
+    meta = json.load(open(meta_path))
+    meta["default_sampling"] = {**meta["default_sampling"], "temperature": 0.8}
+    assert meta["default_speculation"]["method"] == "draft"
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(EngineLimitError, match=r"the target engine .*sampled speculation \(temperature > 0 with "
+                                               r"draft tokens\) is refused.*rebuild with --gather_generation_logits "
+                                               r"\(`specbuild compile --trtllm-gather-generation-logits`"):
+        stub_engine(bundle)
+    write_engine_config(bundle, "target", gather_generation_logits=True)
+    with pytest.raises(EngineLimitError, match="the draft engine .*--trtllm-gather-generation-logits"):
+        stub_engine(bundle)  # the draft engine must return its logits too
+    assert StubExecutor.instances == []
+    write_engine_config(bundle, "draft", gather_generation_logits=True)
+    engine = stub_engine(bundle)
+    assert engine.logits_acceptance and engine.default_sampling.temperature == 0.8
+    assert engine.describe_guarantees()["methods"]["draft"]["sampled"] == "lossless"
+    engine.close()
+    # greedy defaults load on engines without logits; sampled draft requests are then refused by name
+    engine = stub_engine(stub_bundle)
+    assert not engine.logits_acceptance
+    with pytest.raises(RequestError, match="--trtllm-gather-generation-logits"):
+        engine.submit(Request(prompt_ids=LOOPY, sampling=SamplingParams(temperature=0.7, max_tokens=4),
+                              speculation={"method": "draft"}))
+    engine.close()
+
+
 def test_executor_errors_end_the_request(stub_trtllm, stub_bundle):
     engine = stub_engine(stub_bundle)
     StubExecutor.instances[0].limits["max_draft_len"] = 1  # the engine turns out smaller than it said

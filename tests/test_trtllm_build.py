@@ -180,6 +180,9 @@ def test_bundle_part_plain_and_errors(tmp_path, target_dir, draft_dir):
         write_trtllm_bundle_part(str(bad), target, draft=draft, tp=4)
     with pytest.raises(BundleError, match="max_draft_len=65"):
         write_trtllm_bundle_part(str(bad), target, draft=draft, max_draft_len=65)
+    for heads in (None, medusa_heads()):  # logits serve draft-model acceptance only
+        with pytest.raises(ValueError, match="--trtllm-gather-generation-logits .* needs --draft"):
+            write_trtllm_bundle_part(str(bad), target, medusa=heads, gather_generation_logits=True)
     assert not bad.exists()  # validated before anything is written
 
 

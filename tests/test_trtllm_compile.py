@@ -43,3 +43,49 @@ def test_invalid_tp_names_the_valid_values(tmp_path):
     assert r.returncode == 2
     assert "valid tp sizes: 1, 2, 4" in r.stderr and "Traceback" not in r.stderr
     assert not os.path.exists(tmp_path / "b")
+
+
+def test_gather_generation_logits_flag(tmp_path):
+    target = make_tiny_hf(str(tmp_path / "t"), heads=4, kv_heads=2)
+    draft = make_tiny_hf(str(tmp_path / "d"), heads=4, kv_heads=2, layers=1, seed=4)
+    out = str(tmp_path / "b")
+    r = specbuild("compile", "--target", target, "--draft", draft, "--out", out, "--backend", "tensorrt-llm",
+                  "--trtllm-gather-generation-logits")
+    assert r.returncode == 0, r.stderr
+    meta = json.load(open(os.path.join(out, "trtllm", "trtllm.json")))
+    assert meta["gather_generation_logits"] is True
+    for role in ("target", "draft"):  # both engines: the target verifies with them, the draft returns them
+        assert meta["build_commands"][role].count("--gather_generation_logits") == 1, role
+    script = [line for line in open(os.path.join(out, "trtllm", "build.sh")) if line.startswith("trtllm-build")]
+    assert len(script) == 2 and all(line.rstrip().endswith("--gather_generation_logits") for line in script)
+    r = specbuild("inspect", out)
+    assert r.returncode == 0, r.stderr
+    assert "tensorrt-llm mode=draft_tokens_external" in r.stdout
+    assert "gather_generation_logits=yes: sampled requests speculate" in r.stdout
+    info = json.loads(specbuild("inspect", out, "--json").stdout)
+    assert info["trtllm"]["gather_generation_logits"] is True
+    assert info["trtllm"]["roles"]["draft"] == {"tp": 1, "pp": 1, "engine_built": False}
+    assert info["guarantees"]["tensorrt-llm"]["methods"]["draft"]["sampled"] == "lossless"
+
+    # off by default: no flag in the commands, and inspect says how to get it
+    plain = str(tmp_path / "p")
+    assert specbuild("compile", "--target", target, "--draft", draft, "--out", plain, "--backend",
+                     "tensorrt-llm").returncode == 0
+    meta = json.load(open(os.path.join(plain, "trtllm", "trtllm.json")))
+    assert meta["gather_generation_logits"] is False
+    assert not any("--gather_generation_logits" in argv for argv in meta["build_commands"].values())
+    r = specbuild("inspect", plain)
+    assert "gather_generation_logits=no: sampled requests cannot speculate (recompile with " \
+           "--trtllm-gather-generation-logits)" in r.stdout
+    assert json.loads(specbuild("inspect", plain, "--json").stdout)["guarantees"]["tensorrt-llm"]["methods"][
+        "draft"]["sampled"] == "refused"
+
+
+def test_gather_generation_logits_needs_trtllm_and_a_draft(tmp_path):
+    target = make_tiny_hf(str(tmp_path / "t"), heads=4, kv_heads=2)
+    for extra, message in ((("--backend", "torch"), "needs --backend tensorrt-llm"),
+                           (("--backend", "tensorrt-llm"), "needs --draft")):
+        out = tmp_path / "b"
+        r = specbuild("compile", "--target", target, "--out", str(out), *extra, "--trtllm-gather-generation-logits")
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not out.exists()

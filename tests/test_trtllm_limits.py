@@ -18,6 +18,7 @@ from specbuild.runtime.trtllm_engine import (
     engine_limits,
     engine_modes,
     leader_plan,
+    sampled_speculation_default,
 )
 
 TREE = {"name": "t9", "num_drafts": 9, "max_depth": 4}
@@ -107,6 +108,35 @@ def test_sampled_acceptance_needs_generation_logits():
                             needs_generation_logits=True)
     check_engine_limits(engine_config("draft_tokens_external", 4, logits=True), mode="draft_tokens_external",
                         max_draft_len=4, needs_generation_logits=True)
+
+
+def test_sampled_speculation_is_refused_without_generation_logits():
+    plain = engine_config("draft_tokens_external", 4)
+    for role in ("target", "draft"):
+        with pytest.raises(EngineLimitError, match=rf"the {role} engine .* sampled speculation \(temperature > 0 "
+                                                   r"with draft tokens\) is refused.* built without "
+                                                   r"--gather_generation_logits; rebuild with --gather_generation_"
+                                                   r"logits \(`specbuild compile --trtllm-gather-generation-logits`"):
+            check_engine_limits(plain, role=role, mode="draft_tokens_external" if role == "target" else "none",
+                                max_draft_len=4 if role == "target" else 0, sampled_speculation=True)
+    lim = check_engine_limits(engine_config("draft_tokens_external", 4, logits=True), mode="draft_tokens_external",
+                              max_draft_len=4, sampled_speculation=True)
+    assert lim["gather_generation_logits"] is True
+    assert check_engine_limits(plain, mode="draft_tokens_external", max_draft_len=4)["gather_generation_logits"] is False
+
+
+def test_which_defaults_are_sampled_speculation():
+    from specbuild.runtime.sampling import SamplingParams
+    from specbuild.runtime.spec_config import SpeculationConfig
+
+    hot, cold = SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)
+    draft, ngram, none = (SpeculationConfig.make(None, method=m) for m in ("draft", "ngram", "none"))
+    assert sampled_speculation_default("draft_tokens_external", hot, draft) is True
+    assert sampled_speculation_default("draft_tokens_external", cold, draft) is False
+    # prompt lookup and plain decoding accept no logits; Medusa engines are checked as greedy-only elsewhere
+    assert sampled_speculation_default("draft_tokens_external", hot, ngram) is False
+    assert sampled_speculation_default("draft_tokens_external", hot, none) is False
+    assert sampled_speculation_default("medusa", hot, draft) is False
 
 
 def test_world_size_and_vocab():

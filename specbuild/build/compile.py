@@ -38,6 +38,8 @@ class CompileOptions:
     tp: int = 1
     pp: int = 1
     trtllm_dtype: str = "float16"
+    # tensorrt-llm with a draft model: engines gather generation logits (sampled acceptance)
+    trtllm_gather_generation_logits: bool = False
     quantize: str = "none"
     group_size: int = 32
     activations: str = "bfloat16"
@@ -51,6 +53,9 @@ class CompileOptions:
         check_quant_options(self)
         if self.backend not in ("torch", "tensorrt-llm"):
             raise SpecbuildError(f"--backend {self.backend!r} is not one of torch, tensorrt-llm")
+        if self.trtllm_gather_generation_logits and self.backend != "tensorrt-llm":
+            raise SpecbuildError("--trtllm-gather-generation-logits builds TensorRT-LLM engines: it needs "
+                                 "--backend tensorrt-llm")
         if self.dtype not in DTYPES:
             raise SpecbuildError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         Limits(self.max_seq_len, self.max_batch_size, self.max_draft_len)  # validates ranges
@@ -179,7 +184,7 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
             write_trtllm_bundle_part(
                 tmp, tgt, drf, medusa=heads, tree_paths=tree_paths, tp=options.tp, pp=options.pp,
                 dtype=options.trtllm_dtype, max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
-                max_draft_len=max_draft)
+                max_draft_len=max_draft, gather_generation_logits=options.trtllm_gather_generation_logits)
             if build_engines(os.path.join(tmp, "trtllm")):
                 say("TensorRT-LLM engines built")
             else:

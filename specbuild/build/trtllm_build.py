@@ -173,11 +173,17 @@ def write_trtllm_bundle_part(out_dir: str, target: Checkpoint, draft: Checkpoint
     metadata. Everything is validated before anything is written.
 
     max_draft_len: Medusa: default the tree's node count (the tree defaults to a chain of one
-    node per head) and at least that; draft: default Limits().max_draft_len; plain: 0."""
+    node per head) and at least that; draft: default Limits().max_draft_len; plain: 0.
+    gather_generation_logits (draft only; `compile --trtllm-gather-generation-logits`): both
+    engines are built with --gather_generation_logits, so sampled requests can speculate."""
     if medusa is not None and draft is not None:
         raise ValueError("--medusa and --draft cannot be combined for the TensorRT-LLM backend")
     if tree_paths is not None and medusa is None:
         raise ValueError("a token tree needs Medusa heads in the TensorRT-LLM backend (draft models propose chains)")
+    if gather_generation_logits and draft is None:
+        raise ValueError("--trtllm-gather-generation-logits is for sampled acceptance of a draft model's tokens "
+                         "(external draft tokens) and needs --draft; Medusa on TensorRT-LLM is greedy-only and "
+                         "plain decoding compares no logits")
     draft_tp = tp if draft_tp is None else draft_tp
     draft_pp = pp if draft_pp is None else draft_pp
     check_parallel(target.config, tp, pp, medusa=medusa is not None, role="target")

@@ -120,7 +120,8 @@ def guarantees(backend: str, *, mode: str = "none", gather_generation_logits: bo
             rows = {m: r for m, r in rows.items() if m in methods}
         notes = ["TensorRT-LLM owns the KV cache, the batching and the acceptance; specbuild streams the "
                  "tokens and counts acceptance per engine iteration",
-                 "sampled acceptance needs generation logits (--gather_generation_logits on both engines)",
+                 "sampled acceptance needs generation logits (--gather_generation_logits on both engines: "
+                 "specbuild compile --trtllm-gather-generation-logits)",
                  "the draft length is fixed at the request's gamma (no per-sequence controller); "
                  "method 'auto' is torch-only",
                  "lossless on this backend rests on TensorRT-LLM's acceptance kernels; specbuild checks "

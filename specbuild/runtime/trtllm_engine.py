@@ -56,6 +56,9 @@ MODE_BITS = {"none": 1, "draft_tokens_external": 2, "medusa": 4, "lookahead": 8,
              "eagle": 32}  # tensorrt_llm.models.SpeculativeDecodingMode (reference §2)
 MODE_FLAG = {"draft_tokens_external": "--speculative_decoding_mode draft_tokens_external",
              "medusa": "--speculative_decoding_mode medusa"}
+# how to get engines that gather generation logits (sampled acceptance of external draft tokens)
+LOGITS_REBUILD = ("rebuild with --gather_generation_logits (`specbuild compile --trtllm-gather-generation-logits` "
+                  "writes it into trtllm/build.sh)")
 
 
 class EngineLimitError(BundleError):
@@ -104,12 +107,16 @@ def engine_limits(engine_config: dict) -> dict[str, Any]:
 def check_engine_limits(engine_config: dict, *, role: str = "target", max_batch_size: int | None = None,
                         max_seq_len: int | None = None, mode: str = "none", max_draft_len: int = 0,
                         tree: dict | None = None, needs_generation_logits: bool = False,
-                        world_size: int | None = None, vocab_size: int | None = None) -> dict[str, Any]:
+                        sampled_speculation: bool = False, world_size: int | None = None,
+                        vocab_size: int | None = None) -> dict[str, Any]:
     """Check a built engine against what the bundle and this run need; return its limits.
 
     mode: none | draft_tokens_external | medusa (what this engine must do); max_draft_len:
     drafts per request (draft_tokens_external); tree: the bundle's Medusa tree
-    ({"name", "num_drafts", "max_depth"}). Raises EngineLimitError naming every mismatch and
+    ({"name", "num_drafts", "max_depth"}); needs_generation_logits: the bundle says its engines
+    gather them; sampled_speculation: this run drafts for sampled requests (temperature > 0
+    with draft tokens), whose acceptance compares draft and target logits. Raises
+    EngineLimitError naming every mismatch and
     the trtllm-build flag that fixes it (TensorRT-LLM itself reports only, e.g., "Number of
     draft tokens (56) > maximum (0)", at the first request)."""
     lim = engine_limits(engine_config)
@@ -136,9 +143,10 @@ def check_engine_limits(engine_config: dict, *, role: str = "target", max_batch_
     if max_seq_len is not None and max_seq_len > lim["max_seq_len"]:
         problems.append(f"max_seq_len {max_seq_len} > maximum ({lim['max_seq_len']}); rebuild with "
                         f"--max_seq_len {max_seq_len}")
-    if needs_generation_logits and not lim["gather_generation_logits"]:
-        problems.append("sampled acceptance needs generation logits but it was built without "
-                        "--gather_generation_logits; rebuild with --gather_generation_logits")
+    if (needs_generation_logits or sampled_speculation) and not lim["gather_generation_logits"]:
+        why = ("sampled speculation (temperature > 0 with draft tokens) is refused: its acceptance needs "
+               "generation logits" if sampled_speculation else "sampled acceptance needs generation logits")
+        problems.append(f"{why} but it was built without --gather_generation_logits; {LOGITS_REBUILD}")
     if world_size is not None and world_size != lim["world_size"]:
         problems.append(f"it was built for tp*pp = {lim['world_size']} ranks (tp {lim['tp']}, pp {lim['pp']}) "
                         f"but {world_size} were launched; run it under `mpirun -n {lim['world_size']}`")
@@ -148,6 +156,13 @@ def check_engine_limits(engine_config: dict, *, role: str = "target", max_batch_
     if problems:
         raise EngineLimitError(f"the {role} engine cannot serve this bundle: " + "; ".join(problems))
     return lim
+
+
+def sampled_speculation_default(mode: str, sampling: SamplingParams, spec: SpeculationConfig) -> bool:
+    """Whether a bundle's defaults make requests speculate while sampling (temperature > 0
+    with draft-model tokens), which needs engines that gather generation logits. Prompt lookup
+    is not counted: its sampled requests are served without drafts whatever the engines."""
+    return mode == "draft_tokens_external" and not sampling.greedy and spec.method == "draft" and spec.gamma_max > 0
 
 
 def leader_plan(rank: int, world_size: int, lim: dict[str, Any], visible_gpus: int | None) -> int:
@@ -275,17 +290,21 @@ class TrtllmEngine:
         rank, world = launcher_rank_size()
         self.rank = rank
         logits = bool(self.trt_meta.get("gather_generation_logits"))
+        sampled = sampled_speculation_default(self.mode, SamplingParams.from_dict(dict(self.meta.default_sampling)),
+                                              SpeculationConfig.make(None, **dict(self.meta.default_speculation)))
         common = dict(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, world_size=world,
-                      vocab_size=self.target_config.vocab_size)
+                      vocab_size=self.target_config.vocab_size, needs_generation_logits=logits,
+                      sampled_speculation=sampled)
         self.limits = check_engine_limits(
             read_engine_config(dirs["target"]), role="target", mode=self.mode, tree=self.tree,
             max_draft_len=int(bundle_limits["max_draft_len"]) if self.mode == "draft_tokens_external" else 0,
-            needs_generation_logits=logits, **common)
+            **common)
         self.draft_limits = None
         if "draft" in dirs:  # the draft engine runs plain; it must return logits where the target compares them
-            self.draft_limits = check_engine_limits(read_engine_config(dirs["draft"]), role="draft",
-                                                    needs_generation_logits=logits, **common)
-        self.logits_acceptance = logits
+            self.draft_limits = check_engine_limits(read_engine_config(dirs["draft"]), role="draft", **common)
+        # what the built engines can do (a bundle that asked for logits was checked to have them above)
+        self.logits_acceptance = self.limits["gather_generation_logits"] and (
+            self.draft_limits is None or self.draft_limits["gather_generation_logits"])
         import torch
 
         visible = torch.cuda.device_count() if torch.cuda.is_available() else None
@@ -358,8 +377,8 @@ class TrtllmEngine:
             return ("sampled speculation with prompt lookup is not lossless on the TensorRT-LLM backend (its drafts "
                     "carry no logits): use temperature 0, method none, or the torch backend")
         if method == "draft" and not self.logits_acceptance:
-            return ("sampled acceptance needs generation logits: rebuild both engines with "
-                    "--gather_generation_logits (compile with gather_generation_logits), or use temperature 0")
+            return (f"sampled acceptance needs generation logits, which these engines do not gather: "
+                    f"{LOGITS_REBUILD}, or use temperature 0")
         return None
 
     def resolve_speculation(self, request: Request, params: SamplingParams) -> tuple[SpeculationConfig, str]:
