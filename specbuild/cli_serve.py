@@ -1,11 +1,17 @@
 """`specbuild serve BUNDLE`: the OpenAI-compatible HTTP server, on one process or two ranks.
 
     specbuild serve BUNDLE                                         one process
+    specbuild serve BUNDLE --backend tensorrt-llm                  TensorRT-LLM's executor
     mpirun -disable-auto-cleanup -n 2 specbuild serve BUNDLE --parallel-draft
+
+The engine comes from `runtime.backend.open_engine`, with --backend as `generate` takes it
+(auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch).
 
 With --parallel-draft, rank 0 serves HTTP and verifies, rank 1 runs the draft model and
 never binds a port (MineDraft: runtime/minedraft.py; roles: runtime/parallel.py). Other
 world sizes are refused at start-up. scripts/mpirun_serve.sh has the exact mpirun line.
+MineDraft replaces the torch engine's scheduler, so --parallel-draft runs on the torch
+backend (auto means torch there; --backend tensorrt-llm is refused).
 
 Prints the listening URL on stdout once the model is loaded and the socket is bound
 (`--port 0` picks a free port), serves until SIGINT or SIGTERM, then refuses new work,
@@ -33,7 +39,9 @@ from .errors import SpecbuildError
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests waiting for admission before new ones get HTTP 429.")
 @click.option("--threads", type=int, default=None, help="Torch CPU threads.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N (torch backend).")
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
+              help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch.")
 @click.option("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens [enough for a full batch].")
 @click.option("--prefill-chunk", type=int, default=256, show_default=True,
               help="Most prompt tokens per step, so long prompts do not stall running requests.")
@@ -44,7 +52,7 @@ from .errors import SpecbuildError
               help="MineDraft: run under `mpirun -disable-auto-cleanup -n 2`; rank 1 drafts while rank 0 verifies.")
 @click.option("--draft-timeout", type=float, default=5.0, show_default=True,
               help="Seconds the verifier waits for a draft reply before it decodes without the draft rank for good.")
-def serve(bundle, host, port, max_batch_size, max_queue, threads, device, kv_cache_tokens, prefill_chunk,
+def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, kv_cache_tokens, prefill_chunk,
           model_name, log_level, parallel_draft, draft_timeout) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
     from .runtime.parallel import DistContext, launcher_rank_size
@@ -52,6 +60,9 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, kv_cac
     try:
         if not 0.05 <= draft_timeout <= 3600:
             raise ValueError(f"--draft-timeout={draft_timeout} is out of range [0.05, 3600] seconds")
+        if parallel_draft and backend == "tensorrt-llm":
+            raise ValueError("--parallel-draft runs on the torch backend only (MineDraft drives specbuild's "
+                             "scheduler); drop --backend tensorrt-llm")
         ctx = DistContext.create(parallel_draft)  # under mpirun: a guard process until the child ends
     except (SpecbuildError, ValueError) as e:
         if launcher_rank_size()[0] == 0:  # one message, not one per rank
@@ -63,13 +74,15 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, kv_cac
         serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout)
     transport = None
     try:
-        from .runtime.engine import Engine, EngineConfig
+        from .runtime.backend import open_engine
+        from .runtime.engine import EngineConfig
         from .runtime.server import OpenAIServer, ServeConfig
 
         config = ServeConfig(host=host, port=port, max_queue=max_queue, model_name=model_name)
-        engine = Engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
-                                             kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
-                                             load_draft=ctx.role != "verifier"))
+        engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
+                                                  kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
+                                                  load_draft=ctx.role != "verifier"),
+                             backend="torch" if parallel_draft else backend)
         app = OpenAIServer(engine, config)
         if ctx.role == "verifier":
             transport = connect_draft_rank(ctx, engine, app, draft_timeout)
@@ -96,14 +109,15 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, kv_cac
     serving = threading.Thread(target=app.serve_forever, name="specbuild-http", daemon=True)
     serving.start()
     mode = "; MineDraft with a draft rank" if transport is not None else ""
-    click.echo(f"specbuild serving {app.model_name!r} on {url} (loaded in {engine.load_seconds:.1f}s; "
-               f"max batch {engine.max_batch_size}, max queue {max_queue}{mode})")
+    click.echo(f"specbuild serving {app.model_name!r} on {url} ({engine.backend_name} backend, loaded in "
+               f"{engine.load_seconds:.1f}s; max batch {engine.max_batch_size}, max queue {max_queue}{mode})")
     sys.stdout.flush()
     while not stop.is_set() and serving.is_alive():
         stop.wait(0.5)
     click.echo("shutting down", err=True)
     app.shutdown()
     serving.join(timeout=5)
+    engine.close()  # TensorRT-LLM: shuts its executors down
     if transport is not None:
         transport.close()
     click.echo("stopped", err=True)

@@ -32,17 +32,20 @@ from .errors import SpecbuildError
               help="Also write <name>_plain, a non-decoupled front for unary HTTP/gRPC infer.")
 @click.option("--plain-instances", type=int, default=2, show_default=True,
               help="Instances of <name>_plain (concurrent unary requests).")
-@click.option("--engine-factory", default="specbuild.runtime.engine:Engine", show_default=True,
-              help="module:callable that builds the engine from (bundle, EngineConfig).")
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
+              help="auto: TensorRT-LLM where the bundle's engines are built and it runs there, else torch.")
+@click.option("--engine-factory", default="specbuild.runtime.backend:open_engine", show_default=True,
+              help="module:callable that builds the engine from (bundle, EngineConfig) (--backend: default only).")
 def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, device, kv_cache_tokens, python_env,
-                plain, plain_instances, engine_factory) -> None:
+                plain, plain_instances, backend, engine_factory) -> None:
     """Write a Triton model repository that serves BUNDLE with speculative decoding."""
     from .triton.repo import RepoConfig, write_repository
 
     try:
         config = RepoConfig(model_name=model_name, max_queue=max_queue, python_env=python_env, threads=threads,
                             max_batch_size=max_batch_size, device=device, kv_cache_tokens=kv_cache_tokens,
-                            plain=plain, plain_instances=plain_instances, engine_factory=engine_factory)
+                            plain=plain, plain_instances=plain_instances, engine_factory=engine_factory,
+                            backend=backend)
         names = write_repository(bundle, out, config)
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

@@ -405,6 +405,28 @@ def test_background_loop_serves_threads(backend):
         backend.stop()
 
 
+def test_stats_report_load_in_the_same_keys(backend):
+    """What health checks and metrics read (no scheduler, cache or model): the same keys on every
+    backend; KV blocks are None where the backend owns its cache (TensorRT-LLM)."""
+    keys = {"queue_depth", "running", "kv_blocks_used", "kv_blocks_total", "gamma"}
+    idle = backend.stats()
+    assert set(idle) == keys and (idle["queue_depth"], idle["running"], idle["gamma"]) == (0, 0, 0.0)
+    handles = [backend.submit(Request(prompt_ids=p, sampling=greedy(6), speculation={"method": "ngram", "gamma": 2}))
+               for p in prompts(2)]
+    assert backend.stats()["queue_depth"] == 2 and backend.stats()["running"] == 0
+    backend.step()
+    busy = backend.stats()
+    assert busy["queue_depth"] == 0 and busy["running"] == 2
+    backend.run_until_done()
+    assert all(h.result()["finish_reason"] == "length" for h in handles)
+    done = backend.stats()
+    assert (done["queue_depth"], done["running"]) == (0, 0)
+    if backend.backend_name == "torch":
+        assert busy["kv_blocks_used"] > 0 and done["kv_blocks_used"] == 0 and done["kv_blocks_total"] > 0
+    else:
+        assert busy["kv_blocks_used"] is busy["kv_blocks_total"] is done["kv_blocks_total"] is None
+
+
 def test_seeded_sampling_reproduces(backend, request):
     if request.node.callspec.params["backend"] == "tensorrt-llm-stub":
         pytest.skip("the stub executor does not sample (it answers sampled requests greedily)")
@@ -610,3 +632,164 @@ def test_cli_backend_choice_and_inspect(trt_bundle):
     table = json.loads(specbuild("inspect", trt_bundle, "--json").stdout)["guarantees"]
     assert table["tensorrt-llm"]["methods"]["draft"]["sampled"] == "refused"
     assert table["torch"]["methods"]["draft"]["sampled"] == "lossless"
+
+
+# ---- front ends on the TensorRT-LLM backend (stub executor), through open_engine ------------------------
+@pytest.fixture()
+def trtllm_runs_here(stub_trtllm, monkeypatch):
+    """open_engine's TensorRT-LLM check passes (the stub stands in for tensorrt_llm; no CUDA needed)."""
+    import specbuild.runtime.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "trtllm_status", lambda bundle_dir: (True, ""))
+
+
+def test_open_engine_gives_the_tensorrt_llm_engine(trtllm_runs_here, stub_bundle, tiny_bundle):
+    from specbuild.runtime.trtllm_engine import TrtllmEngine
+
+    for choice in ("auto", "tensorrt-llm"):
+        engine = open_engine(stub_bundle, EngineConfig(), backend=choice)
+        assert type(engine) is TrtllmEngine and isinstance(engine, Backend)
+        engine.close()
+    assert type(open_engine(stub_bundle, EngineConfig(), backend="torch")) is TorchEngine
+
+
+def test_http_server_on_the_tensorrt_llm_backend(trtllm_runs_here, stub_bundle, reference):
+    """The OpenAI server over a real socket, on the engine open_engine gives for a TensorRT-LLM bundle."""
+    from test_server import get, parse_metrics, post, stream
+
+    from specbuild.runtime.server import OpenAIServer, ServeConfig
+
+    engine = open_engine(stub_bundle, EngineConfig(), backend="auto")
+    assert engine.backend_name == "tensorrt-llm"
+    app = OpenAIServer(engine, ServeConfig(port=0, model_name="stub"))
+    app.bind()
+    serving = threading.Thread(target=app.serve_forever, daemon=True)
+    serving.start()
+    port = app.httpd.server_address[1]
+    try:
+        status, text = get(port, "/health")
+        health = json.loads(text)
+        assert status == 200 and health["status"] == "ok" and health["backend"] == "tensorrt-llm"
+        assert health["kv_blocks_used"] is None and health["kv_blocks_total"] is None
+        assert (health["queue_depth"], health["running"], health["max_batch_size"]) == (0, 0, 4)
+
+        expected = reference(LOOPY, 12)
+        body = {"model": "stub", "prompt": LOOPY, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "speculation": "draft", "gamma": 3}
+        status, _, full = post(port, "/v1/completions", body)
+        assert status == 200, full
+        assert full["choices"][0]["token_ids"] == expected and full["choices"][0]["finish_reason"] == "length"
+        usage = full["usage"]
+        assert usage["completion_tokens"] == 12 and 0 < usage["accepted_tokens"] < usage["drafted_tokens"]
+        chunks = stream(port, "/v1/completions", {**body, "speculation": "ngram"})
+        assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == expected
+        assert chunks[-1]["usage"]["drafted_tokens"] > 0
+
+        # sampled speculation with the draft engine: refused, naming the compile flag
+        status, _, err = post(port, "/v1/completions", {**body, "temperature": 0.7})
+        assert status == 400 and "--trtllm-gather-generation-logits" in err["error"]["message"], err
+
+        status, text = get(port, "/metrics")
+        samples = parse_metrics(text)
+        assert "# TYPE specbuild_kv_blocks_used gauge" in text  # the family, without a sample
+        assert not any(name.startswith("specbuild_kv_blocks") for name, _ in samples)
+        ok = (("endpoint", "completions"), ("finish_reason", "length"))
+        assert samples[("specbuild_requests_total", ok)] == 2
+        assert samples[("specbuild_generation_tokens_total", ())] == 24
+        assert samples[("specbuild_draft_tokens_total", ())] == usage["drafted_tokens"] + \
+            chunks[-1]["usage"]["drafted_tokens"]
+        assert samples[("specbuild_queue_depth", ())] == 0 and samples[("specbuild_running_requests", ())] == 0
+        assert samples[("specbuild_requests_rejected_total", (("reason", "invalid"),))] == 1
+    finally:
+        app.shutdown()
+        serving.join(timeout=10)
+        engine.close()
+    assert all(ex.shut for ex in StubExecutor.instances)
+
+
+class _TritonTensor:
+    def __init__(self, name, value):
+        self._name, self._value = name, value
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._value
+
+
+class _TritonSender:
+    def __init__(self):
+        self.responses, self.done = [], threading.Event()
+
+    def send(self, response, flags=0):
+        self.responses.append(response)
+        if flags == 1:
+            self.done.set()
+
+    def is_cancelled(self):
+        return False
+
+
+class _TritonRequest:
+    def __init__(self, **inputs):
+        import numpy as np
+
+        self.sender = _TritonSender()
+        self._inputs = [_TritonTensor(k, np.array([v.encode()], dtype=np.object_) if isinstance(v, str)
+                        else np.array([v])) for k, v in inputs.items()]
+
+    def inputs(self):
+        return self._inputs
+
+    def get_response_sender(self):
+        return self.sender
+
+    def request_id(self):
+        return ""
+
+
+def test_triton_model_on_the_tensorrt_llm_backend(trtllm_runs_here, stub_bundle, monkeypatch):
+    """specbuild/triton/model.py's engine role, with the parameters `triton-repo --backend auto`
+    writes, loads the TensorRT-LLM engine through open_engine and answers requests from it."""
+    import numpy as np
+
+    from specbuild.triton import model as triton_model
+    from specbuild.triton.repo import DEFAULT_FACTORY
+
+    fake = types.SimpleNamespace(
+        TRITONSERVER_RESPONSE_COMPLETE_FINAL=1, Tensor=lambda name, value: (name, value),
+        InferenceResponse=lambda output_tensors, error=None: types.SimpleNamespace(outputs=dict(output_tensors),
+                                                                                   error=error),
+        TritonError=lambda message, code=None: message)
+    monkeypatch.setattr(triton_model, "pb_utils", fake)
+    model = triton_model.EngineModel({"name": "specbuild"}, {"bundle": stub_bundle, "engine_factory": DEFAULT_FACTORY,
+                                                             "backend": "auto"})
+    try:
+        assert model.engine.backend_name == "tensorrt-llm"
+        prompt = "the cat sat on the mat"
+        torch_engine = TorchEngine(stub_bundle, EngineConfig())
+        expected = torch_engine.generate([Request(prompt=prompt, sampling=SamplingParams(max_tokens=10),
+                                                  speculation={"method": "none"})])[0]
+        good = _TritonRequest(text_input=prompt, max_tokens=np.int32(10), speculation="draft", gamma=np.int32(3),
+                              return_perf_metrics=True)
+        hot = _TritonRequest(text_input=prompt, max_tokens=np.int32(10), speculation="draft",
+                             temperature=np.float32(0.7))
+        model.execute([good, hot])
+        assert good.sender.done.wait(30) and hot.sender.done.wait(30)
+        (answer,) = good.sender.responses
+        assert answer.error is None
+        assert answer.outputs["text_output"][0].decode() == expected["text"]
+        assert 0 < int(answer.outputs["total_accepted_draft_tokens"][0]) <= int(answer.outputs["total_draft_tokens"][0])
+        (refused,) = hot.sender.responses
+        assert refused.error.startswith("invalid request: ") and "--trtllm-gather-generation-logits" in refused.error
+        assert model.engine.stats()["queue_depth"] == 0
+    finally:
+        model.finalize()
+    assert all(ex.shut for ex in StubExecutor.instances)  # finalize closes the TensorRT-LLM engine
+    assert len(expected["token_ids"]) > 3 and expected["text"].strip()
+    # the backend parameter reaches open_engine
+    model = triton_model.EngineModel({"name": "specbuild"}, {"bundle": stub_bundle, "engine_factory": DEFAULT_FACTORY,
+                                                             "backend": "torch"})
+    assert model.engine.backend_name == "torch"
+    model.finalize()

@@ -191,9 +191,12 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 # ---- tests ------------------------------------------------------------------------------------
 def test_health_models_and_metrics(server):
+    # `serve` opens its engine through open_engine: auto picks torch for a torch bundle
+    assert "(torch backend, loaded in" in server.output()
     status, text = get(server.port, "/health")
     health = json.loads(text)
     assert status == 200 and health["status"] == "ok" and health["kv_blocks_total"] > 0
+    assert health["backend"] == "torch"
     status, text = get(server.port, "/v1/models")
     assert status == 200 and json.loads(text)["data"][0]["id"] == "tiny"
     status, text = get(server.port, "/metrics")
@@ -364,8 +367,10 @@ def test_disconnects_abort_and_free_blocks(server):
 
 
 def test_queue_full_429_then_sigterm(bundle, tmp_path):
-    srv = ServerProcess(bundle, str(tmp_path / "small.log"), "--max-batch-size", "1", "--max-queue", "1")
+    srv = ServerProcess(bundle, str(tmp_path / "small.log"), "--max-batch-size", "1", "--max-queue", "1",
+                        "--backend", "torch")
     try:
+        assert "(torch backend, loaded in" in srv.output()
         port, long_body = srv.port, {"prompt": "hold", "max_tokens": HOLD_TOKENS, "ignore_eos": True}
         conn_a, resp_a = open_stream(port, "/v1/completions", long_body)
         assert isinstance(next_event(resp_a), dict)  # A is running
@@ -384,6 +389,20 @@ def test_queue_full_429_then_sigterm(bundle, tmp_path):
         conn_b.close()
     finally:
         srv.stop()
+
+
+def test_backend_option(bundle, tmp_path):
+    """--backend as `generate` takes it: tensorrt-llm on a torch bundle is refused with the reason
+    before anything loads; MineDraft (--parallel-draft) is torch-only."""
+    base = [sys.executable, "-c", "from specbuild.cli import main; main()", "serve", bundle, "--port", "0"]
+    r = subprocess.run(base + ["--backend", "tensorrt-llm"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "--backend tensorrt-llm cannot run" in r.stderr and "compiled for the torch backend" in r.stderr
+    r = subprocess.run(base + ["--backend", "tensorrt-llm", "--parallel-draft"], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "--parallel-draft runs on the torch backend only" in r.stderr, r.stderr
+    r = subprocess.run(base + ["--backend", "onnx"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "'onnx' is not one of 'auto', 'torch', 'tensorrt-llm'" in r.stderr, r.stderr
 
 
 def test_metrics_exposition_by_hand():

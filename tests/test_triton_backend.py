@@ -269,6 +269,19 @@ def test_repository_files(bundle, tmp_path):
         os.path.join(REPO_ROOT, "specbuild", "triton", "model.py")).read()
     bad = CliRunner().invoke(main, ["triton-repo", str(tmp_path / "missing"), "--out", str(out)])
     assert bad.exit_code == 2 and "error:" in bad.output
+    # the engine comes from open_engine, with --backend as `generate` takes it (default auto)
+    assert 'key: "engine_factory" value: { string_value: "specbuild.runtime.backend:open_engine" }' in config
+    assert 'key: "backend" value: { string_value: "auto" }' in config
+    result = CliRunner().invoke(main, ["triton-repo", bundle, "--out", str(out), "--backend", "torch"])
+    assert result.exit_code == 0, result.output
+    assert 'key: "backend" value: { string_value: "torch" }' in (out / MODEL / "config.pbtxt").read_text()
+    bad = CliRunner().invoke(main, ["triton-repo", bundle, "--out", str(out), "--backend", "tensorrt-llm",
+                                    "--engine-factory", "specbuild.runtime.engine:Engine"])
+    assert bad.exit_code == 2 and "applies to the default engine factory" in bad.output
+    from specbuild.runtime.backend import BACKEND_CHOICES
+    from specbuild.triton.repo import BACKEND_CHOICES as REPO_CHOICES
+
+    assert REPO_CHOICES == BACKEND_CHOICES
 
 
 def test_parse_inputs_values():

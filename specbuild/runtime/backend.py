@@ -34,9 +34,12 @@ STATS_KEYS = ("seed", "prompt_tokens", "generated_tokens", "target_passes", "ttf
 class Backend(Protocol):
     """What every front end may rely on. Handles and events are `sequence.Handle`/`Event`;
     `handle.result()["stats"]` has at least `STATS_KEYS`. Bad input raises RequestError
-    at `submit` (nothing queued)."""
+    at `submit` (nothing queued). Front ends use nothing else (no scheduler, cache or model)."""
 
     backend_name: str
+    bundle_dir: str
+    load_seconds: float
+    target_config: Any  # the target's ModelConfig (vocab_size, ...)
     tokenizer: Any  # tokenizers.Tokenizer
     default_sampling: Any  # SamplingParams
     default_speculation: Any  # SpeculationConfig
@@ -64,6 +67,13 @@ class Backend(Protocol):
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
 
     def describe_guarantees(self) -> dict: ...
+
+    def stats(self) -> dict:
+        """Load figures (health, metrics): queue_depth, running, kv_blocks_used, kv_blocks_total,
+        gamma; None where the backend does not know (TensorRT-LLM's KV cache is its own)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 # ---- the guarantees table ------------------------------------------------------------------

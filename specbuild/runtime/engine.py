@@ -266,6 +266,21 @@ class Engine:
                                    "--max-draft-len)")
         return spec
 
+    def stats(self) -> dict:
+        """Load figures for health checks and metrics, the same keys on every backend (None:
+        this backend does not know): queue_depth (requests waiting for admission), running
+        (admitted, generating), kv_blocks_used, kv_blocks_total, gamma (mean current draft
+        length over running requests that speculate; 0.0 when none). Lock-free reads."""
+        running = list(self.scheduler.running)
+        gammas = [s.gammas[-1] for s in running if getattr(s, "gammas", None)]
+        used, total = self._kv_blocks()
+        return {"queue_depth": len(self.scheduler.waiting), "running": len(running), "kv_blocks_used": used,
+                "kv_blocks_total": total, "gamma": sum(gammas) / len(gammas) if gammas else 0.0}
+
+    def _kv_blocks(self) -> tuple[int | None, int | None]:
+        """(used, total) KV cache blocks, for stats()."""
+        return self.cache.used_blocks, self.cache.num_blocks
+
     def abort(self, handle: Handle) -> None:
         """Stop a request and free its KV blocks (thread-safe)."""
         with self._lock:

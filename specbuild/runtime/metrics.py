@@ -3,7 +3,8 @@
 Written by hand (no dependency): counters, gauges and histograms with labels, and
 `ServerMetrics`, the set the server exports. Counters for finished requests are updated
 once per request when it ends (so they never go backwards); queue depth, running
-requests, KV blocks and the current gamma are read from the engine at scrape time.
+requests, KV blocks and the current gamma are read from the engine's `stats()` at scrape
+time (a gauge the backend cannot report, such as TensorRT-LLM's KV blocks, has no sample).
 
 Units: seconds for times, tokens for counts.
 """
@@ -88,7 +89,8 @@ class Counter(Metric):
 
 
 class Gauge(Metric):
-    """A gauge whose value comes from a callback at scrape time (no labels)."""
+    """A gauge whose value comes from a callback at scrape time (no labels); a callback that
+    returns None (not known) gives the family without a sample."""
 
     kind = "gauge"
 
@@ -97,7 +99,8 @@ class Gauge(Metric):
         self.read = read
 
     def lines(self) -> list[str]:
-        return [f"{self.name} {format_value(float(self.read()))}"]
+        value = self.read()
+        return [] if value is None else [f"{self.name} {format_value(float(value))}"]
 
 
 class Histogram(Metric):
@@ -133,7 +136,7 @@ class Histogram(Metric):
 
 
 class ServerMetrics:
-    """Everything `/metrics` shows. `engine` supplies the live gauges."""
+    """Everything `/metrics` shows. `engine.stats()` (the backend interface) supplies the live gauges."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -155,16 +158,18 @@ class ServerMetrics:
                               TPOT_BUCKETS)
         self.e2e = Histogram(p + "e2e_seconds", "Request latency, submission to last token.", E2E_BUCKETS)
         gauges = [
-            Gauge(p + "queue_depth", "Requests waiting for admission.", lambda: len(engine.scheduler.waiting)),
-            Gauge(p + "running_requests", "Requests admitted and generating.", lambda: len(engine.scheduler.running)),
-            Gauge(p + "kv_blocks_used", "KV cache blocks in use.", lambda: engine.cache.used_blocks),
-            Gauge(p + "kv_blocks_total", "KV cache blocks in the pool.", lambda: engine.cache.num_blocks),
+            Gauge(p + "queue_depth", "Requests waiting for admission.", lambda: engine.stats()["queue_depth"]),
+            Gauge(p + "running_requests", "Requests admitted and generating.", lambda: engine.stats()["running"]),
+            Gauge(p + "kv_blocks_used", "KV cache blocks in use (no sample: the backend does not report them).",
+                  lambda: engine.stats()["kv_blocks_used"]),
+            Gauge(p + "kv_blocks_total", "KV cache blocks in the pool (no sample: the backend does not report them).",
+                  lambda: engine.stats()["kv_blocks_total"]),
             Gauge(p + "acceptance_rate", "Accepted / drafted tokens over finished requests (0 before any draft).",
                   self.acceptance_rate),
             Gauge(p + "mean_accepted_tokens", "Tokens per target decode pass over finished requests "
                   "(accepted drafts + 1; 1.0 without speculation).", self.mean_accepted_tokens),
             Gauge(p + "gamma", "Mean current gamma (draft length) over running requests that speculate.",
-                  self.current_gamma),
+                  lambda: engine.stats()["gamma"]),
             Gauge(p + "gamma_mean", "Mean gamma per speculation step over finished requests.",
                   lambda: self.gamma_sum.get() / self.gamma_steps.get() if self.gamma_steps.get() else 0.0),
         ]
@@ -179,10 +184,6 @@ class ServerMetrics:
     def mean_accepted_tokens(self) -> float:
         passes = self.verify_passes.get()
         return (self.accepted.get() + passes) / passes if passes else 1.0
-
-    def current_gamma(self) -> float:
-        gammas = [s.gammas[-1] for s in list(self.engine.scheduler.running) if getattr(s, "gammas", None)]
-        return sum(gammas) / len(gammas) if gammas else 0.0
 
     def observe_request(self, endpoint: str, finish_reason: str | None, seq) -> None:
         """Record one finished request from its engine Sequence (stats read once, here)."""

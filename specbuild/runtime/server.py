@@ -1,7 +1,11 @@
-"""OpenAI-compatible HTTP front end over one Engine (standard library only).
+"""OpenAI-compatible HTTP front end over one engine of any backend (standard library only).
 
     POST /v1/completions, /v1/chat/completions   (stream: true -> server-sent events)
     GET  /v1/models, /health, /metrics
+
+The engine is what `backend.open_engine` returns (torch or TensorRT-LLM); the server uses
+only the request-level interface (`backend.Backend`): submit/abort/start/stop, the text
+helpers, and `stats()` for /health and /metrics.
 
 One thread per connection (`ThreadingHTTPServer`); the engine's step loop runs on its own
 thread and continuous batching happens there: requests join and leave between steps.
@@ -298,7 +302,7 @@ class OpenAIServer:
             if self.closing:
                 self.metrics.rejected.inc(reason="shutting_down")
                 raise ApiError(503, "the server is shutting down", type_="server_error", code="shutting_down")
-            depth = len(self.engine.scheduler.waiting)
+            depth = self.engine.stats()["queue_depth"]
             if depth >= self.config.max_queue:
                 self.metrics.rejected.inc(reason="queue_full")
                 raise ApiError(429, f"{depth} requests are waiting, the queue limit (--max-queue) is "
@@ -321,10 +325,12 @@ class OpenAIServer:
 
     def health(self) -> tuple[int, dict[str, Any]]:
         engine = self.engine
+        load = engine.stats()  # kv_blocks_* are null where the backend does not report them
         info: dict[str, Any] = {
             "status": "shutting_down" if self.closing else "ok", "model": self.model_name,
-            "queue_depth": len(engine.scheduler.waiting), "running": len(engine.scheduler.running),
-            "kv_blocks_used": engine.cache.used_blocks, "kv_blocks_total": engine.cache.num_blocks,
+            "backend": getattr(engine, "backend_name", "torch"),
+            "queue_depth": load["queue_depth"], "running": load["running"],
+            "kv_blocks_used": load["kv_blocks_used"], "kv_blocks_total": load["kv_blocks_total"],
             "max_batch_size": engine.max_batch_size, "max_queue": self.config.max_queue}
         for check in self.health_checks:
             extra = check()

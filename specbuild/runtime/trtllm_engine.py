@@ -269,6 +269,8 @@ class TrtllmEngine:
     start = Engine.start
     _loop = Engine._loop
     stop = Engine.stop
+    # load figures: the same keys as the torch engine's; the KV cache is TensorRT-LLM's (_kv_blocks)
+    stats = Engine.stats
 
     def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig()) -> None:
         t0 = time.perf_counter()
@@ -609,6 +611,10 @@ class TrtllmEngine:
         if seq.handle:
             seq.handle.error = message
             seq.handle._emit(Event([], "", True, "error"))
+
+    def _kv_blocks(self) -> tuple[None, None]:
+        """TensorRT-LLM's executor owns the KV cache; specbuild does not see its blocks."""
+        return None, None
 
     def _fail_running(self, message: str) -> None:
         """Release and fail every running request (the shared loop calls it, lock held)."""

@@ -2,7 +2,9 @@
 
 One file, two roles, chosen by the config parameter `role`:
 
-engine  (decoupled) loads the bundle once per instance and runs the engine's step loop on a
+engine  (decoupled) loads the bundle once per instance (through `engine_factory`, by default
+        `specbuild.runtime.backend:open_engine` with the `backend` parameter: auto, torch or
+        tensorrt-llm, as `specbuild generate --backend`) and runs the engine's step loop on a
         background thread. `execute()` only parses and enqueues each request and returns;
         a forwarding thread per request relays the engine's events to that request's
         response sender (one response per text increment when `stream` is true, else one
@@ -186,10 +188,12 @@ class EngineModel:
         from specbuild.runtime.engine import EngineConfig
 
         self.RequestError = RequestError
+        # repositories written before the backend seam name no factory and no backend: the torch Engine
         module, _, attr = params.get("engine_factory", "specbuild.runtime.engine:Engine").partition(":")
         factory = getattr(importlib.import_module(module), attr)
         ints = {k: int(params[k]) for k in ("threads", "max_batch_size", "kv_cache_tokens") if params.get(k)}
-        self.engine = factory(params["bundle"], EngineConfig(device=params.get("device") or "cpu", **ints))
+        backend = {"backend": params["backend"]} if params.get("backend") else {}  # open_engine's choice
+        self.engine = factory(params["bundle"], EngineConfig(device=params.get("device") or "cpu", **ints), **backend)
         self.max_queue = int(params.get("max_queue") or 64)
         self.closing = False
         self.lock = threading.Lock()
@@ -197,8 +201,9 @@ class EngineModel:
         self.active: dict[int, tuple[Any, threading.Thread]] = {}
         self.metrics = self.make_metrics(model_config.get("name", "specbuild"))
         self.engine.start()
-        log.warning("specbuild engine loaded %s in %.1fs (max batch %d, methods %s)", params["bundle"],
-                    self.engine.load_seconds, self.engine.max_batch_size, ", ".join(self.engine.methods))
+        log.warning("specbuild engine loaded %s in %.1fs (%s backend, max batch %d, methods %s)", params["bundle"],
+                    self.engine.load_seconds, getattr(self.engine, "backend_name", "torch"),
+                    self.engine.max_batch_size, ", ".join(self.engine.methods))
 
     @staticmethod
     def make_metrics(model: str) -> dict[str, Any]:
@@ -220,7 +225,7 @@ class EngineModel:
                 parsed = parse_inputs({t.name(): t.as_numpy() for t in request.inputs()})
                 if self.closing:
                     raise Unavailable("the model is shutting down")
-                waiting = len(self.engine.scheduler.waiting)
+                waiting = self.engine.stats()["queue_depth"]
                 if waiting >= self.max_queue:
                     raise Unavailable(f"{waiting} requests are waiting, the queue limit (max_queue) is "
                                           f"{self.max_queue}; retry later")
@@ -314,7 +319,7 @@ class EngineModel:
             self.engine.abort(handle)
         for _, thread in running:
             thread.join(timeout=2)
-        self.engine.stop()
+        getattr(self.engine, "close", self.engine.stop)()  # close: TensorRT-LLM shuts its executors down
 
 
 class PlainModel:

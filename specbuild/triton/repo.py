@@ -46,6 +46,8 @@ OUTPUTS: dict[str, tuple[str, tuple[int, ...]]] = {
 MODEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 PLAIN_SUFFIX = "_plain"
+DEFAULT_FACTORY = "specbuild.runtime.backend:open_engine"
+BACKEND_CHOICES = ("auto", "torch", "tensorrt-llm")  # runtime.backend's (not imported: it loads torch)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,10 @@ class RepoConfig:
     (EXECUTION_ENV_PATH); scripts/get_tritonserver.py makes one (numpy<2 first, then this
     project's site-packages). None: the stub's own default Python.
     engine_factory: "module:callable" building the engine from (bundle_dir, EngineConfig);
-    the seam where a TensorRT-LLM backend with the same request interface plugs in.
+    by default `backend.open_engine`, which also takes `backend`.
+    backend: auto | torch | tensorrt-llm, as `specbuild generate --backend` (auto: TensorRT-LLM
+    where the bundle's engines are built and it runs there, else torch); written as the
+    `backend` parameter and passed to the default factory only (another factory picks its own).
     """
 
     model_name: str = "specbuild"
@@ -68,7 +73,8 @@ class RepoConfig:
     kv_cache_tokens: int | None = None
     plain: bool = True
     plain_instances: int = 2
-    engine_factory: str = "specbuild.runtime.engine:Engine"
+    engine_factory: str = DEFAULT_FACTORY
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.model_name):
@@ -83,6 +89,11 @@ class RepoConfig:
             raise ValueError(f"max_batch_size={self.max_batch_size} is out of range [1, 4096]")
         if ":" not in self.engine_factory:
             raise ValueError(f"engine_factory={self.engine_factory!r} must be 'module:callable'")
+        if self.backend not in BACKEND_CHOICES:
+            raise ValueError(f"backend={self.backend!r} is not one of {', '.join(BACKEND_CHOICES)}")
+        if self.backend != "auto" and self.engine_factory != DEFAULT_FACTORY:
+            raise ValueError(f"backend={self.backend!r} applies to the default engine factory ({DEFAULT_FACTORY}); "
+                             f"engine_factory={self.engine_factory!r} picks its own backend")
         if self.python_env is not None and not os.path.isfile(os.path.join(self.python_env, "bin", "activate")):
             raise ValueError(f"python_env={self.python_env!r} has no bin/activate (make one with "
                              "scripts/get_tritonserver.py)")
@@ -143,6 +154,8 @@ def write_repository(bundle_dir: str, out: str, config: RepoConfig = RepoConfig(
         common["EXECUTION_ENV_PATH"] = os.path.abspath(config.python_env)
     engine_params = {"role": "engine", "bundle": bundle_dir, "max_queue": str(config.max_queue),
                      "device": config.device, "engine_factory": config.engine_factory, **common}
+    if config.engine_factory == DEFAULT_FACTORY:
+        engine_params["backend"] = config.backend
     for key in ("threads", "max_batch_size", "kv_cache_tokens"):
         if getattr(config, key) is not None:
             engine_params[key] = str(getattr(config, key))
