@@ -286,13 +286,17 @@ def train_draft(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Draft
             if os.path.exists(os.path.join(out_dir, name)):
                 os.remove(os.path.join(out_dir, name))
     engine = Engine(bundle_dir, EngineConfig(device=cfg.device))
-    n_sampled = min(len(train_recs), math.ceil(cfg.tokens * cfg.sampled_share / cfg.max_answer_tokens))
+    # Sampled answers may outnumber the prompts: a prompt is then answered again with another
+    # seed (its record id gets a ~k suffix), since one prompt has many answers worth learning.
+    n_sampled = math.ceil(cfg.tokens * cfg.sampled_share / cfg.max_answer_tokens) if train_recs else 0
+    reps = -(-n_sampled // len(train_recs)) if train_recs else 0
+    sampled_recs = [dict(r, id=f"{r['id']}~{k}") if k else r for k in range(reps) for r in train_recs]
     n_greedy = min(len(train_recs), math.ceil(cfg.tokens * (1 - cfg.sampled_share) / cfg.max_answer_tokens))
     log(f"prompts: {n_greedy} of {len(train_recs)} train answered greedy, {n_sampled} sampled "
         f"(T={cfg.sample_temperature}), {cfg.eval_prompts} eval ({how}); {cfg.tokens} answer tokens wanted")
     seqs = _answers(engine, train_recs, n_greedy, cfg, 0.0, os.path.join(out_dir, "answers_greedy.jsonl"), progress)
     sampled_cfg = dataclasses.replace(cfg, seed=cfg.seed + 7919)
-    seqs += _answers(engine, train_recs, n_sampled, sampled_cfg, cfg.sample_temperature,
+    seqs += _answers(engine, sampled_recs, n_sampled, sampled_cfg, cfg.sample_temperature,
                      os.path.join(out_dir, "answers_sampled.jsonl"), progress)
     eval_seqs = _answers(engine, eval_recs, cfg.eval_prompts, cfg, 0.0, os.path.join(out_dir, "answers_eval.jsonl"),
                          progress)
