@@ -386,3 +386,21 @@ def test_smollm2_batch_equals_alone_up_to_measured_drift(smollm2_bundle):
         assert gap <= 2 * drift, (f"prompt {i} diverged at token {j} with a top-2 gap {gap:.3g} larger than "
                                   f"twice the measured drift {drift:.3g}")
     assert_pool_whole(engine)
+
+
+def test_weight_layouts_give_the_same_greedy_tokens(tiny_bundle_f64):
+    """The CPU default stores the linears transposed (qlinear.to_kn_layout); it must not
+    change what the engine says (float64: no near-ties)."""
+    outs = {}
+    for layout in ("rows", "auto"):
+        engine = Engine(tiny_bundle_f64, EngineConfig(weight_layouts=layout))
+        qkv = engine.model.w["layers.0.qkv"]
+        assert qkv.is_contiguous() == (layout == "rows")
+        handles = [engine.submit(Request(prompt_ids=prompt_ids(s, 5 + s), sampling=SamplingParams(max_tokens=12)))
+                   for s in range(3)]
+        while any(not h.seq.finished for h in handles):
+            engine.step()
+        outs[layout] = [h.result()["token_ids"] for h in handles]
+    assert outs["rows"] == outs["auto"] and all(len(o) == 12 for o in outs["rows"])
+    with pytest.raises(ValueError, match="weight_layouts='columns'"):
+        EngineConfig(weight_layouts="columns")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from specbuild.build.quantize import quantize_int4, quantize_int8
 from specbuild.runtime.qlinear import (DenseFormat, FormatPlan, fit_line, Int4Format, Int8Format, QLinear, as_dense,
                                        dequantize_int4, embed_rows, linear, measure_plan, pack_nibbles,
-                                       self_check, unpack_nibbles, usable_formats, weight_nbytes)
+                                       self_check, to_kn_layout, unpack_nibbles, usable_formats, weight_nbytes)
 
 SHAPES = [(64, 64), (40, 96), (200, 160), (24, 256), (7, 64)]  # N, K: N not a multiple of 16 included
 
@@ -193,3 +193,30 @@ def test_plan_does_not_extrapolate_a_format_measured_only_narrow():
     costs = {"float32": {1: 10.0, 4: 11.0, 16: 14.0}, "int4": {1: 300.0}}  # int4 dropped after width 1
     plan = FormatPlan.from_costs(costs, max_width=64)
     assert plan.formats == ("float32",)
+
+
+def test_kn_layout_keeps_shapes_and_values_and_moves_only_linears():
+    g = torch.Generator().manual_seed(3)
+    w = {"embed": torch.randn(50, 16, generator=g), "layers.0.qkv": torch.randn(48, 16, generator=g),
+         "layers.0.down": torch.randn(16, 40, generator=g), "layers.0.attn_norm": torch.randn(16, generator=g),
+         "norm": torch.randn(16, generator=g)}
+    before = {k: v.clone() for k, v in w.items()}
+    assert to_kn_layout(w) == 3
+    for k, v in w.items():
+        assert v.shape == before[k].shape and torch.equal(v, before[k])
+    for k in ("embed", "layers.0.qkv", "layers.0.down"):  # stored [K, N]: the view's strides are (1, N)
+        assert w[k].stride() == (1, w[k].shape[0]) and w[k].t().is_contiguous()
+    assert w["norm"].is_contiguous() and w["layers.0.attn_norm"].is_contiguous()
+    x = torch.randn(5, 16, generator=g)
+    assert torch.allclose(F.linear(x, w["layers.0.qkv"]), F.linear(x, before["layers.0.qkv"]), atol=1e-5)
+    ids = torch.tensor([0, 49, 7])
+    assert torch.equal(embed_rows(w["embed"], ids), before["embed"][ids])
+
+
+def test_kn_dense_copy_is_exact_and_named():
+    impl, _ = int4_linear(48, 64, 32, act=torch.float32)
+    q = QLinear(impl, torch.float32)
+    q.add_copy("float32.kn")
+    assert q.exact["float32.kn"] and q.formats["float32.kn"].name == "float32.kn"
+    x = torch.randn(7, 64)
+    assert rel_err(q(x, "float32.kn"), q(x, "int4")) < 2 ** -12

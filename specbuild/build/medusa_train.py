@@ -418,7 +418,9 @@ def train_medusa(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Medu
                           "hidden states (eval)") if eval_seqs else None
     t_hidden = time.perf_counter()
 
-    lm_head = engine.model.lm_head.float().cpu()
+    from ..runtime.qlinear import as_dense
+
+    lm_head = as_dense(engine.model.lm_head).float().cpu()
     vocab, hidden_size = lm_head.shape
     del engine
     use_bf16 = cfg.bf16 == "on" or (cfg.bf16 == "auto" and bf16_faster(hidden_size, vocab))

@@ -61,13 +61,22 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 # ---- formats ---------------------------------------------------------------------------------
 class DenseFormat:
-    """weight: [N, K] in its storage dtype; inputs and outputs rounded to act_dtype."""
+    """weight: [N, K] in its storage dtype; inputs and outputs rounded to act_dtype.
+
+    `kn`: stored transposed ([K, N] contiguous; `weight` is its [N, K] view), the layout
+    whose matmul is cheaper on CPU for several rows at once (measured with torch 2.13 on
+    2 cores, float32, all linears of SmolLM2-135M: 5 rows 30 ms instead of 42, 11 rows 45
+    instead of 65; one row about the same). Same values, named `<dtype>.kn`."""
 
     kind = "dense"
 
-    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype) -> None:
-        self.weight, self.act_dtype = aligned(weight), act_dtype
-        self.name = str(weight.dtype).removeprefix("torch.")
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype, kn: bool = False) -> None:
+        if kn:
+            self.weight = aligned(weight.t()).t()
+        else:  # already contiguous and aligned (e.g. a tensor the decoder holds): no copy
+            self.weight = weight if weight.is_contiguous() and weight.data_ptr() % 64 == 0 else aligned(weight)
+        self.act_dtype = act_dtype
+        self.name = str(weight.dtype).removeprefix("torch.") + (".kn" if kn else "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] act -> [T, N] act
         return F.linear(x.to(self.weight.dtype), self.weight).to(self.act_dtype)
@@ -183,12 +192,14 @@ class QLinear:
         self.narrow: str | None = None  # the format width-1 forwards run in (set with a plan)
 
     def add_copy(self, name: str) -> None:
-        """Add a dense copy (`float32`, `bfloat16`, `float16`) of the dequantised primary."""
+        """Add a dense copy (`float32`, `bfloat16`, `float16`, each also transposed as
+        `<dtype>.kn`) of the dequantised primary."""
         if name in self.formats:
             return
-        dtype = ACT_DTYPES[name]
+        kn = name.endswith(".kn")
+        dtype = ACT_DTYPES[name.removesuffix(".kn")]
         dense = self.formats[self.primary].dense()  # float32
-        copy = DenseFormat(dense.to(dtype), self.act_dtype)
+        copy = DenseFormat(dense.to(dtype), self.act_dtype, kn=kn)
         self.formats[name] = copy
         self.exact[name] = bool(torch.equal(copy.weight.float(), dense))
 
@@ -425,6 +436,24 @@ def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = 
             checked.add(fmt)
         out[name] = q
     return out
+
+
+LINEAR_SUFFIXES = (".qkv", ".o", ".gate_up", ".down")
+
+
+def to_kn_layout(weights: dict) -> int:
+    """Store every plain float linear of a runtime weight dict (the layers', the lm_head and
+    the embedding, which is the lm_head when tied) transposed: [K, N] contiguous, kept as
+    its [N, K] view, so every user still sees the same shape and values and F.linear runs
+    the kernel that is cheaper for several rows (see DenseFormat). In place; returns the
+    number of tensors moved."""
+    count = 0
+    for name, t in list(weights.items()):
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and t.is_floating_point() and t.is_contiguous() and (
+                name in ("embed", "lm_head") or (name.startswith("layers.") and name.endswith(LINEAR_SUFFIXES))):
+            weights[name] = aligned(t.t()).t()
+            count += 1
+    return count
 
 
 def attach_plans(decoder, widths: list[int], sample_layers: int = 4, allow_inexact: bool = False) -> dict:
