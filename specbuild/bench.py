@@ -420,6 +420,11 @@ def format_table(report: dict) -> str:
                   f"  weights read per step {fl['weight_bytes'] / 1e6:.1f} MB; copy bandwidth {fl['copy_gb_per_s']:.2f} GB/s "
                   f"(copy of {fl['copy_bytes'] >> 20} MiB, read + write counted)",
                   f"  floor {fl['floor_ms']:.2f} ms/token; measured {fl['step_ms']:.2f} ms/token; ratio {fl['ratio']:.2f}x"]
+    vc = report.get("verify_costs")
+    if vc:
+        lines += ["", f"verify cost by width (one target forward after {vc['context']} cached tokens, best wall time):"]
+        lines += [f"  {v['name']:18s} {v['nodes']:3d} drafts  width {v['width']:3d}  {v['min_ms']:8.2f} ms  "
+                  f"{v['x_step']:5.2f}x the decode step" for v in vc["shapes"]]
     lines += [f"note: {n}" for n in report.get("notes", [])]
     lines.append(f"command: {env['command']}")
     return "\n".join(lines)

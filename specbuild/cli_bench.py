@@ -42,6 +42,8 @@ class BenchConfig:
     peers: tuple[str, ...] = ()
     floor: bool = False
     floor_bytes: int = 256 << 20
+    trees: tuple[str, ...] | None = None  # Medusa rows: one per tree (None: the bundle's tree)
+    verify_costs: bool = False  # also time one forward per verify width (chain of 5 and each tree)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -142,8 +144,15 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
     fmt = target.get("dtype", str(engine.model.dtype).replace("torch.", ""))
     target_format = f"{fmt}, from {os.path.basename(target.get('source', '')) or '?'} ({target.get('source_format', '?')})"
     spec_fields = {"gamma": cfg.gamma, "gamma_min": cfg.gamma_min, "gamma_max": cfg.gamma_max}
-    rows = [(B.RowRecord(f"specbuild {m}", "specbuild", m, fmt, cfg.batch_size),
-             B.SpecbuildRunner(engine, m, cfg.max_tokens, **(spec_fields if m != "none" else {}))) for m in methods]
+    if cfg.trees and "medusa" not in methods:
+        raise ValueError("--tree applies to Medusa rows: add medusa to --speculation")
+    rows = []
+    for m in methods:
+        for tree in (cfg.trees or (None,)) if m == "medusa" else (None,):
+            name = f"specbuild {m}" + (f"[{tree}]" if tree and len(cfg.trees) > 1 else "")
+            fields = {**spec_fields, "tree": tree} if m == "medusa" else spec_fields if m != "none" else {}
+            rows.append((B.RowRecord(name, "specbuild", m, fmt, cfg.batch_size),
+                         B.SpecbuildRunner(engine, m, cfg.max_tokens, **fields)))
     if "transformers" in cfg.peers:
         hf = B.load_transformers_model(target.get("source", ""), engine.model.dtype).to(engine.model.device)
         peer = lambda mode, **kw: (B.RowRecord(f"transformers {mode}", "transformers", mode, fmt, 1),  # noqa: E731
@@ -175,6 +184,7 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
     if cfg.floor:
         floor = measure_floor(engine, render(B.chat_messages(chosen[0]["turns"], [])), cfg.max_tokens,
                                 cfg.repeats, cfg.floor_bytes)
+    verify = measure_verify_costs(engine, cfg.trees, cfg.repeats) if cfg.verify_costs else None
     env["loadavg_end"] = list(os.getloadavg())
     notes = []
     for r in summary:
@@ -196,7 +206,30 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
     return {"bundle": os.path.abspath(bundle_dir), "target_format": target_format, "env": env,
             "config": {**asdict(cfg), "methods": methods}, "questions": len(chosen),
             "question_ids": [q["question_id"] for q in chosen], "rows": summary,
-            "peer_ratios": B.peer_ratios(summary), "floor": floor, "notes": notes}
+            "peer_ratios": B.peer_ratios(summary), "floor": floor, "verify_costs": verify, "notes": notes}
+
+
+def measure_verify_costs(engine, trees: tuple[str, ...] | None, repeats: int) -> dict:
+    """One target forward per verify width, after 64 cached tokens: width 1 (a decode step),
+    a chain of 5 drafts (width 6) and each tree (nodes + 1: the root is the last accepted
+    token), in the bundle's format as the runtime runs it; best and median of 2 x repeats + 1."""
+    from .formats_bench import forward_costs
+    from .plugins.tree import load_tree
+
+    shapes = [("decode step", 0), ("chain of 5", 5)]
+    medusa = engine.meta.roles.get("medusa")
+    if trees:
+        shapes += [(n, load_tree(n).num_drafts) for n in trees]
+    elif medusa is not None and os.path.isfile(os.path.join(engine.bundle_dir, medusa["path"], "tree.json")):
+        tree = load_tree(os.path.join(engine.bundle_dir, medusa["path"], "tree.json"))
+        shapes.append((str(medusa.get("tree") or tree.name), tree.num_drafts))
+    widths = sorted({nodes + 1 for _, nodes in shapes})
+    costs = forward_costs(engine.model, engine.cache, widths, repeats=2 * repeats + 1)
+    one = costs[1]["min_ms"]
+    return {"context": 64, "widths": {w: {"min_ms": round(c["min_ms"], 3), "median_ms": round(c["wall_ms"], 3)}
+                                     for w, c in costs.items()},
+            "shapes": [{"name": n, "nodes": k, "width": k + 1, "min_ms": round(costs[k + 1]["min_ms"], 3),
+                        "x_step": round(costs[k + 1]["min_ms"] / one, 3)} for n, k in shapes]}
 
 
 # ---- the memory-bandwidth floor ---------------------------------------------------------
@@ -246,6 +279,31 @@ def measure_floor(engine, prompt_ids: list[int], max_tokens: int, repeats: int, 
     return out
 
 
+def run_formats(bundle_dir: str, names: tuple[str, ...], threads: int, repeats: int, progress: bool) -> dict:
+    """`bench --formats`: the weight-formats benchmark (formats_bench) on the source the
+    bundle's target was compiled from."""
+    import torch
+
+    from .bundle import read_meta
+    from .formats_bench import DEFAULT_FORMATS, run_formats_bench
+
+    unknown = [n for n in names if n not in DEFAULT_FORMATS]
+    if not names or unknown:
+        raise ValueError(f"--formats {','.join(unknown or names) or '(empty)'}: each must be one of "
+                         f"{', '.join(DEFAULT_FORMATS)}")
+    source = read_meta(bundle_dir).roles["target"].get("source")
+    if not source:
+        raise ValueError(f"bundle {bundle_dir!r} does not record its target's source; run "
+                         "scripts/bench_formats.py --target SOURCE instead")
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return run_formats_bench(source, {n: DEFAULT_FORMATS[n] for n in names}, threads=threads, repeats=repeats,
+                                 progress=(lambda m: click.echo(m, err=True)) if progress else None)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
 def _csv(value: str | None) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -276,10 +334,21 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
 @click.option("--floor", is_flag=True, help="Also measure the decode step against the memory-bandwidth floor.")
 @click.option("--floor-mib", type=int, default=256, show_default=True,
               help="Size of the tensor copied to measure memory bandwidth (well above the CPU caches).")
+@click.option("--tree", "trees", default=None,
+              help="Medusa rows: comma-separated trees (preset names, chain_<k> or JSON files), a row each "
+                   "[default: the bundle's tree].")
+@click.option("--verify-costs", is_flag=True,
+              help="Also time one target forward per verify width: a decode step, a chain of 5 and each tree.")
+@click.option("--formats", default=None,
+              help="Instead of Spec-Bench rows: compile the bundle's target source in these weight formats "
+                   "(comma-separated, e.g. float32,bfloat16,int8,int4) and report each one's step against its "
+                   "memory floor, verify cost by width, perplexity and greedy agreement (llama.cpp as a peer row "
+                   "where llama-cpp-python is installed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON instead of the table.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 def bench(bundle, dataset, split, per_category, max_tokens, speculation, gamma, gamma_min, gamma_max, batch_size,
-          repeats, threads, device, peers, floor, floor_mib, as_json, no_progress) -> None:
+          repeats, threads, device, peers, floor, floor_mib, trees, verify_costs, formats, as_json,
+          no_progress) -> None:
     """Spec-Bench style benchmark: tokens/s, speedup over plain decoding and mean accepted
     tokens per task group, greedy outputs checked against plain decoding.
 
@@ -293,11 +362,17 @@ def bench(bundle, dataset, split, per_category, max_tokens, speculation, gamma, 
     from .errors import SpecbuildError
 
     try:
+        if formats is not None:
+            report = run_formats(bundle, _csv(formats) or (), threads, repeats, not no_progress)
+            from .formats_bench import format_report
+
+            click.echo(json.dumps(report, indent=2, default=str) if as_json else format_report(report))
+            return
         cfg = BenchConfig(dataset=dataset, split=split, per_category=per_category or None, max_tokens=max_tokens,
                           methods=_csv(speculation), gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                           batch_size=batch_size, repeats=repeats, threads=threads, device=device,
                           peers=_csv(peers) or (), floor=floor, floor_bytes=floor_mib << 20,
-                          progress=not no_progress)
+                          trees=_csv(trees), verify_costs=verify_costs, progress=not no_progress)
         report = run_bench(bundle, cfg, command=shlex.join(["specbuild"] + sys.argv[1:]))
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

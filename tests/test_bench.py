@@ -240,3 +240,21 @@ def test_bench_refuses_bad_input(bench_bundle):
     assert result.exit_code == 2 and "needs a 'draft' role" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(main, ["bench", bench_bundle, "--batch-size", "4", "--no-progress"])
     assert result.exit_code == 2 and "max_batch_size=4" in result.output
+
+
+def test_bench_formats_mode_on_the_bundles_source(bench_bundle):
+    """`bench --formats`: the weight-formats table for the bundle's own source, each format
+    against its floor with verify cost by width; unknown names refused."""
+    from specbuild.cli import main
+
+    result = CliRunner().invoke(main, ["bench", bench_bundle, "--formats", "float32,int8", "--threads", "1",
+                                       "--repeats", "1", "--json", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    rows = {r["format"]: r for r in report["rows"]}
+    assert list(rows) == ["float32", "int8"]
+    assert rows["int8"]["weight_mb"] < rows["float32"]["weight_mb"]
+    for r in rows.values():
+        assert r["floor_ms"] > 0 and r["step_over_floor"] > 0 and r["perplexity"] > 1
+    result = CliRunner().invoke(main, ["bench", bench_bundle, "--formats", "float32,int3", "--no-progress"])
+    assert result.exit_code == 2 and "int3" in result.output and "Traceback" not in result.output

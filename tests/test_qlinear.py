@@ -220,3 +220,11 @@ def test_kn_dense_copy_is_exact_and_named():
     assert q.exact["float32.kn"] and q.formats["float32.kn"].name == "float32.kn"
     x = torch.randn(7, 64)
     assert rel_err(q(x, "float32.kn"), q(x, "int4")) < 2 ** -12
+
+
+def test_lm_head_rescoring_with_no_rows():
+    """A prefill chunk asks for no logits: a rescored (half-precision) lm_head returns [0, N]."""
+    q = QLinear(Int8Format(*quantize_int8(torch.randn(40, 64)), torch.bfloat16), torch.float32)
+    q.rescore_top = 8
+    out = q(torch.zeros(0, 64))
+    assert out.shape == (0, 40)

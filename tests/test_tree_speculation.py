@@ -180,3 +180,40 @@ def test_medusa_refuses_a_quantized_shared_lm_head(medusa_bundle, tmp_path):
         compile_bundle(source, str(tmp_path / "q"), CompileOptions(quantize="int8", lm_head_format="int8"),
                        medusa=heads)
     assert not os.path.exists(tmp_path / "q")
+
+
+def test_bench_rows_per_tree_and_verify_costs(medusa_bundle, tmp_path):
+    """`bench --tree a,b --verify-costs`: a Medusa row per tree (lossless, speculating) and
+    one timed forward per verify width (decode step, chain of 5, each tree)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from specbuild.bench import format_table
+    from specbuild.cli import main
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question_id": i, "category": "qa",
+                                        "turns": [" ".join(f"word{(i * 5 + j) % 23}" for j in range(10))]}) + "\n"
+                            for i in range(3)))
+    result = CliRunner().invoke(main, ["bench", medusa_bundle, "--dataset", str(data), "--split", "all",
+                                       "--max-tokens", "12", "--repeats", "1", "--speculation", "medusa",
+                                       "--tree", "chain_2,mc_sim_7b_top10", "--verify-costs", "--threads", "1",
+                                       "--json", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    names = [r["name"] for r in report["rows"]]
+    assert names == ["specbuild none", "specbuild medusa[chain_2]", "specbuild medusa[mc_sim_7b_top10]"]
+    for r in report["rows"][1:]:
+        o = r["groups"]["overall"]
+        assert o["mismatches"] == 0 and o["compared"] == 3 and o["drafted"] > 0 and o["accepted"] > 0, r["name"]
+    # the wider tree proposes more nodes per pass than the 2-node chain
+    assert report["rows"][2]["groups"]["overall"]["drafted"] > report["rows"][1]["groups"]["overall"]["drafted"]
+    shapes = {s["name"]: s for s in report["verify_costs"]["shapes"]}
+    assert [(s["nodes"], s["width"]) for s in shapes.values()] == [(0, 1), (5, 6), (2, 3), (10, 11)]
+    assert shapes["decode step"]["x_step"] == 1.0 and all(s["min_ms"] > 0 for s in shapes.values())
+    table = format_table(report)
+    assert "verify cost by width" in table and "mc_sim_7b_top10" in table
+    bad = CliRunner().invoke(main, ["bench", medusa_bundle, "--speculation", "ngram", "--tree", "chain_2",
+                                    "--no-progress"])
+    assert bad.exit_code == 2 and "--tree applies to Medusa rows" in bad.output

@@ -219,6 +219,8 @@ class QLinear:
         `rescore_top` recomputed in float32 from the dequantised rows, one fixed-order dot
         product per entry, so a row's values do not depend on how many rows ran with it."""
         logits = out.float()
+        if logits.shape[0] == 0:  # a forward that wants no logits (a prefill chunk)
+            return logits
         idx = logits.topk(min(self.rescore_top, logits.shape[1]), dim=-1).indices  # [T, k]
         rows = self.rows(idx.reshape(-1), torch.float32).view(*idx.shape, -1)  # [T, k, K]
         exact = (rows * xa.float().unsqueeze(1)).sum(-1)  # [T, k]
