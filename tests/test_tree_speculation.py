@@ -217,3 +217,26 @@ def test_bench_rows_per_tree_and_verify_costs(medusa_bundle, tmp_path):
     bad = CliRunner().invoke(main, ["bench", medusa_bundle, "--speculation", "ngram", "--tree", "chain_2",
                                     "--no-progress"])
     assert bad.exit_code == 2 and "--tree applies to Medusa rows" in bad.output
+
+
+def test_heads_config_names_the_default_tree(medusa_bundle, tmp_path):
+    """A heads directory whose config.json carries `specbuild_tree` (the trainer's measured
+    choice) compiles with that tree unless --tree overrides it; a bad one is refused."""
+    import json
+    import shutil
+
+    meta = json.load(open(os.path.join(medusa_bundle, "bundle.json")))
+    heads = str(tmp_path / "heads")
+    shutil.copytree(os.path.dirname(meta["roles"]["medusa"]["source"]), heads)
+    cfg_path = os.path.join(heads, "config.json")
+    cfg = json.load(open(cfg_path))
+    json.dump({**cfg, "specbuild_tree": "chain_2"}, open(cfg_path, "w"))
+    source = meta["roles"]["target"]["source"]
+    b = compile_bundle(source, str(tmp_path / "b1"), CompileOptions(dtype="float32"), medusa=heads)
+    assert json.load(open(os.path.join(b, "bundle.json")))["roles"]["medusa"]["tree_nodes"] == 2
+    b = compile_bundle(source, str(tmp_path / "b2"), CompileOptions(dtype="float32"), medusa=heads,
+                       tree="mc_sim_7b_top10")
+    assert json.load(open(os.path.join(b, "bundle.json")))["roles"]["medusa"]["tree_nodes"] == 10
+    json.dump({**cfg, "specbuild_tree": "chain_9"}, open(cfg_path, "w"))
+    with pytest.raises(Exception, match="depth 9"):
+        compile_bundle(source, str(tmp_path / "b3"), CompileOptions(dtype="float32"), medusa=heads)

@@ -252,6 +252,9 @@ def write_medusa_role(bundle_dir: str, heads: str | MedusaWeights, tree: str | T
     share_ref = "target/embed" if config.tie_word_embeddings else "target/lm_head"
     target_lm = _target_tensor(bundle_dir, share_ref.split("/")[1])
     weights, shared = check_heads(weights, config, target_lm)
+    if tree is None and isinstance(weights.config.get("specbuild_tree"), (str, list)):
+        tree = weights.config["specbuild_tree"]  # the tree the heads' trainer chose by measurement
+        tree = TreeSpec.from_paths(tree, "heads' tree") if isinstance(tree, list) else tree
     spec = default_tree(weights.num_heads) if tree is None else load_tree(tree)
     check_tree_depth(spec, weights.num_heads)
     dtype = target_lm.dtype
