@@ -159,7 +159,15 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
                                    B.TransformersRunner(hf, engine.tokenizer, cfg.max_tokens, engine.eos_ids, mode, **kw))
         rows += [peer("plain"), peer("prompt_lookup")]
         if "draft" in roles:
-            draft = B.load_transformers_model(roles["draft"].get("source", ""), engine.model.dtype)
+            source = roles["draft"].get("source", "")
+            if os.path.isfile(os.path.join(source, "draft.json")):  # a train-draft directory: export it for HF
+                import tempfile
+
+                from .build.draft_role import export_draft
+
+                source = tempfile.mkdtemp(prefix="specbuild-draft-hf-")
+                export_draft(bundle_dir, source)
+            draft = B.load_transformers_model(source, engine.model.dtype)
             rows.append(peer("assisted", assistant=draft.to(engine.model.device)))
     chunks = []
     for g in dict.fromkeys(B.task_group(q["category"]) for q in chosen):

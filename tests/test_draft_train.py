@@ -124,6 +124,23 @@ def test_train_draft_compile_generate_export(tiny_bundle, tmp_path):
     want = reference_forward(engine.speculator.proposers["draft"].model.config, w, ids[0])[-1]
     torch.testing.assert_close(hf_logits[vmap], want, rtol=1e-3, atol=1e-3)
 
+    # `bench --peers transformers` exports the train-draft role on the fly for HF's assisted generation
+    from click.testing import CliRunner
+
+    from specbuild.cli import main
+
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"word{i} word2 word3"]}) + "\n"
+                         for i in (1, 2)))
+    result = CliRunner().invoke(main, ["bench", bundle, "--dataset", str(q), "--split", "all", "--max-tokens", "6",
+                                       "--repeats", "1", "--speculation", "draft", "--peers", "transformers",
+                                       "--threads", "1", "--json", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    rows = {r["name"]: r["groups"]["overall"] for r in json.loads(result.stdout)["rows"]}
+    assert set(rows) == {"specbuild none", "specbuild draft", "transformers plain", "transformers prompt_lookup",
+                         "transformers assisted"}
+    assert rows["transformers assisted"]["generated_tokens"] > 0
+
 
 def _hf_source(bundle: str) -> str:
     return json.load(open(os.path.join(bundle, "bundle.json")))["roles"]["target"]["source"]
