@@ -286,6 +286,15 @@ def test_train_medusa_learns_and_resumes(tiny_bundle, tmp_path):
     before, after = report["accuracy_before"], report["accuracy_after"]
     assert len(after) == 2 and after[0]["positions"] > 0
     assert after[0]["top1"] > before[0]["top1"]
+    ranks = report["rank_accuracy"]  # per head and rank; rank 0 is top-1
+    assert len(ranks) == 2 and len(ranks[0]) == 10 and ranks[0][0] == pytest.approx(after[0]["top1"], abs=1e-3)
+    assert sum(ranks[0][:5]) == pytest.approx(after[0]["top5"], abs=1e-3)
+    trees = report["sparse_trees"]
+    assert [t["drafts"] for t in trees][:3] == [2, 3, 4]
+    assert all(a["expected_accepted"] <= b["expected_accepted"] for a, b in zip(trees, trees[1:]))
+    from specbuild.plugins.tree import load_tree
+
+    assert load_tree(trees[2]["file"]).num_drafts == 4
     heads = read_medusa(out)  # FasterDecoding layout; the shared lm_head is not stored
     assert (heads.num_heads, heads.num_layers, heads.lm_heads) == (2, 1, {})
     assert json.load(open(os.path.join(out, "config.json")))["shared_lm_head"] is True

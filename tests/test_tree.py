@@ -15,10 +15,12 @@ from specbuild.plugins.tree import (
     MAX_DEPTH,
     TreeError,
     TreeSpec,
+    expected_accepted,
     list_presets,
     load_tree,
     pack_mask,
     parse_medusa_choices,
+    sparse_tree,
     tree_attention_mask,
 )
 
@@ -226,3 +228,32 @@ def test_tree_attention_mask():
         tree_attention_mask(tree.ancestor_mask_tensor(), -1)
     with pytest.raises(ValueError, match="square"):
         tree_attention_mask(torch.ones(2, 3, dtype=torch.bool), 1)
+
+
+def test_sparse_tree_is_the_best_prefix_closed_tree_of_its_size():
+    import itertools
+
+    rng = random.Random(5)
+    for trial in range(20):
+        heads, ranks = rng.randint(1, 3), rng.randint(1, 3)
+        acc = [sorted((rng.random() / ranks for _ in range(ranks)), reverse=True) for _ in range(heads)]
+        every = [p for d in range(1, heads + 1) for p in itertools.product(range(ranks), repeat=d)]
+        for n in range(1, min(len(every), 6) + 1):
+            tree = sparse_tree(acc, n)
+            assert tree.num_drafts == n and tree.name == f"sparse_{n}"
+            best = max(expected_accepted(TreeSpec.from_paths(c), acc) for c in itertools.combinations(every, n)
+                       if all(p[:-1] in c or len(p) == 1 for p in c))  # prefix-closed subsets only
+            assert expected_accepted(tree, acc) == pytest.approx(best), (acc, n)
+
+
+def test_sparse_tree_shapes_and_errors():
+    # a sure first guess at every depth and useless others: a chain
+    assert sparse_tree([[0.9, 0.01], [0.9, 0.01], [0.9, 0.01]], 3) == TreeSpec.chain(3)
+    # a weak second head: width at depth 1 first
+    wide = sparse_tree([[0.4, 0.3, 0.2], [0.1, 0.05, 0.01]], 3)
+    assert sorted(wide.paths) == [(0,), (1,), (2,)]
+    assert expected_accepted(wide, [[0.4, 0.3, 0.2], [0.1, 0.05, 0.01]]) == pytest.approx(0.9)
+    with pytest.raises(TreeError, match=r"num_drafts 7 must be an integer in \[1, 6\]"):
+        sparse_tree([[0.5, 0.2], [0.5, 0.2]], 7)
+    with pytest.raises(TreeError, match="at least one head"):
+        sparse_tree([], 1)

@@ -353,6 +353,45 @@ def evaluate(model: TrainHeads, data: dict[str, torch.Tensor], batch: int = 256,
             for h in range(model.num_heads)]
 
 
+@torch.inference_mode()
+def rank_accuracy(model: TrainHeads, data: dict[str, torch.Tensor], ranks: int = 10, batch: int = 256) -> list[list[float]]:
+    """[heads][ranks]: how often head h's rank-k guess is the target's token (the input of
+    plugins.tree.sparse_tree)."""
+    rows, targets = make_examples(data, model.num_heads)
+    hits = torch.zeros(model.num_heads, ranks)
+    counts = torch.zeros(model.num_heads)
+    for i in range(0, rows.shape[0], batch):
+        r, t = rows[i:i + batch], targets[i:i + batch]
+        top = model(data["hidden"][r]).topk(ranks, dim=-1).indices  # [B, heads, ranks]
+        valid = t != IGNORE
+        hits += ((top == t.unsqueeze(-1)) & valid.unsqueeze(-1)).sum(0).float()
+        counts += valid.sum(0)
+    return [[round(float(hits[h, k] / max(counts[h], 1)), 5) for k in range(ranks)] for h in range(model.num_heads)]
+
+
+SPARSE_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def write_sparse_trees(rank_acc: list[list[float]], out_dir: str) -> list[dict]:
+    """Trees of SPARSE_SIZES nodes built from measured head accuracies, as JSON files in
+    `<out>/trees/` (for `bench --tree`), with each one's expected accepted drafts."""
+    from ..plugins.tree import expected_accepted, sparse_tree
+
+    os.makedirs(os.path.join(out_dir, "trees"), exist_ok=True)
+    out = []
+    for n in SPARSE_SIZES:
+        try:
+            tree = sparse_tree(rank_acc, n)
+        except ValueError:
+            continue
+        path = os.path.join(out_dir, "trees", f"sparse_{n}.json")
+        with open(path, "w") as f:
+            json.dump({"name": tree.name, "paths": [list(p) for p in tree.paths]}, f)
+        out.append({"tree": tree.name, "file": path, "drafts": n,
+                    "expected_accepted": round(expected_accepted(tree, rank_acc), 4)})
+    return out
+
+
 def lr_at(step: int, total: int, peak: float) -> float:
     warm = max(1, min(50, total // 10))
     if step < warm:
@@ -477,6 +516,8 @@ def train_medusa(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Medu
     save()
     t_done = time.perf_counter()
     after = evaluate(model, evals) if evals is not None else []
+    ranks = rank_accuracy(model, evals) if evals is not None else None
+    trees = write_sparse_trees(ranks, out_dir) if ranks else []
     save_file(model.export(), os.path.join(out_dir, FD_FILE), metadata={"format": "pt"})
     config = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
               "hidden_size": hidden_size, "vocab_size": vocab, "shared_lm_head": cfg.shared_lm_head,
@@ -487,7 +528,7 @@ def train_medusa(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Medu
         "config": asdict(cfg), "split": how, "train_prompts": len(train_seqs), "eval_prompts": len(eval_seqs),
         "train_positions": int(rows.shape[0]), "steps": step, "bf16_lm_head": use_bf16,
         "first_losses": history[:10], "last_losses": history[-10:],
-        "accuracy_before": before, "accuracy_after": after,
+        "accuracy_before": before, "accuracy_after": after, "rank_accuracy": ranks, "sparse_trees": trees,
         "seconds": {"distill": round(t_distill - t_start, 1), "hidden": round(t_hidden - t_distill, 1),
                     "train": round(t_done - t_hidden, 1), "total": round(time.perf_counter() - t_start, 1)},
     }

@@ -239,6 +239,46 @@ class TreeSpec:
         return ", ".join("{" + ", ".join(str(r) for r in p) + "}" for p in self.paths)
 
 
+def sparse_tree(rank_acc: Sequence[Sequence[float]], num_drafts: int, name: str | None = None) -> TreeSpec:
+    """The tree of `num_drafts` nodes with the most expected accepted drafts, given measured
+    head accuracies (Medusa's sparse-tree construction): rank_acc[h][k] is how often head
+    h's rank-k guess was the target's token on held-out answers; a node's value is the
+    product of rank_acc along its path (heads taken as independent), and a tree's expected
+    accepted drafts is the sum of its node values. A child is never worth more than its
+    parent, so taking the best frontier node each time is optimal and prefix-closed."""
+    import heapq
+
+    heads = len(rank_acc)
+    if heads < 1 or any(len(r) < 1 for r in rank_acc):
+        raise TreeError("rank accuracies need at least one head with at least one rank")
+    ranks = min(min(len(r) for r in rank_acc), MAX_RANK)
+    limit = sum(ranks ** d for d in range(1, min(heads, MAX_DEPTH) + 1))
+    if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or not 1 <= num_drafts <= limit:
+        raise TreeError(f"num_drafts {num_drafts!r} must be an integer in [1, {limit}] for {heads} heads "
+                        f"x {ranks} ranks")
+    frontier = [(-float(rank_acc[0][k]), (k,)) for k in range(ranks)]
+    heapq.heapify(frontier)
+    paths = []
+    while len(paths) < num_drafts:
+        value, path = heapq.heappop(frontier)
+        paths.append(path)
+        if len(path) < min(heads, MAX_DEPTH):
+            for k in range(ranks):
+                heapq.heappush(frontier, (value * float(rank_acc[len(path)][k]), path + (k,)))
+    return TreeSpec.from_paths(paths, name or f"sparse_{num_drafts}")
+
+
+def expected_accepted(tree: TreeSpec, rank_acc: Sequence[Sequence[float]]) -> float:
+    """Expected accepted drafts per pass of `tree` under the same independence model."""
+    total = 0.0
+    for path in tree.paths:
+        p = 1.0
+        for depth, rank in enumerate(path):
+            p *= float(rank_acc[depth][rank]) if depth < len(rank_acc) and rank < len(rank_acc[depth]) else 0.0
+        total += p
+    return total
+
+
 def parse_medusa_choices(text: str, name: str | None = None) -> TreeSpec:
     """Inverse of `medusa_choices_string` (also accepts the "[[0], [0, 0]]" form)."""
     stripped = text.strip()
