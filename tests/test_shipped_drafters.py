@@ -11,45 +11,13 @@ import os
 import pytest
 
 from specbuild.build.checkpoints import DRAFTER_PRESETS, resolve_source
+from specbuild.drafter_check import eval_prompts, measure
 
 pytestmark = pytest.mark.integration
 
 # share of the recorded tokens per target pass (above 1) that must remain: other CPUs round
 # differently, so a near-tie may flip a token; a broken drafter falls to ~1.0
 TOLERANCE = 0.75
-
-
-def eval_prompts(engine, count: int, max_prompt_tokens: int = 320) -> list[tuple[int, list[int]]]:
-    """(question_id, prompt ids) of the first `count` eval-split questions (one per
-    Spec-Bench group in order) whose chat prompt is at most max_prompt_tokens."""
-    from specbuild import bench as B
-
-    def ids(q):
-        return engine.encode(engine.render_chat([{"role": "user", "content": q["turns"][0]}]),
-                             add_special_tokens=False)
-
-    chosen = B.select_questions(B.load_questions(), B.load_split(), "eval", per_category=1,
-                                fits=lambda q: len(ids(q)) <= max_prompt_tokens)
-    return [(q["question_id"], ids(q)) for q in chosen[:count]]
-
-
-def measure(engine, method: str, prompts: list[list[int]], max_tokens: int, **spec) -> dict:
-    """Greedy answers with `method`: generated tokens per target forward (prefill included)
-    over all prompts, draft acceptance (accepted / drafted), token ids per prompt."""
-    from specbuild.runtime.sampling import SamplingParams
-    from specbuild.runtime.sequence import Request
-
-    drafted = accepted = passes = 0
-    outputs = []
-    for prompt in prompts:
-        res = engine.generate([Request(prompt_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens),
-                                       speculation={"method": method, **spec})])[0]
-        st = res["stats"]
-        drafted, accepted, passes = drafted + st["drafted"], accepted + st["accepted"], passes + st["target_passes"]
-        outputs.append(res["token_ids"])
-    tokens = sum(len(o) for o in outputs)
-    return {"drafted": drafted, "accepted": accepted, "acceptance": round(accepted / max(drafted, 1), 4),
-            "tokens_per_target_pass": round(tokens / max(passes, 1), 4), "outputs": outputs}
 
 
 def shipped(name: str) -> str:
