@@ -2,7 +2,7 @@
 
     torch              specbuild's own engine (runs everywhere)
     tensorrt-llm-stub  TrtllmEngine (the real adapter code) driving a stand-in for
-                       `tensorrt_llm.bindings.executor` defined below: greedy only, its tokens
+                       `tensorrt_llm.bindings.executor` (tests/trtllm_stub.py): greedy only, its tokens
                        from the torch engine, its request/response shapes those of the
                        documented executor API. It checks the adapter's logic (draft rounds,
                        streaming, stats, abort, limits, leader mode), NOT TensorRT-LLM.
@@ -32,7 +32,8 @@ from specbuild.runtime.backend import STATS_KEYS, Backend, TorchEngine, guarante
 from specbuild.runtime.engine import EngineConfig
 from specbuild.runtime.sampling import SamplingParams
 from specbuild.runtime.sequence import Request
-from specbuild.runtime.trtllm_engine import MODE_BITS, EngineLimitError, accepted_prefix, engine_limits
+from specbuild.runtime.trtllm_engine import MODE_BITS, EngineLimitError
+from trtllm_stub import StubExecutor, stub_module
 
 VOCAB = 320
 LOOPY = [5, 5, 5, 5, 5, 5, 5, 5]  # the tiny model answers it with a loop: prompt lookup finds drafts
@@ -130,123 +131,7 @@ def medusa_bundle(hf_pair, stub_bundle, tmp_path_factory) -> str:
     return out
 
 
-# ---- a stand-in for tensorrt_llm.bindings.executor -------------------------------------------------
-class _Rec(types.SimpleNamespace):
-    def __init__(self, *args, **kw):
-        super().__init__(args=args, **kw)
-
-
-_ORACLES: dict[str, TorchEngine] = {}
-
-
-def oracle(bundle: str, ids: list[int], n: int) -> list[int]:
-    """Plain greedy continuation by the torch engine (what a correct engine must produce)."""
-    if bundle not in _ORACLES:
-        _ORACLES[bundle] = TorchEngine(bundle, EngineConfig())
-    r = _ORACLES[bundle].generate([Request(prompt_ids=list(ids), sampling=greedy(n),
-                                           speculation={"method": "none"})])[0]
-    return r["token_ids"]
-
-
-class StubResponse:
-    def __init__(self, request_id, tokens=(), final=True, reason="LENGTH", error=None):
-        self.request_id, self.error_msg = request_id, error
-        self.result = types.SimpleNamespace(is_final=final, output_token_ids=[list(tokens)],
-                                            finish_reasons=[types.SimpleNamespace(name=reason)],
-                                            generation_logits=None, request_perf_metrics=None)
-
-    def has_error(self):
-        return self.error_msg is not None
-
-
-class StubExecutor:
-    """Greedy executor: tokens from the torch oracle; drafts accepted while equal to its
-    argmax, one more token after; streaming answers one engine iteration per await (Medusa
-    iterations yield 3, 1, 2, ... tokens); a draft-role engine corrupts every third token."""
-
-    instances: list["StubExecutor"] = []
-
-    def __init__(self, engine_dir, model_type, config):
-        engine_dir = str(engine_dir)
-        self.role = os.path.basename(engine_dir)
-        self.bundle = os.path.dirname(os.path.dirname(os.path.dirname(engine_dir)))
-        self.limits = engine_limits(json.load(open(os.path.join(engine_dir, "config.json"))))
-        self.medusa = getattr(config.decoding_config, "decoding_mode", None) == "medusa"
-        self.config, self.requests, self.pending, self.next_id, self.shut = config, [], {}, 1, False
-        StubExecutor.instances.append(self)
-
-    def can_enqueue_requests(self):
-        return int(os.environ.get("PMI_RANK", "0")) == 0
-
-    def enqueue_request(self, req):
-        rid, self.next_id = self.next_id, self.next_id + 1
-        self.requests.append(req)
-        drafts = req.external_draft_tokens_config.tokens if req.external_draft_tokens_config else []
-        ids = req.input_token_ids
-        if len(drafts) > self.limits["max_draft_len"]:  # what TensorRT-LLM answers
-            self.pending[rid] = [StubResponse(rid, error=f"Number of draft tokens ({len(drafts)}) > maximum "
-                                                         f"({self.limits['max_draft_len']})")]
-            return rid
-        # sampled requests are answered greedily (a stand-in, not a sampler); never with drafts
-        assert req.sampling_config.top_k == 1 or not drafts, "sampled drafts reached the stub"
-        assert len(ids) + req.max_tokens <= self.limits["max_seq_len"]
-        tokens = oracle(self.bundle, ids, len(drafts) + 1 if drafts else req.max_tokens)
-        if self.role == "draft":
-            tokens = [(t + 1) % VOCAB if (len(ids) + i) % 3 == 0 else t for i, t in enumerate(tokens)]
-        if drafts:
-            tokens = tokens[:accepted_prefix(drafts, tokens) + 1]
-        reason = "LENGTH"
-        if req.end_id is not None and req.end_id in tokens:
-            tokens, reason = tokens[:tokens.index(req.end_id) + 1], "END_ID"
-        if not req.streaming:
-            chunks = [tokens]
-        elif self.medusa:
-            chunks, rest, sizes = [tokens[:1]], tokens[1:], [3, 1, 2]
-            while rest:
-                chunks.append(rest[:sizes[len(chunks) % 3]])
-                rest = rest[len(chunks[-1]):]
-        else:
-            chunks = [[t] for t in tokens]
-        self.pending[rid] = [StubResponse(rid, c, i == len(chunks) - 1, reason) for i, c in enumerate(chunks)]
-        return rid
-
-    def await_responses(self, timeout=None):
-        out = []
-        for rid in list(self.pending):  # one iteration: at most one answer per request
-            out.append(self.pending[rid].pop(0))
-            if not self.pending[rid]:
-                del self.pending[rid]
-        return out
-
-    def cancel_request(self, rid):
-        if rid in self.pending:
-            self.pending[rid] = [StubResponse(rid, (), True, "CANCELLED")]
-
-    def shutdown(self):
-        self.shut = True
-
-
-def stub_module() -> types.ModuleType:
-    m = types.ModuleType("tensorrt_llm.bindings.executor")
-    m.ModelType = types.SimpleNamespace(DECODER_ONLY="decoder_only")
-    m.CommunicationType = types.SimpleNamespace(MPI="mpi")
-    m.CommunicationMode = types.SimpleNamespace(LEADER="leader")
-    m.DecodingMode = types.SimpleNamespace(Medusa=lambda: "medusa")
-    for name in ("KvCacheConfig", "DecodingConfig", "ExecutorConfig", "ParallelConfig", "OutputConfig",
-                 "ExtendedRuntimePerfKnobConfig"):
-        setattr(m, name, _Rec)
-    m.SamplingConfig = lambda beam_width=1, **kw: types.SimpleNamespace(beam_width=beam_width, top_k=kw.get("top_k"),
-                                                                        **{k: v for k, v in kw.items() if k != "top_k"})
-    m.ExternalDraftTokensConfig = lambda tokens, logits=None, acceptance_threshold=None: types.SimpleNamespace(
-        tokens=list(tokens), logits=logits)
-    m.Request = lambda input_token_ids, max_tokens, **kw: types.SimpleNamespace(
-        input_token_ids=list(input_token_ids), max_tokens=max_tokens, end_id=kw.pop("end_id", None),
-        streaming=kw.pop("streaming", False), external_draft_tokens_config=kw.pop("external_draft_tokens_config", None),
-        **kw)
-    m.Executor = StubExecutor
-    return m
-
-
+# ---- a stand-in for tensorrt_llm.bindings.executor (tests/trtllm_stub.py) ---------------------------
 @pytest.fixture()
 def stub_trtllm(monkeypatch):
     executor = stub_module()
@@ -598,6 +483,30 @@ def test_open_engine_picks_the_backend(stub_trtllm, trt_bundle, stub_bundle, tin
     assert type(open_engine(stub_bundle, backend="torch")) is TorchEngine
     with pytest.raises(SpecbuildError, match="--backend 'onnx' is not one of auto, torch, tensorrt-llm"):
         resolve_backend(trt_bundle, "onnx")
+
+
+def test_stand_in_executor_is_guarded(stub_bundle, monkeypatch):
+    """SPECBUILD_TEST_TRTLLM_BINDINGS (how the CLI under mpirun gets the stand-in) takes only a
+    factory whose module says it is a test stub; with one, open_engine runs the adapter on it."""
+    from specbuild.runtime.backend import trtllm_status
+    from specbuild.runtime.trtllm_engine import TEST_STUB_ENV, TrtllmEngine, stand_in_bindings, tensorrt_llm_importable
+
+    monkeypatch.delenv(TEST_STUB_ENV, raising=False)
+    assert stand_in_bindings() is None
+    monkeypatch.setenv(TEST_STUB_ENV, "types:SimpleNamespace")  # importable, callable, but no stub
+    with pytest.raises(SpecbuildError, match="is not a specbuild test stub .*for specbuild's tests only: unset it"):
+        stand_in_bindings()
+    monkeypatch.setenv(TEST_STUB_ENV, "no_such_module_here:bindings")
+    with pytest.raises(SpecbuildError, match="No module named 'no_such_module_here'.*unset it"):
+        stand_in_bindings()
+    monkeypatch.setenv(TEST_STUB_ENV, "trtllm_stub:stub_module")
+    assert stand_in_bindings().Executor is StubExecutor and tensorrt_llm_importable() == (True, "")
+    assert trtllm_status(stub_bundle) == (True, "") and "tensorrt_llm" not in sys.modules
+    StubExecutor.instances.clear()
+    engine = open_engine(stub_bundle, EngineConfig(), backend="auto")
+    assert type(engine) is TrtllmEngine and len(StubExecutor.instances) == 2
+    assert engine.generate([Request(prompt_ids=LOOPY, sampling=greedy(3))])[0]["finish_reason"] == "length"
+    engine.close()
 
 
 def test_guarantees_table():

@@ -204,6 +204,10 @@ def trtllm_status(bundle_dir: str) -> tuple[bool, str]:
     ok, reason = tensorrt_llm_importable()
     if not ok:
         return False, reason
+    from .trtllm_engine import TEST_STUB_ENV
+
+    if os.environ.get(TEST_STUB_ENV):
+        return True, ""  # tests: the stand-in executor runs on the CPU
     import torch
 
     if not torch.cuda.is_available():
@@ -230,7 +234,7 @@ def open_engine(bundle_dir: str, config: EngineConfig = EngineConfig(), backend:
     """The bundle's serving backend: `TorchEngine` or `trtllm_engine.TrtllmEngine`.
 
     Under `mpirun -n tp*pp` every rank calls this; on the TensorRT-LLM backend only rank 0
-    (`engine.is_leader`) takes requests, the others call `engine.wait_as_worker()`."""
+    (`engine.is_leader`) takes requests, the others wait in `parallel.follow_leader(engine)`."""
     name, _ = resolve_backend(bundle_dir, backend)
     if name == "torch":
         return TorchEngine(bundle_dir, config)

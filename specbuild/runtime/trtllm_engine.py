@@ -213,7 +213,38 @@ def read_engine_config(engine_dir: str) -> dict:
         return json.load(f)
 
 
+# Test-only: "module:factory", a factory returning a stand-in for tensorrt_llm.bindings.executor,
+# so that tests can run the real adapter (and the CLI under mpirun) without TensorRT-LLM or a GPU
+# (tests/trtllm_stub.py). Never set it in production: the stand-in decodes with the torch engine.
+TEST_STUB_ENV = "SPECBUILD_TEST_TRTLLM_BINDINGS"
+TEST_STUB_MARK = "SPECBUILD_TEST_STUB"  # the stand-in must say it is one (guard against a mistaken value)
+
+
+def stand_in_bindings():
+    """The test stand-in named by $SPECBUILD_TEST_TRTLLM_BINDINGS, or None when it is unset.
+
+    Guarded: the factory's result must carry `SPECBUILD_TEST_STUB = True`, else SpecbuildError;
+    every use logs a warning, so a stray variable cannot pass unnoticed."""
+    spec = os.environ.get(TEST_STUB_ENV)
+    if not spec:
+        return None
+    import importlib
+
+    module, _, factory = spec.partition(":")
+    try:
+        bindings = getattr(importlib.import_module(module), factory or "bindings")()
+    except (ImportError, AttributeError) as e:
+        raise SpecbuildError(f"{TEST_STUB_ENV}={spec!r}: {e}; it is for specbuild's tests only: unset it") from None
+    if getattr(bindings, TEST_STUB_MARK, False) is not True:
+        raise SpecbuildError(f"{TEST_STUB_ENV}={spec!r} is not a specbuild test stub (no {TEST_STUB_MARK} = True); "
+                             "it is for specbuild's tests only: unset it")
+    log.warning("TensorRT-LLM is replaced by the TEST STUB %s (%s is set)", spec, TEST_STUB_ENV)
+    return bindings
+
+
 def tensorrt_llm_importable() -> tuple[bool, str]:
+    if os.environ.get(TEST_STUB_ENV):
+        return True, ""  # the stand-in (stand_in_bindings) replaces the import
     try:
         import tensorrt_llm  # noqa: F401
     except Exception as e:  # ImportError, or a broken CUDA/TensorRT install underneath
@@ -222,6 +253,9 @@ def tensorrt_llm_importable() -> tuple[bool, str]:
 
 
 def _bindings():
+    stub = stand_in_bindings()
+    if stub is not None:
+        return stub
     import tensorrt_llm.bindings.executor as trtllm  # noqa: PLC0415 (only where it is installed)
 
     return trtllm
