@@ -33,6 +33,29 @@ def user_errors(fn):
     return wrapper
 
 
+def fail_once(e: Exception) -> None:
+    """A start-up refusal that every MPI rank reaches alike: rank 0 prints it (one line, not
+    one per rank) and every rank exits 2."""
+    from .runtime.parallel import launcher_rank_size
+
+    if launcher_rank_size()[0] == 0:
+        click.echo(f"error: {e}", err=True)
+    sys.exit(2)
+
+
+def dist_context(bundle: str, backend: str, command: str, parallel_draft: bool = False):
+    """This process's `parallel.DistContext`, the MPI world size checked against what the bundle
+    needs on the chosen backend (TensorRT-LLM engines: their tp*pp; torch: 1, or 2 with
+    --parallel-draft). A mismatch is refused on every rank, printed once (`fail_once`)."""
+    from .runtime.parallel import TORCH, DistContext, bundle_world
+
+    try:
+        need = TORCH if parallel_draft else bundle_world(bundle, backend)
+        return DistContext.create(parallel_draft, need, command)  # --parallel-draft: a guard until the child ends
+    except (SpecbuildError, ValueError) as e:
+        fail_once(e)
+
+
 @click.group(cls=LazyGroup)
 @click.version_option(package_name="specbuild")
 def main() -> None:
@@ -258,11 +281,12 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
     """Generate text from one or more prompts (batched)."""
     from .runtime.backend import open_engine
     from .runtime.engine import EngineConfig
+    from .runtime.parallel import follow_leader
     from .runtime.sequence import Request
 
+    dist_context(bundle, backend, "generate")  # under `mpirun -n tp*pp`: TensorRT-LLM leader mode
     engine = open_engine(bundle, EngineConfig(device=device, threads=threads), backend=backend)
-    if not getattr(engine, "is_leader", True):  # mpirun leader mode: rank 0 serves, the others wait
-        engine.wait_as_worker()
+    if follow_leader(engine, say=lambda line: click.echo(line, err=True)):  # ranks > 0: until rank 0 is done
         return
     spec = make_speculation(engine, speculation, gamma, gamma_min, gamma_max, tree, typical)
     # no speculation flag: the backend's default (the TensorRT-LLM backend may then serve a sampled

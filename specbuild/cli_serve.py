@@ -2,16 +2,23 @@
 
     specbuild serve BUNDLE                                         one process
     specbuild serve BUNDLE --backend tensorrt-llm                  TensorRT-LLM's executor
+    mpirun -n TP*PP specbuild serve BUNDLE                         TensorRT-LLM leader mode
     mpirun -disable-auto-cleanup -n 2 specbuild serve BUNDLE --parallel-draft
 
 The engine comes from `runtime.backend.open_engine`, with --backend as `generate` takes it
 (auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch).
 
+Leader mode (a bundle whose TensorRT-LLM engines were built for tp*pp > 1 ranks): every rank
+opens its engine; rank 0 serves HTTP and takes every request, the other ranks serve their part
+of the engine (`parallel.follow_leader`, as `generate` does) until rank 0 shuts down, then
+all exit 0. Launch it without -disable-auto-cleanup (a dead rank must take the job down).
+
 With --parallel-draft, rank 0 serves HTTP and verifies, rank 1 runs the draft model and
-never binds a port (MineDraft: runtime/minedraft.py; roles: runtime/parallel.py). Other
-world sizes are refused at start-up. scripts/mpirun_serve.sh has the exact mpirun line.
-MineDraft replaces the torch engine's scheduler, so --parallel-draft runs on the torch
-backend (auto means torch there; --backend tensorrt-llm is refused).
+never binds a port (MineDraft: runtime/minedraft.py; roles: runtime/parallel.py).
+scripts/mpirun_serve.sh has the exact mpirun line. MineDraft replaces the torch engine's
+scheduler, so --parallel-draft runs on the torch backend (auto means torch there;
+--backend tensorrt-llm is refused). Other world sizes are refused at start-up, on every
+rank, with one line naming the world size, what the bundle needs and the command to use.
 
 Prints the listening URL on stdout once the model is loaded and the socket is bound
 (`--port 0` picks a free port), serves until SIGINT or SIGTERM, then refuses new work,
@@ -55,7 +62,7 @@ from .errors import SpecbuildError
 def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, kv_cache_tokens, prefill_chunk,
           model_name, log_level, parallel_draft, draft_timeout) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
-    from .runtime.parallel import DistContext, launcher_rank_size
+    from .cli import dist_context, fail_once
 
     try:
         if not 0.05 <= draft_timeout <= 3600:
@@ -63,16 +70,14 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
         if parallel_draft and backend == "tensorrt-llm":
             raise ValueError("--parallel-draft runs on the torch backend only (MineDraft drives specbuild's "
                              "scheduler); drop --backend tensorrt-llm")
-        ctx = DistContext.create(parallel_draft)  # under mpirun: a guard process until the child ends
-    except (SpecbuildError, ValueError) as e:
-        if launcher_rank_size()[0] == 0:  # one message, not one per rank
-            click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+    except ValueError as e:
+        fail_once(e)
+    ctx = dist_context(bundle, backend, "serve", parallel_draft)
     tag = "" if ctx.role == "single" else f" rank{ctx.rank}"
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s{tag} %(levelname)s %(name)s: %(message)s")
     if ctx.role == "drafter":
         serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout)
-    transport = None
+    transport = engine = None
     try:
         from .runtime.backend import open_engine
         from .runtime.engine import EngineConfig
@@ -83,17 +88,23 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
                                                   kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
                                                   load_draft=ctx.role != "verifier"),
                              backend="torch" if parallel_draft else backend)
+        if ctx.role == "worker":
+            serve_engine_part(ctx, engine)
         app = OpenAIServer(engine, config)
         if ctx.role == "verifier":
             transport = connect_draft_rank(ctx, engine, app, draft_timeout)
         url = app.bind()
     except (SpecbuildError, ValueError) as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {'' if ctx.rank == 0 else f'rank {ctx.rank}: '}{e}", err=True)
+        if engine is not None:  # leader mode: its shutdown releases the worker ranks
+            engine.close()
         sys.exit(2)
     except OSError as e:  # address in use, permission denied
         click.echo(f"error: cannot listen on {host}:{port}: {e.strerror or e}", err=True)
         if transport is not None:
             transport.close()
+        if engine is not None:
+            engine.close()
         sys.exit(2)
 
     stop = threading.Event()
@@ -109,6 +120,8 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
     serving = threading.Thread(target=app.serve_forever, name="specbuild-http", daemon=True)
     serving.start()
     mode = "; MineDraft with a draft rank" if transport is not None else ""
+    if ctx.role == "leader":
+        mode = f"; leader of {ctx.world_size} MPI ranks (TensorRT-LLM leader mode)"
     click.echo(f"specbuild serving {app.model_name!r} on {url} ({engine.backend_name} backend, loaded in "
                f"{engine.load_seconds:.1f}s; max batch {engine.max_batch_size}, max queue {max_queue}{mode})")
     sys.stdout.flush()
@@ -121,11 +134,33 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
     if transport is not None:
         transport.close()
     click.echo("stopped", err=True)
-    if ctx.role != "single":
+    if ctx.role == "verifier":
         # no MPI_Finalize (it hangs when the peer is gone): leave without any MPI teardown
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    # single, or the leader: an ordinary exit (in leader mode the workers were released by
+    # engine.close() above and exit alike; TensorRT-LLM's MPI finalizes at exit on every rank)
+
+
+def serve_engine_part(ctx, engine) -> None:
+    """A leader-mode rank > 0: no HTTP; this rank's part of the engine runs until rank 0
+    shuts down (`parallel.follow_leader`, which `generate` uses too); then exit 0."""
+    from .runtime.parallel import follow_leader
+
+    log = logging.getLogger("specbuild.serve")
+    try:
+        if not follow_leader(engine, say=log.info):
+            raise SpecbuildError(f"rank {ctx.rank}: the {engine.backend_name} engine takes requests here, but in "
+                                 "leader mode only rank 0 may")
+    except SpecbuildError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except Exception:
+        log.exception("rank %d: the engine failed while following rank 0", ctx.rank)
+        sys.exit(1)
+    click.echo(f"rank {ctx.rank}: stopped", err=True)
+    sys.exit(0)
 
 
 def serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout):

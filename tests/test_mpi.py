@@ -1,6 +1,8 @@
 """MineDraft and the MPI runtime: the wire format, the two-batch scheduler in process (a
 loopback drafter), and the real thing: `mpirun -n 2 ... serve --parallel-draft` queried over
-loopback HTTP, its draft rank SIGKILLed mid-run, world sizes refused.
+loopback HTTP, its draft rank SIGKILLed mid-run, world sizes refused; and TensorRT-LLM leader
+mode: `mpirun -n 2 ... serve` of a bundle whose engines were built for tp 2, every rank
+driving the stand-in executor of tests/trtllm_stub.py (SPECBUILD_TEST_TRTLLM_BINDINGS).
 
 Every wait is bounded; server process groups are killed in teardown.
 """
@@ -22,6 +24,7 @@ import torch
 
 from specbuild.build.compile import CompileOptions, compile_bundle
 from specbuild.runtime import draft_worker as W
+from specbuild.runtime.backend import TorchEngine
 from specbuild.runtime import minedraft as M
 from specbuild.runtime.engine import Engine, EngineConfig
 from specbuild.runtime.sampling import SamplingParams
@@ -180,13 +183,30 @@ def test_drafter_exception_degrades_only_its_sequences(bundle, engine):
 
 def test_world_size_checks():
     from specbuild.errors import SpecbuildError
-    from specbuild.runtime.parallel import check_world
+    from specbuild.runtime.parallel import DistContext, WorldNeed, check_world
 
     check_world(1, False)
     check_world(2, True)
     for size, flag in ((3, True), (1, True), (2, False), (4, False)):
         with pytest.raises(SpecbuildError, match="supported: 1 process"):
             check_world(size, flag)
+    tp4 = WorldNeed("tensorrt-llm", ranks=4, tp=2, pp=2)
+    check_world(4, False, tp4)
+    check_world(1, False, WorldNeed("tensorrt-llm"))
+    for size in (1, 2, 8):
+        with pytest.raises(SpecbuildError) as e:
+            check_world(size, False, tp4, "generate")
+        assert str(e.value) == (f"MPI world size {size} does not match this bundle's TensorRT-LLM engines, built for "
+                                "tp*pp = 4 ranks (tp 2, pp 2): launch it with `mpirun -n 4 specbuild generate BUNDLE`")
+    with pytest.raises(SpecbuildError, match=r"MPI world size 2 .* tp\*pp = 1 rank \(tp 1, pp 1\): run `specbuild "
+                                             "serve BUNDLE` without mpirun"):
+        check_world(2, False, WorldNeed("tensorrt-llm"))
+    with pytest.raises(SpecbuildError, match=r"world size 2 is not supported without --parallel-draft on the torch "
+                                             r"backend \(--backend auto chose torch: no GPU here\); supported"):
+        check_world(2, False, WorldNeed(why="no GPU here"))
+    roles = [DistContext(r, 4, leader_mode=True) for r in range(4)]
+    assert [c.role for c in roles] == ["leader", "worker", "worker", "worker"] and roles[1].peer is None
+    assert [DistContext(r, 2).role for r in range(2)] == ["verifier", "drafter"]
 
 
 # ---- the real thing: two ranks under mpirun ----------------------------------------------------------
@@ -312,3 +332,103 @@ def test_world_size_refused_at_start(bundle, launch, flag, message):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count(message) == 1 and "supported: 1 process" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ---- TensorRT-LLM leader mode: `mpirun -n tp*pp specbuild serve BUNDLE` (stand-in executor) -----------
+STUB_ENV = {"SPECBUILD_TEST_TRTLLM_BINDINGS": "trtllm_stub:mpi_bindings",
+            "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
+                                                        os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="module")
+def tp2_bundle(tmp_path_factory) -> str:
+    """A tiny target + draft compiled with --backend tensorrt-llm --tp 2, its engines' config.json
+    written as trtllm-build would (mapping world_size 2): no engine files, the stand-in runs them."""
+    from test_backend import write_engine_config
+
+    root = tmp_path_factory.mktemp("leader")
+    target = make_tiny_hf(str(root / "target"), scale=8.0)
+    bundle = compile_bundle(target, str(root / "bundle"), CompileOptions(
+        dtype="float64", max_seq_len=128, max_batch_size=4, max_draft_len=4, backend="tensorrt-llm",
+        trtllm_dtype="float32", tp=2), draft=target)
+    for role in ("target", "draft"):
+        assert write_engine_config(bundle, role)["pretrained_config"]["mapping"]["world_size"] == 2
+    return bundle
+
+
+def test_leader_mode_serve_two_ranks(tp2_bundle, tmp_path):
+    """Both ranks open the engine; rank 0 answers over HTTP while rank 1 waits in its executor's
+    shutdown; SIGTERM to mpirun: rank 0 shuts down, which releases rank 1; both exit 0."""
+    need_mpi()
+    log_path = str(tmp_path / "leader.log")
+    log = open(log_path, "w")
+    cmd = [MPIRUN, "-n", "2", *CLI, "serve", tp2_bundle, "--host", "127.0.0.1", "--port", "0"]  # --backend auto
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                            env={**os.environ, **STUB_ENV})
+
+    def output() -> str:
+        with open(log_path) as f:
+            return f.read()
+
+    try:
+        deadline = time.monotonic() + 90
+        while not (m := re.search(r"on http://127\.0\.0\.1:(\d+)", output())) or \
+                "rank 1/2 target: waiting for rank 0's shutdown" not in output():
+            assert proc.poll() is None, f"mpirun exited with {proc.returncode}:\n{output()}"
+            assert time.monotonic() < deadline, f"no URL in time:\n{output()}"
+            time.sleep(0.05)
+        port = int(m.group(1))
+        out = output()
+        assert "tensorrt-llm backend" in out and "leader of 2 MPI ranks" in out, out
+        # every rank built its executors; only rank 0 may enqueue; rank 1 binds GPU 1 % 8
+        for rank, leader in ((0, True), (1, False)):
+            for role in ("target", "draft"):
+                assert f"stub executor rank {rank}/2 {role}: built, can_enqueue_requests={leader}" in out, out
+        assert "rank 1: GPU 1, serving its part of the engine" in out, out
+
+        expect = TorchEngine(tp2_bundle, EngineConfig()).generate(
+            [Request(prompt_ids=[5] * 8, speculation={"method": "none"},
+                     sampling=SamplingParams(max_tokens=10, ignore_eos=True))])[0]["token_ids"]
+        body = {"prompt": [5] * 8, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                "speculation": "draft", "gamma": 3}
+        status, _, full = post(port, "/v1/completions", body)
+        assert status == 200, full
+        assert full["choices"][0]["token_ids"] == expect and full["usage"]["drafted_tokens"] > 0
+        chunks = stream(port, "/v1/completions", {**body, "speculation": "ngram"})
+        assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == expect
+        health = json.loads(get(port, "/health")[1])
+        assert health["status"] == "ok" and health["backend"] == "tensorrt-llm"
+        out = output()
+        assert "released" not in out and "stopped" not in out, out  # rank 1 still serves its part
+
+        proc.send_signal(signal.SIGTERM)  # mpirun forwards it to both ranks
+        assert proc.wait(timeout=60) == 0, output()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+    out = output()
+    assert "rank 1: SIGTERM noted; waiting for rank 0" in out, out  # the leader owns shutdown
+    assert "stub executor rank 0/2 target: shut down; released 1 worker rank(s)" in out, out
+    assert "stub executor rank 1/2 target: released by rank 0" in out, out
+    assert "stub executor rank 1/2 draft: released by rank 0" in out, out
+    assert re.search(r"^stopped$", out, re.M) and re.search(r"^rank 1: stopped$", out, re.M), out
+    for bad in ("Traceback", "forced exit", "BAD TERMINATION", "error:"):
+        assert bad not in out, out
+
+
+@pytest.mark.parametrize("launch, command, size", [(3, "serve", 3), (0, "serve", 1), (3, "generate", 3)])
+def test_leader_mode_world_size_refused(tp2_bundle, launch, command, size):
+    """A world size other than the engines' tp*pp: every rank refuses before loading anything,
+    one line naming both numbers and the mpirun line to use."""
+    if launch:
+        need_mpi()
+    args = ["--port", "0"] if command == "serve" else ["--prompt", "hi", "--max-tokens", "2"]
+    cmd = ([MPIRUN, "-n", str(launch)] if launch else []) + CLI + [command, tp2_bundle, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=REPO, env={**os.environ, **STUB_ENV})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = (f"error: MPI world size {size} does not match this bundle's TensorRT-LLM engines, built for tp*pp = 2 "
+            f"ranks (tp 2, pp 1): launch it with `mpirun -n 2 specbuild {command} BUNDLE`\n")
+    assert proc.stderr == line, proc.stderr  # once, not once per rank, and nothing else
+    assert "stub executor" not in proc.stdout + proc.stderr  # refused before any engine was built

@@ -1,12 +1,26 @@
 """MPI roles and the draft link's transport: one DistContext, non-blocking transfers with deadlines.
 
     mpirun -disable-auto-cleanup -n 2 specbuild serve BUNDLE --parallel-draft
+    mpirun -n TP*PP specbuild serve BUNDLE        (TensorRT-LLM engines built for TP*PP ranks)
 
-`DistContext.create` is the one place that reads the launcher's environment (PMI_RANK,
-PMI_SIZE) and mpi4py; everything else gets the context passed down. Roles: world size 1
-is `single` (no MPI is imported at all); with `--parallel-draft` and world size 2, rank 0
-is the `verifier` (HTTP, scheduler, target) and rank 1 the `drafter`. Anything else is
-refused at start-up with a message that says what is supported.
+`DistContext.create` is the one place that checks the launcher's world size (PMI_RANK,
+PMI_SIZE) against what the bundle needs (`bundle_world`); everything else gets the context
+passed down. Roles: world size 1 is `single` (no MPI is imported at all); with
+`--parallel-draft` and world size 2, rank 0 is the `verifier` (HTTP, scheduler, target) and
+rank 1 the `drafter`; on a bundle served by TensorRT-LLM engines built for tp*pp > 1 ranks,
+under `mpirun -n tp*pp`, rank 0 is the `leader` (it takes every request) and the others
+are `worker`s (`follow_leader`). Anything else is refused at start-up with one line that
+names the world size, what the bundle needs and the command to use.
+
+Leader mode is TensorRT-LLM's own (reference §5): every rank builds its executor over its
+engine file on GPU `rank % gpus_per_node`; TensorRT-LLM does the MPI, specbuild makes no MPI
+call, imports no mpi4py and runs no guard there. It is launched *without*
+`-disable-auto-cleanup`: a rank that dies leaves the others' collectives hanging, so the
+launcher taking every rank down is the wanted outcome. A clean shutdown is ordered by the
+leader: rank 0 shuts its executors down, which releases the workers' `shutdown()`; every
+rank then exits normally (MPI_Finalize at exit, which TensorRT-LLM's mpi4py registers).
+
+MineDraft (`--parallel-draft`) is different: its two ranks must survive each other.
 
 What PyPI's mpich (5.0.2, hydra launcher) does when a rank dies, measured on this box,
 and what follows:
@@ -37,6 +51,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -46,9 +61,10 @@ from ..errors import SpecbuildError
 log = logging.getLogger("specbuild.parallel")
 
 GUARD_ENV = "SPECBUILD_RANK_GUARDED"  # set in a guard's child: it is the real rank
-SUPPORTED = ("supported: 1 process (standard speculation), or `mpirun -disable-auto-cleanup -n 2 "
-             "specbuild serve BUNDLE --parallel-draft` (rank 0 verifies, rank 1 drafts); "
-             "tensor parallelism is not implemented yet")
+SUPPORTED = ("supported: 1 process (standard speculation), `mpirun -disable-auto-cleanup -n 2 "
+             "specbuild serve BUNDLE --parallel-draft` (rank 0 verifies, rank 1 drafts), or `mpirun -n TP*PP "
+             "specbuild serve BUNDLE` for a bundle whose TensorRT-LLM engines were built for TP*PP ranks "
+             "(TensorRT-LLM leader mode)")
 
 
 def launcher_rank_size() -> tuple[int, int]:
@@ -60,13 +76,57 @@ def launcher_rank_size() -> tuple[int, int]:
     return 0, 1
 
 
-def check_world(world_size: int, parallel_draft: bool) -> None:
-    """Refuse the world sizes this runtime does not support (SpecbuildError, one line)."""
+@dataclass(frozen=True)
+class WorldNeed:
+    """How many MPI ranks serving a bundle takes. On the torch backend: one process (two with
+    --parallel-draft). On TensorRT-LLM: the target engine's tp*pp ranks (leader mode)."""
+
+    backend: str = "torch"  # the backend the bundle will run on
+    ranks: int = 1  # TensorRT-LLM: the engines' mapping world_size (tp * pp)
+    tp: int = 1
+    pp: int = 1
+    why: str = ""  # why `--backend auto` chose this backend
+
+    @property
+    def leader_mode(self) -> bool:
+        return self.backend == "tensorrt-llm"
+
+
+TORCH = WorldNeed()
+
+
+def bundle_world(bundle_dir: str, backend: str = "auto") -> WorldNeed:
+    """The backend this bundle runs on here (`backend.resolve_backend`) and the ranks it takes:
+    the TensorRT-LLM target engine's tp*pp from its config.json, or one process on torch."""
+    from .backend import resolve_backend
+
+    name, why = resolve_backend(bundle_dir, backend)
+    if name == "torch":
+        return WorldNeed(why=why if backend == "auto" else "")
+    from .trtllm_engine import engine_dirs, engine_limits, read_engine_config
+
+    lim = engine_limits(read_engine_config(engine_dirs(bundle_dir)["target"]))
+    return WorldNeed("tensorrt-llm", lim["world_size"], lim["tp"], lim["pp"])
+
+
+def check_world(world_size: int, parallel_draft: bool, need: WorldNeed = TORCH, command: str = "serve") -> None:
+    """Refuse the world sizes this runtime does not support for `need` (SpecbuildError, one
+    line naming the world size, what the bundle needs and the command line to use)."""
     if parallel_draft and world_size != 2:
         raise SpecbuildError(f"--parallel-draft needs exactly 2 MPI ranks, got world size {world_size}; "
                              + SUPPORTED)
-    if not parallel_draft and world_size != 1:
-        raise SpecbuildError(f"world size {world_size} is not supported without --parallel-draft; " + SUPPORTED)
+    if parallel_draft:
+        return
+    if need.leader_mode and world_size != need.ranks:
+        fix = (f"launch it with `mpirun -n {need.ranks} specbuild {command} BUNDLE`" if need.ranks > 1
+               else f"run `specbuild {command} BUNDLE` without mpirun")
+        raise SpecbuildError(f"MPI world size {world_size} does not match this bundle's TensorRT-LLM engines, "
+                             f"built for tp*pp = {need.ranks} rank{'s' if need.ranks > 1 else ''} "
+                             f"(tp {need.tp}, pp {need.pp}): {fix}")
+    if not need.leader_mode and world_size != 1:
+        chose = f" (--backend auto chose torch: {need.why})" if need.why else ""
+        raise SpecbuildError(f"world size {world_size} is not supported without --parallel-draft on the torch "
+                             f"backend{chose}; " + SUPPORTED)
 
 
 def guard() -> None:
@@ -94,6 +154,58 @@ def guard() -> None:
     os._exit(rc if rc >= 0 else 128 - rc)
 
 
+def follow_leader(engine, say: Callable[[str], None] = log.info) -> bool:
+    """Leader mode, on a rank that is not the leader (`engine.is_leader` False): keep this
+    rank's part of the engine running until rank 0 shuts its engine down, then return True.
+    On the leader, a single process or the torch backend: return False at once.
+
+    This is what TensorRT-LLM's own front ends do (tensorrtllm_backend's model.py: ranks that
+    cannot enqueue wait in the executor's shutdown() until the leader is done). The leader owns
+    shutdown: mpirun forwards SIGINT/SIGTERM to every rank, and a worker that left then would
+    take rank 0's in-flight requests (and, with mpich, rank 0 itself) down; so the first such
+    signal here is noted and ignored, and a second one leaves at once (as rank 0's does).
+    `generate` and `serve` both call it right after `open_engine`."""
+    if getattr(engine, "is_leader", True):
+        return False
+    rank = getattr(engine, "rank", "?")
+    say(f"rank {rank}: GPU {getattr(engine, 'device', '?')}, serving its part of the engine until rank 0 "
+        "shuts down (only rank 0 takes requests)")
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            engine.wait_as_worker()  # TensorRT-LLM: returns once the leader's shutdown() released it
+        except BaseException as e:  # noqa: BLE001 (raised again in the main thread)
+            failed.append(e)
+        finally:
+            done.set()
+
+    signalled: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        if signalled:  # a second signal: leave without waiting
+            sys.stderr.write(f"rank {rank}: forced exit\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        signalled.append(signum)
+        say(f"rank {rank}: {signal.Signals(signum).name} noted; waiting for rank 0 to shut the engine down")
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        threading.Thread(target=wait, name="specbuild-worker-rank", daemon=True).start()
+        while not done.wait(0.5):  # the main thread stays free to run the signal handlers
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if failed:
+        raise failed[0]
+    say(f"rank {rank}: released by rank 0")
+    return True
+
+
 class Pending:
     """One posted transfer: the MPI request and the buffer it reads or writes."""
 
@@ -111,11 +223,16 @@ class DistContext:
     or a transfer failed; from then on no MPI call is made again.
     """
 
-    def __init__(self, rank: int = 0, world_size: int = 1, comm=None, mpi=None) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, comm=None, mpi=None, leader_mode: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.role = "single" if world_size == 1 else ("verifier" if rank == 0 else "drafter")
-        self.peer = 1 - rank if world_size == 2 else None
+        if world_size == 1:
+            self.role = "single"
+        elif leader_mode:  # TensorRT-LLM's: it owns the MPI traffic, there is no link here
+            self.role = "leader" if rank == 0 else "worker"
+        else:
+            self.role = "verifier" if rank == 0 else "drafter"
+        self.peer = 1 - rank if world_size == 2 and not leader_mode else None
         self.comm = comm
         self.mpi = mpi  # the mpi4py.MPI module (None when single)
         self.peer_lost = threading.Event()
@@ -125,13 +242,17 @@ class DistContext:
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
-    def create(cls, parallel_draft: bool) -> "DistContext":
-        """The context of this process. Under a launcher with --parallel-draft, the first call
-        in the launched process becomes the guard (never returns); its child goes on here."""
+    def create(cls, parallel_draft: bool, need: WorldNeed = TORCH, command: str = "serve") -> "DistContext":
+        """The context of this process, its world size checked against `need` (`bundle_world`).
+        Under a launcher with --parallel-draft, the first call in the launched process becomes
+        the guard (never returns); its child goes on here. In leader mode nothing MPI happens
+        here (TensorRT-LLM's executor does it)."""
         rank, size = launcher_rank_size()
-        check_world(size, parallel_draft)
+        check_world(size, parallel_draft, need, command)
         if size == 1:
             return cls()
+        if not parallel_draft:  # check_world let it through: TensorRT-LLM leader mode
+            return cls(rank, size, leader_mode=True)
         if os.environ.get(GUARD_ENV) != "1":
             guard()
         # before MPI_Init, which can take a while: the launcher's SIGUSR1 must not kill us
