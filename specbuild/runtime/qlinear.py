@@ -191,15 +191,16 @@ class QLinear:
         self.rescore_top = 0  # lm_head: outputs recomputed in float32 for each row's top-k
         self.narrow: str | None = None  # the format width-1 forwards run in (set with a plan)
 
-    def add_copy(self, name: str) -> None:
-        """Add a dense copy (`float32`, `bfloat16`, `float16`, each also transposed as
-        `<dtype>.kn`) of the dequantised primary."""
+    def add_copy(self, name: str, kn: bool = False) -> None:
+        """Add a dense copy (`float32`, `bfloat16`, `float16`; `<dtype>.kn` or kn=True: stored
+        transposed, see DenseFormat; kn=True keeps the plain name) of the dequantised primary."""
         if name in self.formats:
             return
-        kn = name.endswith(".kn")
+        kn = kn or name.endswith(".kn")
         dtype = ACT_DTYPES[name.removesuffix(".kn")]
         dense = self.formats[self.primary].dense()  # float32
         copy = DenseFormat(dense.to(dtype), self.act_dtype, kn=kn)
+        copy.name = name
         self.formats[name] = copy
         self.exact[name] = bool(torch.equal(copy.weight.float(), dense))
 
@@ -428,8 +429,8 @@ def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = 
         if name == "lm_head" or (name == "embed" and "lm_head" not in quant["tensors"] and "lm_head" not in out):
             q.rescore_top = RESCORE_TOP
         if fmt in ("int4", "int8"):
-            for copy in quant.get("formats", []):
-                q.add_copy(copy)
+            for copy in quant.get("formats", []):  # the wide-step copies: transposed on CPU (cheaper there)
+                q.add_copy(copy, kn=dtype != torch.float64 and tensors["norm"].device.type == "cpu")
         if check and fmt not in checked:
             err = self_check(q)
             if err > 2e-2:
