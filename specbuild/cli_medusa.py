@@ -25,6 +25,10 @@ from .cli import user_errors
 @click.option("--shared-lm-head/--own-lm-head", default=True, show_default=True,
               help="Heads use the target's lm_head (frozen, not stored) or train their own copies (slower, larger).")
 @click.option("--soft-labels", is_flag=True, help="Match the target's distribution (KL) instead of its tokens.")
+@click.option("--weight-decay", default=0.0, show_default=True, type=float, help="AdamW weight decay.")
+@click.option("--extra-answers", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="More training sequences: jsonl of {\"id\", \"prompt_ids\", \"answer_ids\"} from this "
+                   "target (e.g. train-draft's answers_sampled.jsonl); repeatable.")
 @click.option("--max-prompts", default=128, show_default=True, type=int, help="Training prompts (seeded sample).")
 @click.option("--eval-prompts", default=16, show_default=True, type=int, help="Eval prompts for the accuracy report.")
 @click.option("--max-answer-tokens", default=128, show_default=True, type=int, help="Tokens per target answer.")
@@ -40,7 +44,7 @@ from .cli import user_errors
 @click.option("--resume", is_flag=True, help="Continue from the answers, hidden states and checkpoint in --out.")
 @user_errors
 def train_medusa_cmd(bundle, data_path, out_dir, num_heads, num_layers, steps, epochs, batch_positions, lr,
-                     shared_lm_head, soft_labels, max_prompts, eval_prompts, max_answer_tokens, max_prompt_tokens,
+                     shared_lm_head, soft_labels, weight_decay, extra_answers, max_prompts, eval_prompts, max_answer_tokens, max_prompt_tokens,
                      temperature, train_minutes, checkpoint_minutes, bf16, seed, threads, device, resume) -> None:
     """Train Medusa heads for BUNDLE's target on its own answers (self-distillation)."""
     import torch
@@ -51,7 +55,8 @@ def train_medusa_cmd(bundle, data_path, out_dir, num_heads, num_layers, steps, e
         torch.set_num_threads(threads)
     cfg = MedusaTrainConfig(num_heads=num_heads, num_layers=num_layers, steps=steps, epochs=epochs,
                             batch_positions=batch_positions, lr=lr, shared_lm_head=shared_lm_head,
-                            soft_labels=soft_labels, max_prompts=max_prompts, eval_prompts=eval_prompts,
+                            soft_labels=soft_labels, weight_decay=weight_decay,
+                            extra_answers=tuple(extra_answers), max_prompts=max_prompts, eval_prompts=eval_prompts,
                             max_answer_tokens=max_answer_tokens, max_prompt_tokens=max_prompt_tokens,
                             temperature=temperature, seed=seed, checkpoint_minutes=checkpoint_minutes,
                             train_minutes=train_minutes, bf16=bf16, device=device)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from specbuild.build.medusa import (add_medusa, check_heads, export_medusa, parse_heads, read_medusa,
                                     write_medusa_role)
 from specbuild.bundle import read_meta, read_model_config
-from specbuild.errors import CheckpointError, RequestError
+from specbuild.errors import CheckpointError, RequestError, SpecbuildError
 from specbuild.plugins.tree import TreeSpec, load_tree
 from specbuild.runtime.medusa_heads import MedusaHeads, load_medusa, reference_medusa_logits
 from specbuild.runtime.proposers.medusa import HIDDEN_KEY, MedusaProposer
@@ -308,6 +308,22 @@ def test_train_medusa_learns_and_resumes(tiny_bundle, tmp_path):
     ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     assert ckpt["step"] == 100 and ckpt["history"][:80] == ckpt_before["history"]
     assert not torch.equal(ckpt["model"]["weight"], ckpt_before["model"]["weight"])
+
+    # --extra-answers: more sequences (e.g. sampled answers) join the training positions;
+    # an answer to an eval prompt is refused so the accuracy report stays held out
+    recs = [json.loads(line) for line in open(os.path.join(out, "answers_train.jsonl"))]
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text("".join(json.dumps({**r, "id": f"{r['id']}~1"}) + "\n" for r in recs[:4]))
+    more = train_medusa(tiny_bundle, data, str(tmp_path / "more"),
+                        MedusaTrainConfig(**{**cfg.__dict__, "steps": 5, "extra_answers": (str(extra),)}),
+                        progress=False, log=lambda m: None)
+    assert more["train_positions"] > report["train_positions"]
+    evals = [json.loads(line) for line in open(os.path.join(out, "answers_eval.jsonl"))]
+    extra.write_text(json.dumps({**evals[0], "id": f"{evals[0]['id']}~3"}) + "\n")
+    with pytest.raises(SpecbuildError, match="is an eval prompt"):
+        train_medusa(tiny_bundle, data, str(tmp_path / "bad"),
+                     MedusaTrainConfig(**{**cfg.__dict__, "steps": 5, "extra_answers": (str(extra),)}),
+                     progress=False, log=lambda m: None)
 
 
 def test_trained_heads_draft_what_the_target_says(tiny_bundle, tmp_path):

@@ -57,6 +57,7 @@ class MedusaTrainConfig:
     decay: float = 0.8  # loss weight of head k is decay ** k
     shared_lm_head: bool = True
     soft_labels: bool = False
+    extra_answers: tuple[str, ...] = ()  # jsonl files of {"id", "prompt_ids", "answer_ids"} added to training
     max_prompts: int = 128
     eval_prompts: int = 16
     max_answer_tokens: int = 128
@@ -205,6 +206,33 @@ def distill(engine, records: list[dict], limit: int, cfg: MedusaTrainConfig, pat
     bar.close()
     wanted = [done[str(r["id"])] for r in chosen]
     return [w for w in wanted if len(w["answer_ids"]) >= 2]
+
+
+def load_answers(paths: tuple[str, ...], vocab: int, eval_ids: set[str]) -> list[dict]:
+    """Training sequences from jsonl files of {"id", "prompt_ids", "answer_ids"} (as distill
+    writes them), ids made unique per file; a sequence of an eval prompt (its id before any
+    "~k" suffix) is refused, so the accuracy report stays held out."""
+    out = []
+    for n, path in enumerate(paths):
+        with open(path) as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    ids = [int(t) for t in rec["prompt_ids"] + rec["answer_ids"]]
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+                    raise SpecbuildError(f"{path}:{line_no}: expected {{\"id\", \"prompt_ids\", \"answer_ids\"}} "
+                                         f"with integer token ids ({err})") from None
+                if any(not 0 <= t < vocab for t in ids):
+                    raise SpecbuildError(f"{path}:{line_no}: token id outside the target's vocabulary [0, {vocab})")
+                if str(rec.get("id", "")).split("~")[0].split("#")[0] in eval_ids:
+                    raise SpecbuildError(f"{path}:{line_no}: id {rec.get('id')!r} is an eval prompt; "
+                                         "extra answers must come from training prompts")
+                if len(rec["answer_ids"]) >= 2:
+                    out.append({"id": f"x{n}:{rec.get('id', line_no)}", "prompt_ids": rec["prompt_ids"],
+                                "answer_ids": rec["answer_ids"]})
+    return out
 
 
 @torch.inference_mode()
@@ -448,6 +476,8 @@ def train_medusa(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Medu
                          progress)
     eval_seqs = distill(engine, eval_recs, cfg.eval_prompts, cfg, os.path.join(out_dir, "answers_eval.jsonl"),
                         progress)
+    train_seqs = train_seqs + load_answers(cfg.extra_answers, engine.target_config.vocab_size,
+                                           {str(r["id"]) for r in eval_recs})
     t_distill = time.perf_counter()
     if not train_seqs:
         raise SpecbuildError("no training answers: every prompt was too long or the target answered with < 2 tokens")
