@@ -28,7 +28,7 @@ MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "ex
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 SPLIT_SALT = "specbuild-spec-bench-split-v1"
 SPLITS = ("eval", "train", "all")
-BASELINES = {"specbuild": "specbuild none", "transformers": "transformers plain"}
+BASELINES = {"specbuild": "specbuild none", "transformers": "transformers plain", "llama.cpp": "llama.cpp plain"}
 
 
 # ---- the data set -----------------------------------------------------------------------
@@ -241,6 +241,56 @@ class TransformersRunner:
         return results, total
 
 
+class LlamaCppRunner:
+    """llama.cpp (llama-cpp-python) on the bundle's GGUF source as it is (its own quantized
+    weights and kernels), greedy, one prompt at a time, from the same prompt ids. The KV
+    cache is cleared before each prompt (no prefix reuse across turns or repeats, as for
+    every other row). n_batch: llama.cpp's batched prompt evaluation when a probe in a
+    child process survives it (its native build crashes there on some CPUs), else 1."""
+
+    def __init__(self, gguf: str, threads: int, max_tokens: int, eos_ids: tuple[int, ...], n_ctx: int = 4096) -> None:
+        import llama_cpp
+
+        self.n_batch = 512 if llama_cpp_batch_ok(gguf, threads) else 1
+        self.llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                                   n_batch=self.n_batch, verbose=False)
+        self.max_tokens, self.eos = max_tokens, set(eos_ids) | {self.llm.token_eos()}
+        self.version = getattr(llama_cpp, "__version__", "")
+
+    def __call__(self, prompts: list[list[int]]) -> tuple[list[dict], float]:
+        results, total = [], 0.0
+        for p in prompts:
+            t0 = time.perf_counter()
+            self.llm.reset()
+            new: list[int] = []
+            for tok in self.llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+                if tok in self.eos:
+                    break
+                new.append(int(tok))
+                if len(new) >= self.max_tokens:
+                    break
+            total += time.perf_counter() - t0
+            text = self.llm.detokenize(new).decode("utf-8", errors="replace")
+            results.append({"token_ids": new, "text": text, "stats": {"generated_tokens": len(new)}})
+        return results, total
+
+
+def llama_cpp_batch_ok(gguf: str, threads: int) -> bool:
+    """Whether llama.cpp evaluates a 64-token prompt in one batch without crashing, tried in
+    a child process (a crash there must not take the benchmark down)."""
+    import subprocess
+    import sys
+
+    code = ("import llama_cpp, sys; llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), "
+            "n_batch=512, n_ctx=256, verbose=False); llm.eval(list(range(100, 164))); print('ok')")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, gguf, str(threads)], capture_output=True, text=True,
+                              timeout=300)
+    except subprocess.TimeoutExpired:
+        return False
+    return done.returncode == 0 and done.stdout.strip().endswith("ok")
+
+
 def load_transformers_model(source: str, dtype):
     """The HF model for a bundle role's source: a HF directory or a GGUF file (dequantised)."""
     import transformers
@@ -367,12 +417,22 @@ def summarize(rows: list[RowRecord], gap_fn: Callable[[list[int]], float] | None
 
 
 def peer_ratios(rows: list[dict]) -> dict[str, float]:
-    """specbuild tokens/s over transformers' for the matching method (overall)."""
+    """specbuild tokens/s over transformers' for the matching method, and over llama.cpp's
+    plain decoding (plain and the best specbuild row), overall."""
     by = {r["name"]: r["groups"].get("overall", {}).get("tokens_per_s") for r in rows}
     pairs = {"none/plain": ("specbuild none", "transformers plain"),
              "ngram/prompt_lookup": ("specbuild ngram", "transformers prompt_lookup"),
              "draft/assisted": ("specbuild draft", "transformers assisted")}
-    return {k: round(by[a] / by[b], 3) for k, (a, b) in pairs.items() if by.get(a) and by.get(b)}
+    out = {k: round(by[a] / by[b], 3) for k, (a, b) in pairs.items() if by.get(a) and by.get(b)}
+    if by.get("llama.cpp plain"):
+        if by.get("specbuild none"):
+            out["none/llama.cpp"] = round(by["specbuild none"] / by["llama.cpp plain"], 3)
+        best = max((r for r in rows if r["engine"] == "specbuild" and r["groups"].get("overall", {}).get("tokens_per_s")),
+                   key=lambda r: r["groups"]["overall"]["tokens_per_s"], default=None)
+        if best is not None:
+            out[f"best ({best['name']})/llama.cpp"] = round(best["groups"]["overall"]["tokens_per_s"]
+                                                           / by["llama.cpp plain"], 3)
+    return out
 
 
 # ---- the table ---------------------------------------------------------------------------
@@ -412,7 +472,7 @@ def format_table(report: dict) -> str:
             lines.append(f"  {r['name']}: question {d['question_id']} turn {d['turn']} diverges at token "
                          f"{d['position']}" + ("" if gap is None else f" (top-2 logit gap there {gap:.2e})"))
     if report.get("peer_ratios"):
-        lines += ["", "specbuild / transformers tokens/s (overall): " +
+        lines += ["", "specbuild / peer tokens/s (overall): " +
                   ", ".join(f"{k} {v:.2f}x" for k, v in report["peer_ratios"].items())]
     fl = report.get("floor")
     if fl:

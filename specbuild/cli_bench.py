@@ -56,9 +56,9 @@ class BenchConfig:
             raise ValueError(f"per_category={self.per_category} must be >= 1 (or None for all)")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads={self.threads} must be >= 1")
-        bad = [p for p in self.peers if p != "transformers"]
+        bad = [p for p in self.peers if p not in ("transformers", "llama.cpp")]
         if bad:
-            raise ValueError(f"peer {bad[0]!r} is not one of: transformers")
+            raise ValueError(f"peer {bad[0]!r} is not one of: transformers, llama.cpp")
 
 
 def resolve_methods(requested: tuple[str, ...] | None, roles: dict) -> list[str]:
@@ -169,6 +169,18 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
                 export_draft(bundle_dir, source)
             draft = B.load_transformers_model(source, engine.model.dtype)
             rows.append(peer("assisted", assistant=draft.to(engine.model.device)))
+    if "llama.cpp" in cfg.peers:
+        source = target.get("source", "")
+        if not source.endswith(".gguf") or not os.path.isfile(source):
+            raise ValueError(f"the llama.cpp peer runs the bundle's GGUF source, and this target came from {source!r}")
+        try:
+            runner = B.LlamaCppRunner(source, env["threads"], cfg.max_tokens, engine.eos_ids,
+                                      n_ctx=engine.max_seq_len)
+        except ImportError:
+            raise ValueError("the llama.cpp peer needs llama-cpp-python (pip install llama-cpp-python; it builds "
+                             "llama.cpp from source)") from None
+        rows.append((B.RowRecord("llama.cpp plain", "llama.cpp", "plain", f"GGUF as is (llama-cpp-python "
+                                 f"{runner.version}, n_batch {runner.n_batch})", 1), runner))
     chunks = []
     for g in dict.fromkeys(B.task_group(q["category"]) for q in chosen):
         qs = [q for q in chosen if B.task_group(q["category"]) == g]
@@ -337,8 +349,9 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed repeats; each turn's median counts.")
 @click.option("--threads", type=int, default=2, show_default=True, help="Torch CPU threads (every row).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
-@click.option("--peers", default="", help="Peer rows: 'transformers' (plain, prompt lookup, assisted with a draft "
-                                         "role); needs the bench extra.")
+@click.option("--peers", default="", help="Peer rows, comma-separated: 'transformers' (plain, prompt lookup, "
+                                         "assisted with a draft role; needs the bench extra), 'llama.cpp' (plain, on "
+                                         "the bundle's GGUF source; needs llama-cpp-python).")
 @click.option("--floor", is_flag=True, help="Also measure the decode step against the memory-bandwidth floor.")
 @click.option("--floor-mib", type=int, default=256, show_default=True,
               help="Size of the tensor copied to measure memory bandwidth (well above the CPU caches).")

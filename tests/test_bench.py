@@ -258,3 +258,30 @@ def test_bench_formats_mode_on_the_bundles_source(bench_bundle):
         assert r["floor_ms"] > 0 and r["step_over_floor"] > 0 and r["perplexity"] > 1
     result = CliRunner().invoke(main, ["bench", bench_bundle, "--formats", "float32,int3", "--no-progress"])
     assert result.exit_code == 2 and "int3" in result.output and "Traceback" not in result.output
+
+
+def test_llama_cpp_peer_needs_a_gguf_source(bench_bundle):
+    from specbuild.cli import main
+
+    result = CliRunner().invoke(main, ["bench", bench_bundle, "--peers", "llama.cpp", "--no-progress"])
+    assert result.exit_code == 2 and "GGUF source" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["bench", bench_bundle, "--peers", "vllm", "--no-progress"])
+    assert result.exit_code == 2 and "'vllm' is not one of: transformers, llama.cpp" in result.output
+
+
+@pytest.mark.integration
+def test_llama_cpp_peer_row_on_the_default_model(smollm2_bundle, tmp_path):
+    """Where llama-cpp-python is installed: llama.cpp plain decoding on the same GGUF is a peer
+    row, and the report gives specbuild's tokens/s over it."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional peer)")
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [t]}) + "\n"
+                            for i, t in ((1, "Name three colours."), (2, "What is two plus two?"))))
+    report = _bench_json([smollm2_bundle, "--dataset", str(data), "--split", "all", "--max-tokens", "16",
+                          "--repeats", "1", "--speculation", "none", "--peers", "llama.cpp"])
+    rows = {r["name"]: r for r in report["rows"]}
+    assert set(rows) == {"specbuild none", "llama.cpp plain"}
+    peer = rows["llama.cpp plain"]["groups"]["overall"]
+    assert peer["generated_tokens"] > 0 and peer["tokens_per_s"] > 0 and peer["speedup"] == 1.0
+    assert "GGUF as is" in rows["llama.cpp plain"]["format"]
+    assert report["peer_ratios"]["none/llama.cpp"] > 0
