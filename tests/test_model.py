@@ -222,3 +222,42 @@ def test_logit_rows_and_hidden(variant):
     assert (logits - ref[rows]).abs().max() <= HF_TOL
     lm_head = weights.get("lm_head", weights["embed"])
     assert (hidden @ lm_head.T - logits).abs().max() <= SELF_TOL
+
+
+def test_row_invariant_attention_equals_each_row_alone():
+    """paged_attention_rows: a row of a chain or tree verify gets bit for bit what a one-row
+    decode over its visible keys gets (what half-precision bundles need to stay lossless)."""
+    from specbuild.plugins.attention import paged_attention, paged_attention_rows, visible_columns
+
+    g = torch.Generator().manual_seed(7)
+    slots, heads, kv, d = 64, 6, 2, 16
+    k_cache = torch.randn(slots, kv, d, generator=g).bfloat16()
+    v_cache = torch.randn(slots, kv, d, generator=g).bfloat16()
+    read = torch.randperm(slots, generator=g)[:40]
+    ctx, t = 35, 5
+    q = torch.randn(t, heads, d, generator=g).bfloat16()
+    chain = torch.zeros(t, 40, dtype=torch.bool)
+    chain[:, :ctx] = True
+    chain[:, ctx:] = torch.ones(t, t, dtype=torch.bool).tril()
+    tree = chain.clone()
+    tree[3, ctx + 1:ctx + 3] = False  # node 3 hangs off node 0: it sees context, node 0 and itself
+    for mask in (chain, tree):
+        cols = visible_columns(mask)
+        out = paged_attention_rows(q, k_cache, v_cache, read, cols, 0.25)
+        for i in range(t):
+            visible = read[mask[i].nonzero().squeeze(1)]
+            alone = paged_attention(q[i:i + 1], k_cache, v_cache, visible, None, 0.25)
+            assert torch.equal(out[i:i + 1], alone), i
+    assert visible_columns(chain)[:2] == [ctx + 1, ctx + 2] and not isinstance(visible_columns(tree)[3], int)
+
+
+def test_row_invariance_is_on_exactly_for_half_precision_activations():
+    from specbuild.build.quantize import quantize_int8
+    from specbuild.runtime.model import row_invariant_needed
+    from specbuild.runtime.qlinear import Int8Format, QLinear
+
+    w32 = {"embed": torch.zeros(4, 4), "layers.0.qkv": torch.zeros(4, 4)}
+    assert not row_invariant_needed(w32, torch.float32)
+    assert row_invariant_needed({k: v.bfloat16() for k, v in w32.items()}, torch.bfloat16)
+    q = QLinear(Int8Format(*quantize_int8(torch.randn(8, 16)), torch.bfloat16), torch.float32)
+    assert row_invariant_needed({**w32, "layers.0.o": q}, torch.float32)

@@ -36,6 +36,42 @@ def paged_attention(
     return out.squeeze(0).transpose(0, 1)  # [T, heads, D]
 
 
+def paged_attention_rows(
+    q: torch.Tensor,  # [T, heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    read_slots: torch.Tensor,  # [S]
+    row_cols: list[int | torch.Tensor],  # per row: n (it sees columns 0..n-1) or its column ids
+    scale: float,
+) -> torch.Tensor:  # [T, heads, head_dim]
+    """Row-invariant attention: each query row alone over exactly its visible keys, in
+    position order and in the memory layout a one-row decode step gives SDPA (a prefix of
+    the gathered rows, or a gather of them), so a row's output does not depend on which
+    other rows (drafts, tree nodes, other sequences) share the forward. Half-precision
+    activations round a 1e-7 difference into a whole ulp that 30 layers amplify; this keeps
+    speculative output equal to plain output there. Costs one small call per row."""
+    k = k_cache.index_select(0, read_slots)
+    v = v_cache.index_select(0, read_slots)
+    group = q.shape[1] != k.shape[1]
+    out = []
+    for i, cols in enumerate(row_cols):
+        kr, vr = (k[:cols], v[:cols]) if isinstance(cols, int) else (k.index_select(0, cols), v.index_select(0, cols))
+        o = F.scaled_dot_product_attention(q[i:i + 1].transpose(0, 1).unsqueeze(0), kr.transpose(0, 1).unsqueeze(0),
+                                           vr.transpose(0, 1).unsqueeze(0), scale=scale, enable_gqa=group)
+        out.append(o.squeeze(0).transpose(0, 1))
+    return torch.cat(out)
+
+
+def visible_columns(mask: torch.Tensor) -> list[int | torch.Tensor]:
+    """Per row of a [T, S] mask: n when it sees exactly columns 0..n-1, else their ids."""
+    out = []
+    for m in mask:
+        cols = m.nonzero().squeeze(1)
+        n = cols.numel()
+        out.append(n if n and int(cols[-1]) == n - 1 else cols)
+    return out
+
+
 def paged_attention_reference(
     q: torch.Tensor,  # [T, heads, head_dim]
     k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
