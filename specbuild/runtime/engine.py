@@ -256,11 +256,7 @@ class Engine:
 
     def resolve_speculation(self, request: Request) -> SpeculationConfig:
         """The request's setting (or the bundle's default), checked against what we have."""
-        spec = request.speculation
-        if spec is None:
-            spec = self.default_speculation
-        elif isinstance(spec, dict):
-            spec = SpeculationConfig.make(self.default_speculation, **spec)
+        spec = SpeculationConfig.for_request(request.speculation, self.default_speculation)
         if spec.method not in self.methods:
             raise RequestError(f"speculation method {spec.method!r} is not available in this bundle "
                                f"(available: {', '.join(self.methods)})")

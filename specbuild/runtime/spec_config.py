@@ -64,6 +64,13 @@ class SpeculationConfig:
         return self.gamma_min != self.gamma_max
 
     @classmethod
+    def for_request(cls, spec: "SpeculationConfig | dict | None", default: "SpeculationConfig") -> "SpeculationConfig":
+        """A request's setting: the default when absent, a dict's fields over the default."""
+        if spec is None:
+            return default
+        return cls.make(default, **spec) if isinstance(spec, dict) else spec
+
+    @classmethod
     def make(cls, base: "SpeculationConfig | None" = None, **fields: Any) -> "SpeculationConfig":
         """Overlay the given (non-None) fields on `base`.
 

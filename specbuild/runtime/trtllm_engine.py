@@ -420,12 +420,8 @@ class TrtllmEngine:
     def resolve_speculation(self, request: Request, params: SamplingParams) -> tuple[SpeculationConfig, str]:
         """The request's setting checked against the engines; (spec, note). A sampled request
         that did not name its method and cannot speculate losslessly here is served without drafts."""
-        spec = request.speculation
-        explicit = spec is not None
-        if spec is None:
-            spec = self.default_speculation
-        elif isinstance(spec, dict):
-            spec = SpeculationConfig.make(self.default_speculation, **spec)
+        explicit = request.speculation is not None
+        spec = SpeculationConfig.for_request(request.speculation, self.default_speculation)
         if spec.method not in self.methods:
             raise RequestError(f"speculation method {spec.method!r} is not available on this bundle's TensorRT-LLM "
                                f"engines (available: {', '.join(self.methods)})")
