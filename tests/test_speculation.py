@@ -246,3 +246,17 @@ def test_smollm2_greedy_speculation_equals_plain(smollm2_bundle):
 
             top2 = torch.topk(last_logits(engine, chats[spec.index(r)] + p["token_ids"][:i]), 2).values
             assert float(top2[0] - top2[1]) < 1e-3
+
+
+def test_tree_cost_model_charges_every_node_within_the_depth():
+    """The depth controller's cost of a Medusa tree at depth g is the verify pass over all of
+    its nodes within depth g (width nodes + 1), not a chain of g."""
+    from specbuild.runtime.gamma import CostModel, TreeCostModel, best_gamma
+
+    base = CostModel({1: 1.0, 2: 1.1, 4: 1.3, 11: 2.0})
+    tree = TreeCostModel(base, [0, 3, 7, 10])  # 3 nodes at depth 1, 7 within 2, 10 within 3
+    assert tree.verify(1) == base.verify(1)
+    assert tree.verify(2) == base.verify(4) and tree.verify(4) == base.verify(11)
+    assert tree.verify(9) == base.verify(11)  # deeper than the tree: the whole tree
+    # the chain model would take the whole depth at this acceptance; the tree's width says no
+    assert best_gamma(0.5, 0, 3, base) == 2 and best_gamma(0.5, 0, 3, tree) == 1

@@ -39,6 +39,19 @@ class CostModel:
         return self.verify_cost[lo] * (1 - f) + self.verify_cost[hi] * f
 
 
+class TreeCostModel(CostModel):
+    """A Medusa tree's costs for the depth controller: depth g verifies every node of the
+    tree within depth g (width nodes + 1, not g + 1). node_counts[d] = nodes within depth d."""
+
+    def __init__(self, base: CostModel, node_counts: list[int]) -> None:
+        super().__init__(base.verify_cost, base.draft_cost)
+        self.base, self.node_counts = base, node_counts
+
+    def verify(self, width: int) -> float:
+        depth = min(max(width - 1, 0), len(self.node_counts) - 1)
+        return self.base.verify(self.node_counts[depth] + 1)
+
+
 def expected_tokens(alpha: float, gamma: int) -> float:
     """Tokens per verify pass (accepted drafts + the recovered/bonus token)."""
     if alpha >= 1.0:
@@ -85,14 +98,15 @@ class GammaController:
         # a weak prior (2 pseudo-drafts) keeps the first steps from swinging to extremes
         return (accepted + 2 * self.prior_alpha) / (drafted + 2)
 
-    def next(self, seq, method: str) -> int:
+    def next(self, seq, method: str, costs: CostModel | None = None) -> int:
+        """costs: the sequence's own cost model (a Medusa tree's) instead of the method's."""
         spec = seq.spec
         if not spec.dynamic:
             return spec.gamma
         st = self.state(seq)
         if not st.history:
             return max(spec.gamma, 1) if spec.gamma_max > 0 else 0
-        g = best_gamma(self.alpha(seq), spec.gamma_min, spec.gamma_max, self.costs[method])
+        g = best_gamma(self.alpha(seq), spec.gamma_min, spec.gamma_max, costs or self.costs[method])
         if g == 0:
             st.plain_steps += 1
             if st.plain_steps >= self.probe_every:  # probe: maybe the text became predictable

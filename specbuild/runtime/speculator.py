@@ -13,7 +13,7 @@ import time
 import torch
 
 from .binning import BinCost, plan
-from .gamma import CostModel, GammaController, best_gamma, expected_tokens
+from .gamma import CostModel, GammaController, TreeCostModel, best_gamma, expected_tokens
 from .kv_cache import PagedKVCache
 from .model import Decoder, ForwardBatch
 from .sampling import warp_probs
@@ -117,7 +117,7 @@ class Speculator:
             return method
         best, best_rate = None, 0.0
         for name in self.proposers:
-            cm = self.controller.costs[name]
+            cm = self.cost_model(seq, name)
             alpha = self.method_alpha(seq, name)
             g = best_gamma(alpha, max(1, seq.spec.gamma_min), max(1, seq.spec.gamma_max), cm)
             rate = expected_tokens(alpha, g) / (g * cm.draft_cost + cm.verify(g + 1))
@@ -125,6 +125,17 @@ class Speculator:
                 best, best_rate = name, rate
         plain_rate = 1.0 / self.controller.costs[next(iter(self.proposers))].verify(1)
         return best if best_rate > plain_rate else None
+
+    def cost_model(self, seq, method: str):
+        """The measured costs of `method` for seq; for Medusa, depth g verifies all of the
+        request's tree within depth g (gamma.TreeCostModel)."""
+        cm = self.controller.costs[method]
+        validate = getattr(self.proposers.get(method), "validate_tree", None) if method == "medusa" else None
+        if validate is None:  # a chain drafter (or a tree proposer that does not name its tree)
+            return cm
+        tree = validate(getattr(seq.spec, "tree", None))
+        counts = [sum(1 for p in tree.paths if len(p) <= d) for d in range(tree.max_depth + 1)]
+        return TreeCostModel(cm, counts)
 
     def method_alpha(self, seq, method: str) -> float:
         drafted, accepted = seq.extra.get(f"auto_{method}", (0, 0))
@@ -138,7 +149,7 @@ class Speculator:
             if method is None:
                 seq.gammas.append(0)
                 continue
-            gamma = self.controller.next(seq, method)
+            gamma = self.controller.next(seq, method, self.cost_model(seq, method))
             # never draft past the sequence's room (its max tokens or the context limit)
             room = min(seq.params.max_tokens - len(seq.output_ids), self.max_seq_len - seq.total_len) - 1
             gamma = max(0, min(gamma, self.max_draft_len, room))
