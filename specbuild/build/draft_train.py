@@ -269,7 +269,6 @@ def train_draft(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Draft
                 resume: bool = False, progress: bool = True, log=print) -> dict:
     """Run the three phases (module docstring); returns the report (also `<out>/report.json`)."""
     from safetensors.torch import save_file
-    from tqdm import tqdm
 
     from ..bundle import tokenizer_fingerprint
     from ..runtime.engine import Engine, EngineConfig
@@ -339,47 +338,21 @@ def train_draft(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Draft
     total = max(1, int(math.ceil(cfg.epochs * per_epoch)))
     before = evaluate(model, eval_seqs, evals)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    step, history = 0, []
-    if resume and os.path.isfile(ckpt_path):
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"], strict=False)
-        optim.load_state_dict(state["optim"])
-        step, history = state["step"], state["history"]
-        log(f"resumed at step {step} of {total}")
+    step, history = mt.resume_state(model, optim, ckpt_path, resume, total, log)
     log(f"training a {cfg.layers}-layer draft (init from target layers {list(layers)}, MLP {dcfg.intermediate_size}, "
         f"draft vocabulary {cfg.draft_vocab}) on {len(seqs)} answers / {answer_tokens} answer tokens, "
         f"{positions} positions: {total} steps")
 
-    def save() -> None:
-        mt._save_atomic({"step": step, "model": model.state_dict(), "optim": optim.state_dict(),
-                         "history": history, "config": asdict(cfg)}, ckpt_path)
-
-    bar = tqdm(total=total, initial=step, desc="training draft", unit="step", disable=not progress)
-    t_train, t_ckpt, running = time.perf_counter(), time.perf_counter(), None
-    while step < total:
+    def one_batch(step: int):
         epoch, offset = divmod(step, per_epoch)
         order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch)).tolist()
         idx = order[offset * cfg.batch_seqs:(offset + 1) * cfg.batch_seqs]
-        for group in optim.param_groups:
-            group["lr"] = mt.lr_at(step, total, cfg.lr)
         loss, agree = batch_loss(model, [seqs[i] for i in idx], torch.cat([seq_hidden(train, i) for i in idx]))
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
-        step += 1
-        value = float(loss.detach())
-        running = value if running is None else 0.9 * running + 0.1 * value
-        history.append(round(value, 5))
-        bar.set_postfix(loss=f"{running:.3f}", top1=f"{float(agree):.2f}")
-        bar.update(1)
-        if time.perf_counter() - t_ckpt > 60 * cfg.checkpoint_minutes:
-            save()
-            t_ckpt = time.perf_counter()
-        if cfg.train_minutes is not None and time.perf_counter() - t_train > 60 * cfg.train_minutes:
-            log(f"--train-minutes {cfg.train_minutes} reached at step {step}")
-            break
-    bar.close()
-    save()
+        return loss, {"top1": f"{float(agree):.2f}"}
+
+    step = mt.train_loop(model, optim, step, total, history, one_batch, peak_lr=cfg.lr, ckpt_path=ckpt_path,
+                         config=asdict(cfg), checkpoint_minutes=cfg.checkpoint_minutes, train_minutes=cfg.train_minutes,
+                         desc="training draft", progress=progress, log=log, smoothing=0.9)
     t_done = time.perf_counter()
     after = evaluate(model, eval_seqs, evals)
     save_file(model.export(getattr(torch, cfg.save_dtype)), os.path.join(out_dir, WEIGHTS),

@@ -429,6 +429,56 @@ def lr_at(step: int, total: int, peak: float) -> float:
 
 
 # ---- the command -------------------------------------------------------------------------------
+def resume_state(model, optim, ckpt_path: str, resume: bool, total: int, log) -> tuple[int, list[float]]:
+    """(step, loss history) from `ckpt_path` when resuming (model and optimizer restored), else (0, [])."""
+    if not (resume and os.path.isfile(ckpt_path)):
+        return 0, []
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"], strict=False)
+    optim.load_state_dict(state["optim"])
+    log(f"resumed at step {state['step']} of {total}")
+    return state["step"], state["history"]
+
+
+def train_loop(model, optim, step: int, total: int, history: list[float], batch_loss, *, peak_lr: float,
+               ckpt_path: str, config: dict, checkpoint_minutes: float, train_minutes: float | None, desc: str,
+               progress: bool, log, smoothing: float) -> int:
+    """The optimizer loop train-medusa and train-draft share: warmup + cosine learning rate,
+    a progress bar with the running loss, a checkpoint every `checkpoint_minutes` and at the
+    end, a stop after `train_minutes`. batch_loss(step) -> (loss, {name: bar value}).
+    Appends to `history`; returns the step reached."""
+    from tqdm import tqdm
+
+    def save() -> None:
+        _save_atomic({"step": step, "model": model.state_dict(), "optim": optim.state_dict(),
+                      "history": history, "config": config}, ckpt_path)
+
+    bar = tqdm(total=total, initial=step, desc=desc, unit="step", disable=not progress)
+    t_train, t_ckpt, running = time.perf_counter(), time.perf_counter(), None
+    while step < total:
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step, total, peak_lr)
+        loss, shown = batch_loss(step)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        step += 1
+        value = float(loss.detach())
+        running = value if running is None else smoothing * running + (1 - smoothing) * value
+        history.append(round(value, 5))
+        bar.set_postfix(loss=f"{running:.3f}", **shown)
+        bar.update(1)
+        if time.perf_counter() - t_ckpt > 60 * checkpoint_minutes:
+            save()
+            t_ckpt = time.perf_counter()
+        if train_minutes is not None and time.perf_counter() - t_train > 60 * train_minutes:
+            log(f"--train-minutes {train_minutes} reached at step {step}")
+            break
+    bar.close()
+    save()
+    return step
+
+
 def _save_atomic(obj, path: str) -> None:
     tmp = path + ".tmp"
     torch.save(obj, tmp)
@@ -454,7 +504,6 @@ def train_medusa(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Medu
                  resume: bool = False, progress: bool = True, log=print) -> dict:
     """Run the four phases (module docstring); returns the report (also `<out>/report.json`)."""
     from safetensors.torch import save_file
-    from tqdm import tqdm
 
     from ..runtime.engine import Engine, EngineConfig
 
@@ -503,47 +552,21 @@ def train_medusa(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Medu
     before = evaluate(model, evals) if evals is not None else []
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                               weight_decay=cfg.weight_decay)
-    step, history = 0, []
-    if resume and os.path.isfile(ckpt_path):
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"], strict=False)
-        optim.load_state_dict(state["optim"])
-        step, history = state["step"], state["history"]
-        log(f"resumed at step {step} of {total}")
+    step, history = resume_state(model, optim, ckpt_path, resume, total, log)
     log(f"training {cfg.num_heads} heads x {cfg.num_layers} layers on {rows.shape[0]} positions "
         f"({'shared' if cfg.shared_lm_head else 'own'} lm_head, {'soft' if cfg.soft_labels else 'hard'} labels, "
         f"lm_head matmul in {'bfloat16' if use_bf16 else 'float32'}): {total} steps of {cfg.batch_positions}")
 
-    def save() -> None:
-        _save_atomic({"step": step, "model": model.state_dict(), "optim": optim.state_dict(),
-                      "history": history, "config": asdict(cfg)}, ckpt_path)
-
-    bar = tqdm(total=total, initial=step, desc="training heads", unit="step", disable=not progress)
-    t_train, t_ckpt, running = time.perf_counter(), time.perf_counter(), None
-    while step < total:
+    def batch_loss(step: int):
         epoch, offset = divmod(step, per_epoch)
         order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
         idx = order[offset * cfg.batch_positions:(offset + 1) * cfg.batch_positions]
-        for group in optim.param_groups:
-            group["lr"] = lr_at(step, total, cfg.lr)
         loss, per_head = head_losses(model, train["hidden"], rows[idx], targets[idx], cfg.soft_labels, cfg.decay)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
-        step += 1
-        value = float(loss.detach())
-        running = value if running is None else 0.95 * running + 0.05 * value
-        history.append(round(value, 5))
-        bar.set_postfix(loss=f"{running:.3f}", head0=f"{float(per_head[0]):.3f}")
-        bar.update(1)
-        if time.perf_counter() - t_ckpt > 60 * cfg.checkpoint_minutes:
-            save()
-            t_ckpt = time.perf_counter()
-        if cfg.train_minutes is not None and time.perf_counter() - t_train > 60 * cfg.train_minutes:
-            log(f"--train-minutes {cfg.train_minutes} reached at step {step}")
-            break
-    bar.close()
-    save()
+        return loss, {"head0": f"{float(per_head[0]):.3f}"}
+
+    step = train_loop(model, optim, step, total, history, batch_loss, peak_lr=cfg.lr, ckpt_path=ckpt_path,
+                      config=asdict(cfg), checkpoint_minutes=cfg.checkpoint_minutes, train_minutes=cfg.train_minutes,
+                      desc="training heads", progress=progress, log=log, smoothing=0.95)
     t_done = time.perf_counter()
     after = evaluate(model, evals) if evals is not None else []
     ranks = rank_accuracy(model, evals) if evals is not None else None
