@@ -173,8 +173,12 @@ class Engine:
             self.default_speculation, gamma_max=min(self.default_speculation.gamma_max, limits.max_draft_len))
         self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len,
                                    config.prefill_chunk, self.speculator)
+        self._init_loop(threading.Lock(), t0)
+
+    def _init_loop(self, lock, t0: float) -> None:
+        """State of the background loop (start/_loop/stop), which TrtllmEngine borrows too."""
         self.background = False
-        self._lock = threading.Lock()
+        self._lock = lock
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = False

@@ -303,6 +303,7 @@ class TrtllmEngine:
     start = Engine.start
     _loop = Engine._loop
     stop = Engine.stop
+    _init_loop = Engine._init_loop
     # load figures: the same keys as the torch engine's; the KV cache is TensorRT-LLM's (_kv_blocks)
     stats = Engine.stats
 
@@ -369,12 +370,7 @@ class TrtllmEngine:
         self._ngram = NgramProposer()
         self.scheduler = _Queues()
         self._flights: dict[tuple[str, int], _Flight] = {}
-        self.background = False
-        self._lock = threading.RLock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stop = False
-        self.load_seconds = time.perf_counter() - t0
+        self._init_loop(threading.RLock(), t0)
 
     def _make_executor(self, engine_dir: str, share: float | None, medusa: bool):
         trt = self._trt
