@@ -7,6 +7,8 @@ which moves the target's and every drafter's cache to the same length in one cal
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import time
 
@@ -49,6 +51,12 @@ def measure_verify_costs(model: Decoder, cache: PagedKVCache, widths: list[int],
         return out
     finally:
         cache.release(seq_id)
+
+
+@functools.lru_cache(maxsize=256)
+def nodes_within_depth(tree) -> list[int]:
+    """[d] = how many of the tree's nodes lie within depth d (d = 0 .. max depth); once per tree."""
+    return [sum(1 for p in tree.paths if len(p) <= d) for d in range(tree.max_depth + 1)]
 
 
 class Speculator:
@@ -133,9 +141,7 @@ class Speculator:
         validate = getattr(self.proposers.get(method), "validate_tree", None) if method == "medusa" else None
         if validate is None:  # a chain drafter (or a tree proposer that does not name its tree)
             return cm
-        tree = validate(getattr(seq.spec, "tree", None))
-        counts = [sum(1 for p in tree.paths if len(p) <= d) for d in range(tree.max_depth + 1)]
-        return TreeCostModel(cm, counts)
+        return TreeCostModel(cm, nodes_within_depth(validate(getattr(seq.spec, "tree", None))))
 
     def method_alpha(self, seq, method: str) -> float:
         drafted, accepted = seq.extra.get(f"auto_{method}", (0, 0))
