@@ -15,11 +15,11 @@ import statistics
 import time
 
 
-from specbuild import bench as B  # noqa: E402
-from specbuild.runtime.engine import Engine, EngineConfig  # noqa: E402
-from specbuild.runtime.sampling import SamplingParams  # noqa: E402
-from specbuild.runtime.sequence import Request  # noqa: E402
-from specbuild.runtime.spec_config import SpeculationConfig  # noqa: E402
+from specbuild.bench import specbench as B  # noqa: E402
+from specbuild.engine.engine import Engine, EngineConfig  # noqa: E402
+from specbuild.sampling.params import SamplingParams  # noqa: E402
+from specbuild.engine.sequence import Request  # noqa: E402
+from specbuild.speculation.config import SpeculationConfig  # noqa: E402
 
 
 def main() -> None:

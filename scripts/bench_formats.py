@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Weight formats on one model: plain decoding speed against the memory floor, verify cost
-by width, perplexity and greedy agreement with float32 (see specbuild/formats_bench.py).
+by width, perplexity and greedy agreement with float32 (see specbuild/bench/formats.py).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/bench_formats.py --target smollm2-135m --threads 2
 """
@@ -30,7 +30,7 @@ def main() -> int:
 
     import torch
 
-    from specbuild.formats_bench import DEFAULT_FORMATS, format_report, run_formats_bench
+    from specbuild.bench.formats import DEFAULT_FORMATS, format_report, run_formats_bench
 
     torch.set_num_threads(args.threads)
     names = args.formats.split(",") if args.formats else list(DEFAULT_FORMATS)

@@ -55,7 +55,7 @@ def build_pair(root: str, layers: int, draft_layers: int, hidden: int, tail_scal
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from tiny import make_tiny_hf  # the tests' random HF checkpoint writer (tokenizer included)
 
-    from specbuild.build.compile import CompileOptions, compile_bundle
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
 
     target = make_tiny_hf(os.path.join(root, "target"), hidden=hidden, layers=layers, heads=8, kv_heads=4,
                           inter=hidden * 3, scale=4.0, seed=11)
@@ -77,7 +77,7 @@ def build_pair(root: str, layers: int, draft_layers: int, hidden: int, tail_scal
 
 
 def eval_prompts(n: int, max_chars: int) -> list[str]:
-    from specbuild import bench as B
+    from specbuild.bench import specbench as B
 
     questions = B.select_questions(B.load_questions(), B.load_split(), "eval", None)
     prompts = [q["turns"][0][:max_chars] for q in questions]

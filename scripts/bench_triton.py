@@ -54,7 +54,7 @@ def tiny_bundle(out: str) -> str:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from tiny import make_tiny_hf
 
-    from specbuild.build.compile import CompileOptions, compile_bundle
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
 
     hf = make_tiny_hf(os.path.join(out, "hf"), scale=4.0)
     return compile_bundle(hf, os.path.join(out, "bundle"), CompileOptions(dtype="float64", max_seq_len=512, max_batch_size=8))
@@ -286,7 +286,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def start_triton(bundle: str, args, workdir: str, log) -> tuple[subprocess.Popen, int, int, float]:
     sys.path.insert(0, ROOT)
-    from specbuild.triton import RepoConfig, server_command, write_repository
+    from specbuild.serve.tritonserver import RepoConfig, server_command, write_repository
 
     paths = load_getter().ensure()
     repo = os.path.join(workdir, "repo")

@@ -9,10 +9,10 @@ import statistics
 import time
 from importlib import resources
 
-from specbuild.runtime.engine import Engine, EngineConfig
-from specbuild.runtime.sampling import SamplingParams
-from specbuild.runtime.sequence import Request
-from specbuild.runtime.spec_config import SpeculationConfig
+from specbuild.engine.engine import Engine, EngineConfig
+from specbuild.sampling.params import SamplingParams
+from specbuild.engine.sequence import Request
+from specbuild.speculation.config import SpeculationConfig
 
 FALLBACK = [
     "Summarize the following text in two sentences: The city council met on Tuesday to discuss the new "

@@ -62,15 +62,15 @@ compare() {
 import json, os, sys
 import torch
 from specbuild.bundle import read_model_config
-from specbuild.runtime.engine import load_weights
-from specbuild.runtime.model import reference_forward
+from specbuild.engine.engine import load_weights
+from specbuild.model.decoder import reference_forward
 
 _enc = {}
 
 
 def encoder(bundle):
     if bundle not in _enc:
-        from specbuild.runtime.backend import TorchEngine
+        from specbuild.backends.select import TorchEngine
 
         _enc[bundle] = TorchEngine(bundle)
     return _enc[bundle]
@@ -161,8 +161,8 @@ if has medusa; then
     "$PY" - "$WORK/medusa" "$TARGET" <<'EOF'
 import sys
 import torch
-from specbuild.build.checkpoints import read_checkpoint
-from specbuild.build.trtllm_build import build_engines, write_trtllm_bundle_part
+from specbuild.formats.checkpoints import read_checkpoint
+from specbuild.compiler.trtllm_build import build_engines, write_trtllm_bundle_part
 
 bundle, target = sys.argv[1:]
 ckpt = read_checkpoint(target)

@@ -4,7 +4,7 @@
     python scripts/make_spec_bench_split.py [--source ../shared/benchmarks/spec_bench] [--eval-fraction 0.5]
 
 Writes specbuild/data/spec_bench/{question.jsonl, LICENSE, split.json}. The split is by
-question id, stratified by category (see specbuild.bench.make_split): rerunning it gives
+question id, stratified by category (see specbuild.bench.specbench.make_split): rerunning it gives
 the same file byte for byte, and tests/test_bench.py checks the shipped split against it.
 """
 
@@ -20,7 +20,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from specbuild.bench import load_questions, make_split  # noqa: E402
+from specbuild.bench.specbench import load_questions, make_split  # noqa: E402
 
 
 def main() -> None:

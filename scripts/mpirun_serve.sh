@@ -12,7 +12,7 @@
 #
 # -disable-auto-cleanup: without it the launcher kills rank 0 within a second of rank 1's
 # exit; with it, rank 0 keeps serving and decodes plainly (/health says "degraded").
-# Each rank runs under a small guard process (specbuild/runtime/parallel.py) so that even a
+# Each rank runs under a small guard process (specbuild/dist/context.py) so that even a
 # rank killed by a signal looks like an ordinary exit to the launcher.
 # SIGTERM or Ctrl-C to mpirun shuts both ranks down. curl examples: scripts/serve.sh.
 #

@@ -1,3 +1,3 @@
-from .cli import main
+from specbuild.cli import main
 
 main()

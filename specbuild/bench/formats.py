@@ -1,0 +1,317 @@
+"""Weight formats measured against each other: speed (plain decoding, verify cost by width,
+the memory floor) and accuracy (perplexity on a fixed text, greedy agreement with float32).
+
+    report = run_formats_bench("smollm2-135m", threads=2)
+    print(format_report(report))
+
+Each format is a set of CompileOptions; every format is compiled from the same source and
+run in this process one after another (same-run ratios; medians over repeats). llama.cpp
+is a peer row when `llama_cpp` (llama-cpp-python) imports and the source is a GGUF file.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+# name -> CompileOptions fields. float32 from a GGUF holds the GGUF's own values exactly.
+DEFAULT_FORMATS: dict[str, dict] = {
+    "float32": {},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"quantize": "int8", "lm_head_format": "int8"},
+    "int4": {"quantize": "int4", "lm_head_format": "int8"},
+    "int4-bf16": {"dtype": "bfloat16", "quantize": "int4", "lm_head_format": "int8"},  # bfloat16 hidden states
+    "int4-head4": {"quantize": "int4", "lm_head_format": "int4"},  # the lm_head in int4 too
+}
+WIDTHS = (1, 2, 3, 5, 9)
+
+
+def eval_texts(n: int) -> list[str]:
+    """First turns of the first n Spec-Bench eval-split questions (packaged data)."""
+    from specbuild.bench.specbench import load_questions, load_split, select_questions
+
+    chosen = select_questions(load_questions(), load_split(), "eval")
+    return [q["turns"][0] for q in chosen[:n]]
+
+
+def sequence_logits(model, cache, ids: list[int], chunk: int = 128) -> torch.Tensor:
+    """Logits [len(ids), vocab] float32 of one sequence through the paged decoder, fed in
+    chunks (so the format plan sees widths up to `chunk`), without request state."""
+    from specbuild.model.decoder import ForwardBatch
+
+    seq_id, n, out = -11, len(ids), []
+    cache.add(seq_id)
+    try:
+        cache.reserve(seq_id, n)
+        slots = cache.slots(seq_id, 0, n).to(cache.device)
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            w = end - start
+            mask = torch.ones(w, end, dtype=torch.bool)
+            mask[:, start:] = torch.ones(w, w, dtype=torch.bool).tril()
+            batch = ForwardBatch(torch.tensor(ids[start:end], device=cache.device),
+                                 torch.arange(start, end, device=cache.device), slots[start:end], slots[:end],
+                                 mask.to(cache.device), torch.arange(w, device=cache.device))
+            out.append(model.forward(batch, cache))
+    finally:
+        cache.release(seq_id)
+    return torch.cat(out)
+
+
+def perplexity(model, cache, ids: list[int]) -> float:
+    """exp(mean next-token NLL) over ids[1:]."""
+    logits = sequence_logits(model, cache, ids)[:-1]
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="mean")
+    return float(torch.exp(nll))
+
+
+def greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from specbuild.sampling.params import SamplingParams
+    from specbuild.engine.sequence import Request
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [engine.generate([Request(prompt_ids=p, sampling=params)])[0]["token_ids"] for p in prompts]
+
+
+def agreement(engine, prompts: list[list[int]], baseline: list[list[int]], mine: list[list[int]]) -> dict:
+    """Against the baseline's greedy outputs: exact matches, mean matching prefix, and
+    teacher-forced top-1 agreement (this format's argmax on the baseline's text)."""
+    agree = total = 0
+    prefix = []
+    for p, base, out in zip(prompts, baseline, mine):
+        logits = sequence_logits(engine.model, engine.cache, p + base)[len(p) - 1:-1]
+        agree += int((logits.argmax(-1) == torch.tensor(base)).sum())
+        total += len(base)
+        prefix.append(next((i for i, (a, b) in enumerate(zip(base, out)) if a != b), min(len(base), len(out))))
+    return {"top1_agreement": agree / max(total, 1), "exact_outputs": sum(a == b for a, b in zip(baseline, mine)),
+            "outputs": len(baseline), "mean_matching_prefix": statistics.mean(prefix) if prefix else 0.0}
+
+
+def forward_costs(model, cache, widths, context: int = 64, repeats: int = 7) -> dict[int, dict]:
+    """One forward of w new rows after `context` cached ones (a verify pass of width w; w = 1
+    is a decode step), per width: median wall ms, min wall ms, median CPU ms of this process.
+    CPU time is what a shared machine cannot inflate by descheduling us (1 thread)."""
+    from specbuild.model.decoder import ForwardBatch
+
+    seq_id, n_max = -13, context + max(widths)
+    cache.add(seq_id)
+    try:
+        cache.reserve(seq_id, n_max)
+        slots = cache.slots(seq_id, 0, n_max).to(cache.device)
+        out = {}
+        for w in widths:
+            n = context + w
+            mask = torch.ones(w, n, dtype=torch.bool)
+            mask[:, context:] = torch.ones(w, w, dtype=torch.bool).tril()
+            batch = ForwardBatch(torch.arange(w, device=cache.device) + 100, torch.arange(context, n, device=cache.device),
+                                 slots[context:n], slots[:n], None if w == 1 else mask.to(cache.device),
+                                 torch.arange(w, device=cache.device))
+            model.forward(batch, cache)
+            walls, cpus = [], []
+            for _ in range(repeats):
+                t0, c0 = time.perf_counter(), time.process_time()
+                model.forward(batch, cache)
+                walls.append((time.perf_counter() - t0) * 1e3)
+                cpus.append((time.process_time() - c0) * 1e3)
+            out[w] = {"wall_ms": statistics.median(walls), "min_ms": min(walls), "cpu_ms": statistics.median(cpus)}
+        return out
+    finally:
+        cache.release(seq_id)
+
+
+def copy_gb_per_s(nbytes: int = 128 << 20, repeats: int = 7) -> float:
+    """Best of `repeats` copies into a preallocated buffer; counts read + write bytes."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def decode_step_ms(engine, prompt: list[int], tokens: int, repeats: int) -> list[float]:
+    """Per-token milliseconds of plain greedy decoding at batch 1 (prefill excluded)."""
+    from specbuild.sampling.params import SamplingParams
+    from specbuild.engine.sequence import Request
+
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    return [engine.generate([Request(prompt_ids=prompt, sampling=params)])[0]["stats"]["tpot_ms"]
+            for _ in range(repeats)]
+
+
+def measure_format(name: str, bundle: str, threads: int, texts: dict, widths, decode_tokens: int,
+                   repeats: int, baseline: dict | None) -> dict:
+    from specbuild.engine.engine import Engine, EngineConfig
+    from specbuild.model.decoder import weight_bytes
+
+    t0 = time.perf_counter()
+    engine = Engine(bundle, EngineConfig(threads=threads, max_batch_size=1))
+    load_s = time.perf_counter() - t0
+    row: dict = {"format": name, "load_s": round(load_s, 2),
+                 "plans": {g: p.describe() for g, p in engine.model.plans.items()}}
+    steps = decode_step_ms(engine, texts["prompts"][0], decode_tokens, repeats)
+    costs = forward_costs(engine.model, engine.cache, sorted(set(widths)), repeats=max(7, repeats))
+    gbps = copy_gb_per_s()
+    wb = weight_bytes(engine.model.w, engine.target_config.tie_word_embeddings)
+    floor = wb / (gbps * 1e9) * 1e3
+    one = costs[min(costs)]
+    row.update({"weight_bytes": wb, "weight_mb": round(wb / 1e6, 1), "copy_gb_per_s": round(gbps, 2), "floor_ms": round(floor, 2),
+                "decode_ms": round(statistics.median(steps), 2), "decode_ms_samples": steps,
+                "tokens_per_s": round(1e3 / statistics.median(steps), 1),
+                "step_ms": round(one["wall_ms"], 2), "step_min_ms": round(one["min_ms"], 2),
+                "step_cpu_ms": round(one["cpu_ms"], 2), "step_over_floor": round(one["min_ms"] / floor, 2),
+                "cpu_over_floor": round(one["cpu_ms"] / floor, 2)})
+    row["verify_ms"] = {w: round(c["min_ms"], 2) for w, c in costs.items()}
+    row["verify_cpu_ms"] = {w: round(c["cpu_ms"], 2) for w, c in costs.items()}
+    # one thread: CPU time is the step's own cost, whatever else runs; more threads: best wall
+    key = "cpu_ms" if threads == 1 else "min_ms"
+    row["verify_basis"] = key
+    row["verify_w5_over_w1"] = round(costs[5][key] / costs[1][key], 2) if {1, 5} <= set(costs) else None
+    row["perplexity"] = round(perplexity(engine.model, engine.cache, texts["ppl_ids"]), 4)
+    mine = greedy(engine, texts["prompts"], texts["gen_tokens"])
+    row["greedy"] = mine
+    if baseline is not None:
+        row["agreement"] = agreement(engine, texts["prompts"], baseline["greedy"], mine)
+    del engine
+    gc.collect()
+    return row
+
+
+def llama_cpp_row(gguf: str, threads: int, prompt_text: str, decode_tokens: int, repeats: int) -> dict | None:
+    """llama.cpp on the same GGUF (greedy, batch 1), when llama-cpp-python imports. n_batch=1:
+    its native build crashes on batched prompt evaluation on some CPUs."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_batch=1, n_ctx=1024, verbose=False)
+    steps = []
+    for _ in range(repeats):
+        first = None
+        n = 0
+        for _chunk in llm.create_completion(prompt_text, max_tokens=decode_tokens, temperature=0.0, stream=True):
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+        if n > 1:
+            steps.append((time.perf_counter() - first) / (n - 1) * 1e3)
+    step = statistics.median(steps)
+    return {"format": "llama.cpp (GGUF as is)", "step_ms": round(step, 2), "tokens_per_s": round(1e3 / step, 1),
+            "step_ms_samples": steps, "version": getattr(llama_cpp, "__version__", "")}
+
+
+def run_formats_bench(source: str, formats: dict[str, dict] | None = None, threads: int = 2,
+                      work_dir: str | None = None, ppl_texts: int = 12, ppl_tokens: int = 512, prompts: int = 6,
+                      gen_tokens: int = 32, decode_tokens: int = 64, repeats: int = 3, widths=WIDTHS,
+                      peers: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+    """Compile `source` in each format (name -> CompileOptions fields; the first is the
+    agreement baseline), measure each, and return the report (see format_report)."""
+    from specbuild.formats.checkpoints import resolve_source
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
+    from specbuild.engine.engine import Engine, EngineConfig
+
+    say = progress or (lambda msg: None)
+    formats = formats or DEFAULT_FORMATS
+    work = work_dir or tempfile.mkdtemp(prefix="specbuild-formats-")
+    path = resolve_source(source)
+    bundles = {}
+    for name, opts in formats.items():
+        say(f"compiling {name} {opts}")
+        bundles[name] = compile_bundle(path, os.path.join(work, name),
+                                       CompileOptions(**{"max_seq_len": 1024, **opts}))
+    probe = Engine(bundles[next(iter(bundles))], EngineConfig(max_batch_size=1))
+    texts_raw = eval_texts(max(ppl_texts, prompts))
+    ppl_ids = probe.encode("\n\n".join(texts_raw[:ppl_texts]))[:ppl_tokens]
+    chat = [probe.encode(probe.render_chat([{"role": "user", "content": t}]), add_special_tokens=False)
+            for t in texts_raw[:prompts]]
+    texts = {"ppl_ids": ppl_ids, "prompts": chat, "gen_tokens": gen_tokens}
+    del probe
+    rows, baseline = [], None
+    for name in formats:
+        say(f"measuring {name}")
+        row = measure_format(name, bundles[name], threads, texts, widths, decode_tokens, repeats, baseline)
+        quant = read_quant(os.path.join(bundles[name], "target"))
+        row["bytes_by_format"] = quant["bytes_by_format"] if quant else None
+        row["conversions"] = quant["conversions"] if quant else None
+        baseline = baseline or row
+        rows.append(row)
+        say(f"  {name}: step {row['step_min_ms']} ms (cpu {row['step_cpu_ms']}), decode {row['decode_ms']} ms/token, "
+            f"ppl {row['perplexity']}")
+    base_ppl = rows[0]["perplexity"]
+    best_gbps = max(r["copy_gb_per_s"] for r in rows)  # the machine's, not a contended moment's
+    for row in rows:
+        row["perplexity_change_pct"] = round((row["perplexity"] / base_ppl - 1) * 100, 3)
+        floor_ms = row["weight_bytes"] / (best_gbps * 1e6)  # unrounded: a tiny model's floor is ~0.001 ms
+        row["floor_ms"] = float(f"{floor_ms:.4g}")
+        row["step_over_floor"] = round(row["step_min_ms"] / floor_ms, 2)
+        row["cpu_over_floor"] = round(row["step_cpu_ms"] / floor_ms, 2)
+    peer = None
+    if peers and path.endswith(".gguf"):
+        from tokenizers import Tokenizer
+
+        say("llama.cpp peer row (if llama-cpp-python imports)")
+        prompt_text = Tokenizer.from_file(os.path.join(bundles[next(iter(bundles))], "tokenizer.json")).decode(
+            chat[0], skip_special_tokens=False)
+        peer = llama_cpp_row(path, threads, prompt_text, decode_tokens, repeats)
+    return {"source": path, "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+            "load_average": os.getloadavg(), "torch": torch.__version__, "widths": list(widths),
+            "ppl_tokens": len(ppl_ids), "prompts": len(chat), "gen_tokens": gen_tokens,
+            "rows": rows, "llama_cpp": peer, "work_dir": work}
+
+
+def read_quant(role_dir: str) -> dict | None:
+    """A role's quant.json, or None for a bundle of plain weights."""
+    path = os.path.join(role_dir, "quant.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def format_report(report: dict) -> str:
+    """The table: per format, bytes read per step and their floor, the width-1 step (best
+    wall time, median CPU time), plain decoding through the engine, verify cost by width
+    (best wall time), perplexity and agreement with the first format."""
+    widths = report["widths"]
+    head = (f"{'format':9s} {'MB/step':>7s} {'floor':>6s} {'step':>6s} {'cpu':>6s} {'xfloor':>6s} {'cpu/fl':>6s} {'decode':>6s} "
+            f"{'tok/s':>6s} " + " ".join(f"{'w' + str(w):>6s}" for w in widths)
+            + f" {'w5/w1':>5s} {'ppl':>7s} {'dppl%':>6s} {'top1':>5s} {'exact':>5s}")
+    lines = [f"weight formats on {os.path.basename(report['source'])}: {report['threads']} thread(s), torch "
+             f"{report['torch']}, load average {report['load_average'][0]:.1f}; ms; step = best wall time of repeats, "
+             "cpu = median CPU time, decode = engine's plain greedy ms/token (median), wN = forward of N rows "
+             + ("(CPU time)" if report["threads"] == 1 else "(best wall time)"), head]
+    for r in report["rows"]:
+        ag = r.get("agreement")
+        acc = f"{ag['top1_agreement']:5.3f} {ag['exact_outputs']:>2d}/{ag['outputs']:<2d}" if ag else f"{'-':>5s} {'-':>5s}"
+        lines.append(
+            f"{r['format']:9s} {r['weight_mb']:7.1f} {r['floor_ms']:6.2f} {r['step_min_ms']:6.2f} {r['step_cpu_ms']:6.2f} "
+            f"{r['step_over_floor']:6.2f} {r['cpu_over_floor']:6.2f} {r['decode_ms']:6.2f} {r['tokens_per_s']:6.1f} "
+            + " ".join(f"{r['verify_cpu_ms' if r['verify_basis'] == 'cpu_ms' else 'verify_ms'].get(w, float('nan')):6.2f}"
+                       for w in widths)
+            + f" {r['verify_w5_over_w1'] or float('nan'):5.2f} {r['perplexity']:7.3f} {r['perplexity_change_pct']:6.2f} {acc}")
+    peer = report.get("llama_cpp")
+    if peer:
+        lines.append(f"{'llama.cpp':9s} {'':7s} {'':6s} {'':6s} {'':6s} {'':6s} {'':6s} {peer['step_ms']:6.2f} "
+                     f"{peer['tokens_per_s']:6.1f}")
+    else:
+        lines.append("llama.cpp: llama-cpp-python is not installed here (no peer row)")
+    lines.append(f"floor = bytes read per step / copy bandwidth ({max(r['copy_gb_per_s'] for r in report['rows'])} GB/s, "
+                 "best copy of the run); "
+                 f"perplexity over {report['ppl_tokens']} tokens of Spec-Bench eval questions; agreement with "
+                 f"{report['rows'][0]['format']} over {report['prompts']} chat prompts x {report['gen_tokens']} greedy tokens")
+    for r in report["rows"]:
+        if r["plans"]:
+            lines.append(f"  {r['format']}: " + "; ".join(f"{g}: {d}" for g, d in r["plans"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,210 @@
+"""`specbuild serve BUNDLE`: the OpenAI-compatible HTTP server, on one process or two ranks.
+
+    specbuild serve BUNDLE                                         one process
+    specbuild serve BUNDLE --backend tensorrt-llm                  TensorRT-LLM's executor
+    mpirun -n TP*PP specbuild serve BUNDLE                         TensorRT-LLM leader mode
+    mpirun -disable-auto-cleanup -n 2 specbuild serve BUNDLE --parallel-draft
+
+The engine comes from `runtime.backend.open_engine`, with --backend as `generate` takes it
+(auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch).
+
+Leader mode (a bundle whose TensorRT-LLM engines were built for tp*pp > 1 ranks): every rank
+opens its engine; rank 0 serves HTTP and takes every request, the other ranks serve their part
+of the engine (`parallel.follow_leader`, as `generate` does) until rank 0 shuts down, then
+all exit 0. Launch it without -disable-auto-cleanup (a dead rank must take the job down).
+
+With --parallel-draft, rank 0 serves HTTP and verifies, rank 1 runs the draft model and
+never binds a port (MineDraft: runtime/minedraft.py; roles: runtime/parallel.py).
+scripts/mpirun_serve.sh has the exact mpirun line. MineDraft replaces the torch engine's
+scheduler, so --parallel-draft runs on the torch backend (auto means torch there;
+--backend tensorrt-llm is refused). Other world sizes are refused at start-up, on every
+rank, with one line naming the world size, what the bundle needs and the command to use.
+
+Prints the listening URL on stdout once the model is loaded and the socket is bound
+(`--port 0` picks a free port), serves until SIGINT or SIGTERM, then refuses new work,
+aborts what is in flight, stops the engine loop and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+import click
+
+from specbuild.errors import SpecbuildError
+
+
+@click.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
+@click.option("--port", default=8000, show_default=True, type=int, help="TCP port (0: a free one).")
+@click.option("--max-batch-size", type=int, default=None, help="Most sequences per step [bundle limit].")
+@click.option("--max-queue", type=int, default=64, show_default=True,
+              help="Requests waiting for admission before new ones get HTTP 429.")
+@click.option("--threads", type=int, default=None, help="Torch CPU threads.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N (torch backend).")
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
+              help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch.")
+@click.option("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens [enough for a full batch].")
+@click.option("--prefill-chunk", type=int, default=256, show_default=True,
+              help="Most prompt tokens per step, so long prompts do not stall running requests.")
+@click.option("--model-name", default=None, help="Name in /v1/models and responses [the bundle directory's name].")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--parallel-draft", is_flag=True,
+              help="MineDraft: run under `mpirun -disable-auto-cleanup -n 2`; rank 1 drafts while rank 0 verifies.")
+@click.option("--draft-timeout", type=float, default=5.0, show_default=True,
+              help="Seconds the verifier waits for a draft reply before it decodes without the draft rank for good.")
+def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, kv_cache_tokens, prefill_chunk,
+          model_name, log_level, parallel_draft, draft_timeout) -> None:
+    """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
+    from specbuild.cli.main import dist_context, fail_once
+
+    try:
+        if not 0.05 <= draft_timeout <= 3600:
+            raise ValueError(f"--draft-timeout={draft_timeout} is out of range [0.05, 3600] seconds")
+        if parallel_draft and backend == "tensorrt-llm":
+            raise ValueError("--parallel-draft runs on the torch backend only (MineDraft drives specbuild's "
+                             "scheduler); drop --backend tensorrt-llm")
+    except ValueError as e:
+        fail_once(e)
+    ctx = dist_context(bundle, backend, "serve", parallel_draft)
+    tag = "" if ctx.role == "single" else f" rank{ctx.rank}"
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s{tag} %(levelname)s %(name)s: %(message)s")
+    if ctx.role == "drafter":
+        serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout)
+    transport = engine = None
+    try:
+        from specbuild.backends.select import open_engine
+        from specbuild.engine.engine import EngineConfig
+        from specbuild.serve.openai_http import OpenAIServer, ServeConfig
+
+        config = ServeConfig(host=host, port=port, max_queue=max_queue, model_name=model_name)
+        engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
+                                                  kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
+                                                  load_draft=ctx.role != "verifier"),
+                             backend="torch" if parallel_draft else backend)
+        if ctx.role == "worker":
+            serve_engine_part(ctx, engine)
+        app = OpenAIServer(engine, config)
+        if ctx.role == "verifier":
+            transport = connect_draft_rank(ctx, engine, app, draft_timeout)
+        url = app.bind()
+    except (SpecbuildError, ValueError) as e:
+        click.echo(f"error: {'' if ctx.rank == 0 else f'rank {ctx.rank}: '}{e}", err=True)
+        if engine is not None:  # leader mode: its shutdown releases the worker ranks
+            engine.close()
+        sys.exit(2)
+    except OSError as e:  # address in use, permission denied
+        click.echo(f"error: cannot listen on {host}:{port}: {e.strerror or e}", err=True)
+        if transport is not None:
+            transport.close()
+        if engine is not None:
+            engine.close()
+        sys.exit(2)
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        if stop.is_set():  # a second signal: leave without waiting
+            click.echo("forced exit", err=True)
+            os._exit(130)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    serving = threading.Thread(target=app.serve_forever, name="specbuild-http", daemon=True)
+    serving.start()
+    mode = "; MineDraft with a draft rank" if transport is not None else ""
+    if ctx.role == "leader":
+        mode = f"; leader of {ctx.world_size} MPI ranks (TensorRT-LLM leader mode)"
+    click.echo(f"specbuild serving {app.model_name!r} on {url} ({engine.backend_name} backend, loaded in "
+               f"{engine.load_seconds:.1f}s; max batch {engine.max_batch_size}, max queue {max_queue}{mode})")
+    sys.stdout.flush()
+    while not stop.is_set() and serving.is_alive():
+        stop.wait(0.5)
+    click.echo("shutting down", err=True)
+    app.shutdown()
+    serving.join(timeout=5)
+    engine.close()  # TensorRT-LLM: shuts its executors down
+    if transport is not None:
+        transport.close()
+    click.echo("stopped", err=True)
+    if ctx.role == "verifier":
+        # no MPI_Finalize (it hangs when the peer is gone): leave without any MPI teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    # single, or the leader: an ordinary exit (in leader mode the workers were released by
+    # engine.close() above and exit alike; TensorRT-LLM's MPI finalizes at exit on every rank)
+
+
+def serve_engine_part(ctx, engine) -> None:
+    """A leader-mode rank > 0: no HTTP; this rank's part of the engine runs until rank 0
+    shuts down (`parallel.follow_leader`, which `generate` uses too); then exit 0."""
+    from specbuild.dist.context import follow_leader
+
+    log = logging.getLogger("specbuild.serve")
+    try:
+        if not follow_leader(engine, say=log.info):
+            raise SpecbuildError(f"rank {ctx.rank}: the {engine.backend_name} engine takes requests here, but in "
+                                 "leader mode only rank 0 may")
+    except SpecbuildError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except Exception:
+        log.exception("rank %d: the engine failed while following rank 0", ctx.rank)
+        sys.exit(1)
+    click.echo(f"rank {ctx.rank}: stopped", err=True)
+    sys.exit(0)
+
+
+def serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout):
+    """Rank 1: run the draft model for rank 0 until it stops or is gone; never returns."""
+    from specbuild.dist.draft_worker import run_draft_rank
+    from specbuild.engine.engine import EngineConfig
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))  # the verifier owns shutdown
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(0))
+    try:
+        rc = run_draft_rank(ctx, bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
+                                                      kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk),
+                            draft_timeout)
+    except (SpecbuildError, ValueError) as e:
+        click.echo(f"error: draft rank: {e}", err=True)
+        rc = 2
+    except Exception:
+        logging.getLogger("specbuild.serve").exception("the draft rank failed")
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # no MPI_Finalize: see runtime/parallel.py
+
+
+def connect_draft_rank(ctx, engine, app, draft_timeout):
+    """Rank 0: MineDraft scheduler over the MPI link, after the draft rank's hello."""
+    from specbuild.dist.minedraft import MpiTransport, install
+    from specbuild.speculation.config import SpeculationConfig
+
+    transport = MpiTransport(ctx)
+    scheduler = install(engine, transport, draft_timeout)
+    hello = transport.handshake(timeout_s=600)
+    if not hello:
+        raise SpecbuildError(f"the draft rank did not start: {ctx.reason}")
+    if hello["vocab"] != engine.target_config.vocab_size:
+        raise SpecbuildError(f"the draft rank drafts over {hello['vocab']} tokens, the target has "
+                             f"{engine.target_config.vocab_size}")
+    if engine.default_speculation.method == "none":  # requests without a setting use the draft rank
+        engine.default_speculation = SpeculationConfig.make(engine.default_speculation, method="draft")
+
+    def health() -> dict:
+        out = scheduler.health()
+        out["draft_rank"]["pid"] = hello["pid"]
+        return out
+
+    app.health_checks.append(health)
+    return transport

@@ -1,0 +1,56 @@
+"""`specbuild triton-repo BUNDLE --out REPO`: write a Triton model repository for a bundle.
+
+The repository holds <name> (decoupled Python-backend model that loads the bundle and streams)
+and <name>_plain (a light front for unary HTTP/gRPC infer). scripts/triton_serve.sh writes one
+and starts tritonserver on it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from specbuild.errors import SpecbuildError
+
+
+@click.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="Model repository directory (created).")
+@click.option("--model-name", default="specbuild", show_default=True, help="Triton model name.")
+@click.option("--max-queue", type=int, default=64, show_default=True,
+              help="Requests waiting for admission before new ones get an UNAVAILABLE error.")
+@click.option("--max-batch-size", type=int, default=None, help="Most sequences per step [bundle limit].")
+@click.option("--threads", type=int, default=None, help="Torch CPU threads in the model instance.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
+@click.option("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens [enough for a full batch].")
+@click.option("--python-env", type=click.Path(), default=None,
+              help="Environment (with bin/activate) the backend stub runs in (EXECUTION_ENV_PATH); "
+                   "scripts/get_tritonserver.py prints one.")
+@click.option("--plain/--no-plain", default=True, show_default=True,
+              help="Also write <name>_plain, a non-decoupled front for unary HTTP/gRPC infer.")
+@click.option("--plain-instances", type=int, default=2, show_default=True,
+              help="Instances of <name>_plain (concurrent unary requests).")
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
+              help="auto: TensorRT-LLM where the bundle's engines are built and it runs there, else torch.")
+@click.option("--engine-factory", default="specbuild.backends.select:open_engine", show_default=True,
+              help="module:callable that builds the engine from (bundle, EngineConfig) (--backend: default only).")
+def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, device, kv_cache_tokens, python_env,
+                plain, plain_instances, backend, engine_factory) -> None:
+    """Write a Triton model repository that serves BUNDLE with speculative decoding."""
+    from specbuild.serve.tritonserver_repo import RepoConfig, write_repository
+
+    try:
+        config = RepoConfig(model_name=model_name, max_queue=max_queue, python_env=python_env, threads=threads,
+                            max_batch_size=max_batch_size, device=device, kv_cache_tokens=kv_cache_tokens,
+                            plain=plain, plain_instances=plain_instances, engine_factory=engine_factory,
+                            backend=backend)
+        names = write_repository(bundle, out, config)
+    except (SpecbuildError, ValueError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except OSError as e:
+        click.echo(f"error: cannot write {out!r}: {e.strerror or e}", err=True)
+        sys.exit(2)
+    click.echo(f"wrote {', '.join(names)} to {os.path.abspath(out)}")

@@ -1,0 +1,350 @@
+"""Engine: the seam every front end drives (CLI generate, HTTP server, Triton model).
+
+    engine = Engine.from_bundle("bundle/")
+    handle = engine.submit(Request(prompt="Hello", sampling=SamplingParams(max_tokens=32)))
+    for event in handle: print(event.text, end="")
+
+`step()` runs one batched step; a server calls `start()` to run the loop on its own
+thread, after which handles block on their queues instead of driving the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specbuild.bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
+from specbuild.errors import BundleError, RequestError
+from specbuild.model.decoder import Decoder
+from specbuild.sampling.params import SamplingParams
+from specbuild.speculation.config import SpeculationConfig
+from specbuild.engine.scheduler import Scheduler
+from specbuild.engine.sequence import Handle, Request, Sequence
+
+log = logging.getLogger("specbuild.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime settings (not part of the bundle). None means: the bundle's limit."""
+
+    device: str = "cpu"
+    threads: int | None = None
+    max_batch_size: int | None = None
+    kv_cache_tokens: int | None = None
+    block_size: int = 16
+    prefill_chunk: int = 256
+    binning: str = "ragged"  # ragged (one flattened pass) | padded | bins (planned micro-batches)
+    load_draft: bool = True  # False: the draft model runs elsewhere (MineDraft's draft rank)
+    # auto: on CPU the target's float linears are stored transposed (qlinear.to_kn_layout:
+    # the same speed at one row, ~1.35x faster at 5-11 rows, so verification is cheaper);
+    # rows: as the bundle stores them
+    weight_layouts: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.weight_layouts not in ("auto", "rows"):
+            raise ValueError(f"weight_layouts={self.weight_layouts!r} is not one of auto, rows")
+        if self.binning not in ("ragged", "padded", "bins"):
+            raise ValueError(f"binning={self.binning!r} is not one of ragged, padded, bins")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size={self.block_size} is not one of 8, 16, 32, 64, 128")
+        if not 16 <= self.prefill_chunk <= 8192:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk} is out of range [16, 8192]")
+
+
+def load_weights(role_dir: str, device: str) -> dict:
+    """A role's weights: plain tensors, plus qlinear.QLinear objects (packed here) for the
+    quantized or other-dtype weights that the role's quant.json lists."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(role_dir, "weights.safetensors")
+    if not os.path.isfile(path):
+        raise BundleError(f"{role_dir!r} has no weights.safetensors")
+    weights = load_file(path, device=device)
+    quant_path = os.path.join(role_dir, "quant.json")
+    if os.path.isfile(quant_path):
+        import json
+
+        from specbuild.model.qlinear import build_qlinears
+
+        with open(quant_path) as f:
+            weights = build_qlinears(weights, json.load(f))
+    return weights
+
+
+def attach_format_plans(model: Decoder, max_draft_len: int) -> None:
+    """Measure which format each width runs in (only when weights hold several formats)."""
+    from specbuild.model.qlinear import attach_plans
+
+    t0 = time.perf_counter()
+    plans = attach_plans(model, sorted({1, 2, 3, 4, 6, 8, 12, 16, 32, max_draft_len + 1}))
+    for group, plan in plans.items():
+        log.info("formats for %s: %s (measured in %.2fs)", group, plan.describe(), time.perf_counter() - t0)
+
+
+def shared_draft_weights(bundle_dir: str, role: dict, weights: dict, target_w: dict) -> tuple[dict, torch.Tensor | None]:
+    """A draft role's weights with its `shares` filled in from the target's (the same
+    tensors, not copies; with a `vocab_map` the output layer is the shared tensor's rows at
+    those ids) and its vocab_map ([N] target ids) or None. See build/draft_role.py."""
+    from specbuild.model.qlinear import as_dense
+
+    vocab_map = None
+    if role.get("vocab_map"):
+        from safetensors.torch import load_file
+
+        vocab_map = load_file(os.path.join(bundle_dir, role["vocab_map"]))["vocab_map"]
+    for name, ref in (role.get("shares") or {}).items():
+        shared = target_w[ref.split("/", 1)[1]]
+        if name == "lm_head" and vocab_map is not None:
+            shared = as_dense(shared)[vocab_map.to(as_dense(shared).device)].contiguous()
+        weights = {**weights, name: shared}
+    return weights, vocab_map
+
+
+def validated_prompt_ids(request: Request, encode, vocab_size: int, max_seq_len: int) -> list[int]:
+    """The request's prompt as token ids, or a RequestError naming the value and the limit.
+    Shared by every backend's submit()."""
+    if request.prompt_ids is None:
+        if request.prompt is None:
+            raise RequestError("a request needs a prompt or prompt_ids")
+        prompt_ids = encode(request.prompt)
+    else:
+        prompt_ids = [int(t) for t in request.prompt_ids]
+    if not prompt_ids:
+        raise RequestError("the prompt is empty (0 tokens)")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token id {bad[0]} is out of range [0, {vocab_size})")
+    if len(prompt_ids) >= max_seq_len:
+        raise RequestError(f"prompt is {len(prompt_ids)} tokens; max_seq_len is {max_seq_len} "
+                           "(the prompt plus at least one generated token must fit)")
+    return prompt_ids
+
+
+class Engine:
+    """A loaded bundle plus the scheduler that serves it."""
+
+    def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig()) -> None:
+        t0 = time.perf_counter()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.bundle_dir = bundle_dir
+        self.config = config
+        self.meta: BundleMeta = read_meta(bundle_dir)
+        tokenizer_json = check_fingerprint(bundle_dir, self.meta)
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        limits = self.meta.limits
+        self.max_seq_len = limits.max_seq_len
+        self.max_batch_size = config.max_batch_size or limits.max_batch_size
+        if self.max_batch_size > limits.max_batch_size:
+            raise BundleError(f"max_batch_size={self.max_batch_size} exceeds the bundle's limit "
+                              f"{limits.max_batch_size}; recompile with --max-batch-size")
+        if "target" not in self.meta.roles:
+            raise BundleError(f"bundle {bundle_dir!r} has no target role")
+        target_dir = os.path.join(bundle_dir, self.meta.roles["target"]["path"])
+        self.target_config = read_model_config(target_dir)
+        weights = load_weights(target_dir, config.device)
+        if config.weight_layouts == "auto" and torch.device(config.device).type == "cpu":
+            from specbuild.model.qlinear import to_kn_layout
+
+            to_kn_layout(weights)
+        self.model = Decoder(self.target_config, weights, self.max_seq_len + limits.max_draft_len + 2,
+                             device=config.device)
+        attach_format_plans(self.model, limits.max_draft_len)
+        kv_tokens = config.kv_cache_tokens or self.max_batch_size * (self.max_seq_len + limits.max_draft_len + 16)
+        self.cache = self.model.new_cache(-(-kv_tokens // config.block_size), config.block_size)
+        sp = self.meta.special_tokens
+        self.eos_ids = tuple(sp.get("eos_token_ids") or ([sp["eos_token_id"]] if sp.get("eos_token_id") is not None else []))
+        self.default_sampling = SamplingParams.from_dict(
+            {k: v for k, v in self.meta.default_sampling.items()})
+        self.speculator = self.make_speculator()
+        self.default_speculation = SpeculationConfig.make(
+            None, **{k: v for k, v in self.meta.default_speculation.items()})
+        if self.default_speculation.method not in self.methods + list(self.meta.roles):
+            self.default_speculation = SpeculationConfig.make(None, method="none")
+        self.default_speculation = SpeculationConfig.make(
+            self.default_speculation, gamma_max=min(self.default_speculation.gamma_max, limits.max_draft_len))
+        self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len,
+                                   config.prefill_chunk, self.speculator)
+        self._init_loop(threading.Lock(), t0)
+
+    def _init_loop(self, lock, t0: float) -> None:
+        """State of the background loop (start/_loop/stop), which TrtllmEngine borrows too."""
+        self.background = False
+        self._lock = lock
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.load_seconds = time.perf_counter() - t0
+
+    @classmethod
+    def from_bundle(cls, bundle_dir: str, **kwargs) -> "Engine":
+        return cls(bundle_dir, EngineConfig(**kwargs))
+
+    def make_speculator(self):
+        """Drafters from the bundle's roles (prompt lookup always), behind one Speculator."""
+        from specbuild.speculation.proposers.draft_model import DraftModelProposer
+        from specbuild.speculation.proposers.ngram import NgramProposer
+        from specbuild.speculation.speculator import Speculator
+
+        proposers = {"ngram": NgramProposer()}
+        if "draft" in self.meta.roles and self.config.load_draft:
+            draft_dir = os.path.join(self.bundle_dir, self.meta.roles["draft"]["path"])
+            draft_config = read_model_config(draft_dir)
+            weights, vocab_map = shared_draft_weights(self.bundle_dir, self.meta.roles["draft"],
+                                                      load_weights(draft_dir, self.config.device), self.model.w)
+            draft_model = Decoder(draft_config, weights,
+                                  self.max_seq_len + self.meta.limits.max_draft_len + 2, device=self.config.device)
+            attach_format_plans(draft_model, self.meta.limits.max_draft_len)
+            proposers["draft"] = DraftModelProposer(draft_model, self.cache.num_blocks, self.target_config.vocab_size,
+                                                    self.config.block_size, vocab_map=vocab_map)
+        if "medusa" in self.meta.roles:
+            from specbuild.speculation.medusa_heads import load_medusa
+            from specbuild.speculation.proposers.medusa import MedusaProposer
+
+            role = load_medusa(self.bundle_dir, self.model.w, self.config.device)
+            proposers["medusa"] = MedusaProposer(role.heads, role.tree)
+        return Speculator(self.model, self.cache, proposers, self.meta.limits.max_draft_len, self.max_seq_len,
+                          binning=self.config.binning)
+
+    # ---- requests ---------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        sp = self.meta.special_tokens
+        bos = sp.get("bos_token_id")
+        if add_special_tokens and sp.get("add_bos_token") and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        from specbuild.engine.chat import render_chat
+
+        sp = self.meta.special_tokens
+        vocab_size = self.tokenizer.get_vocab_size()
+
+        def tok(i):
+            return self.tokenizer.id_to_token(i) if isinstance(i, int) and 0 <= i < vocab_size else ""
+
+        return render_chat(sp.get("chat_template"), messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=tok(sp.get("bos_token_id")) or "", eos_token=tok(sp.get("eos_token_id")) or "")
+
+    def submit(self, request: Request) -> Handle:
+        """Validate and queue a request. Raises RequestError (nothing queued) on bad input."""
+        prompt_ids = validated_prompt_ids(request, self.encode, self.target_config.vocab_size, self.max_seq_len)
+        params = request.sampling.with_seed()
+        spec = self.resolve_speculation(request)
+        seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
+        need = self.scheduler.block_budget(seq)
+        if need > self.cache.num_blocks:
+            raise RequestError(f"request needs {need} KV blocks (prompt {len(prompt_ids)} + max_tokens "
+                               f"{params.max_tokens} tokens) but the cache holds {self.cache.num_blocks}; "
+                               "lower max_tokens or raise --kv-cache-tokens")
+        handle = Handle(self, seq)
+        seq.handle = handle
+        with self._lock:
+            self.scheduler.waiting.append(seq)
+        self._wake.set()
+        return handle
+
+    @property
+    def methods(self) -> list[str]:
+        """Speculation methods this bundle can serve."""
+        return ["none", *self.speculator.proposers, "auto"]
+
+    def resolve_speculation(self, request: Request) -> SpeculationConfig:
+        """The request's setting (or the bundle's default), checked against what we have."""
+        spec = SpeculationConfig.for_request(request.speculation, self.default_speculation)
+        if spec.method not in self.methods:
+            raise RequestError(f"speculation method {spec.method!r} is not available in this bundle "
+                               f"(available: {', '.join(self.methods)})")
+        if spec.method != "none" and spec.gamma_max > self.meta.limits.max_draft_len:
+            raise RequestError(f"gamma_max={spec.gamma_max} exceeds the bundle's max_draft_len "
+                               f"{self.meta.limits.max_draft_len}; recompile with --max-draft-len")
+        medusa = self.speculator.proposers.get("medusa")
+        if spec.method in ("medusa", "auto") and hasattr(medusa, "validate_tree"):
+            tree = medusa.validate_tree(spec.tree)
+            if tree.num_drafts > self.meta.limits.max_draft_len:
+                raise RequestError(f"tree {tree.name or spec.tree!r} has {tree.num_drafts} nodes; the bundle's "
+                                   f"max_draft_len is {self.meta.limits.max_draft_len} (recompile with "
+                                   "--max-draft-len)")
+        return spec
+
+    def stats(self) -> dict:
+        """Load figures for health checks and metrics, the same keys on every backend (None:
+        this backend does not know): queue_depth (requests waiting for admission), running
+        (admitted, generating), kv_blocks_used, kv_blocks_total, gamma (mean current draft
+        length over running requests that speculate; 0.0 when none). Lock-free reads."""
+        running = list(self.scheduler.running)
+        gammas = [s.gammas[-1] for s in running if getattr(s, "gammas", None)]
+        used, total = self._kv_blocks()
+        return {"queue_depth": len(self.scheduler.waiting), "running": len(running), "kv_blocks_used": used,
+                "kv_blocks_total": total, "gamma": sum(gammas) / len(gammas) if gammas else 0.0}
+
+    def _kv_blocks(self) -> tuple[int | None, int | None]:
+        """(used, total) KV cache blocks, for stats()."""
+        return self.cache.used_blocks, self.cache.num_blocks
+
+    def abort(self, handle: Handle) -> None:
+        """Stop a request and free its KV blocks (thread-safe)."""
+        with self._lock:
+            self.scheduler.abort(handle.seq)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def step(self) -> int:
+        with self._lock:
+            return self.scheduler.step()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def run_until_done(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def generate(self, requests: list[Request]) -> list[dict]:
+        handles = [self.submit(r) for r in requests]
+        self.run_until_done()
+        return [h.result() for h in handles]
+
+    def start(self) -> None:
+        """Run the step loop on a background thread (servers)."""
+        if self._thread is not None:
+            return
+        self.background = True
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="specbuild-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # a bug must not leave clients hanging: fail what was running
+                log.exception("engine step failed; failing the running requests")
+                with self._lock:
+                    self._fail_running("internal error in the engine step (see server log)")
+
+    def _fail_running(self, message: str) -> None:
+        """Release and fail every running request (called with the lock held)."""
+        for seq in list(self.scheduler.running):
+            self.scheduler.release(seq)
+            self.scheduler.fail(seq, message)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.background = False

@@ -1,0 +1,272 @@
+"""Requests, admission and the step loop of the torch backend.
+
+One `step()`: admit waiting requests while the KV budget lasts; give every running
+sequence its work (a prefill chunk, or its last token plus any drafted tokens); run the
+target once over the ragged batch; verify / sample; commit or roll back the caches; emit.
+
+Every sequence has pending tokens `all_ids[num_cached:]` whose K/V are not yet in the
+cache: the remaining prompt while prefilling, just the last sampled token when decoding,
+the whole text again after a repair (`num_cached = 0` re-prefills). When a sequence's
+pending tokens all fit in this step, the last row's logits (and those of any drafts)
+are read and new tokens are produced.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specbuild.model.kv_cache import PagedKVCache
+from specbuild.model.decoder import Decoder, ForwardBatch, ragged_mask
+from specbuild.sampling.params import sample_from, warp_probs
+from specbuild.engine.sequence import Event, Sequence
+
+log = logging.getLogger("specbuild.scheduler")
+
+
+@dataclass
+class WorkItem:
+    """One sequence's share of a forward: `chunk` of its pending tokens, then drafts."""
+
+    seq: Sequence
+    chunk: list[int]
+    draft: object = None  # proposers.Draft or None
+    start: int = 0  # cache length before this step (position of chunk[0])
+    row0: int = 0  # first row of this item in the flattened batch
+    completes: bool = False  # chunk reaches the end of the pending tokens
+    pad: int = 0  # filler rows (padded binning only): computed, never read, rolled back
+
+    @property
+    def n_draft(self) -> int:
+        return 0 if self.draft is None else len(self.draft.tokens)
+
+    @property
+    def width(self) -> int:
+        return len(self.chunk) + self.n_draft
+
+
+def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBatch:
+    """Flatten items into one ragged batch: ids, positions, slots and the attention mask.
+
+    The mask lets each row see its own sequence's past (all of it) and its own new rows
+    under that item's new-token mask (causal, or the tree's ancestor mask for tree drafts).
+    """
+    ids, pos, wslots, rslots, logit_rows = [], [], [], [], []
+    blocks = []
+    t = s = 0
+    for k, it in enumerate(items):
+        n = it.width + it.pad
+        tokens = it.chunk + (list(it.draft.tokens) if it.n_draft else []) + [it.chunk[-1]] * it.pad
+        depth = torch.arange(n)
+        if it.n_draft and getattr(it.draft, "depths", None) is not None:
+            # tree drafts: the chunk's last token is the root; nodes sit at root + depth
+            depth = torch.cat([torch.arange(len(it.chunk)), len(it.chunk) - 1 + torch.as_tensor(it.draft.depths),
+                               torch.arange(it.pad) + it.width])
+        ids.append(torch.tensor(tokens, dtype=torch.int64))
+        pos.append(it.start + depth)
+        cache.reserve(it.seq.seq_id, it.start + n)
+        all_slots = cache.slots(it.seq.seq_id, 0, it.start + n)
+        wslots.append(all_slots[it.start:])
+        rslots.append(all_slots)
+        it.row0 = t
+        if it.completes:
+            last = t + len(it.chunk) - 1
+            logit_rows.append(torch.arange(last, last + 1 + it.n_draft))
+        new_mask = torch.ones(n, n, dtype=torch.bool).tril()
+        if it.n_draft and getattr(it.draft, "tree_mask", None) is not None:
+            c = len(it.chunk)
+            tm = torch.as_tensor(it.draft.tree_mask, dtype=torch.bool)  # [1 + nodes, 1 + nodes], row 0 root
+            new_mask[c - 1:it.width, c - 1:it.width] = tm
+            new_mask[c:it.width, :c - 1] = True
+        blocks.append((t, s, n, it.start, new_mask))
+        t += n
+        s += it.start + n
+    mask = ragged_mask(blocks, t, s)
+    dev = cache.device
+    return ForwardBatch(
+        input_ids=torch.cat(ids).to(dev),
+        positions=torch.cat(pos).to(dev),
+        write_slots=torch.cat(wslots).to(dev),
+        read_slots=torch.cat(rslots).to(dev),
+        mask=None if mask is None else mask.to(dev),
+        logit_rows=(torch.cat(logit_rows) if logit_rows else torch.zeros(0, dtype=torch.int64)).to(dev),
+    )
+
+
+def plain_next_token(seq: Sequence, logits: torch.Tensor) -> int:
+    """Sample one token from logits [vocab] with the request's params and generator."""
+    if seq.params.greedy:
+        return int(logits.argmax())
+    probs = warp_probs(logits.unsqueeze(0), seq.params)
+    return int(sample_from(probs, seq.uniforms(1))[0])
+
+
+class Scheduler:
+    """Owns the target model, its cache, the queue and the running set."""
+
+    def __init__(self, model: Decoder, cache: PagedKVCache, max_batch_size: int, max_seq_len: int,
+                 prefill_chunk: int = 256, speculator=None) -> None:
+        self.model = model
+        self.cache = cache
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self.speculator = speculator  # None: plain decoding only
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.budget_blocks = 0  # blocks promised to running sequences (never over-committed)
+        self.passes = 0
+
+    # ---- admission --------------------------------------------------------------------
+    def block_budget(self, seq: Sequence) -> int:
+        extra = self.speculator.max_extra_tokens(seq) if self.speculator else 0
+        tokens = min(seq.total_len + seq.params.max_tokens + extra + 1, self.max_seq_len + extra + 1)
+        return -(-tokens // self.cache.block_size)
+
+    def admit(self) -> None:
+        import time
+
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            need = self.block_budget(seq)
+            if self.budget_blocks + need > self.cache.num_blocks:
+                if not self.running:
+                    self.waiting.popleft()
+                    self.fail(seq, f"request needs {need} KV blocks but the cache holds "
+                                   f"{self.cache.num_blocks}; lower max_tokens or raise --kv-cache-tokens")
+                    continue
+                break
+            self.waiting.popleft()
+            seq.extra["budget"] = need
+            self.budget_blocks += need
+            self.cache.add(seq.seq_id)
+            seq.t_admit = time.perf_counter()
+            self.running.append(seq)
+            if self.speculator:
+                self.speculator.on_admit(seq)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.budget_blocks -= seq.extra.get("budget", 0)
+        self.cache.release(seq.seq_id)
+        if self.speculator:
+            self.speculator.on_release(seq)
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        seq.finished, seq.finish_reason = True, "error"
+        if seq.handle:
+            seq.handle.error = message
+            seq.handle._emit(Event([], "", True, "error"))
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.release(seq)
+        if not seq.finished:
+            seq.finished, seq.finish_reason = True, "abort"
+            if seq.handle:
+                seq.handle._emit(Event([], "", True, "abort"))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def commit(self, seq: Sequence, length: int) -> None:
+        """Target and drafter caches of seq move to `length` together (commit or rollback)."""
+        if self.speculator:
+            self.speculator.commit(seq, length)
+        else:
+            self.cache.set_length(seq.seq_id, length)
+
+    def check_lengths(self) -> None:
+        """A cache whose length disagrees with the sequence is repaired by re-prefilling it;
+        never ignored (it would make every later token wrong)."""
+        for seq in self.running:
+            have = self.cache.length(seq.seq_id)
+            if have != seq.num_cached:
+                log.warning("sequence %d: target KV holds %d tokens, expected %d; re-prefilling",
+                            seq.seq_id, have, seq.num_cached)
+                seq.num_cached = 0
+                seq.extra["repairs"] = seq.extra.get("repairs", 0) + 1
+                self.commit(seq, 0)
+
+    # ---- the step -----------------------------------------------------------------------
+    def plan(self) -> list[WorkItem]:
+        self.check_lengths()
+        items, budget = [], self.prefill_chunk
+        decoding = [s for s in self.running if s.num_cached >= len(s.all_ids) - 1]
+        drafts = self.speculator.propose(decoding) if (self.speculator and decoding) else {}
+        for seq in self.running:
+            pending = seq.all_ids[seq.num_cached:]
+            if len(pending) == 1 or seq in drafts:
+                items.append(WorkItem(seq, pending, drafts.get(seq), seq.num_cached, completes=True))
+        for seq in self.running:
+            pending = seq.all_ids[seq.num_cached:]
+            if len(pending) > 1 and seq not in drafts and budget > 0:
+                chunk = pending[:budget]
+                budget -= len(chunk)
+                items.append(WorkItem(seq, chunk, None, seq.num_cached, completes=len(chunk) == len(pending)))
+        return items
+
+    def step(self) -> int:
+        """One batched step. Returns the number of sequences that advanced."""
+        self.admit()
+        if not self.running:
+            return 0
+        items = self.plan()
+        if not items:
+            return 0
+        groups = self.speculator.bins(items) if self.speculator else [items]
+        for group in groups:
+            batch = build_forward_batch(group, self.cache)
+            hidden = None
+            if self.speculator and self.speculator.wants_hidden:
+                logits, hidden = self.model.forward(batch, self.cache, return_hidden=True)
+            else:
+                logits = self.model.forward(batch, self.cache)
+            self.passes += 1
+            self.finish_items(group, logits, hidden)
+        return len(items)
+
+    def finish_items(self, items: list[WorkItem], logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        """logits: [sum over completing items of (1 + n_draft), vocab]; hidden: the same rows'
+        final-normed hidden states [rows, hidden] when a drafter reads them (Medusa)."""
+        r = 0
+        for it in items:
+            seq = it.seq
+            seq.target_passes += 1
+            if not it.completes:
+                seq.num_cached = it.start + len(it.chunk)
+                self.commit(seq, seq.num_cached)
+                continue
+            rows = logits[r:r + 1 + it.n_draft]  # [1 + k, vocab]
+            hidden_rows = hidden[r:r + 1 + it.n_draft] if hidden is not None else None
+            r += 1 + it.n_draft
+            was_decode = len(it.chunk) == 1 and seq.output_ids
+            if it.n_draft:
+                accepted, new_tokens = self.speculator.verify(seq, it.draft, rows)
+            else:
+                accepted, new_tokens = 0, [plain_next_token(seq, rows[0])]
+            if was_decode or it.n_draft:
+                seq.verify_passes += 1
+            # K/V valid: the chunk plus the accepted drafts; the new last token is pending
+            seq.num_cached = it.start + len(it.chunk) + accepted
+            if it.n_draft and getattr(it.draft, "depths", None) is not None:
+                self.speculator.compact(seq, it, self.cache, accepted)
+            self.commit(seq, seq.num_cached)
+            before = len(seq.text)
+            kept = seq.append_tokens(new_tokens)
+            if hidden_rows is not None and not seq.finished:
+                # the row whose logits chose the new last token: the last accepted node
+                # (chain: draft `accepted`; tree: that node's index); 0 when none was accepted
+                row = it.draft.last_row if it.n_draft and getattr(it.draft, "last_row", None) is not None \
+                    else accepted
+                self.speculator.observe_hidden(seq, hidden_rows[row])
+            if seq.handle is not None:
+                seq.handle._emit(Event(kept, seq.text[before:], seq.finished, seq.finish_reason))
+            if seq.finished:
+                self.release(seq)

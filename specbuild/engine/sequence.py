@@ -1,0 +1,209 @@
+"""Request, per-sequence state and the stream handle a front end reads."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from specbuild.sampling.params import SamplingParams
+from specbuild.engine.text import IncrementalDetokenizer, StopStringFilter
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Request:
+    """What a front end submits. Either `prompt_ids` or `prompt` (text) is required."""
+
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speculation: Any = None  # SpeculationConfig (None: the bundle's default)
+    request_id: str | None = None
+
+
+@dataclass
+class Event:
+    """One streamed increment. `text` may be empty while a character is incomplete."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+class Sequence:
+    """Scheduler state of one request. Owned by the step loop's thread."""
+
+    def __init__(self, request: Request, prompt_ids: list[int], params: SamplingParams, spec, tokenizer,
+                 eos_ids: tuple[int, ...], max_total_len: int) -> None:
+        self.seq_id = next(_ids)
+        self.request = request
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params  # seeded
+        self.spec = spec
+        self.generator = torch.Generator().manual_seed(params.seed)
+        self.eos_ids = () if params.ignore_eos else tuple(eos_ids) + tuple(params.stop_token_ids)
+        self.max_total_len = max_total_len
+        self.num_cached = 0  # tokens of all_ids whose K/V are in the target cache
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stop_filter = StopStringFilter(params.stop)
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.handle: Handle | None = None
+        self.t_submit = time.perf_counter()
+        self.t_admit: float | None = None
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.target_passes = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.verify_passes = 0  # decode passes (each yields accepted + 1 tokens)
+        self.accepted_by_pos: list[int] = []
+        self.drafted_by_pos: list[int] = []
+        self.gammas: list[int] = []
+        self.extra: dict[str, Any] = {}  # drafter-owned state (e.g. the draft cache length)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < len(self.prompt_ids)
+
+    def uniforms(self, n: int) -> torch.Tensor:
+        """n uniforms in [0, 1) from this request's own generator: [n] float64."""
+        return torch.rand(n, generator=self.generator, dtype=torch.float64)
+
+    def append_tokens(self, tokens: list[int]) -> list[int]:
+        """Append sampled tokens one by one, stopping at EOS / stop string / limits.
+
+        Returns the tokens actually kept (a stop inside a multi-token acceptance cuts there).
+        """
+        kept: list[int] = []
+        now = time.perf_counter()
+        for tok in tokens:
+            self.output_ids.append(tok)
+            kept.append(tok)
+            if self.t_first is None:
+                self.t_first = now
+            if tok in self.eos_ids:
+                self._finish("stop")
+                break
+            new_text = self.stop_filter.push(self.detok.push([tok]))
+            self.text += new_text
+            if self.stop_filter.stopped:
+                self._finish("stop")
+                break
+            if len(self.output_ids) >= self.params.max_tokens or self.total_len >= self.max_total_len:
+                self._finish("length")
+                break
+        self.t_last = now
+        return kept
+
+    def _finish(self, reason: str) -> None:
+        self.finished = True
+        self.finish_reason = reason
+        if not self.stop_filter.stopped:
+            self.text += self.stop_filter.push(self.detok.flush())
+            self.text += self.stop_filter.flush()
+
+    def stats(self) -> dict[str, Any]:
+        gen = len(self.output_ids)
+        t_end = self.t_last or time.perf_counter()
+        t0 = self.t_admit or self.t_submit
+        dur = max(t_end - t0, 1e-9)
+        tpot = ((self.t_last - self.t_first) / (gen - 1) * 1e3) if gen > 1 and self.t_first else 0.0
+        passes = max(self.verify_passes, 1)
+        return {
+            "seed": self.params.seed,
+            "prompt_tokens": len(self.prompt_ids),
+            "generated_tokens": gen,
+            "target_passes": self.target_passes,
+            "ttft_ms": round(((self.t_first or t_end) - self.t_submit) * 1e3, 3),
+            "tpot_ms": round(tpot, 3),
+            "tokens_per_s": round(gen / dur, 3),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "mean_accepted_tokens": round((self.accepted + self.verify_passes) / passes, 4)
+            if self.verify_passes else 1.0,
+            "acceptance_by_position": [round(a / d, 4) if d else None
+                                       for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)],
+            "gamma": gamma_summary(self.gammas),
+            **{k: v for k, v in self.extra.items() if k.startswith("stat_")},
+        }
+
+
+def gamma_summary(gammas: list[int]) -> dict[str, Any]:
+    if not gammas:
+        return {"mean": 0.0, "min": 0, "max": 0, "steps": 0}
+    return {"mean": round(sum(gammas) / len(gammas), 3), "min": min(gammas), "max": max(gammas),
+            "steps": len(gammas)}
+
+
+class Handle:
+    """A submitted request: stream its events, or wait for the result.
+
+    Without a background loop, iterating drives the engine's step loop itself.
+    """
+
+    def __init__(self, engine, seq: Sequence) -> None:
+        self._engine = engine
+        self.seq = seq
+        self.request_id = seq.request.request_id or f"req-{seq.seq_id}"
+        self._events: queue.Queue[Event] = queue.Queue()
+        self.done = threading.Event()
+        self.error: str | None = None
+
+    def _emit(self, event: Event) -> None:
+        self._events.put(event)
+        if event.finished:
+            self.done.set()
+
+    def get(self, timeout: float | None = None) -> Event | None:
+        """The next event, waiting up to `timeout` seconds (None: forever); None on timeout.
+        For front ends whose engine runs in the background (servers)."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _drained(self) -> bool:
+        return self.done.is_set() and self._events.empty()
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            try:
+                ev = self._events.get_nowait()
+            except queue.Empty:
+                if self.done.is_set():  # finished and fully consumed already
+                    return
+                if self._engine.background:
+                    ev = self._events.get()
+                else:
+                    self._engine.step()
+                    continue
+            yield ev
+            if ev.finished:
+                return
+
+    def result(self) -> dict[str, Any]:
+        """Drive (or wait) to completion and return text, token_ids, finish_reason, stats."""
+        for _ in self:
+            pass
+        s = self.seq
+        return {"text": s.text, "token_ids": list(s.output_ids), "finish_reason": s.finish_reason,
+                "stats": s.stats(), **({"error": self.error} if self.error else {})}

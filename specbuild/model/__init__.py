@@ -1,0 +1,1 @@
+"""Math that knows no request: the decoder, the paged KV cache, quantized linears, attention (PyTorch reference and the Triton-language kernel in attention_kernel.py). Imports only bundle, errors, formats."""

@@ -1,0 +1,233 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+One `forward` runs a ragged batch: the new tokens of every sequence (a prefill chunk, a
+single decode token, or a verify window of draft tokens) are flattened into T rows;
+their K/V are written into the cache at `write_slots`, and attention reads each
+sequence's rows through `read_slots` under an explicit boolean `mask` (causal by default,
+a tree mask for tree speculation). Masks and positions are arguments, never model state.
+Weights are in the runtime layout of bundle.py (q/k/v fused, gate/up fused). A linear weight
+is a plain tensor or a `qlinear.QLinear` (int8/int4/other dtypes); `plans` picks a QLinear's
+format per forward by its row count T (e.g. int4 for narrow steps, a float32 copy for wide
+verification). Plain tensors run exactly as F.linear.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specbuild.bundle import ModelConfig
+from specbuild.model.attention import paged_attention, paged_attention_rows, visible_columns
+from specbuild.model.kv_cache import PagedKVCache
+from specbuild.model.qlinear import as_dense, embed_rows, linear, weight_nbytes
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float64), with llama3 scaling when configured."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = config.rope_scaling
+    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
+        factor = float(sc["factor"])
+        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old_ctx = float(sc["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv
+
+
+def rope_tables(config: ModelConfig, max_pos: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_pos, head_dim] (the half-frequencies repeated, rotate-half convention)."""
+    inv = rope_inv_freq(config)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos, sin: [T, D]. Returns [T, heads, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, hidden]. Normalises in float32 like HF, then scales in the weight dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward needs; built by the scheduler, consumed once."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 (rope positions: past length + depth)
+    write_slots: torch.Tensor  # [T] int64, where each new token's K/V goes
+    read_slots: torch.Tensor  # [S] int64, the K/V rows attention may read
+    mask: torch.Tensor | None  # [T, S] bool, True = may attend; None = everything visible
+    logit_rows: torch.Tensor  # [R] int64, rows of T whose logits are wanted
+
+
+def ragged_mask(blocks: list[tuple], rows: int, cols: int) -> torch.Tensor | None:
+    """The attention mask [rows, cols] bool of a flattened ragged batch.
+
+    blocks: one (row0, col0, n_new, past, new_mask) per sequence: its n_new query rows start
+    at row0, its gathered K/V rows at col0 (past ones first, then the new ones); every row
+    sees the whole past and the new rows through new_mask [n_new, n_new] (None: causal).
+    Nothing crosses sequences. None when a single row may see everything (no mask needed).
+    """
+    if rows == 1 and len(blocks) == 1:
+        return None
+    mask = torch.zeros(rows, cols, dtype=torch.bool)
+    for r0, c0, n, past, new_mask in blocks:
+        mask[r0:r0 + n, c0:c0 + past] = True
+        mask[r0:r0 + n, c0 + past:c0 + past + n] = torch.ones(n, n, dtype=torch.bool).tril() \
+            if new_mask is None else new_mask
+    return mask
+
+
+class Decoder:
+    """The runtime model. Holds weights (runtime layout) and rope tables; no request state."""
+
+    def __init__(self, config: ModelConfig, weights: dict, max_seq_len: int,
+                 device: str | torch.device = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = weights["embed"].dtype
+        self.w = {k: v.to(self.device) for k, v in weights.items()}
+        self.lm_head = self.w.get("lm_head", self.w["embed"])
+        self.cos, self.sin = rope_tables(config, max_seq_len, self.dtype)
+        self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.plans: dict = {}  # "layers" | "lm_head" -> qlinear.FormatPlan (QLinear weights only)
+        # attention row by row (plugins.attention.paged_attention_rows) when activations are
+        # rounded to half precision somewhere: see row_invariant_needed
+        self.row_invariant = row_invariant_needed(self.w, self.dtype)
+
+    def format_for(self, group: str, width: int) -> str | None:
+        """The format QLinear weights of `group` run in for a forward of `width` rows."""
+        plan = self.plans.get(group)
+        return plan.choose(width) if plan is not None else None
+
+    def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
+                            dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache, return_hidden: bool = False):
+        """Run the batch. Writes K/V of the new tokens into `cache` (at write_slots).
+
+        Returns logits [R, vocab] (float32) for `batch.logit_rows`; with return_hidden also
+        the final-normed hidden states [R, hidden] of those rows (for Medusa heads).
+        """
+        c, w = self.config, self.w
+        x = embed_rows(w["embed"], batch.input_ids)  # [T, hidden]
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
+        t = x.shape[0]
+        fmt = self.format_for("layers", t)
+        row_slots = None
+        if self.row_invariant and batch.mask is not None:  # prefill too: its KV must not depend on the batch
+            row_slots = visible_columns(batch.mask)
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            h = rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
+            qkv = linear(h, w[p + "qkv"], fmt, w.get(p + "qkv_bias"))  # [T, (H + 2KV) * D]
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(t, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+            cache.k[i].index_copy_(0, batch.write_slots, k)
+            cache.v[i].index_copy_(0, batch.write_slots, v.view(t, c.num_kv_heads, c.head_dim))
+            if row_slots is not None:
+                attn = paged_attention_rows(q, cache.k[i], cache.v[i], batch.read_slots, row_slots, self.scale)
+            else:
+                attn = paged_attention(q, cache.k[i], cache.v[i], batch.read_slots, batch.mask, self.scale)
+            x = x + linear(attn.reshape(t, self.q_size), w[p + "o"], fmt)
+            h = rms_norm(x, w[p + "mlp_norm"], c.rms_norm_eps)
+            gate, up = linear(h, w[p + "gate_up"], fmt).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, w[p + "down"], fmt)
+        rows = x.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != t else x
+        hidden = rms_norm(rows, w["norm"], c.rms_norm_eps)
+        logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0])).float()
+        if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype in (torch.bfloat16, torch.float16):
+            logits = rescore_top(logits, hidden, self.lm_head)
+        return (logits, hidden) if return_hidden else logits
+
+
+def row_invariant_needed(weights: dict, dtype: torch.dtype) -> bool:
+    """Whether a forward must compute each row independently of the others: when hidden
+    states or some linear's activations are half precision, the 1e-7 differences between a
+    one-row and a many-row attention kernel round into whole bfloat16 ulps and grow over the
+    layers (measured: int4 with bfloat16 activations, prompt lookup diverged from plain
+    decoding on 3 of 7 Spec-Bench turns, top-2 logit gaps up to 0.12). float32/64 keep them
+    at ~1e-6 in the logits."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return True
+    return any(not isinstance(v, torch.Tensor) and getattr(v, "act_dtype", torch.float32) in
+               (torch.bfloat16, torch.float16) for v in weights.values())
+
+
+def rescore_top(logits: torch.Tensor, hidden: torch.Tensor, lm_head: torch.Tensor, top: int = 64) -> torch.Tensor:
+    """Recompute each row's `top` largest logits in float32 (one fixed-order dot product per
+    entry). Half-precision logits carry ~3 digits: exact ties and 1-ulp flips between verify
+    widths would otherwise decide greedy tokens, so speculative output could differ from
+    plain output of the same bundle. logits: [R, V] float32; hidden: [R, H]. In place."""
+    if logits.shape[0] == 0:
+        return logits
+    idx = logits.topk(min(top, logits.shape[1]), dim=-1).indices  # [R, k]
+    rows = lm_head.index_select(0, idx.reshape(-1)).float().view(*idx.shape, -1)  # [R, k, H]
+    exact = (rows * hidden.float().unsqueeze(1)).sum(-1)  # [R, k]
+    return logits.scatter_(1, idx, exact)
+
+
+def weight_bytes(weights: dict, tied: bool) -> int:
+    """Bytes one decode step reads: every weight once (embedding rows are negligible, the
+    lm_head is read in full; a tied embedding counts once, as the lm_head). A QLinear counts
+    its primary (narrow-step) format."""
+    return sum(weight_nbytes(t) for n, t in weights.items() if n != "embed" or tied)
+
+
+@torch.inference_mode()
+def reference_forward(config: ModelConfig, weights: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
+    """Plain full-sequence causal forward without any cache: the yardstick for the paged
+    decoder and for checkpoint round trips. input_ids: [T]. Returns logits [T, vocab] float32.
+    QLinear weights enter as their dequantised values (dense matmuls throughout)."""
+    c, w = config, {k: as_dense(v) for k, v in weights.items()}
+    dtype = w["embed"].dtype
+    t = input_ids.shape[0]
+    cos, sin = rope_tables(c, t, dtype)
+    x = w["embed"][input_ids]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    group = c.num_heads // c.num_kv_heads
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        h = rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
+        qkv = h @ w[p + "qkv"].T
+        if p + "qkv_bias" in w:
+            qkv = qkv + w[p + "qkv_bias"]
+        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], -1)
+        q = apply_rope(q.reshape(t, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.reshape(t, c.num_kv_heads, c.head_dim), cos, sin).repeat_interleave(group, 1)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim).repeat_interleave(group, 1)
+        scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(c.head_dim)
+        scores = scores.masked_fill(~causal, float("-inf"))
+        attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(t, -1)
+        x = x + attn @ w[p + "o"].T
+        h = rms_norm(x, w[p + "mlp_norm"], c.rms_norm_eps)
+        gate, up = (h @ w[p + "gate_up"].T).chunk(2, -1)
+        x = x + (F.silu(gate) * up) @ w[p + "down"].T
+    x = rms_norm(x, w["norm"], c.rms_norm_eps)
+    return (x @ w.get("lm_head", w["embed"]).T).float()

@@ -1,0 +1,479 @@
+"""Runtime linear-layer formats: dense, int8 and int4 weight-only, and a format per width.
+
+A `QLinear` is one weight [out_features, in_features] held in one or more formats:
+
+    dense     a float32/bfloat16/float16 tensor, F.linear
+    int8      int8 values [N, K] + a scale per row [N]; torch's `_weight_int8pack_mm`
+    int4      values 0..15 [N, K] with a scale and a zero per group of `group_size` inputs
+              (weight = (q - 8) * scale + zero); torch's `_weight_int4pack_mm_for_cpu`
+              (`_weight_int4pack_mm` on CUDA), packed at load into torch's own layout
+
+Every format rounds its input to the weight's activation dtype (`act_dtype`) and its
+output back to it, so an int4 weight and a float32 copy of its dequantised values give
+the same numbers up to float32 summation order: the copies are interchangeable per
+forward (`exact=True`). A copy that rounds the weights themselves (bfloat16 of an int4
+weight) is `exact=False` and is chosen only when a plan allows inexact formats.
+
+`linear(x, weight, fmt, bias)` is the one dispatch point of the decoder: a plain tensor
+goes to F.linear unchanged. Each fast path has a plain dequantise-then-matmul
+`reference`; tests compare them on random inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RESCORE_TOP = 64  # lm_head outputs per row recomputed in float32 (see QLinear.rescored)
+
+
+# ---- storage <-> values ----------------------------------------------------------------------
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q: [N, K] values 0..15 (K even) -> [N, K / 2] uint8, low nibble = even column."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """packed: [N, K / 2] uint8 -> [N, K] uint8 values 0..15 (inverse of pack_nibbles)."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """qweight: [N, K] int8; scales: [N]. Returns float32 [N, K] = q * scale."""
+    return qweight.float() * scales.float().unsqueeze(1)
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """q: [N, K] values 0..15; scales, zeros: [N, K / group_size]. Returns float32 [N, K]
+    = (q - 8) * scale + zero, one fused multiply-add per weight (one rounding, like the kernel)."""
+    n, k = q.shape
+    qg = (q.float() - 8.0).view(n, k // group_size, group_size)
+    out = torch.addcmul(zeros.float().unsqueeze(-1), qg, scales.float().unsqueeze(-1))
+    return out.view(n, k)
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy in memory from torch's allocator (64-byte aligned)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+
+
+# ---- formats ---------------------------------------------------------------------------------
+class DenseFormat:
+    """weight: [N, K] in its storage dtype; inputs and outputs rounded to act_dtype.
+
+    `kn`: stored transposed ([K, N] contiguous; `weight` is its [N, K] view), the layout
+    whose matmul is cheaper on CPU for several rows at once (measured with torch 2.13 on
+    2 cores, float32, all linears of SmolLM2-135M: 5 rows 30 ms instead of 42, 11 rows 45
+    instead of 65; one row about the same). Same values, named `<dtype>.kn`."""
+
+    kind = "dense"
+
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype, kn: bool = False) -> None:
+        if kn:
+            self.weight = aligned(weight.t()).t()
+        else:  # already contiguous and aligned (e.g. a tensor the decoder holds): no copy
+            self.weight = weight if weight.is_contiguous() and weight.data_ptr() % 64 == 0 else aligned(weight)
+        self.act_dtype = act_dtype
+        self.name = str(weight.dtype).removeprefix("torch.") + (".kn" if kn else "")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] act -> [T, N] act
+        return F.linear(x.to(self.weight.dtype), self.weight).to(self.act_dtype)
+
+    reference = __call__
+
+    def dense(self) -> torch.Tensor:
+        return self.weight.float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class Int8Format:
+    """Per-row int8: qweight [N, K] int8, scales [N] (act dtype)."""
+
+    kind = name = "int8"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, act_dtype: torch.dtype) -> None:
+        # fresh (aligned) memory: safetensors maps tensors at any offset, and the kernel
+        # crashes on unaligned weights (seen with torch 2.13 at 4 rows)
+        self.qweight = aligned(qweight.to(torch.int8))
+        self.scales = aligned(scales.to(act_dtype))
+        self.act_dtype = act_dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] act -> [T, N] act
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.dense()).to(self.act_dtype)
+
+    def dense(self) -> torch.Tensor:
+        return dequantize_int8(self.qweight, self.scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+
+
+class Int4Format:
+    """Grouped int4 with scale and zero. Keeps the portable nibbles [N, K / 2] for the
+    reference and for copies; packs into torch's kernel layout (which depends on the device
+    and the torch version) at construction. N is padded to a multiple of 16 for the kernel."""
+
+    kind = name = "int4"
+
+    def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 act_dtype: torch.dtype) -> None:
+        n, half_k = nibbles.shape
+        k = 2 * half_k
+        if k % group_size or scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
+            raise ValueError(f"int4 weight [{n}, {k}] with group_size {group_size} needs scales and zeros "
+                             f"[{n}, {k // group_size}], got {tuple(scales.shape)} / {tuple(zeros.shape)}")
+        self.out_features, self.in_features, self.group_size = n, k, group_size
+        self.nibbles = nibbles.contiguous()
+        self.scales, self.zeros = scales.to(act_dtype).contiguous(), zeros.to(act_dtype).contiguous()
+        self.act_dtype = act_dtype
+        pad = -n % 16
+        q = unpack_nibbles(self.nibbles)
+        scales_zeros = torch.stack([self.scales, self.zeros], dim=-1)  # [N, K / G, 2]
+        if pad:
+            q = torch.cat([q, torch.full((pad, k), 8, dtype=q.dtype, device=q.device)])
+            scales_zeros = torch.cat([scales_zeros, scales_zeros.new_zeros(pad, *scales_zeros.shape[1:])])
+        self.scales_zeros = aligned(scales_zeros.transpose(0, 1))  # [K / G, N_pad, 2]
+        if q.device.type == "cuda":
+            # CUDA takes the high nibble first and K in tiles of 16 * innerKTiles (8, 4 or 2);
+            # untested here (no GPU): build_qlinears' self-check compares it with the reference
+            hi_lo = (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            tiles = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
+            if tiles is None:
+                raise ValueError(f"the CUDA int4 kernel needs in_features divisible by 32, got {k}")
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(hi_lo.contiguous(), tiles)
+            self._mm = torch.ops.aten._weight_int4pack_mm
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+            self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] act -> [T, N] act
+        out = self._mm(x.contiguous(), self.packed, self.group_size, self.scales_zeros)
+        return out[:, : self.out_features] if out.shape[1] != self.out_features else out
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.dense()).to(self.act_dtype)
+
+    def dense(self) -> torch.Tensor:
+        return dequantize_int4(unpack_nibbles(self.nibbles), self.scales, self.zeros, self.group_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a forward reads: the packed values and the scales/zeros."""
+        return self.packed.numel() * self.packed.element_size() + \
+            self.scales_zeros.numel() * self.scales_zeros.element_size()
+
+
+# ---- one weight, several formats ------------------------------------------------------------
+class QLinear:
+    """A weight [N, K] in a primary format plus optional copies for other widths.
+
+    `dtype` is the dtype of the decoder's hidden states (outputs are cast to it);
+    `exact[name]` says whether a copy gives the primary's numbers (up to summation order).
+    """
+
+    def __init__(self, primary, dtype: torch.dtype) -> None:
+        self.primary = primary.name
+        self.formats = {primary.name: primary}
+        self.exact = {primary.name: True}
+        self.dtype = dtype
+        self.act_dtype = primary.act_dtype
+        self.shape = tuple(primary.weight.shape) if primary.kind == "dense" else (
+            (primary.out_features, primary.in_features) if primary.kind == "int4" else tuple(primary.qweight.shape))
+        self.rescore_top = 0  # lm_head: outputs recomputed in float32 for each row's top-k
+        self.narrow: str | None = None  # the format width-1 forwards run in (set with a plan)
+
+    def add_copy(self, name: str, kn: bool = False) -> None:
+        """Add a dense copy (`float32`, `bfloat16`, `float16`; `<dtype>.kn` or kn=True: stored
+        transposed, see DenseFormat; kn=True keeps the plain name) of the dequantised primary."""
+        if name in self.formats:
+            return
+        kn = kn or name.endswith(".kn")
+        dtype = ACT_DTYPES[name.removesuffix(".kn")]
+        dense = self.formats[self.primary].dense()  # float32
+        copy = DenseFormat(dense.to(dtype), self.act_dtype, kn=kn)
+        copy.name = name
+        self.formats[name] = copy
+        self.exact[name] = bool(torch.equal(copy.weight.float(), dense))
+
+    def __call__(self, x: torch.Tensor, fmt: str | None = None, reference: bool = False) -> torch.Tensor:
+        """x: [T, K] (any float dtype) -> [T, N] in self.dtype, through format `fmt` (the
+        primary when None or not held)."""
+        impl = self.formats.get(fmt) or self.formats[self.primary]
+        xa = x.to(self.act_dtype)
+        out = impl.reference(xa) if reference else impl(xa)
+        if self.rescore_top and self.act_dtype != torch.float32:
+            return self.rescored(xa, out)
+        return out.to(self.dtype)
+
+    def rescored(self, xa: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Logits [T, N] float32: the kernel's (rounded to the activation dtype: 3 digits,
+        so ties and 1-ulp flips between widths decide greedy tokens) with each row's top
+        `rescore_top` recomputed in float32 from the dequantised rows, one fixed-order dot
+        product per entry, so a row's values do not depend on how many rows ran with it."""
+        logits = out.float()
+        if logits.shape[0] == 0:  # a forward that wants no logits (a prefill chunk)
+            return logits
+        idx = logits.topk(min(self.rescore_top, logits.shape[1]), dim=-1).indices  # [T, k]
+        rows = self.rows(idx.reshape(-1), torch.float32).view(*idx.shape, -1)  # [T, k, K]
+        exact = (rows * xa.float().unsqueeze(1)).sum(-1)  # [T, k]
+        return logits.scatter_(1, idx, exact)
+
+    def dense(self) -> torch.Tensor:
+        """The weight's values as the primary format holds them: float32 [N, K]."""
+        return self.formats[self.primary].dense()
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Embedding lookup: rows `ids` [T] dequantised -> [T, K] in dtype (self.dtype)."""
+        impl, dtype = self.formats[self.primary], dtype or self.dtype
+        if impl.kind == "dense":
+            return impl.weight.index_select(0, ids).to(dtype)
+        if impl.kind == "int8":
+            return dequantize_int8(impl.qweight.index_select(0, ids), impl.scales.index_select(0, ids)).to(dtype)
+        q = unpack_nibbles(impl.nibbles.index_select(0, ids))
+        return dequantize_int4(q, impl.scales.index_select(0, ids), impl.zeros.index_select(0, ids),
+                               impl.group_size).to(dtype)
+
+    def nbytes(self, fmt: str | None = None) -> int:
+        return (self.formats.get(fmt) or self.formats[self.primary]).nbytes
+
+    def to(self, device) -> "QLinear":
+        if _device(self) != torch.device(device):
+            raise ValueError(f"a QLinear is built on its device at load; it is on {_device(self)}, not {device}")
+        return self
+
+
+def linear(x: torch.Tensor, weight, fmt: str | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoder's one linear dispatch. x: [T, K]; weight: a tensor [N, K] (F.linear,
+    unchanged) or a QLinear (run through `fmt`). Returns [T, N]."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    out = weight(x, fmt)
+    return out + bias if bias is not None else out
+
+
+def embed_rows(embed, ids: torch.Tensor) -> torch.Tensor:
+    """Embedding rows for token ids [T] -> [T, hidden]."""
+    if isinstance(embed, torch.Tensor):
+        return embed.index_select(0, ids)
+    return embed.rows(ids)
+
+
+def as_dense(weight) -> torch.Tensor:
+    """A tensor as is; a QLinear as its dequantised values in its hidden dtype."""
+    return weight if isinstance(weight, torch.Tensor) else weight.dense().to(weight.dtype)
+
+
+def weight_nbytes(weight) -> int:
+    """Bytes a narrow (width-1) step reads for this weight: those of the format a plan runs
+    width 1 in, else the primary format's."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return weight.nbytes(weight.narrow)
+
+
+# ---- a format per width, from costs measured at start-up -----------------------------------
+class FormatPlan:
+    """Which format to run a forward of T rows in: `formats[i]` for T <= bounds[i] (the last
+    beyond). `costs_ms[fmt][width]` keeps what was measured (for reports)."""
+
+    def __init__(self, bounds: tuple[int, ...], formats: tuple[str, ...],
+                 costs_ms: dict[str, dict[int, float]] | None = None) -> None:
+        if len(bounds) != len(formats) or not formats or list(bounds) != sorted(bounds):
+            raise ValueError(f"a FormatPlan needs ascending bounds, one per format: {bounds} / {formats}")
+        self.bounds, self.formats, self.costs_ms = tuple(bounds), tuple(formats), costs_ms or {}
+
+    def choose(self, width: int) -> str:
+        for bound, fmt in zip(self.bounds, self.formats):
+            if width <= bound:
+                return fmt
+        return self.formats[-1]
+
+    @classmethod
+    def from_costs(cls, costs_ms: dict[str, dict[int, float]], max_width: int = 4096) -> "FormatPlan":
+        """Fit cost = a + b * width to each format's measurements (least squares, so one
+        noisy sample cannot flip a width), then take the cheapest line at every width up to
+        max_width among the formats measured that wide (measure_costs stops measuring a
+        format that fell far behind); neighbouring widths with the same choice merge."""
+        lines = {f: fit_line(c) for f, c in costs_ms.items() if c}
+        reach = {f: max(c) for f, c in costs_ms.items() if c}  # widths beyond: no extrapolating
+        widest = max(reach.values())
+        bounds: list[int] = []
+        formats: list[str] = []
+        for w in range(1, max_width + 1):
+            known = [f for f in lines if reach[f] >= min(w, widest)]
+            best = min(known, key=lambda f: (lines[f][0] + lines[f][1] * w, f))
+            if formats and formats[-1] == best:
+                bounds[-1] = w
+            else:
+                bounds.append(w)
+                formats.append(best)
+        return cls(tuple(bounds), tuple(formats), costs_ms)
+
+    def describe(self) -> str:
+        lo, parts = 1, []
+        for bound, fmt in zip(self.bounds, self.formats):
+            parts.append(f"{fmt} for widths {lo}-{bound}" if bound > lo else f"{fmt} for width {lo}")
+            lo = bound + 1
+        parts[-1] += " and wider"
+        return ", ".join(parts)
+
+
+def fit_line(costs: dict[int, float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope >= 0) of cost against width; one point: flat."""
+    if len(costs) == 1:
+        return next(iter(costs.values())), 0.0
+    ws, cs = list(costs), list(costs.values())
+    mw, mc = sum(ws) / len(ws), sum(cs) / len(cs)
+    var = sum((w - mw) ** 2 for w in ws)
+    slope = max(sum((w - mw) * (c - mc) for w, c in zip(ws, cs)) / var, 0.0) if var else 0.0
+    return mc - slope * mw, slope
+
+
+def usable_formats(linears: list[QLinear], allow_inexact: bool = False) -> list[str]:
+    """Formats every QLinear holds (exact copies of its primary only, unless allowed)."""
+    names = [f for f in linears[0].formats if all(f in q.formats for q in linears)]
+    return [f for f in names if allow_inexact or all(q.exact[f] for q in linears)]
+
+
+def measure_costs(linears: list[QLinear], formats: list[str], widths: list[int], repeats: int = 5) -> dict[str, dict[int, float]]:
+    """Milliseconds to run every linear once at each width, per format: the best of
+    `repeats` rounds (formats interleaved within a round), which other load on a shared
+    machine can only make worse, never better."""
+    import time
+
+    costs: dict[str, dict[int, float]] = {f: {} for f in formats}
+    live = list(formats)
+    for w in widths:
+        inputs = [torch.randn(w, q.shape[1]).to(device=_device(q), dtype=q.act_dtype) for q in linears]
+        best = {f: float("inf") for f in live}
+        for r in range(repeats + 1):
+            for f in live:
+                if r and best[f] > 0.05:  # a slow format (e.g. int4 with float32 inputs): once is enough
+                    continue
+                impls = [q.formats[f] for q in linears]
+                t0 = time.perf_counter()
+                for impl, x in zip(impls, inputs):
+                    impl(x)
+                best[f] = min(best[f], time.perf_counter() - t0)
+        for f in live:
+            costs[f][w] = best[f] * 1e3
+        cheapest = min(best.values())
+        live = [f for f in live if best[f] <= 4 * cheapest]  # 4x behind: not measured wider
+    return costs
+
+
+def measure_plan(linears: list[QLinear], widths: list[int], repeats: int = 5,
+                 allow_inexact: bool = False) -> FormatPlan | None:
+    """A plan for these linears (e.g. a few layers' worth: costs scale with the count), or
+    None when they hold a single usable format."""
+    formats = usable_formats(linears, allow_inexact) if linears else []
+    if len(formats) < 2:
+        return None
+    return FormatPlan.from_costs(measure_costs(linears, formats, sorted(set(widths)), repeats))
+
+
+def self_check(q: QLinear, rows: int = 3, seed: int = 0) -> float:
+    """Run every format of q against its reference on random input; returns the largest
+    error relative to the output's magnitude. A packed layout that this torch build reads
+    differently shows up here as an O(1) error."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, q.shape[1], generator=gen).to(device=_device(q))
+    worst = 0.0
+    for name in q.formats:
+        fast, ref = q(x, name).float(), q(x, name, reference=True).float()
+        worst = max(worst, float((fast - ref).abs().max()) / (float(ref.abs().max()) + 1e-30))
+    return worst
+
+
+def _device(q: QLinear) -> torch.device:
+    impl = q.formats[q.primary]
+    return (impl.weight if impl.kind == "dense" else impl.qweight if impl.kind == "int8" else impl.packed).device
+
+
+# ---- load: bundle tensors -> QLinear objects ---------------------------------------------------
+def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = True) -> dict:
+    """weights.safetensors' tensors + quant.json (build/quantize.py) -> the decoder's weight
+    dict: plain tensors as they are, every other weight a QLinear (packed here), quantized
+    ones with the dense copies quant.json's `formats` names. `check` runs each kind of fast
+    path once against its reference (a torch whose packed layout differs fails here)."""
+    from specbuild.errors import BundleError
+
+    dtype = tensors["norm"].dtype  # the hidden states' dtype (norms stay plain)
+    act = ACT_DTYPES[quant.get("activations", "bfloat16")]
+    out = dict(tensors)
+    checked: set[str] = set()
+    for name, entry in quant.get("tensors", {}).items():
+        fmt = entry["format"]
+        if fmt == "dense":
+            continue
+        if fmt == "int4":
+            impl = Int4Format(out.pop(name + ".qweight"), out.pop(name + ".scales"), out.pop(name + ".zeros"),
+                              int(entry["group_size"]), act)
+        elif fmt == "int8":
+            impl = Int8Format(out.pop(name + ".qweight"), out.pop(name + ".scales"), act)
+        elif fmt in ACT_DTYPES:
+            impl = DenseFormat(out.pop(name), ACT_DTYPES[fmt])
+        else:
+            raise BundleError(f"quant.json: {name} has format {fmt!r}; this specbuild reads "
+                              f"int4, int8, {', '.join(ACT_DTYPES)}")
+        q = QLinear(impl, dtype)
+        if name == "lm_head" or (name == "embed" and "lm_head" not in quant["tensors"] and "lm_head" not in out):
+            q.rescore_top = RESCORE_TOP
+        if fmt in ("int4", "int8"):
+            for copy in quant.get("formats", []):  # the wide-step copies: transposed on CPU (cheaper there)
+                q.add_copy(copy, kn=dtype != torch.float64 and tensors["norm"].device.type == "cpu")
+        if check and fmt not in checked:
+            err = self_check(q)
+            if err > 2e-2:
+                raise BundleError(f"{name}: the {fmt} kernel of torch {torch.__version__} disagrees with its "
+                                  f"reference by {err:.3g} (relative); this torch packs differently")
+            checked.add(fmt)
+        out[name] = q
+    return out
+
+
+LINEAR_SUFFIXES = (".qkv", ".o", ".gate_up", ".down")
+
+
+def to_kn_layout(weights: dict) -> int:
+    """Store every plain float linear of a runtime weight dict (the layers', the lm_head and
+    the embedding, which is the lm_head when tied) transposed: [K, N] contiguous, kept as
+    its [N, K] view, so every user still sees the same shape and values and F.linear runs
+    the kernel that is cheaper for several rows (see DenseFormat). In place; returns the
+    number of tensors moved."""
+    count = 0
+    for name, t in list(weights.items()):
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and t.is_floating_point() and t.is_contiguous() and (
+                name in ("embed", "lm_head") or (name.startswith("layers.") and name.endswith(LINEAR_SUFFIXES))):
+            weights[name] = aligned(t.t()).t()
+            count += 1
+    return count
+
+
+def attach_plans(decoder, widths: list[int], sample_layers: int = 4, allow_inexact: bool = False) -> dict:
+    """Measure and set `decoder.plans` (format per width for the layers and the lm_head)
+    when its QLinear weights hold more than one usable format. Costs are measured over the
+    first `sample_layers` layers (they scale with the count). Returns the plans."""
+    w = decoder.w
+    layer = [v for k, v in w.items() if isinstance(v, QLinear) and k.startswith("layers.")
+             and int(k.split(".")[1]) < sample_layers]
+    plans = {}
+    groups = {"layers": [v for k, v in w.items() if isinstance(v, QLinear) and k.startswith("layers.")],
+              "lm_head": [decoder.lm_head] if isinstance(decoder.lm_head, QLinear) else []}
+    for group, sample in (("layers", layer), ("lm_head", groups["lm_head"])):
+        plan = measure_plan(sample, widths, allow_inexact=allow_inexact) if sample else None
+        if plan is not None:
+            plans[group] = plan
+            for q in groups[group]:
+                q.narrow = plan.choose(1)
+    decoder.plans = plans
+    return plans

@@ -1,1 +1,0 @@
-"""Bundle in, tokens out. Never imports specbuild.build."""

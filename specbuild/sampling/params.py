@@ -1,0 +1,123 @@
+"""Sampling settings and the one function that turns logits into probabilities.
+
+Plain decoding and speculative verification both call `warp_probs` with the request's
+`SamplingParams`, so the target distribution that rejection sampling preserves is exactly
+the one plain decoding samples from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specbuild.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    temperature 0 means greedy (argmax). top_k 0 and top_p 1.0 disable those filters.
+    seed None means: draw one at submission and report it, so any output can be redone.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 128
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature={self.temperature!r} is out of range [0, 100]")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= 1 << 20:
+            raise RequestError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p={self.top_p!r} is out of range (0, 1]")
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= 1 << 20:
+            raise RequestError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63):
+            raise RequestError(f"seed={self.seed!r} must be an integer in [0, 2**63)")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise RequestError(f"stop string {s!r} must be a non-empty string")
+        if len(self.stop) > 16:
+            raise RequestError(f"{len(self.stop)} stop strings given; at most 16 are allowed")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_seed(self) -> "SamplingParams":
+        """Return a copy whose seed is set (drawn from the OS when missing)."""
+        if self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=secrets.randbits(62))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], defaults: "SamplingParams | None" = None) -> "SamplingParams":
+        """Build from a JSON-ish dict; unknown keys raise, missing keys take `defaults`."""
+        base = defaults or cls()
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise RequestError(f"unknown sampling field(s) {sorted(unknown)}; known: {sorted(known)}")
+        return dataclasses.replace(base, **{k: v for k, v in data.items() if v is not None})
+
+
+def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits -> the distribution the request samples from.
+
+    logits: [..., vocab] (any float dtype). Returns float32 probabilities [..., vocab].
+    Greedy returns the one-hot of the argmax (ties: lowest id, as torch.argmax does).
+    Order: temperature, then top-k, then top-p over the tempered distribution.
+    """
+    logits = logits.float()
+    if params.greedy:
+        out = torch.zeros_like(logits)
+        out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return out
+    scaled = logits / params.temperature
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling. probs: [n, vocab]; uniform: [n] in [0, 1). Returns [n] int64.
+
+    Taking the uniforms as input (drawn from the request's generator) keeps sampling a pure
+    function, which is what makes seeded runs reproducible in any batch.
+    """
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    total = cdf[..., -1:]
+    idx = torch.searchsorted(cdf, (uniform.double().unsqueeze(-1) * total), right=True).squeeze(-1)
+    # guard against the u * total == total edge: pick the last token with mass
+    idx = idx.clamp(max=probs.shape[-1] - 1)
+    bad = probs.gather(-1, idx.unsqueeze(-1)).squeeze(-1) <= 0
+    if bool(bad.any()):
+        last_nonzero = (probs > 0).double().cumsum(-1).argmax(-1)
+        idx = torch.where(bad, last_nonzero, idx)
+    return idx

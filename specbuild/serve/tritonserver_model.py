@@ -1,0 +1,407 @@
+"""specbuild's Triton Python-backend model (copied to REPO/<name>/1/model.py by `specbuild triton-repo`).
+
+One file, two roles, chosen by the config parameter `role`:
+
+engine  (decoupled) loads the bundle once per instance (through `engine_factory`, by default
+        `specbuild.backends.select:open_engine` with the `backend` parameter: auto, torch or
+        tensorrt-llm, as `specbuild generate --backend`) and runs the engine's step loop on a
+        background thread. `execute()` only parses and enqueues each request and returns;
+        a forwarding thread per request relays the engine's events to that request's
+        response sender (one response per text increment when `stream` is true, else one
+        response), the last one with TRITONSERVER_RESPONSE_COMPLETE_FINAL. Concurrent
+        requests therefore share the engine's batched verification passes.
+plain   (not decoupled) a light front for unary HTTP / gRPC `infer`, which Triton refuses on
+        decoupled models: it forwards each request to the engine model (BLS) with stream
+        false and returns its single response. It never imports torch or specbuild.
+
+Inputs and outputs (names as TensorRT-LLM's ensemble; see specbuild/serve/tritonserver_repo.py):
+text_input, max_tokens, stream, temperature, top_k, top_p, stop_words, end_id, seed,
+speculation, gamma, return_perf_metrics -> text_output (generated text only) and, with
+return_perf_metrics, acceptance_rate (accepted / drafted, 0 when nothing was drafted),
+total_accepted_draft_tokens, total_draft_tokens. A bad value gets a Triton error response
+for that request only (wrong types and shapes are refused by Triton before it gets here).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+try:  # present inside the Triton stub only; the parsing below is importable anywhere
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # pragma: no cover - outside Triton
+    pb_utils = None
+
+log = logging.getLogger("specbuild.serve.tritonserver")
+PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+ALL_OUTPUTS = ("text_output",) + PERF_OUTPUTS
+POLL_S = 0.1
+# error code -> message prefix: a BLS caller (the plain model) sees every error as INTERNAL,
+# so the code travels in the message too
+ERROR_TAGS = {"INVALID_ARG": "invalid request: ", "UNAVAILABLE": "unavailable: ", "CANCELLED": "cancelled: "}  # how often a waiting forwarder checks for cancellation and shutdown
+
+
+class InputError(ValueError):
+    """A request's input has a wrong shape or value; its message names the input."""
+
+
+class Unavailable(RuntimeError):
+    """The model cannot take the request now (queue full, shutting down)."""
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A request's inputs as plain Python values (None: not given, the bundle's default)."""
+
+    prompt: str
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    speculation: dict[str, Any] = field(default_factory=dict)  # SpeculationConfig fields
+    end_id: int | None = None
+    stream: bool = False
+    perf: bool = False
+
+
+def scalar(tensors: dict[str, np.ndarray], name: str, kinds: str) -> Any:
+    """The single element of input `name` (None when absent), checked against numpy kinds."""
+    arr = tensors.get(name)
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if arr.size != 1:
+        raise InputError(f"input {name} must hold exactly one element, got shape {list(arr.shape)}")
+    if arr.dtype.kind not in kinds:
+        raise InputError(f"input {name} has numpy dtype {arr.dtype}, expected kind {kinds!r}")
+    return arr.reshape(-1)[0]
+
+
+def text_of(value: Any, name: str) -> str:
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"input {name} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    return str(value)
+
+
+def parse_inputs(tensors: dict[str, np.ndarray]) -> Parsed:
+    """Triton input tensors (name -> array) -> Parsed. Raises InputError naming the input.
+
+    TensorRT-LLM conventions kept: empty stop words are ignored (clients send [""] for
+    none) and top_p 0 means "no top-p filter"."""
+    text = scalar(tensors, "text_input", "OSU")
+    if text is None:
+        raise InputError("input text_input is required")
+    max_tokens = scalar(tensors, "max_tokens", "iu")
+    if max_tokens is None:
+        raise InputError("input max_tokens is required")
+    sampling: dict[str, Any] = {"max_tokens": int(max_tokens)}
+    for name, kinds, cast in (("temperature", "f", float), ("top_k", "iu", int), ("top_p", "f", float),
+                              ("seed", "iu", int)):
+        value = scalar(tensors, name, kinds)
+        if value is not None:
+            sampling[name] = cast(value)
+    if sampling.get("top_p") == 0.0:
+        sampling["top_p"] = 1.0
+    stop_words = tensors.get("stop_words")
+    if stop_words is not None:
+        stop_words = np.asarray(stop_words)
+        if stop_words.dtype.kind not in "OSU":
+            raise InputError(f"input stop_words has numpy dtype {stop_words.dtype}, expected strings")
+        stops = tuple(s for s in (text_of(v, "stop_words") for v in stop_words.reshape(-1)) if s)
+        if stops:
+            sampling["stop"] = stops
+    speculation: dict[str, Any] = {}
+    method = scalar(tensors, "speculation", "OSU")
+    if method is not None:
+        method = text_of(method, "speculation").strip()
+        if method:
+            speculation["method"] = method
+    gamma = scalar(tensors, "gamma", "iu")
+    if gamma is not None:
+        speculation["gamma"] = int(gamma)
+    end_id = scalar(tensors, "end_id", "iu")
+    stream = scalar(tensors, "stream", "b")
+    perf = scalar(tensors, "return_perf_metrics", "b")
+    return Parsed(prompt=text_of(text, "text_input"), sampling=sampling, speculation=speculation,
+                  end_id=None if end_id is None else int(end_id), stream=bool(stream), perf=bool(perf))
+
+
+def build_request(parsed: Parsed, engine, request_id: str | None = None):
+    """Parsed -> specbuild Request over the engine's defaults. Raises RequestError."""
+    from specbuild.errors import RequestError
+    from specbuild.sampling.params import SamplingParams
+    from specbuild.engine.sequence import Request
+    from specbuild.speculation.config import SpeculationConfig
+
+    sampling = dict(parsed.sampling)
+    if parsed.end_id is not None:
+        vocab = engine.target_config.vocab_size
+        if not 0 <= parsed.end_id < vocab:
+            raise RequestError(f"end_id={parsed.end_id} is out of range [0, {vocab})")
+        sampling["stop_token_ids"] = (parsed.end_id,)
+    params = SamplingParams.from_dict(sampling, engine.default_sampling)
+    spec = SpeculationConfig.make(engine.default_speculation, **parsed.speculation) if parsed.speculation else None
+    return Request(prompt=parsed.prompt, sampling=params, speculation=spec, request_id=request_id or None)
+
+
+def perf_values(drafted: int, accepted: int) -> dict[str, np.ndarray]:
+    """The three perf outputs, each shape [1]."""
+    return {"acceptance_rate": np.array([accepted / drafted if drafted else 0.0], dtype=np.float32),
+            "total_accepted_draft_tokens": np.array([accepted], dtype=np.int32),
+            "total_draft_tokens": np.array([drafted], dtype=np.int32)}
+
+
+def string_tensor(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
+def config_parameters(model_config: dict) -> dict[str, str]:
+    return {k: v.get("string_value", "") for k, v in (model_config.get("parameters") or {}).items()}
+
+
+def error_response(message: str, code: str | None = None, tagged: bool = False):
+    """An error response; the message starts with the code's tag (see ERROR_TAGS)."""
+    if code in ERROR_TAGS and not tagged:
+        message = ERROR_TAGS[code] + message
+    value = getattr(pb_utils.TritonError, code, None) if code else None
+    error = pb_utils.TritonError(message, value) if value is not None else pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+class EngineModel:
+    """The decoupled model: one engine, a forwarding thread per request."""
+
+    def __init__(self, model_config: dict, params: dict[str, str]) -> None:
+        path = params.get("python_path")
+        if path and path not in sys.path:
+            sys.path.append(path)  # after site-packages: an installed specbuild wins
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: idle threads sleep
+        from specbuild.errors import RequestError
+        from specbuild.engine.engine import EngineConfig
+
+        self.RequestError = RequestError
+        # repositories written before the backend seam name no factory and no backend: the torch Engine
+        module, _, attr = params.get("engine_factory", "specbuild.engine.engine:Engine").partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+        ints = {k: int(params[k]) for k in ("threads", "max_batch_size", "kv_cache_tokens") if params.get(k)}
+        backend = {"backend": params["backend"]} if params.get("backend") else {}  # open_engine's choice
+        self.engine = factory(params["bundle"], EngineConfig(device=params.get("device") or "cpu", **ints), **backend)
+        self.max_queue = int(params.get("max_queue") or 64)
+        self.closing = False
+        self.lock = threading.Lock()
+        self.ipc_lock = threading.Lock()
+        self.active: dict[int, tuple[Any, threading.Thread]] = {}
+        self.metrics = self.make_metrics(model_config.get("name", "specbuild"))
+        self.engine.start()
+        log.warning("specbuild engine loaded %s in %.1fs (%s backend, max batch %d, methods %s)", params["bundle"],
+                    self.engine.load_seconds, getattr(self.engine, "backend_name", "torch"),
+                    self.engine.max_batch_size, ", ".join(self.engine.methods))
+
+    @staticmethod
+    def make_metrics(model: str) -> dict[str, Any]:
+        """Counters on Triton's /metrics (the stub registers them with the server)."""
+        if not hasattr(pb_utils, "MetricFamily"):
+            return {}
+        out = {}
+        for name, doc in (("generated_tokens", "Tokens generated"), ("draft_tokens", "Draft tokens proposed"),
+                          ("accepted_draft_tokens", "Draft tokens accepted")):
+            family = pb_utils.MetricFamily(name=f"specbuild_{name}_total", description=doc,
+                                           kind=pb_utils.MetricFamily.COUNTER)
+            out[name] = (family, family.Metric(labels={"model": model}))
+        return out
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                parsed = parse_inputs({t.name(): t.as_numpy() for t in request.inputs()})
+                if self.closing:
+                    raise Unavailable("the model is shutting down")
+                waiting = self.engine.stats()["queue_depth"]
+                if waiting >= self.max_queue:
+                    raise Unavailable(f"{waiting} requests are waiting, the queue limit (max_queue) is "
+                                          f"{self.max_queue}; retry later")
+                handle = self.engine.submit(build_request(parsed, self.engine, request.request_id()))
+            except (InputError, self.RequestError) as e:
+                self.send(sender, error_response(str(e), "INVALID_ARG"), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            except Unavailable as e:
+                self.send(sender, error_response(str(e), "UNAVAILABLE"), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            thread = threading.Thread(target=self.forward, args=(handle, sender, parsed, request), daemon=True,
+                                      name=f"specbuild-forward-{handle.request_id}")
+            with self.lock:
+                self.active[id(handle)] = (handle, thread)
+            thread.start()
+        return None
+
+    # Every call that messages the Triton backend from a forwarding thread goes through
+    # ipc_lock: in 2.51 concurrent custom-metric updates from threads crash tritonserver
+    # (SIGSEGV in ModelInstanceState::ProcessMetricRequest), so none of it runs concurrently.
+    def send(self, sender, response, flags: int = 0) -> None:
+        with self.ipc_lock:
+            sender.send(response, flags=flags)
+
+    def is_cancelled(self, sender) -> bool:
+        if not hasattr(sender, "is_cancelled"):
+            return False
+        with self.ipc_lock:
+            return bool(sender.is_cancelled())
+
+    def response(self, text: str, handle, perf: bool):
+        outputs = [pb_utils.Tensor("text_output", string_tensor(text))]
+        if perf:
+            seq = handle.seq
+            outputs += [pb_utils.Tensor(k, v) for k, v in perf_values(seq.drafted, seq.accepted).items()]
+        return pb_utils.InferenceResponse(output_tensors=outputs)
+
+    def forward(self, handle, sender, parsed: Parsed, request=None) -> None:
+        """Relay one request's events to its sender until the final one (runs on its own thread).
+
+        `request` is held only so the stub keeps the request object until its final response."""
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        text: list[str] = []
+        try:
+            while True:
+                event = handle.get(timeout=POLL_S)
+                if event is None:
+                    if self.closing or self.is_cancelled(sender):
+                        self.engine.abort(handle)  # emits a final "abort" event, handled below
+                    continue
+                if event.finished and event.finish_reason in ("error", "abort"):
+                    aborted = event.finish_reason == "abort"
+                    reason = handle.error or ("the request was cancelled" if aborted else "internal error in the engine")
+                    self.send(sender, error_response(reason, "CANCELLED" if aborted else "INTERNAL"), final)
+                    return
+                if parsed.stream:
+                    if event.text or event.finished:
+                        response = self.response(event.text, handle, parsed.perf and event.finished)
+                        self.send(sender, response, final if event.finished else 0)
+                else:
+                    text.append(event.text)
+                    if event.finished:
+                        self.send(sender, self.response("".join(text), handle, parsed.perf), final)
+                if event.finished:
+                    self.count(handle.seq)
+                    return
+        except Exception as e:  # a bug must not leave the client waiting
+            log.exception("forwarding request %s failed", handle.request_id)
+            if not handle.seq.finished:
+                self.engine.abort(handle)
+            try:
+                self.send(sender, error_response(f"internal error: {e}", "INTERNAL"), final)
+            except Exception:
+                pass
+        finally:
+            with self.lock:
+                self.active.pop(id(handle), None)
+
+    def count(self, seq) -> None:
+        for name, value in (("generated_tokens", len(seq.output_ids)), ("draft_tokens", seq.drafted),
+                            ("accepted_draft_tokens", seq.accepted)):
+            if name in self.metrics and value:
+                with self.ipc_lock:
+                    self.metrics[name][1].increment(value)
+
+    def finalize(self) -> None:
+        self.closing = True
+        with self.lock:
+            running = list(self.active.values())
+        for handle, _ in running:
+            self.engine.abort(handle)
+        for _, thread in running:
+            thread.join(timeout=2)
+        getattr(self.engine, "close", self.engine.stop)()  # close: TensorRT-LLM shuts its executors down
+
+
+class PlainModel:
+    """The non-decoupled front: each request goes to the engine model as one BLS call."""
+
+    def __init__(self, model_config: dict, params: dict[str, str]) -> None:
+        self.target = params["target_model"]
+
+    def execute(self, requests: list) -> list:
+        return [self.forward(request) for request in requests]
+
+    def forward(self, request):
+        inputs = [t for t in request.inputs() if t.name() != "stream"]
+        inputs.append(pb_utils.Tensor("stream", np.array([False], dtype=np.bool_)))
+        bls = pb_utils.InferenceRequest(model_name=self.target, inputs=inputs,
+                                        requested_output_names=list(ALL_OUTPUTS))
+        text: list[str] = []
+        outputs: dict[str, Any] = {}
+        for response in bls.exec(decoupled=True):
+            if response.has_error():
+                # BLS hands every error over as INTERNAL: recover the code from the message's tag
+                message = response.error().message()
+                code = next((c for c, tag in ERROR_TAGS.items() if message.startswith(tag)), None)
+                return error_response(message, code, tagged=True)
+            for tensor in response.output_tensors():
+                if tensor.name() == "text_output":
+                    text.extend(text_of(v, "text_output") for v in tensor.as_numpy().reshape(-1))
+                else:
+                    outputs[tensor.name()] = tensor.as_numpy()
+        tensors = [pb_utils.Tensor("text_output", string_tensor("".join(text)))]
+        tensors += [pb_utils.Tensor(name, value) for name, value in outputs.items()]
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def finalize(self) -> None:
+        pass
+
+
+def utf8_locale() -> None:
+    """Make text files open as UTF-8 in the stub.
+
+    The stub embeds Python without PEP 538 locale coercion, so under the C locale a plain
+    open() decodes ASCII and a bundle's tokenizer.json fails to read. Setting LC_CTYPE
+    changes what open() defaults to (locale.getencoding reads the current LC_CTYPE)."""
+    import locale
+
+    if locale.getpreferredencoding(False).replace("-", "").lower() == "utf8":
+        return
+    for name in ("C.UTF-8", "C.utf8", "en_US.UTF-8"):
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+            return
+        except locale.Error:
+            continue
+    log.warning("no UTF-8 locale available; files are read as %s", locale.getpreferredencoding(False))
+
+
+class TritonPythonModel:
+    """The class Triton's Python backend instantiates; delegates to the configured role."""
+
+    def initialize(self, args: dict) -> None:
+        if not log.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
+        model_config = json.loads(args["model_config"])
+        params = config_parameters(model_config)
+        utf8_locale()
+        if int(np.__version__.split(".")[0]) >= 2:
+            log.warning("numpy %s in the backend stub (%s): Triton <= 2.51 stubs were built against numpy 1 and "
+                        "corrupt string tensors under numpy 2; point EXECUTION_ENV_PATH at an environment with "
+                        "numpy<2 (scripts/get_tritonserver.py makes one)", np.__version__, sys.executable)
+        role = params.get("role", "engine")
+        if role == "engine":
+            self.impl = EngineModel(model_config, params)
+        elif role == "plain":
+            self.impl = PlainModel(model_config, params)
+        else:
+            raise ValueError(f"parameter role={role!r} is not one of engine, plain")
+
+    def execute(self, requests: list):
+        return self.impl.execute(requests)
+
+    def finalize(self) -> None:
+        self.impl.finalize()

@@ -1,0 +1,126 @@
+"""Draft-model drafter: a small decoder with its own paged KV cache.
+
+Per sequence the draft cache holds a prefix of the sequence's tokens
+(`seq.extra["draft_len"]`). Proposing first feeds the tokens it has not seen (the last
+accepted token, or more after a repair), then drafts gamma tokens one batched forward at
+a time, sampling each from the request's warped distribution and keeping those
+probabilities for rejection sampling. After verification `rollback` trims the draft
+cache to what the target accepted, in the same call that trims the target's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specbuild.model.decoder import Decoder, ForwardBatch, ragged_mask
+from specbuild.sampling.params import sample_from, warp_probs
+from specbuild.speculation.proposers.base import Draft
+
+log = logging.getLogger("specbuild.draft")
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, model: Decoder, num_blocks: int, target_vocab: int, block_size: int = 16,
+                 vocab_map: torch.Tensor | None = None) -> None:
+        self.model = model
+        self.cache = model.new_cache(num_blocks, block_size)
+        self.vocab_map = vocab_map  # [draft_vocab] target ids of the draft's outputs, or None
+        self.target_vocab = target_vocab
+
+    def _ensure(self, seq) -> None:
+        if seq.seq_id not in self.cache.seqs:
+            self.cache.add(seq.seq_id)
+            seq.extra["draft_len"] = 0
+
+    def _forward(self, rows: list[tuple[object, list[int]]]) -> torch.Tensor:
+        """Feed tokens[i] to seqs[i] (ragged); returns last-row logits [len(rows), vocab]."""
+        ids, pos, wslots, rslots, last = [], [], [], [], []
+        blocks, t, s = [], 0, 0
+        for seq, toks in rows:
+            start = seq.extra["draft_len"]
+            n = len(toks)
+            self.cache.reserve(seq.seq_id, start + n)
+            slots = self.cache.slots(seq.seq_id, 0, start + n)
+            ids += toks
+            pos.append(torch.arange(start, start + n))
+            wslots.append(slots[start:])
+            rslots.append(slots)
+            blocks.append((t, s, n, start, None))
+            t += n
+            s += start + n
+            last.append(t - 1)
+            seq.extra["draft_len"] = start + n
+        mask = ragged_mask(blocks, t, s)
+        dev = self.cache.device
+        batch = ForwardBatch(torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(pos).to(dev),
+                             torch.cat(wslots).to(dev), torch.cat(rslots).to(dev),
+                             None if mask is None else mask.to(dev), torch.tensor(last, device=dev))
+        for seq, _ in rows:
+            self.cache.set_length(seq.seq_id, seq.extra["draft_len"])
+        return self.model.forward(batch, self.cache)
+
+    def _to_target_vocab(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
+        """A reduced-vocabulary draft: scatter its logits into the target's vocabulary,
+        -inf elsewhere (probability zero: rejection sampling stays exact)."""
+        if self.vocab_map is None:
+            return logits
+        full = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype)
+        full[:, self.vocab_map] = logits
+        return full
+
+    def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
+        active = [(i, s, g) for i, (s, g) in enumerate(zip(seqs, gammas)) if g > 0]
+        out: list[Draft | None] = [None] * len(seqs)
+        if not active:
+            return out
+        tokens: dict[int, list[int]] = {i: [] for i, _, _ in active}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in active}
+        rows = []
+        for i, seq, g in active:
+            self._ensure(seq)
+            ids = seq.all_ids
+            if seq.extra["draft_len"] > len(ids) - 1:  # cannot happen unless state broke: repair
+                log.warning("draft cache of sequence %d ahead of its text (%d > %d): re-prefilling",
+                            seq.seq_id, seq.extra["draft_len"], len(ids) - 1)
+                self.rollback(seq, 0)
+            rows.append((seq, ids[seq.extra["draft_len"]:]))
+        live = active
+        for step in range(max(g for _, _, g in active)):
+            logits = self._forward(rows)
+            logits = self._to_target_vocab(logits, self.target_vocab)
+            nxt_rows, nxt_live = [], []
+            for r, (i, seq, g) in enumerate(live):
+                if seq.params.greedy:
+                    tok = int(logits[r].argmax())
+                    p = None
+                else:
+                    p = warp_probs(logits[r:r + 1], seq.params)[0]
+                    tok = int(sample_from(p.unsqueeze(0), seq.uniforms(1))[0])
+                tokens[i].append(tok)
+                probs[i].append(p)
+                if len(tokens[i]) < g:
+                    nxt_rows.append((seq, [tok]))
+                    nxt_live.append((i, seq, g))
+            if not nxt_live:
+                break
+            rows, live = nxt_rows, nxt_live
+        for i, seq, g in active:
+            p = None if seq.params.greedy else torch.stack(probs[i])
+            out[i] = Draft(tokens[i], p, method="draft")
+        return out
+
+    def rollback(self, seq, length: int) -> None:
+        """Target holds `length` valid tokens: keep at most that many in the draft cache."""
+        if seq.seq_id not in self.cache.seqs:
+            return
+        keep = min(seq.extra.get("draft_len", 0), length)
+        seq.extra["draft_len"] = keep
+        self.cache.set_length(seq.seq_id, keep)
+
+    def release(self, seq) -> None:
+        self.cache.release(seq.seq_id)
+        seq.extra.pop("draft_len", None)

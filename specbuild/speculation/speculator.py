@@ -1,0 +1,258 @@
+"""Speculation inside the scheduler's step: which drafter, how deep, verify, commit.
+
+The scheduler calls, per step: `propose(decoding seqs) -> {seq: Draft}`, `bins(items)`,
+`verify(seq, draft, target_logits) -> (accepted, new tokens)` and `commit(seq, length)`,
+which moves the target's and every drafter's cache to the same length in one call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import logging
+import time
+
+import torch
+
+from specbuild.speculation.binning import BinCost, plan
+from specbuild.speculation.gamma import CostModel, GammaController, TreeCostModel, best_gamma, expected_tokens
+from specbuild.model.kv_cache import PagedKVCache
+from specbuild.model.decoder import Decoder, ForwardBatch
+from specbuild.sampling.params import warp_probs
+from specbuild.sampling.acceptance import verify_chain_greedy, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled, verify_tree_typical
+
+log = logging.getLogger("specbuild.speculator")
+
+
+def measure_verify_costs(model: Decoder, cache: PagedKVCache, widths: list[int], context: int = 64,
+                         repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one target forward of `w` new tokens after `context` cached ones."""
+    seq_id = -1
+    cache.add(seq_id)
+    try:
+        cache.reserve(seq_id, context + max(widths))
+        slots = cache.slots(seq_id, 0, context + max(widths))
+        out = {}
+        for w in widths:
+            n = context + w
+            mask = torch.ones(w, n, dtype=torch.bool)
+            mask[:, context:] = torch.ones(w, w, dtype=torch.bool).tril()
+            batch = ForwardBatch(torch.zeros(w, dtype=torch.int64, device=cache.device),
+                                 torch.arange(context, n, device=cache.device), slots[context:n].to(cache.device),
+                                 slots[:n].to(cache.device), None if w == 1 else mask.to(cache.device),
+                                 torch.arange(w, device=cache.device))
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                model.forward(batch, cache)
+                times.append(time.perf_counter() - t0)
+            out[w] = sorted(times[1:])[len(times[1:]) // 2]
+        return out
+    finally:
+        cache.release(seq_id)
+
+
+@functools.lru_cache(maxsize=256)
+def nodes_within_depth(tree) -> list[int]:
+    """[d] = how many of the tree's nodes lie within depth d (d = 0 .. max depth); once per tree."""
+    return [sum(1 for p in tree.paths if len(p) <= d) for d in range(tree.max_depth + 1)]
+
+
+class Speculator:
+    def __init__(self, target: Decoder, cache: PagedKVCache, proposers: dict, max_draft_len: int,
+                 max_seq_len: int, binning: str = "ragged", costs: dict[str, CostModel] | None = None) -> None:
+        self.target = target
+        self.cache = cache
+        self.proposers = proposers  # method name -> proposer
+        self.max_draft_len = max_draft_len
+        self.max_seq_len = max_seq_len
+        self.binning = binning
+        self._costs = costs
+        self._controller: GammaController | None = None
+        self.bin_cost: BinCost | None = None
+
+    # ---- costs, measured once on first use ---------------------------------------------------
+    @property
+    def controller(self) -> GammaController:
+        if self._controller is None:
+            if self._costs is None:
+                self._costs = self.calibrate()
+            self._controller = GammaController(self._costs)
+        return self._controller
+
+    def calibrate(self) -> dict[str, CostModel]:
+        t0 = time.perf_counter()
+        widths = sorted({1, 2, 3, 5, self.max_draft_len + 1})
+        verify = measure_verify_costs(self.target, self.cache, widths)
+        costs = {}
+        for name, prop in self.proposers.items():
+            draft_cost = 0.0
+            if hasattr(prop, "model"):
+                draft_cost = measure_verify_costs(prop.model, prop.cache, [1])[1]
+            costs[name] = CostModel(verify, draft_cost)
+        w1, wn = verify[1], verify[max(widths)]
+        self.bin_cost = BinCost(pass_overhead=max(w1 - (wn - w1) / max(max(widths) - 1, 1), 1e-4),
+                                token_cost=max((wn - w1) / max(max(widths) - 1, 1), 1e-6))
+        log.info("calibrated speculation costs in %.2fs: verify %s", time.perf_counter() - t0,
+                 {k: round(v * 1e3, 2) for k, v in verify.items()})
+        return costs
+
+    # ---- per-step hooks ------------------------------------------------------------------------
+    @property
+    def wants_hidden(self) -> bool:
+        """Medusa heads read the target's hidden state of the row that chose each root."""
+        return "medusa" in self.proposers and hasattr(self.proposers["medusa"], "observe")
+
+    def observe_hidden(self, seq, hidden_row: torch.Tensor) -> None:
+        self.proposers["medusa"].observe(seq, hidden_row)
+
+    def max_extra_tokens(self, seq) -> int:
+        return self.max_draft_len + 1
+
+    def on_admit(self, seq) -> None:
+        pass
+
+    def on_release(self, seq) -> None:
+        for prop in self.proposers.values():
+            prop.release(seq)
+
+    def choose_method(self, seq) -> str | None:
+        method = seq.spec.method if seq.spec is not None else "none"
+        if method == "none":
+            return None
+        if method != "auto":
+            return method
+        best, best_rate = None, 0.0
+        for name in self.proposers:
+            cm = self.cost_model(seq, name)
+            alpha = self.method_alpha(seq, name)
+            g = best_gamma(alpha, max(1, seq.spec.gamma_min), max(1, seq.spec.gamma_max), cm)
+            rate = expected_tokens(alpha, g) / (g * cm.draft_cost + cm.verify(g + 1))
+            if rate > best_rate:
+                best, best_rate = name, rate
+        plain_rate = 1.0 / self.controller.costs[next(iter(self.proposers))].verify(1)
+        return best if best_rate > plain_rate else None
+
+    def cost_model(self, seq, method: str):
+        """The measured costs of `method` for seq; for Medusa, depth g verifies all of the
+        request's tree within depth g (gamma.TreeCostModel)."""
+        cm = self.controller.costs[method]
+        validate = getattr(self.proposers.get(method), "validate_tree", None) if method == "medusa" else None
+        if validate is None:  # a chain drafter (or a tree proposer that does not name its tree)
+            return cm
+        return TreeCostModel(cm, nodes_within_depth(validate(getattr(seq.spec, "tree", None))))
+
+    def method_alpha(self, seq, method: str) -> float:
+        drafted, accepted = seq.extra.get(f"auto_{method}", (0, 0))
+        return (accepted + 1.2) / (drafted + 2)
+
+    def propose(self, seqs: list) -> dict:
+        by_method: dict[str, list] = {}
+        for seq in seqs:
+            method = self.choose_method(seq)
+            seq.extra["method"] = method
+            if method is None:
+                seq.gammas.append(0)
+                continue
+            gamma = self.controller.next(seq, method, self.cost_model(seq, method))
+            # never draft past the sequence's room (its max tokens or the context limit)
+            room = min(seq.params.max_tokens - len(seq.output_ids), self.max_seq_len - seq.total_len) - 1
+            gamma = max(0, min(gamma, self.max_draft_len, room))
+            seq.gammas.append(gamma)
+            if gamma > 0:
+                by_method.setdefault(method, []).append((seq, gamma))
+        out = {}
+        for method, pairs in by_method.items():
+            drafts = self.proposers[method].propose([s for s, _ in pairs], [g for _, g in pairs])
+            for (seq, gamma), draft in zip(pairs, drafts):
+                if draft is not None and len(draft) > 0:
+                    out[seq] = draft
+                else:
+                    self.controller.record(seq, 0, 0)
+        return out
+
+    def bins(self, items: list) -> list[list]:
+        if self.binning == "ragged" or len(items) <= 1:
+            return [items]
+        if self.binning == "padded":  # one pass, decode items padded to the widest
+            widest = max((it.width for it in items if it.completes and len(it.chunk) == 1), default=0)
+            for it in items:
+                if it.completes and len(it.chunk) == 1:
+                    it.pad = widest - it.width
+            return [items]
+        _ = self.controller  # make sure bin costs are calibrated
+        groups = plan([it.width for it in items], self.binning, self.bin_cost)
+        return [[items[i] for i in g] for g in groups]
+
+    def verify(self, seq, draft, target_logits: torch.Tensor) -> tuple[int, list[int]]:
+        """target_logits: [k + 1, vocab]. Returns (accepted drafts, tokens to append)."""
+        k = len(draft.tokens)
+        ids = torch.tensor(draft.tokens, dtype=torch.int64)
+        if draft.parents is not None:
+            res = self.verify_tree(seq, draft, target_logits)
+            a = len(res.accepted_nodes)
+            seq.extra["accepted_nodes"] = res.accepted_nodes
+            draft.last_row = res.accepted_nodes[-1] if res.accepted_nodes else 0
+            # by depth: the fraction of tree steps whose accepted path reached depth d + 1
+            self.record(seq, draft, k, a, depth_counts=[1] * max(draft.depths))
+            return a, list(res.tokens)
+        if seq.params.greedy:
+            res = verify_chain_greedy(ids, target_logits)
+        else:
+            target_probs = warp_probs(target_logits, seq.params)  # [k + 1, vocab]
+            draft_probs = draft.probs
+            if draft_probs is not None:
+                draft_probs = draft_probs.to(target_probs.device)
+            res = verify_chain_sampled(ids, draft_probs, target_probs, seq.uniforms(k + 1))
+        a = res.accepted
+        self.record(seq, draft, k, a)
+        return a, list(res.tokens)
+
+    def verify_tree(self, seq, draft, target_logits: torch.Tensor):
+        """target_logits: [n + 1, vocab], row i = the target after tree node i (0 = root)."""
+        node_tokens = torch.tensor([0, *draft.tokens], dtype=torch.int64)
+        if seq.params.greedy:
+            return verify_tree_greedy(draft.parents, node_tokens, target_logits)
+        target_probs = warp_probs(target_logits, seq.params)
+        uniforms = seq.uniforms(len(draft.parents))
+        if seq.spec.typical:  # LOSSY, opt-in: Medusa's typical acceptance
+            return verify_tree_typical(draft.parents, node_tokens, target_probs, uniforms)
+        return verify_tree_sampled(draft.parents, node_tokens, target_probs, uniforms)
+
+    def record(self, seq, draft, k: int, a: int, depth_counts: list[int] | None = None) -> None:
+        """Acceptance statistics: drafted tokens (tree: nodes), accepted, and by position."""
+        seq.drafted += k
+        seq.accepted += a
+        counts = depth_counts or [1] * k
+        for i, c in enumerate(counts):
+            if len(seq.drafted_by_pos) <= i:
+                seq.drafted_by_pos.append(0)
+                seq.accepted_by_pos.append(0)
+            seq.drafted_by_pos[i] += c
+            seq.accepted_by_pos[i] += int(i < a)
+        method = seq.extra.get("method") or draft.method
+        d, acc = seq.extra.get(f"auto_{method}", (0, 0))
+        # a tree's "drafted" for the depth controller is its depth, not its node count
+        depth = len(counts) if depth_counts else k
+        seq.extra[f"auto_{method}"] = (d + depth, acc + a)
+        self.controller.record(seq, depth, a)
+
+    def compact(self, seq, item, cache: PagedKVCache, accepted: int) -> None:
+        """After a tree step, move the accepted path's K/V into contiguous positions right
+        after the root; the other nodes' entries are dropped by the following commit."""
+        nodes = seq.extra.pop("accepted_nodes", ())
+        assert len(nodes) == accepted
+        root = item.start + len(item.chunk) - 1  # cache index of the root token
+        moves = [(root + node, root + 1 + j) for j, node in enumerate(nodes) if node != j + 1]
+        if not moves:
+            return
+        slots = cache.slots(seq.seq_id, 0, root + 1 + max(nodes))
+        src = slots[torch.tensor([m[0] for m in moves])]
+        dst = slots[torch.tensor([m[1] for m in moves])]
+        cache.copy_slots(src.to(cache.device), dst.to(cache.device))
+
+    def commit(self, seq, length: int) -> None:
+        """Target and every drafter hold `length` valid tokens of seq after this call."""
+        self.cache.set_length(seq.seq_id, length)
+        for prop in self.proposers.values():
+            prop.rollback(seq, length)

@@ -1,0 +1,452 @@
+"""MineDraft and the MPI runtime: the wire format, the two-batch scheduler in process (a
+loopback drafter), and the real thing: `mpirun -n 2 ... serve --parallel-draft` queried over
+loopback HTTP, its draft rank SIGKILLed mid-run, world sizes refused; and TensorRT-LLM leader
+mode: `mpirun -n 2 ... serve` of a bundle whose engines were built for tp 2, every rank
+driving the stand-in executor of tests/trtllm_stub.py (SPECBUILD_TEST_TRTLLM_BINDINGS).
+
+Every wait is bounded; server process groups are killed in teardown.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specbuild.compiler.compile import CompileOptions, compile_bundle
+from specbuild.dist import draft_worker as W
+from specbuild.backends.select import TorchEngine
+from specbuild.dist import minedraft as M
+from specbuild.engine.engine import Engine, EngineConfig
+from specbuild.sampling.params import SamplingParams
+from specbuild.engine.sequence import Request
+from specbuild.speculation.config import SpeculationConfig
+from http_client import get, metric, next_event, open_stream, post, stream, wait_until
+from tiny import make_tiny_hf, perturbed_copy
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HELPERS = os.path.join(REPO, "tests", "helpers")
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+MPI_HINT = "MPI tests need mpi4py and mpich in the venv: .venv/bin/python -m pip install mpi4py mpich"
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 90)), [40, 41, 42], [7, 7, 7, 7]]
+CLI = [sys.executable, "-c", "from specbuild.cli import main; main()"]
+
+
+def need_mpi() -> None:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        pytest.skip(MPI_HINT)
+    if not os.access(MPIRUN, os.X_OK):
+        pytest.skip(MPI_HINT)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("minedraft")
+    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
+    draft = perturbed_copy(target, str(root / "draft"), noise=0.08)
+    return compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float64", max_seq_len=4096,
+                                                                       max_batch_size=8), draft=draft)
+
+
+@pytest.fixture(scope="module")
+def engine(bundle):
+    return Engine(bundle, EngineConfig(max_batch_size=4, threads=1))
+
+
+def requests(method: str, max_tokens: int = 30, gamma: int | None = 3, **sampling) -> list[Request]:
+    spec = SpeculationConfig.make(None, method=method, gamma=gamma)
+    return [Request(prompt_ids=p, speculation=spec,
+                    sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)) for p in PROMPTS]
+
+
+def loopback_engine(bundle, fail_after=None):
+    engine = Engine(bundle, EngineConfig(max_batch_size=4, threads=1))
+    proposer, vocab = W.load_draft_proposer(bundle, EngineConfig(max_batch_size=4, threads=1))
+    worker = W.DraftWorker(proposer, vocab)
+    return engine, M.install(engine, M.LoopbackTransport(worker, fail_after)), worker
+
+
+# ---- wire format ---------------------------------------------------------------------------------
+def test_request_and_reply_round_trip():
+    gen = torch.Generator().manual_seed(0)
+    orders = [W.Order(7, 12, 13, [1, 2, 3], 4, 5, 2**62 + 1, 0.7, 0.9),
+              W.Order(9, 0, 0, list(range(40)), 2, 0, 3, 0.0, 1.0)]
+    buf = W.encode_request(W.KIND_DRAFT, 11, orders, [3, 4])
+    assert buf.dtype == np.int64
+    kind, step, back, releases = W.decode_request(buf)
+    assert (kind, step, releases) == (W.KIND_DRAFT, 11, [3, 4]) and back == orders
+    probs = torch.rand(4, 50, generator=gen)
+    probs /= probs.sum(-1, keepdim=True)
+    meta, prob_buf = W.encode_reply(11, [(7, W.OK, [5, 6, 7, 8], probs), (9, W.OK, [1, 2], None),
+                                         (10, W.RESYNC, [], None)], 50, 0.25, seen_at=123.5)
+    assert meta[3] == len(meta) and prob_buf.dtype == np.float32 and prob_buf.shape == (4, 50)
+    step, results, timing = W.decode_reply(meta, prob_buf, sampled={7})
+    assert step == 11 and timing.draft_seconds == 0.25 and timing.seen_at == 123.5
+    assert 0 < timing.ready_at <= time.monotonic()
+    assert results[7][:2] == (W.OK, [5, 6, 7, 8]) and torch.equal(results[7][2], probs.float())
+    assert results[9] == (W.OK, [1, 2], None) and results[10] == (W.RESYNC, [], None)
+
+
+# ---- the scheduler, in process ---------------------------------------------------------------------
+def test_minedraft_greedy_equals_plain_and_standard(bundle, engine):
+    plain = engine.generate(requests("none"))
+    standard = engine.generate(requests("draft"))
+    md_engine, scheduler, worker = loopback_engine(bundle)
+    minedraft = md_engine.generate(requests("draft"))
+    for p, s, m in zip(plain, standard, minedraft):
+        assert p["token_ids"] == s["token_ids"] == m["token_ids"]
+    assert sum(r["stats"]["drafted"] for r in minedraft) > 0 and sum(r["stats"]["accepted"] for r in minedraft) > 0
+    stats = scheduler.stats
+    assert stats["minedraft_steps"] > 10, stats  # two batches really alternated
+    assert stats["imbalance_sum"] <= stats["minedraft_steps"], stats  # balance counter kept |A - B| <= 1 mostly
+    assert md_engine.cache.used_blocks == 0 and worker.proposer.cache.used_blocks == 0 and not worker.mirrors
+
+
+def test_uneven_finishes_rebalance_without_starving(bundle, engine):
+    """Requests that end at different times unbalance the batches; the surplus moves over
+    and nobody is left waiting (a request stuck in both batches would never be verified)."""
+    lengths = [4, 40, 5, 40, 6, 40, 7, 40]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(lengths))]
+
+    def reqs(method):
+        spec = SpeculationConfig.make(None, method=method, gamma=3)
+        return [Request(prompt_ids=p, speculation=spec, sampling=SamplingParams(max_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, lengths)]
+
+    plain = engine.generate(reqs("none"))
+    md_engine, scheduler, _ = loopback_engine(bundle)
+    handles = [md_engine.submit(r) for r in reqs("draft")]
+    steps = 0
+    while md_engine.has_work():
+        md_engine.step()
+        steps += 1
+        assert steps < 200, (scheduler.batches, scheduler.stats)
+        assert abs(scheduler.balance) <= 1 or not all(scheduler.batches)
+    assert [h.result()["token_ids"] for h in handles] == [p["token_ids"] for p in plain]
+    assert scheduler.stats["minedraft_steps"] > 0
+
+
+def test_minedraft_sampled_carries_draft_probs_and_is_reproducible(bundle):
+    runs = []
+    for _ in range(2):
+        md_engine, scheduler, _ = loopback_engine(bundle)
+        runs.append(md_engine.generate(requests("draft", temperature=0.8, seed=5)))
+    assert [r["token_ids"] for r in runs[0]] == [r["token_ids"] for r in runs[1]]
+    drafted = sum(r["stats"]["drafted"] for r in runs[0])
+    accepted = sum(r["stats"]["accepted"] for r in runs[0])
+    assert drafted > 0 and 0 < accepted < drafted
+    assert scheduler.stats["minedraft_steps"] > 0
+
+
+def test_lost_drafter_degrades_to_plain(bundle, engine):
+    plain = engine.generate(requests("none"))
+    md_engine, scheduler, _ = loopback_engine(bundle, fail_after=4)
+    out = md_engine.generate(requests("draft"))
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in plain]
+    assert all(r["finish_reason"] == "length" for r in out)
+    health = scheduler.health()
+    assert health["status"] == "degraded" and health["draft_rank"]["state"] == "lost"
+    assert md_engine.cache.used_blocks == 0
+
+
+def test_drafter_exception_degrades_only_its_sequences(bundle, engine):
+    plain = engine.generate(requests("none"))
+    md_engine, scheduler, worker = loopback_engine(bundle)
+    real = worker.proposer.propose
+    calls = {"n": 0}
+
+    def flaky(seqs, gammas):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected drafter failure")
+        return real(seqs, gammas)
+
+    worker.proposer.propose = flaky
+    out = md_engine.generate(requests("draft"))
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in plain]
+    assert scheduler.remote.stats["failed_sequences"] >= 1 and scheduler.health()["status"] == "ok"
+    assert sum(r["stats"]["accepted"] for r in out) > 0
+
+
+def test_world_size_checks():
+    from specbuild.errors import SpecbuildError
+    from specbuild.dist.context import DistContext, WorldNeed, check_world
+
+    check_world(1, False)
+    check_world(2, True)
+    for size, flag in ((3, True), (1, True), (2, False), (4, False)):
+        with pytest.raises(SpecbuildError, match="supported: 1 process"):
+            check_world(size, flag)
+    tp4 = WorldNeed("tensorrt-llm", ranks=4, tp=2, pp=2)
+    check_world(4, False, tp4)
+    check_world(1, False, WorldNeed("tensorrt-llm"))
+    for size in (1, 2, 8):
+        with pytest.raises(SpecbuildError) as e:
+            check_world(size, False, tp4, "generate")
+        assert str(e.value) == (f"MPI world size {size} does not match this bundle's TensorRT-LLM engines, built for "
+                                "tp*pp = 4 ranks (tp 2, pp 2): launch it with `mpirun -n 4 specbuild generate BUNDLE`")
+    with pytest.raises(SpecbuildError, match=r"MPI world size 2 .* tp\*pp = 1 rank \(tp 1, pp 1\): run `specbuild "
+                                             "serve BUNDLE` without mpirun"):
+        check_world(2, False, WorldNeed("tensorrt-llm"))
+    with pytest.raises(SpecbuildError, match=r"world size 2 is not supported without --parallel-draft on the torch "
+                                             r"backend \(--backend auto chose torch: no GPU here\); supported"):
+        check_world(2, False, WorldNeed(why="no GPU here"))
+    roles = [DistContext(r, 4, leader_mode=True) for r in range(4)]
+    assert [c.role for c in roles] == ["leader", "worker", "worker", "worker"] and roles[1].peer is None
+    assert [DistContext(r, 2).role for r in range(2)] == ["verifier", "drafter"]
+
+
+# ---- the real thing: two ranks under mpirun ----------------------------------------------------------
+class MpiServer:
+    def __init__(self, bundle: str, log_path: str, *args: str) -> None:
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        cmd = [MPIRUN, "-disable-auto-cleanup", "-n", "2", *CLI, "serve", bundle, "--host", "127.0.0.1",
+               "--port", "0", "--threads", "1", "--max-batch-size", "4", "--parallel-draft", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"on http://127\.0\.0\.1:(\d+)", self.output())):
+            assert self.proc.poll() is None, f"mpirun exited with {self.proc.returncode}:\n{self.output()}"
+            assert time.monotonic() < deadline, f"no URL in time:\n{self.output()}"
+            time.sleep(0.05)
+        self.port = int(m.group(1))
+
+    def output(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def health(self) -> dict:
+        status, text = get(self.port, "/health")
+        assert status == 200, text
+        return json.loads(text)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # mpirun, its proxies and every rank
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def mpi_server(bundle, tmp_path_factory):
+    need_mpi()
+    srv = MpiServer(bundle, str(tmp_path_factory.mktemp("mpi_logs") / "server.log"))
+    yield srv
+    srv.stop()
+
+
+def test_mpi_server_greedy_equals_generate(mpi_server, engine):
+    health = mpi_server.health()
+    assert health["status"] == "ok" and health["draft_rank"]["state"] == "ok" and health["draft_rank"]["pid"] > 0
+    plain = engine.generate(requests("none", max_tokens=24))
+    standard = engine.generate(requests("draft", max_tokens=24))
+    results: dict[int, list] = {}
+
+    def ask(i: int, prompt: list[int]) -> None:
+        body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "gamma": 3, "return_token_ids": True}
+        if i % 2:
+            chunks = stream(mpi_server.port, "/v1/completions", body)
+            results[i] = [sum((c["choices"][0].get("token_ids", []) for c in chunks), []), chunks[-1]["usage"]]
+        else:
+            status, _, full = post(mpi_server.port, "/v1/completions", body)
+            assert status == 200, full
+            results[i] = [full["choices"][0]["token_ids"], full["usage"]]
+
+    threads = [threading.Thread(target=ask, args=(i, p)) for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == len(PROMPTS)
+    for i, (p, s) in enumerate(zip(plain, standard)):
+        assert results[i][0] == p["token_ids"] == s["token_ids"], i
+    assert sum(u["drafted_tokens"] for _, u in results.values()) > 0
+    assert sum(u["accepted_tokens"] for _, u in results.values()) > 0
+    assert mpi_server.health()["draft_rank"]["minedraft_steps"] > 0
+    wait_until(lambda: metric(mpi_server.port, "specbuild_kv_blocks_used") == 0, 5, "KV blocks to be freed")
+
+
+def test_mpi_draft_rank_sigkill_degrades_then_sigterm(mpi_server, engine):
+    """Runs last on the module's server: it kills the draft rank.
+
+    The four requests are held open by construction, not by the machine being slow: all four
+    are sent before any stream is read, so they run side by side in the engine's batches, and
+    each asks for 3,000 tokens (the bundle allows 4,096), so the state "four running, the draft
+    rank drafting" lasts for hundreds of steps; the test waits for that state, then kills."""
+    n_tokens = 3000
+    body = {"max_tokens": n_tokens, "ignore_eos": True, "gamma": 3, "return_token_ids": True}
+    expect = engine.generate([Request(prompt_ids=p, sampling=SamplingParams(max_tokens=n_tokens, ignore_eos=True))
+                              for p in PROMPTS[:4]])
+    conns = [http.client.HTTPConnection("127.0.0.1", mpi_server.port, timeout=60) for _ in range(4)]
+    for conn, p in zip(conns, PROMPTS[:4]):  # all four sent before any answer is read
+        conn.request("POST", "/v1/completions", body=json.dumps({**body, "prompt": p, "stream": True}).encode(),
+                     headers={"Content-Type": "application/json"})
+    opened = [(conn, conn.getresponse()) for conn in conns]
+    assert all(resp.status == 200 for _, resp in opened)
+    tokens: list[list[int]] = [[] for _ in opened]
+    for i, (_, resp) in enumerate(opened):  # every stream is under way, past its first drafted steps
+        while len(tokens[i]) < 20:
+            tokens[i] += next_event(resp)["choices"][0].get("token_ids", [])
+    state: dict = {}
+
+    def four_drafting() -> bool:
+        state.update(mpi_server.health())
+        return state["running"] == 4 and state["draft_rank"]["requests"] > 0
+
+    wait_until(four_drafting, 30, "four running requests with the draft rank drafting")
+    health = state
+    os.kill(health["draft_rank"]["pid"], signal.SIGKILL)
+    finals = []
+    for i, (conn, resp) in enumerate(opened):
+        deadline = time.monotonic() + 60
+        while (ev := next_event(resp)) not in (None, "[DONE]"):
+            assert time.monotonic() < deadline
+            assert "error" not in ev, ev
+            tokens[i] += ev["choices"][0].get("token_ids", [])
+            if ev["choices"][0]["finish_reason"]:
+                finals.append(ev)
+        conn.close()
+    assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"] * 4
+    assert all(f["usage"]["drafted_tokens"] > 0 for f in finals)  # speculated before the kill
+    assert tokens == [e["token_ids"] for e in expect]  # nothing lost or duplicated, still lossless
+    wait_until(lambda: mpi_server.health()["status"] == "degraded", 10, "/health to report the loss")
+    assert mpi_server.health()["draft_rank"]["state"] == "lost"
+    assert mpi_server.proc.poll() is None  # rank 0 (and mpirun) survived
+    status, _, full = post(mpi_server.port, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8})
+    assert status == 200 and full["usage"]["completion_tokens"] >= 1 and full["usage"]["drafted_tokens"] == 0
+    wait_until(lambda: metric(mpi_server.port, "specbuild_kv_blocks_used") == 0, 5, "KV blocks to be freed")
+    mpi_server.proc.send_signal(signal.SIGTERM)
+    mpi_server.proc.wait(timeout=20)
+    out = mpi_server.output()
+    assert "stopped" in out and "forced exit" not in out, out[-2000:]
+
+
+@pytest.mark.parametrize("launch, flag, message", [
+    (3, True, "needs exactly 2 MPI ranks, got world size 3"),
+    (2, False, "world size 2 is not supported without --parallel-draft"),
+    (0, True, "needs exactly 2 MPI ranks, got world size 1"),
+])
+def test_world_size_refused_at_start(bundle, launch, flag, message):
+    if launch:
+        need_mpi()
+    cmd = ([MPIRUN, "-n", str(launch)] if launch else []) + CLI + ["serve", bundle, "--port", "0"] + \
+        (["--parallel-draft"] if flag else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count(message) == 1 and "supported: 1 process" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---- TensorRT-LLM leader mode: `mpirun -n tp*pp specbuild serve BUNDLE` (stand-in executor) -----------
+STUB_ENV = {"SPECBUILD_TEST_TRTLLM_BINDINGS": "trtllm_stub:mpi_bindings",
+            "PYTHONPATH": os.pathsep.join(filter(None, [HELPERS,
+                                                        os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="module")
+def tp2_bundle(tmp_path_factory) -> str:
+    """A tiny target + draft compiled with --backend tensorrt-llm --tp 2, its engines' config.json
+    written as trtllm-build would (mapping world_size 2): no engine files, the stand-in runs them."""
+    from trtllm_stub import write_engine_config
+
+    root = tmp_path_factory.mktemp("leader")
+    target = make_tiny_hf(str(root / "target"), scale=8.0)
+    bundle = compile_bundle(target, str(root / "bundle"), CompileOptions(
+        dtype="float64", max_seq_len=128, max_batch_size=4, max_draft_len=4, backend="tensorrt-llm",
+        trtllm_dtype="float32", tp=2), draft=target)
+    for role in ("target", "draft"):
+        assert write_engine_config(bundle, role)["pretrained_config"]["mapping"]["world_size"] == 2
+    return bundle
+
+
+def test_leader_mode_serve_two_ranks(tp2_bundle, tmp_path):
+    """Both ranks open the engine; rank 0 answers over HTTP while rank 1 waits in its executor's
+    shutdown; SIGTERM to mpirun: rank 0 shuts down, which releases rank 1; both exit 0."""
+    need_mpi()
+    log_path = str(tmp_path / "leader.log")
+    log = open(log_path, "w")
+    cmd = [MPIRUN, "-n", "2", *CLI, "serve", tp2_bundle, "--host", "127.0.0.1", "--port", "0"]  # --backend auto
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                            env={**os.environ, **STUB_ENV})
+
+    def output() -> str:
+        with open(log_path) as f:
+            return f.read()
+
+    try:
+        deadline = time.monotonic() + 90
+        while not (m := re.search(r"on http://127\.0\.0\.1:(\d+)", output())) or \
+                "rank 1/2 target: waiting for rank 0's shutdown" not in output():
+            assert proc.poll() is None, f"mpirun exited with {proc.returncode}:\n{output()}"
+            assert time.monotonic() < deadline, f"no URL in time:\n{output()}"
+            time.sleep(0.05)
+        port = int(m.group(1))
+        out = output()
+        assert "tensorrt-llm backend" in out and "leader of 2 MPI ranks" in out, out
+        # every rank built its executors; only rank 0 may enqueue; rank 1 binds GPU 1 % 8
+        for rank, leader in ((0, True), (1, False)):
+            for role in ("target", "draft"):
+                assert f"stub executor rank {rank}/2 {role}: built, can_enqueue_requests={leader}" in out, out
+        assert "rank 1: GPU 1, serving its part of the engine" in out, out
+
+        expect = TorchEngine(tp2_bundle, EngineConfig()).generate(
+            [Request(prompt_ids=[5] * 8, speculation={"method": "none"},
+                     sampling=SamplingParams(max_tokens=10, ignore_eos=True))])[0]["token_ids"]
+        body = {"prompt": [5] * 8, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                "speculation": "draft", "gamma": 3}
+        status, _, full = post(port, "/v1/completions", body)
+        assert status == 200, full
+        assert full["choices"][0]["token_ids"] == expect and full["usage"]["drafted_tokens"] > 0
+        chunks = stream(port, "/v1/completions", {**body, "speculation": "ngram"})
+        assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == expect
+        health = json.loads(get(port, "/health")[1])
+        assert health["status"] == "ok" and health["backend"] == "tensorrt-llm"
+        out = output()
+        assert "released" not in out and "stopped" not in out, out  # rank 1 still serves its part
+
+        proc.send_signal(signal.SIGTERM)  # mpirun forwards it to both ranks
+        assert proc.wait(timeout=60) == 0, output()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+    out = output()
+    assert "rank 1: SIGTERM noted; waiting for rank 0" in out, out  # the leader owns shutdown
+    assert "stub executor rank 0/2 target: shut down; released 1 worker rank(s)" in out, out
+    assert "stub executor rank 1/2 target: released by rank 0" in out, out
+    assert "stub executor rank 1/2 draft: released by rank 0" in out, out
+    assert re.search(r"^stopped$", out, re.M) and re.search(r"^rank 1: stopped$", out, re.M), out
+    for bad in ("Traceback", "forced exit", "BAD TERMINATION", "error:"):
+        assert bad not in out, out
+
+
+@pytest.mark.parametrize("launch, command, size", [(3, "serve", 3), (0, "serve", 1), (3, "generate", 3)])
+def test_leader_mode_world_size_refused(tp2_bundle, launch, command, size):
+    """A world size other than the engines' tp*pp: every rank refuses before loading anything,
+    one line naming both numbers and the mpirun line to use."""
+    if launch:
+        need_mpi()
+    args = ["--port", "0"] if command == "serve" else ["--prompt", "hi", "--max-tokens", "2"]
+    cmd = ([MPIRUN, "-n", str(launch)] if launch else []) + CLI + [command, tp2_bundle, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=REPO, env={**os.environ, **STUB_ENV})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = (f"error: MPI world size {size} does not match this bundle's TensorRT-LLM engines, built for tp*pp = 2 "
+            f"ranks (tp 2, pp 1): launch it with `mpirun -n 2 specbuild {command} BUNDLE`\n")
+    assert proc.stderr == line, proc.stderr  # once, not once per rank, and nothing else
+    assert "stub executor" not in proc.stdout + proc.stderr  # refused before any engine was built

@@ -1,0 +1,109 @@
+"""Tiny random checkpoints built in the tests (vocab ~300, 2 layers), written as real
+Hugging Face directories by transformers so that readers and decoders are checked
+against the reference implementation."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def byte_level_tokenizer_json(extra_merges: int = 40) -> str:
+    """A byte-level BPE tokenizer: 3 specials, 256 byte symbols, a few merges of common pairs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    alphabet.sort()
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    merges = []
+    pairs = [("t", "h"), ("th", "e"), ("Ġ", "t"), ("i", "n"), ("a", "n"), ("e", "r"), ("Ġ", "a"),
+             ("o", "n"), ("r", "e"), ("h", "e"), ("Ġt", "he"), ("e", "s"), ("o", "r"), ("Ġ", "s"), ("e", "n"),
+             ("a", "t"), ("Ġ", "w"), ("Ġ", "c"), ("i", "s"), ("Ġ", "o"), ("l", "l")]
+    for a, b in pairs[:extra_merges]:
+        if a + b not in vocab:
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    return tok.to_str()
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_tiny_hf(path: str, arch: str = "llama", vocab: int = 320, hidden: int = 64, layers: int = 2,
+                 heads: int = 4, kv_heads: int = 2, inter: int = 128, tie: bool = False, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, rope_scaling: dict | None = None,
+                 scale: float = 1.0) -> str:
+    """Write a random HF checkpoint directory at `path` and return it.
+
+    `scale` multiplies the random weights so that tiny models give peaked (not uniform)
+    distributions, which speculation tests need for acceptance to happen.
+    """
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
+                  max_position_embeddings=512, tie_word_embeddings=tie, rms_norm_eps=1e-6,
+                  bos_token_id=0, eos_token_id=0)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(rope_theta=10000.0, rope_scaling=rope_scaling, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(rope_theta=10000.0, **common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    if scale != 1.0:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2:
+                    p.mul_(scale)
+    model = model.to(dtype)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        f.write(byte_level_tokenizer_json())
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}, f)
+    return path
+
+
+def hf_logits(path: str, input_ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """transformers' own logits for input_ids: [T, vocab]."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor([input_ids])).logits[0].float()
+
+
+def perturbed_copy(src: str, dst: str, noise: float, seed: int = 1) -> str:
+    """A draft that is the target plus Gaussian noise: accepted often, not always."""
+    from safetensors.torch import load_file, save_file
+    import shutil
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if t.dim() == 2:
+            tensors[name] = t + noise * t.std() * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+

@@ -1,0 +1,230 @@
+"""A stand-in for `tensorrt_llm.bindings.executor`, to run specbuild's TensorRT-LLM adapter
+(runtime/trtllm_engine.py) without TensorRT-LLM or a GPU. It checks the adapter's logic (draft
+rounds, streaming, stats, abort, limits, leader mode), NOT TensorRT-LLM.
+
+Two ways in:
+
+- in process: test_backend.py's `stub_trtllm` fixture puts `stub_module()` into sys.modules;
+- in a subprocess (the CLI, under `mpirun` too): set
+  `SPECBUILD_TEST_TRTLLM_BINDINGS=trtllm_stub:mpi_bindings` and put tests/ on PYTHONPATH;
+  `trtllm_engine.stand_in_bindings` then uses `mpi_bindings()` instead of importing
+  TensorRT-LLM (the returned module carries `SPECBUILD_TEST_STUB = True`, which the runtime
+  requires of anything named there). Its executor talks MPI between ranks as TensorRT-LLM's
+  leader mode does: only rank 0 can enqueue, and a worker rank's shutdown() returns only
+  once rank 0's shutdown() released it. Each rank reports what it did on stderr
+  ("stub executor rank R/N ROLE: ...").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import types
+
+from specbuild.backends.select import TorchEngine
+from specbuild.engine.engine import EngineConfig
+from specbuild.sampling.params import SamplingParams
+from specbuild.engine.sequence import Request
+from specbuild.backends.tensorrt_llm import accepted_prefix, engine_limits
+
+
+class _Rec(types.SimpleNamespace):
+    def __init__(self, *args, **kw):
+        super().__init__(args=args, **kw)
+
+
+_ORACLES: dict[str, TorchEngine] = {}
+
+
+def oracle(bundle: str, ids: list[int], n: int) -> list[int]:
+    """Plain greedy continuation by the torch engine (what a correct engine must produce)."""
+    if bundle not in _ORACLES:
+        _ORACLES[bundle] = TorchEngine(bundle, EngineConfig())
+    r = _ORACLES[bundle].generate([Request(prompt_ids=list(ids), speculation={"method": "none"},
+                                           sampling=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))])
+    return r[0]["token_ids"]
+
+
+class StubResponse:
+    def __init__(self, request_id, tokens=(), final=True, reason="LENGTH", error=None):
+        self.request_id, self.error_msg = request_id, error
+        self.result = types.SimpleNamespace(is_final=final, output_token_ids=[list(tokens)],
+                                            finish_reasons=[types.SimpleNamespace(name=reason)],
+                                            generation_logits=None, request_perf_metrics=None)
+
+    def has_error(self):
+        return self.error_msg is not None
+
+
+class StubExecutor:
+    """Greedy executor: tokens from the torch oracle; drafts accepted while equal to its
+    argmax, one more token after; streaming answers one engine iteration per await (Medusa
+    iterations yield 3, 1, 2, ... tokens); a draft-role engine corrupts every third token."""
+
+    instances: list["StubExecutor"] = []
+
+    def __init__(self, engine_dir, model_type, config):
+        engine_dir = str(engine_dir)
+        self.role = os.path.basename(engine_dir)
+        self.bundle = os.path.dirname(os.path.dirname(os.path.dirname(engine_dir)))
+        self.limits = engine_limits(json.load(open(os.path.join(engine_dir, "config.json"))))
+        self.vocab = int(self.limits["vocab_size"])
+        self.medusa = getattr(config.decoding_config, "decoding_mode", None) == "medusa"
+        self.config, self.requests, self.pending, self.next_id, self.shut = config, [], {}, 1, False
+        StubExecutor.instances.append(self)
+
+    def can_enqueue_requests(self):
+        return int(os.environ.get("PMI_RANK", "0")) == 0
+
+    def enqueue_request(self, req):
+        rid, self.next_id = self.next_id, self.next_id + 1
+        self.requests.append(req)
+        drafts = req.external_draft_tokens_config.tokens if req.external_draft_tokens_config else []
+        ids = req.input_token_ids
+        if len(drafts) > self.limits["max_draft_len"]:  # what TensorRT-LLM answers
+            self.pending[rid] = [StubResponse(rid, error=f"Number of draft tokens ({len(drafts)}) > maximum "
+                                                         f"({self.limits['max_draft_len']})")]
+            return rid
+        # sampled requests are answered greedily (a stand-in, not a sampler); never with drafts
+        assert req.sampling_config.top_k == 1 or not drafts, "sampled drafts reached the stub"
+        assert len(ids) + req.max_tokens <= self.limits["max_seq_len"]
+        tokens = oracle(self.bundle, ids, len(drafts) + 1 if drafts else req.max_tokens)
+        if self.role == "draft":
+            tokens = [(t + 1) % self.vocab if (len(ids) + i) % 3 == 0 else t for i, t in enumerate(tokens)]
+        if drafts:
+            tokens = tokens[:accepted_prefix(drafts, tokens) + 1]
+        reason = "LENGTH"
+        if req.end_id is not None and req.end_id in tokens:
+            tokens, reason = tokens[:tokens.index(req.end_id) + 1], "END_ID"
+        if not req.streaming:
+            chunks = [tokens]
+        elif self.medusa:
+            chunks, rest, sizes = [tokens[:1]], tokens[1:], [3, 1, 2]
+            while rest:
+                chunks.append(rest[:sizes[len(chunks) % 3]])
+                rest = rest[len(chunks[-1]):]
+        else:
+            chunks = [[t] for t in tokens]
+        self.pending[rid] = [StubResponse(rid, c, i == len(chunks) - 1, reason) for i, c in enumerate(chunks)]
+        return rid
+
+    def await_responses(self, timeout=None):
+        out = []
+        for rid in list(self.pending):  # one iteration: at most one answer per request
+            out.append(self.pending[rid].pop(0))
+            if not self.pending[rid]:
+                del self.pending[rid]
+        return out
+
+    def cancel_request(self, rid):
+        if rid in self.pending:
+            self.pending[rid] = [StubResponse(rid, (), True, "CANCELLED")]
+
+    def shutdown(self):
+        self.shut = True
+
+
+class MpiStubExecutor(StubExecutor):
+    """StubExecutor on every rank of `mpirun -n N`, with TensorRT-LLM's leader-mode contract
+    (CommunicationMode.LEADER): every rank builds one; only rank 0 can enqueue; rank 0's
+    shutdown() tells each other rank's executor of the same role to stop, and a worker's
+    shutdown() waits for that (polling, so it spins no core). MPI through mpi4py, initialised
+    by the first executor as TensorRT-LLM's initialises it; MPI_Finalize runs at exit."""
+
+    _built = 0  # executors built in this process: the same order on every rank, one tag each
+
+    def __init__(self, engine_dir, model_type, config):
+        super().__init__(engine_dir, model_type, config)
+        from mpi4py import MPI
+
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.tag = 100 + MpiStubExecutor._built
+        MpiStubExecutor._built += 1
+        self.say(f"built, can_enqueue_requests={self.can_enqueue_requests()}")
+
+    def say(self, what: str) -> None:
+        print(f"stub executor rank {self.rank}/{self.size} {self.role}: {what}", file=sys.stderr, flush=True)
+
+    def can_enqueue_requests(self):
+        return self.rank == 0
+
+    def shutdown(self):
+        if self.shut:
+            return
+        if self.rank == 0:
+            pending = [self.comm.isend(b"stop", dest=r, tag=self.tag) for r in range(1, self.size)]
+            while not all(p.Test() for p in pending):
+                time.sleep(0.01)
+            self.say(f"shut down; released {self.size - 1} worker rank(s)")
+        else:
+            self.say("waiting for rank 0's shutdown")
+            request = self.comm.irecv(source=0, tag=self.tag)
+            while not request.Test():
+                time.sleep(0.01)
+            self.say("released by rank 0")
+        self.shut = True
+
+
+def stub_module(executor: type = StubExecutor) -> types.ModuleType:
+    m = types.ModuleType("tensorrt_llm.bindings.executor")
+    m.SPECBUILD_TEST_STUB = True  # what runtime/trtllm_engine.stand_in_bindings requires
+    m.ModelType = types.SimpleNamespace(DECODER_ONLY="decoder_only")
+    m.CommunicationType = types.SimpleNamespace(MPI="mpi")
+    m.CommunicationMode = types.SimpleNamespace(LEADER="leader")
+    m.DecodingMode = types.SimpleNamespace(Medusa=lambda: "medusa")
+    for name in ("KvCacheConfig", "DecodingConfig", "ExecutorConfig", "ParallelConfig", "OutputConfig",
+                 "ExtendedRuntimePerfKnobConfig"):
+        setattr(m, name, _Rec)
+    m.SamplingConfig = lambda beam_width=1, **kw: types.SimpleNamespace(beam_width=beam_width, top_k=kw.get("top_k"),
+                                                                        **{k: v for k, v in kw.items() if k != "top_k"})
+    m.ExternalDraftTokensConfig = lambda tokens, logits=None, acceptance_threshold=None: types.SimpleNamespace(
+        tokens=list(tokens), logits=logits)
+    m.Request = lambda input_token_ids, max_tokens, **kw: types.SimpleNamespace(
+        input_token_ids=list(input_token_ids), max_tokens=max_tokens, end_id=kw.pop("end_id", None),
+        streaming=kw.pop("streaming", False), external_draft_tokens_config=kw.pop("external_draft_tokens_config", None),
+        **kw)
+    m.Executor = executor
+    return m
+
+
+def mpi_bindings() -> types.ModuleType:
+    """The factory named by SPECBUILD_TEST_TRTLLM_BINDINGS=trtllm_stub:mpi_bindings."""
+    return stub_module(MpiStubExecutor)
+
+
+# ---- engine config.json as trtllm-build would write it, for bundles the stand-in runs ----
+def build_flags(argv: list[str]) -> dict[str, str | None]:
+    out, i = {}, 1
+    while i < len(argv):
+        has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        out[argv[i][2:]] = argv[i + 1] if has_value else None
+        i += 2 if has_value else 1
+    return out
+
+
+def write_engine_config(bundle: str, role: str, **build_override) -> dict:
+    """engines/<role>/config.json as trtllm-build writes it from the bundle's own build command:
+    pretrained_config = the checkpoint's config.json, build_config = the flags."""
+    from specbuild.backends.tensorrt_llm import MODE_BITS
+
+    root = os.path.join(bundle, "trtllm")
+    meta = json.load(open(os.path.join(root, "trtllm.json")))
+    f = build_flags(meta["build_commands"][role])
+    build = {"max_batch_size": int(f["max_batch_size"]), "max_seq_len": int(f["max_seq_len"]),
+             "max_input_len": int(f["max_input_len"]), "max_draft_len": int(f.get("max_draft_len") or 0),
+             "speculative_decoding_mode": MODE_BITS[f.get("speculative_decoding_mode") or "none"],
+             "gather_generation_logits": "gather_generation_logits" in f,
+             "plugin_config": {"use_paged_context_fmha": f.get("use_paged_context_fmha") == "enable"}}
+    build.update(build_override)
+    cfg = {"version": "stub", "pretrained_config": json.load(open(os.path.join(root, "checkpoints", role,
+                                                                                "config.json"))),
+           "build_config": build}
+    engine = os.path.join(root, meta["roles"][role]["engine_dir"])
+    os.makedirs(engine, exist_ok=True)
+    with open(os.path.join(engine, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    return cfg
+

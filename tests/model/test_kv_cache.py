@@ -1,0 +1,148 @@
+"""PagedKVCache accounting: every block is free or in exactly one table, always."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specbuild.errors import RequestError
+from specbuild.model.kv_cache import PagedKVCache, kv_bytes_per_token
+
+
+def make_cache(num_blocks: int = 8, block_size: int = 4) -> PagedKVCache:
+    return PagedKVCache(num_layers=2, kv_heads=2, head_dim=8, num_blocks=num_blocks, block_size=block_size)
+
+
+def owned(cache: PagedKVCache) -> list[int]:
+    return [b for s in cache.seqs.values() for b in s.table]
+
+
+def check_invariant(cache: PagedKVCache) -> None:
+    """Free list and tables partition the pool."""
+    blocks = cache.free + owned(cache)
+    assert sorted(blocks) == list(range(cache.num_blocks))
+
+
+def test_reserve_counts_whole_blocks():
+    cache = make_cache()
+    cache.add(1)
+    assert cache.blocks_needed(1, 1) == 1 and cache.blocks_needed(1, 4) == 1 and cache.blocks_needed(1, 5) == 2
+    cache.reserve(1, 5)
+    assert len(cache.seqs[1].table) == 2 and cache.free_blocks == 6 and cache.used_blocks == 2
+    cache.reserve(1, 8)  # still fits in 2 blocks: nothing taken
+    assert cache.free_blocks == 6
+    cache.reserve(1, 9)
+    assert cache.free_blocks == 5
+    cache.set_length(1, 9)
+    assert cache.length(1) == 9
+    check_invariant(cache)
+
+
+def test_slots_follow_the_block_table():
+    cache = make_cache(block_size=4)
+    cache.add(1)
+    cache.add(2)
+    # interleave so that sequence 1's blocks are not contiguous
+    cache.reserve(1, 4)
+    cache.reserve(2, 4)
+    cache.reserve(1, 8)
+    t1 = cache.seqs[1].table
+    assert t1[1] != t1[0] + 1
+    slots = cache.slots(1, 2, 7).tolist()
+    expected = [t1[p // 4] * 4 + p % 4 for p in range(2, 7)]
+    assert slots == expected
+    # no slot is shared between sequences
+    s2 = set(cache.slots(2, 0, 4).tolist())
+    assert not s2 & set(cache.slots(1, 0, 8).tolist())
+
+
+def test_rollback_frees_blocks_past_the_end():
+    cache = make_cache(block_size=4)
+    cache.add(1)
+    cache.reserve(1, 13)  # 4 blocks
+    cache.set_length(1, 13)
+    assert cache.free_blocks == 4
+    cache.set_length(1, 9)  # 3 blocks still needed
+    assert cache.free_blocks == 5 and len(cache.seqs[1].table) == 3
+    cache.set_length(1, 8)  # exactly 2 blocks
+    assert cache.free_blocks == 6 and cache.length(1) == 8
+    cache.set_length(1, 0)
+    assert cache.free_blocks == 8 and cache.seqs[1].table == []
+    check_invariant(cache)
+
+
+def test_release_returns_everything_and_is_idempotent():
+    cache = make_cache()
+    for sid, n in ((1, 7), (2, 3), (3, 12)):
+        cache.add(sid)
+        cache.reserve(sid, n)
+        cache.set_length(sid, n)
+    check_invariant(cache)
+    assert cache.free_blocks == 8 - (2 + 1 + 3)
+    cache.release(2)
+    cache.release(2)  # a second release (abort after finish) is harmless
+    assert 2 not in cache.seqs and cache.free_blocks == 3
+    cache.release(1)
+    cache.release(3)
+    assert cache.free_blocks == cache.num_blocks and not cache.seqs
+    check_invariant(cache)
+
+
+def test_exhaustion_raises_request_error_and_takes_nothing():
+    cache = make_cache(num_blocks=3, block_size=4)
+    cache.add(1)
+    cache.reserve(1, 8)
+    cache.add(2)
+    assert not cache.can_grow(2, 5)
+    with pytest.raises(RequestError, match=r"needs 2 more blocks, 1 free of 3"):
+        cache.reserve(2, 5)
+    assert cache.free_blocks == 1 and cache.seqs[2].table == []
+    assert cache.can_grow(2, 4)
+    cache.reserve(2, 4)
+    assert cache.free_blocks == 0
+    check_invariant(cache)
+
+
+def test_random_churn_keeps_the_pool_whole():
+    gen = torch.Generator().manual_seed(0)
+    cache = make_cache(num_blocks=16, block_size=4)
+    live: dict[int, int] = {}
+    next_id = 1
+    for _ in range(500):
+        op = int(torch.randint(0, 3, (1,), generator=gen))
+        if op == 0:
+            cache.add(next_id)
+            live[next_id] = 0
+            next_id += 1
+        elif live:
+            sid = list(live)[int(torch.randint(0, len(live), (1,), generator=gen))]
+            if op == 1:
+                new_len = int(torch.randint(0, 30, (1,), generator=gen))
+                if cache.can_grow(sid, new_len):
+                    cache.reserve(sid, new_len)
+                    cache.set_length(sid, new_len)
+                    live[sid] = new_len
+                    assert len(cache.seqs[sid].table) == -(-new_len // 4)
+            else:
+                cache.release(sid)
+                del live[sid]
+        check_invariant(cache)
+    for sid in list(live):
+        cache.release(sid)
+    assert cache.free_blocks == cache.num_blocks
+
+
+def test_copy_slots_moves_all_layers():
+    cache = make_cache()
+    cache.k.normal_()
+    cache.v.normal_()
+    src, dst = torch.tensor([5, 9]), torch.tensor([0, 1])
+    k_src, v_src = cache.k[:, src].clone(), cache.v[:, src].clone()
+    cache.copy_slots(src, dst)
+    assert torch.equal(cache.k[:, dst], k_src) and torch.equal(cache.v[:, dst], v_src)
+
+
+def test_kv_bytes_per_token():
+    # SmolLM2-135M: 30 layers, 3 kv heads, head_dim 64, float32 -> 2 * 30 * 3 * 64 * 4
+    assert kv_bytes_per_token(30, 3, 64, torch.float32) == 46080
+    assert kv_bytes_per_token(30, 3, 64, torch.bfloat16) == 23040

@@ -1,0 +1,263 @@
+"""The native decoder against transformers, and the paged forward against itself.
+
+Tiny random checkpoints written by transformers (Llama with GQA, tied and untied; Qwen2
+with q/k/v bias; Llama with llama3 rope scaling), norm weights and biases randomised so
+that a swapped or ignored vector shows. Two native paths are checked: `reference_forward`
+(no cache) and `Decoder.forward` over a paged cache whose block tables are scattered.
+Batches here are built by hand from the cache API, independently of the scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny import hf_logits, make_tiny_hf
+
+from specbuild.formats.checkpoints import read_hf_dir, to_runtime_layout
+from specbuild.model.kv_cache import PagedKVCache
+from specbuild.model.decoder import Decoder, ForwardBatch, reference_forward
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+VARIANTS = {
+    "llama-gqa": dict(arch="llama", heads=4, kv_heads=2, tie=False),
+    "llama-tied-mqa": dict(arch="llama", heads=4, kv_heads=1, tie=True),
+    "qwen2-bias": dict(arch="qwen2", heads=4, kv_heads=2, tie=False),
+    "llama3-rope": dict(arch="llama", heads=4, kv_heads=2, tie=False, rope_scaling=LLAMA3_SCALING),
+}
+PROMPT_LEN = 96  # past original_max_position_embeddings, so llama3 scaling matters
+HF_TOL = 1e-4
+SELF_TOL = 1e-5
+
+
+def randomize_vectors(path: str, seed: int = 1) -> None:
+    """Give every 1-D tensor (norm weights, q/k/v biases) random values in place."""
+    file = f"{path}/model.safetensors"
+    tensors = load_file(file)
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if t.dim() == 1:
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+            tensors[name] = (1.0 + 0.3 * noise if name.endswith("norm.weight") else 0.5 * noise).to(t.dtype)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+_BUILT: dict[str, tuple] = {}
+
+
+def build_variant(name: str, tmp_path_factory) -> tuple:
+    """(name, hf_dir, config, float32 runtime weights, prompt ids, transformers' logits)."""
+    if name in _BUILT:
+        return _BUILT[name]
+    path = make_tiny_hf(str(tmp_path_factory.mktemp(name)), scale=5.0, **VARIANTS[name])
+    randomize_vectors(path)
+    ckpt = read_hf_dir(path)
+    weights = to_runtime_layout(ckpt, torch.float32)
+    ids = torch.randint(3, ckpt.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(2))
+    ref = hf_logits(path, ids.tolist())  # [T, vocab]
+    assert ref.std() > 0.5, "logits too flat for the tolerance to mean anything"
+    _BUILT[name] = (name, path, ckpt.config, weights, ids, ref)
+    return _BUILT[name]
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request, tmp_path_factory):
+    return build_variant(request.param, tmp_path_factory)
+
+
+# ---- hand-built paged batches ------------------------------------------------------------
+
+def forward_parts(decoder: Decoder, cache: PagedKVCache, parts: list[tuple[int, torch.Tensor]],
+                  mask_none: bool = False) -> list[torch.Tensor]:
+    """One forward over `parts` = [(seq_id, new token ids [n])], each continuing its own
+    cached sequence. Returns logits [n, vocab] per part; commits the new lengths."""
+    ids, pos, wslots, rslots, blocks = [], [], [], [], []
+    t = s = 0
+    for sid, toks in parts:
+        if sid not in cache.seqs:
+            cache.add(sid)
+        past, n = cache.length(sid), len(toks)
+        cache.reserve(sid, past + n)
+        slots = cache.slots(sid, 0, past + n)
+        ids.append(toks)
+        pos.append(torch.arange(past, past + n))
+        wslots.append(slots[past:])
+        rslots.append(slots)
+        blocks.append((t, s, past, n))
+        t += n
+        s += past + n
+    mask = torch.zeros(t, s, dtype=torch.bool)
+    for r0, c0, past, n in blocks:
+        mask[r0:r0 + n, c0:c0 + past] = True
+        mask[r0:r0 + n, c0 + past:c0 + past + n] = torch.ones(n, n, dtype=torch.bool).tril()
+    batch = ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(wslots), torch.cat(rslots),
+                         None if mask_none else mask, torch.arange(t))
+    logits = decoder.forward(batch, cache)  # [T, vocab]
+    assert logits.shape == (t, decoder.config.vocab_size)
+    for sid, toks in parts:
+        cache.set_length(sid, cache.length(sid) + len(toks))
+    out, r = [], 0
+    for _, toks in parts:
+        out.append(logits[r:r + len(toks)])
+        r += len(toks)
+    return out
+
+
+def scattered_cache(decoder: Decoder, block_size: int = 4) -> PagedKVCache:
+    """A cache whose free list is shuffled, so block tables are never contiguous."""
+    cache = decoder.new_cache(num_blocks=128, block_size=block_size)
+    gen = torch.Generator().manual_seed(3)
+    cache.free = [cache.free[i] for i in torch.randperm(len(cache.free), generator=gen).tolist()]
+    return cache
+
+
+# ---- against transformers ---------------------------------------------------------------
+
+def test_reference_forward_matches_transformers(variant):
+    name, _, config, weights, ids, ref = variant
+    got = reference_forward(config, weights, ids)
+    assert (got - ref).abs().max() <= HF_TOL, name
+
+
+def test_paged_decoder_matches_transformers(variant):
+    name, _, config, weights, ids, ref = variant
+    decoder = Decoder(config, weights, max_seq_len=256)
+    cache = scattered_cache(decoder)
+    (got,) = forward_parts(decoder, cache, [(1, ids)])
+    table = cache.seqs[1].table
+    assert any(b != a + 1 for a, b in zip(table, table[1:])), "blocks should be scattered"
+    assert (got - ref).abs().max() <= HF_TOL, name
+
+
+def test_llama3_scaling_is_applied(tmp_path_factory):
+    """The rope-scaling variant must differ from the same weights without scaling."""
+    name, _, config, weights, ids, ref = build_variant("llama3-rope", tmp_path_factory)
+    assert config.rope_scaling["rope_type"] == "llama3"
+    unscaled = reference_forward(dataclasses.replace(config, rope_scaling=None), weights, ids)
+    assert (unscaled - ref).abs().max() > 100 * HF_TOL
+
+
+def test_qwen2_biases_matter(tmp_path_factory):
+    name, _, config, weights, ids, ref = build_variant("qwen2-bias", tmp_path_factory)
+    assert config.attn_bias and config.architecture == "qwen2"
+    no_bias = {k: (torch.zeros_like(v) if k.endswith("qkv_bias") else v) for k, v in weights.items()}
+    assert (reference_forward(config, no_bias, ids) - ref).abs().max() > 100 * HF_TOL
+
+
+# ---- the paged forward against itself ---------------------------------------------------
+
+@pytest.mark.parametrize("splits", [(48, 48), (17, 40, 39), (1, 94, 1)])
+def test_chunked_prefill_equals_one_forward(variant, splits):
+    _, _, config, weights, ids, _ = variant
+    decoder = Decoder(config, weights, max_seq_len=256)
+    (whole,) = forward_parts(decoder, scattered_cache(decoder), [(1, ids)])
+    cache = scattered_cache(decoder, block_size=8)
+    chunks, start = [], 0
+    for n in splits:
+        chunks += forward_parts(decoder, cache, [(7, ids[start:start + n])])
+        start += n
+    assert start == len(ids) and cache.length(7) == len(ids)
+    assert (torch.cat(chunks) - whole).abs().max() <= SELF_TOL
+
+
+def test_ragged_batch_equals_separate_forwards(variant):
+    """Decode tokens of two sequences, a fresh prefill chunk and a 3-token continuation
+    (a verify window) in one forward give the rows of four separate forwards."""
+    _, _, config, weights, ids, _ = variant
+    decoder = Decoder(config, weights, max_seq_len=256)
+    history = {1: ids[:20], 2: ids[30:37], 4: ids[50:59]}
+    new = {1: ids[20:21], 3: ids[60:72], 2: ids[37:38], 4: ids[59:62]}
+    caches = []
+    for _ in range(2):
+        cache = scattered_cache(decoder)
+        for sid, toks in history.items():
+            forward_parts(decoder, cache, [(sid, toks)])
+        caches.append(cache)
+    alone = {sid: forward_parts(decoder, caches[0], [(sid, toks)])[0] for sid, toks in new.items()}
+    together = forward_parts(decoder, caches[1], list(new.items()))
+    for (sid, _), rows in zip(new.items(), together):
+        assert rows.shape == alone[sid].shape
+        assert (rows - alone[sid]).abs().max() <= SELF_TOL, f"sequence {sid}"
+    # and every row equals the cache-free reference on the sequence's whole text
+    for sid, rows in zip(new, together):
+        text = torch.cat([history.get(sid, ids[:0]), new[sid]])
+        ref = reference_forward(config, weights, text)[-len(new[sid]):]
+        assert (rows - ref).abs().max() <= SELF_TOL * 10, f"sequence {sid}"
+    # the K/V written by the batched forward equals the K/V of the separate ones
+    for sid in new:
+        n = caches[0].length(sid)
+        assert caches[1].length(sid) == n
+        k0 = caches[0].k[:, caches[0].slots(sid, 0, n)]
+        k1 = caches[1].k[:, caches[1].slots(sid, 0, n)]
+        assert (k0 - k1).abs().max() <= SELF_TOL
+
+
+def test_single_decode_row_without_mask(variant):
+    """The scheduler passes mask=None for a lone decode token: everything visible."""
+    _, _, config, weights, ids, _ = variant
+    decoder = Decoder(config, weights, max_seq_len=256)
+    caches = [scattered_cache(decoder), scattered_cache(decoder)]
+    for cache in caches:
+        forward_parts(decoder, cache, [(1, ids[:40])])
+    (masked,) = forward_parts(decoder, caches[0], [(1, ids[40:41])])
+    (unmasked,) = forward_parts(decoder, caches[1], [(1, ids[40:41])], mask_none=True)
+    assert torch.equal(masked, unmasked)
+
+
+def test_logit_rows_and_hidden(variant):
+    _, _, config, weights, ids, ref = variant
+    decoder = Decoder(config, weights, max_seq_len=256)
+    cache = decoder.new_cache(num_blocks=32, block_size=16)
+    cache.add(1)
+    t = 33
+    cache.reserve(1, t)
+    slots = cache.slots(1, 0, t)
+    rows = torch.tensor([0, 17, 32])
+    batch = ForwardBatch(ids[:t], torch.arange(t), slots, slots, torch.ones(t, t, dtype=torch.bool).tril(), rows)
+    logits, hidden = decoder.forward(batch, cache, return_hidden=True)
+    assert logits.shape == (3, config.vocab_size) and hidden.shape == (3, config.hidden_size)
+    assert (logits - ref[rows]).abs().max() <= HF_TOL
+    lm_head = weights.get("lm_head", weights["embed"])
+    assert (hidden @ lm_head.T - logits).abs().max() <= SELF_TOL
+
+
+def test_row_invariant_attention_equals_each_row_alone():
+    """paged_attention_rows: a row of a chain or tree verify gets bit for bit what a one-row
+    decode over its visible keys gets (what half-precision bundles need to stay lossless)."""
+    from specbuild.model.attention import paged_attention, paged_attention_rows, visible_columns
+
+    g = torch.Generator().manual_seed(7)
+    slots, heads, kv, d = 64, 6, 2, 16
+    k_cache = torch.randn(slots, kv, d, generator=g).bfloat16()
+    v_cache = torch.randn(slots, kv, d, generator=g).bfloat16()
+    read = torch.randperm(slots, generator=g)[:40]
+    ctx, t = 35, 5
+    q = torch.randn(t, heads, d, generator=g).bfloat16()
+    chain = torch.zeros(t, 40, dtype=torch.bool)
+    chain[:, :ctx] = True
+    chain[:, ctx:] = torch.ones(t, t, dtype=torch.bool).tril()
+    tree = chain.clone()
+    tree[3, ctx + 1:ctx + 3] = False  # node 3 hangs off node 0: it sees context, node 0 and itself
+    for mask in (chain, tree):
+        cols = visible_columns(mask)
+        out = paged_attention_rows(q, k_cache, v_cache, read, cols, 0.25)
+        for i in range(t):
+            visible = read[mask[i].nonzero().squeeze(1)]
+            alone = paged_attention(q[i:i + 1], k_cache, v_cache, visible, None, 0.25)
+            assert torch.equal(out[i:i + 1], alone), i
+    assert visible_columns(chain)[:2] == [ctx + 1, ctx + 2] and not isinstance(visible_columns(tree)[3], int)
+
+
+def test_row_invariance_is_on_exactly_for_half_precision_activations():
+    from specbuild.compiler.quantize import quantize_int8
+    from specbuild.model.decoder import row_invariant_needed
+    from specbuild.model.qlinear import Int8Format, QLinear
+
+    w32 = {"embed": torch.zeros(4, 4), "layers.0.qkv": torch.zeros(4, 4)}
+    assert not row_invariant_needed(w32, torch.float32)
+    assert row_invariant_needed({k: v.bfloat16() for k, v in w32.items()}, torch.bfloat16)
+    q = QLinear(Int8Format(*quantize_int8(torch.randn(8, 16)), torch.bfloat16), torch.float32)
+    assert row_invariant_needed({**w32, "layers.0.o": q}, torch.float32)
