@@ -17,6 +17,9 @@ import torch
 from specbuild.errors import RequestError
 
 
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings.
@@ -33,6 +36,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default=())
+    # OpenAI's adjustments, applied to the logits by `adjust_logits` before warping, in the one
+    # place plain decoding, drafting and verification all go through
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
@@ -54,10 +62,32 @@ class SamplingParams:
         if len(self.stop) > 16:
             raise RequestError(f"{len(self.stop)} stop strings given; at most 16 are allowed")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise RequestError(f"{name}={v!r} is out of range [-2, 2]")
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(bias.items())
+        try:
+            bias = tuple(sorted((int(k), float(v)) for k, v in bias))
+        except (TypeError, ValueError):
+            raise RequestError("logit_bias must map token ids to numbers, e.g. {\"50256\": -100}") from None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        for k, v in bias:
+            if k < 0 or not -100.0 <= v <= 100.0:
+                raise RequestError(f"logit_bias {{{k}: {v}}}: ids must be >= 0 and biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether `adjust_logits` changes anything (penalties or biases set)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     def with_seed(self) -> "SamplingParams":
         """Return a copy whose seed is set (drawn from the OS when missing)."""
@@ -74,6 +104,55 @@ class SamplingParams:
         if unknown:
             raise RequestError(f"unknown sampling field(s) {sorted(unknown)}; known: {sorted(known)}")
         return dataclasses.replace(base, **{k: v for k, v in data.items() if v is not None})
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, history: list[int],
+                  row_prefixes: list[list[int]] | None = None) -> torch.Tensor:
+    """logit_bias, presence and frequency penalties (OpenAI's definitions: over the tokens
+    generated so far, not the prompt) for each row of `logits` [rows, vocab].
+
+    `history` is the sequence's generated tokens; row i of a verify pass sits after the draft's
+    first i tokens, so `row_prefixes[i]` (default: none) is counted too: a position scores the
+    same whether it is decoded plainly or verified inside a draft. Returns a new float tensor;
+    the input when nothing is set."""
+    if not params.adjusts:
+        return logits
+    rows, vocab = logits.shape
+    out = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor([k for k, _ in params.logit_bias if k < vocab], dtype=torch.long)
+        vals = torch.tensor([v for k, v in params.logit_bias if k < vocab], dtype=torch.float32)
+        out[:, ids] += vals
+    if params.presence_penalty or params.frequency_penalty:
+        base = torch.bincount(torch.tensor(history, dtype=torch.long), minlength=vocab)[:vocab].float() \
+            if history else torch.zeros(vocab)
+        prefixes = row_prefixes or [[] for _ in range(rows)]
+        for i in range(rows):
+            counts = base
+            if prefixes[i]:
+                counts = base + torch.bincount(torch.tensor(prefixes[i], dtype=torch.long), minlength=vocab)[:vocab]
+            out[i] -= counts * params.frequency_penalty + (counts > 0).float() * params.presence_penalty
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, params: SamplingParams, tokens: list[int],
+                   top_n: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each row of `logits` [rows, vocab] (already `adjust_logits`ed and constrained), the
+    log-probability of `tokens[i]` and the `top_n` most likely tokens, under the distribution the
+    request samples from: temperature (1 for greedy requests), then top-k and top-p; a token
+    those filters exclude has -inf (vLLM's processed logprobs)."""
+    if params.greedy:
+        params = dataclasses.replace(params, temperature=1.0)
+    probs = warp_probs(logits, params)
+    logp = torch.log(probs)
+    out = []
+    for i, t in enumerate(tokens):
+        top: list[tuple[int, float]] = []
+        if top_n > 0:
+            vals, ids = torch.topk(logp[i], min(top_n, logp.shape[-1]))
+            top = [(int(j), float(v)) for j, v in zip(ids, vals)]
+        out.append((float(logp[i, t]), top))
+    return out
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
