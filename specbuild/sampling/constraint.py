@@ -30,6 +30,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from specbuild.errors import RequestError
@@ -204,9 +205,8 @@ def vocab_type(tokenizer: dict, xgr):
 
 def unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 bitmask [rows, words] (bit j of word w = token 32w + j) -> bool [rows, vocab]."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    out = ((bits.unsqueeze(-1) >> shifts) & 1).bool()
-    return out.reshape(bits.shape[0], -1)[:, :vocab_size]
+    flat = np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(flat.astype(bool))
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -112,3 +112,20 @@ def test_forced_tokens_are_the_grammars_only_choice(backend, tok_json):
         assert bool(c.allowed()[t])
         c.advance(t)
     assert tok.decode(c.forced(32)) in ("", " ")  # then yes/no is a choice
+
+
+def test_structured_task_set_compiles_and_the_checker_can_fail(backend):
+    from specbuild.bench.structured import load_schemas, load_tasks, validates
+
+    tasks = load_tasks("eval", per_category=1)
+    assert len({t["category"] for t in tasks}) >= 6 and all(t["messages"][0]["content"] for t in tasks)
+    for name, spec in load_schemas().items():  # every schema compiles for the grammar engine
+        backend.constraint(ResponseFormat.parse({"type": "json_schema", "json_schema": {"name": name,
+                                                                                          "schema": spec["schema"]}}))
+    schema = load_schemas()["qa"]["schema"]
+    assert validates('{"answer": "Paris", "confidence": "high"}', schema) == (True, "")
+    assert not validates('{"answer": "Paris"}', schema)[0]
+    assert not validates('{"answer": "Paris", "confidence": "sure"}', schema)[0]
+    assert not validates('{"answer": 3, "confidence": "low"}', schema)[0]
+    assert not validates('{"answer": "x", "confidence": "low", "extra": 1}', schema)[0]
+    assert not validates("not json", schema)[0]
