@@ -30,7 +30,7 @@ import numpy as np
 
 from specbuild.dist import draft_worker as W
 from specbuild.speculation.proposers.base import Draft
-from specbuild.engine.scheduler import Scheduler, build_forward_batch
+from specbuild.engine.scheduler import Scheduler
 
 log = logging.getLogger("specbuild.minedraft")
 NO_ROLLBACK = 1 << 62
@@ -321,18 +321,9 @@ class MineDraftScheduler(Scheduler):
         return n
 
     def verify_except(self, skip: set[int]) -> int:
-        """The base step's plan / forward / finish over every running sequence but `skip`."""
-        everyone = self.running
-        self.running = [s for s in everyone if id(s) not in skip]
-        try:
-            items = self.plan()
-        finally:
-            self.running = everyone
-        for group in (self.speculator.bins(items) if items else []):
-            logits = self.model.forward(build_forward_batch(group, self.cache), self.cache)
-            self.passes += 1
-            self.finish_items(group, logits)
-        return len(items)
+        """The base step (plan / forward / finish, hidden states included) over every running
+        sequence but `skip`; admission was done by `step`."""
+        return Scheduler.step(self, exclude=skip, admit=False)
 
     def health(self) -> dict:
         remote = self.remote

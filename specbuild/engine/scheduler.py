@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -195,16 +196,20 @@ class Scheduler:
                 self.commit(seq, 0)
 
     # ---- the step -----------------------------------------------------------------------
-    def plan(self) -> list[WorkItem]:
+    def plan(self, exclude: Collection[int] = ()) -> list[WorkItem]:
+        """Work for every running sequence whose id() is not in `exclude` (MineDraft's batch
+        being drafted). `self.running` itself is never replaced: lock-free readers (stats())
+        always see every running request."""
         self.check_lengths()
         items, budget = [], self.prefill_chunk
-        decoding = [s for s in self.running if s.num_cached >= len(s.all_ids) - 1]
+        running = [s for s in self.running if id(s) not in exclude] if exclude else list(self.running)
+        decoding = [s for s in running if s.num_cached >= len(s.all_ids) - 1]
         drafts = self.speculator.propose(decoding) if (self.speculator and decoding) else {}
-        for seq in self.running:
+        for seq in running:
             pending = seq.all_ids[seq.num_cached:]
             if len(pending) == 1 or seq in drafts:
                 items.append(WorkItem(seq, pending, drafts.get(seq), seq.num_cached, completes=True))
-        for seq in self.running:
+        for seq in running:
             pending = seq.all_ids[seq.num_cached:]
             if len(pending) > 1 and seq not in drafts and budget > 0:
                 chunk = pending[:budget]
@@ -212,12 +217,16 @@ class Scheduler:
                 items.append(WorkItem(seq, chunk, None, seq.num_cached, completes=len(chunk) == len(pending)))
         return items
 
-    def step(self) -> int:
-        """One batched step. Returns the number of sequences that advanced."""
-        self.admit()
+    def step(self, exclude: Collection[int] = (), admit: bool = True) -> int:
+        """One batched step. Returns the number of sequences that advanced.
+
+        exclude: id()s of running sequences to leave out of this step (MineDraft: the batch
+        the draft rank is drafting); admit=False when the caller already admitted."""
+        if admit:
+            self.admit()
         if not self.running:
             return 0
-        items = self.plan()
+        items = self.plan(exclude)
         if not items:
             return 0
         groups = self.speculator.bins(items) if self.speculator else [items]
