@@ -106,18 +106,20 @@ def plain_next_token(seq: Sequence, logits: torch.Tensor) -> int:
 
 
 class Scheduler:
-    """Owns the target model, its cache, the queue and the running set."""
+    """Owns the target model and its cache; plans and runs steps over the engine's queue."""
 
     def __init__(self, model: Decoder, cache: PagedKVCache, max_batch_size: int, max_seq_len: int,
-                 prefill_chunk: int = 256, speculator=None) -> None:
+                 prefill_chunk: int = 256, speculator=None, waiting: collections.deque | None = None,
+                 running: list | None = None) -> None:
         self.model = model
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.speculator = speculator  # None: plain decoding only
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
+        # the engine's queue (BaseEngine.waiting / running), shared, mutated in place only
+        self.waiting: collections.deque[Sequence] = collections.deque() if waiting is None else waiting
+        self.running: list[Sequence] = [] if running is None else running
         self.budget_blocks = 0  # blocks promised to running sequences (never over-committed)
         self.passes = 0
 
@@ -141,7 +143,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            seq.extra["budget"] = need
+            seq.budget_blocks = need
             self.budget_blocks += need
             self.cache.add(seq.seq_id)
             seq.t_admit = time.perf_counter()
@@ -153,7 +155,7 @@ class Scheduler:
     def release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
-            self.budget_blocks -= seq.extra.get("budget", 0)
+            self.budget_blocks -= seq.budget_blocks
         self.cache.release(seq.seq_id)
         if self.speculator:
             self.speculator.on_release(seq)
@@ -192,7 +194,7 @@ class Scheduler:
                 log.warning("sequence %d: target KV holds %d tokens, expected %d; re-prefilling",
                             seq.seq_id, have, seq.num_cached)
                 seq.num_cached = 0
-                seq.extra["repairs"] = seq.extra.get("repairs", 0) + 1
+                seq.repairs += 1
                 self.commit(seq, 0)
 
     # ---- the step -----------------------------------------------------------------------
