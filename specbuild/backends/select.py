@@ -9,10 +9,11 @@ the HTTP server, the Triton model) therefore talk to a backend at the request le
     for event in handle: print(event.text, end="")      # Event(token_ids, text, finished, ...)
     handle.result()["stats"]                               # drafted, accepted, ... (one shape)
 
-Two implementations: `TorchEngine` (specbuild's own scheduler: the existing `Engine`,
-unchanged, plus `describe_guarantees`) and `trtllm_engine.TrtllmEngine` (TensorRT-LLM's
-executor). Which guarantee holds where is one table, `guarantees()`, printed by
-`specbuild inspect` and documented in the README.
+Two implementations, both subclasses of `engine.base.BaseEngine` (the request queue and
+the background loop): `torch.TorchEngine` (specbuild's own scheduler: the `Engine`, plus
+`describe_guarantees`) and `tensorrt_llm.TrtllmEngine` (TensorRT-LLM's executor). Which
+guarantee holds where is one table, `guarantees.guarantees()`, printed by `specbuild
+inspect` and documented in the README.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol, runtime_checkable
 
+from specbuild.backends.guarantees import LOSSLESS, REFUSED, guarantee_lines, guarantees  # noqa: F401 (public here)
+from specbuild.backends.torch import TorchEngine
 from specbuild.bundle import read_meta
 from specbuild.errors import SpecbuildError
-from specbuild.engine.engine import Engine, EngineConfig
+from specbuild.engine.engine import EngineConfig
 from specbuild.engine.sequence import Handle, Request
 
 BACKEND_CHOICES = ("auto", "torch", "tensorrt-llm")
@@ -76,73 +79,6 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-# ---- the guarantees table ------------------------------------------------------------------
-LOSSLESS = "lossless"
-REFUSED = "refused"
-
-_TORCH_ROWS = {
-    "none": (LOSSLESS, LOSSLESS, "plain decoding"),
-    "ngram": (LOSSLESS, LOSSLESS, "specbuild verify: argmax match (greedy), chain rejection sampling with "
-                                  "one-hot drafts (sampled)"),
-    "draft": (LOSSLESS, LOSSLESS, "specbuild verify: argmax match (greedy), chain rejection sampling with the "
-                                  "draft's probabilities (sampled)"),
-    "medusa": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
-                                   "over siblings (sampled); --typical is LOSSY and opt-in"),
-    "auto": (LOSSLESS, LOSSLESS, "as the method it picks per sequence"),
-}
-
-
-def guarantees(backend: str, *, mode: str = "none", gather_generation_logits: bool = False,
-               methods: list[str] | None = None) -> dict[str, Any]:
-    """Which output guarantee holds for each speculation method on a backend.
-
-    Returns {"backend", "methods": {method: {"greedy", "sampled", "acceptance"}}, "notes"}.
-    "lossless": the output is the target's (greedy: token for token; sampled: in
-    distribution); "refused": such a request is rejected with an error saying why (a request
-    that did not name the method is served without drafts instead, which is lossless).
-    For tensorrt-llm, `mode` is the engines' (none | draft_tokens_external | medusa) and
-    `gather_generation_logits` whether both engines were built with --gather_generation_logits.
-    """
-    if backend == "torch":
-        rows = {m: r for m, r in _TORCH_ROWS.items() if methods is None or m in methods}
-        notes = ["every method runs through specbuild's own verifier (tested by chi-square against the "
-                 "exact joint distribution: `specbuild verify`)",
-                 "the draft length is chosen per sequence within [gamma_min, gamma_max]"]
-    elif backend == "tensorrt-llm":
-        rows = {"none": (LOSSLESS, LOSSLESS, "TensorRT-LLM's own sampler (seeded, but not the same random "
-                                             "stream as the torch backend)")}
-        if mode == "draft_tokens_external":
-            sampled_draft = (LOSSLESS if gather_generation_logits else REFUSED)
-            rows["ngram"] = (LOSSLESS, REFUSED, "TensorRT-LLM external draft tokens: accepted while equal to "
-                                                "the target's argmax; prompt-lookup drafts carry no logits, "
-                                                "so sampled requests are not speculated")
-            rows["draft"] = (LOSSLESS, sampled_draft,
-                             "TensorRT-LLM external draft tokens; sampled acceptance compares draft and target "
-                             "logits, which needs both engines built with --gather_generation_logits"
-                             + ("" if gather_generation_logits else " (these were not)"))
-        elif mode == "medusa":
-            rows["medusa"] = (LOSSLESS, REFUSED, "TensorRT-LLM's Medusa: greedy-only in its TensorRT path "
-                                                 "(drafts accepted while equal to the target's argmax); "
-                                                 "no typical acceptance")
-            rows["none"] = (LOSSLESS, REFUSED, "served by the Medusa engine: every request uses the heads "
-                                               "(TensorRT-LLM has no per-request off), greedy-only")
-        if methods is not None:
-            rows = {m: r for m, r in rows.items() if m in methods}
-        notes = ["TensorRT-LLM owns the KV cache, the batching and the acceptance; specbuild streams the "
-                 "tokens and counts acceptance per engine iteration",
-                 "sampled acceptance needs generation logits (--gather_generation_logits on both engines: "
-                 "specbuild compile --trtllm-gather-generation-logits)",
-                 "the draft length is fixed at the request's gamma (no per-sequence controller); "
-                 "method 'auto' is torch-only",
-                 "lossless on this backend rests on TensorRT-LLM's acceptance kernels; specbuild checks "
-                 "greedy equality with the torch backend (scripts/gpu_trtllm_e2e.sh)"]
-    else:
-        raise ValueError(f"backend {backend!r} is not one of torch, tensorrt-llm")
-    return {"backend": backend,
-            "methods": {m: {"greedy": g, "sampled": s, "acceptance": how} for m, (g, s, how) in rows.items()},
-            "notes": notes}
-
-
 def bundle_guarantees(bundle_dir: str) -> dict[str, dict[str, Any]]:
     """backend -> guarantees table, for each backend this bundle can run on (inspect)."""
     meta = read_meta(bundle_dir)
@@ -157,28 +93,6 @@ def bundle_guarantees(bundle_dir: str) -> dict[str, dict[str, Any]]:
         out["tensorrt-llm"] = guarantees("tensorrt-llm", mode=trt["mode"], methods=methods,
                                          gather_generation_logits=bool(trt.get("gather_generation_logits")))
     return out
-
-
-def guarantee_lines(table: dict[str, Any]) -> list[str]:
-    """The table as aligned text lines (inspect, README)."""
-    lines = [f"guarantees on the {table['backend']} backend:"]
-    for method, row in table["methods"].items():
-        lines.append(f"  {method:7s} greedy {row['greedy']:9s} sampled {row['sampled']:9s} {row['acceptance']}")
-    lines += [f"  note: {n}" for n in table["notes"]]
-    return lines
-
-
-# ---- the torch backend ---------------------------------------------------------------------
-class TorchEngine(Engine):
-    """The torch `Engine`, unchanged, named as a backend and able to describe its guarantees."""
-
-    backend_name = "torch"
-
-    def describe_guarantees(self) -> dict:
-        return guarantees("torch", methods=self.methods)
-
-    def close(self) -> None:
-        self.stop()
 
 
 # ---- choosing a backend --------------------------------------------------------------------

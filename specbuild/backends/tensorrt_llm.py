@@ -1,8 +1,9 @@
 """The TensorRT-LLM backend: specbuild requests served by TensorRT-LLM's C++ executor.
 
 TensorRT-LLM owns the KV cache, the in-flight batching and (for Medusa) the acceptance, so
-this backend works at the request level (see backend.py). Three modes, from the bundle's
-`trtllm/trtllm.json` (written by `specbuild compile --backend tensorrt-llm`):
+this backend works at the request level (see select.py; the queue and loop it shares with
+the torch engine are engine/base.py's). Three modes, from the bundle's `trtllm/trtllm.json`
+(written by `specbuild compile --backend tensorrt-llm`):
 
 - none / Medusa: one streaming executor request per specbuild request; each response holds
   the tokens of one engine iteration, so a Medusa iteration that yields n tokens accepted
@@ -31,7 +32,6 @@ shutdown() until the leader is done).
 
 from __future__ import annotations
 
-import collections
 import datetime
 import json
 import logging
@@ -44,8 +44,10 @@ from typing import Any
 
 from specbuild.bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
 from specbuild.errors import BundleError, RequestError, SpecbuildError
-from specbuild.backends.select import guarantees
-from specbuild.engine.engine import Engine, EngineConfig, validated_prompt_ids
+from specbuild.backends.guarantees import guarantees
+from specbuild.backends.launch import launcher_rank_size
+from specbuild.engine.base import BaseEngine, validated_prompt_ids
+from specbuild.engine.engine import EngineConfig
 from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Event, Handle, Request, Sequence
 from specbuild.speculation.config import SpeculationConfig
@@ -276,42 +278,21 @@ class _Flight:
     responses: int = 0
 
 
-class _Queues:
-    """`engine.scheduler.waiting/running`, as the server reads them from either backend."""
-
-    def __init__(self) -> None:
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
-
-
-class TrtllmEngine:
+class TrtllmEngine(BaseEngine):
     """A bundle's TensorRT-LLM engines behind the request-level backend interface.
 
-    Thread-safety and streaming follow the torch `Engine`: `step()` drives the loop, or
-    `start()` runs it on a thread; handles are `sequence.Handle`s over `Sequence` state (so
-    stop strings, detokenisation and stats are the same code on both backends)."""
+    The request queue, text helpers, background loop and load figures are `BaseEngine`'s,
+    as for the torch `Engine`: `step()` drives the loop, or `start()` runs it on a thread;
+    handles are `sequence.Handle`s over `Sequence` state (so stop strings, detokenisation
+    and stats are the same code on both backends). TensorRT-LLM's executor owns the KV
+    cache, so stats() reports its blocks as None (BaseEngine._kv_blocks)."""
 
     backend_name = "tensorrt-llm"
     poll_ms = 2  # how long one step waits for executor responses
 
-    # the torch engine's text helpers need only .tokenizer and .meta
-    encode = Engine.encode
-    render_chat = Engine.render_chat
-    run_until_done = Engine.run_until_done
-    generate = Engine.generate
-    # the background loop is the torch engine's; only the failure path differs (_fail_running)
-    start = Engine.start
-    _loop = Engine._loop
-    stop = Engine.stop
-    _init_loop = Engine._init_loop
-    # load figures: the same keys as the torch engine's; the KV cache is TensorRT-LLM's (_kv_blocks)
-    stats = Engine.stats
-
     def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig()) -> None:
         t0 = time.perf_counter()
         from tokenizers import Tokenizer
-
-        from specbuild.dist.context import launcher_rank_size
 
         self.bundle_dir, self.config = bundle_dir, config
         self.meta: BundleMeta = read_meta(bundle_dir)
@@ -368,9 +349,9 @@ class TrtllmEngine:
         from specbuild.speculation.proposers.ngram import NgramProposer
 
         self._ngram = NgramProposer()
-        self.scheduler = _Queues()
         self._flights: dict[tuple[str, int], _Flight] = {}
-        self._init_loop(threading.RLock(), t0)
+        self._init_loop(threading.RLock())
+        self.load_seconds = time.perf_counter() - t0
 
     def _make_executor(self, engine_dir: str, share: float | None, medusa: bool):
         trt = self._trt
@@ -440,8 +421,7 @@ class TrtllmEngine:
         return spec, note
 
     # ---- requests -----------------------------------------------------------------------------
-    def submit(self, request: Request) -> Handle:
-        """Validate and queue a request. Raises RequestError (nothing queued) on bad input."""
+    def _new_sequence(self, request: Request) -> Sequence:
         if not self.is_leader:
             raise SpecbuildError(f"rank {self.rank} is not the leader: only rank 0 takes requests")
         prompt_ids = validated_prompt_ids(request, self.encode, self.target_config.vocab_size, self.max_seq_len)
@@ -449,20 +429,15 @@ class TrtllmEngine:
         spec, note = self.resolve_speculation(request, params)
         seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
         if note:
-            seq.extra["stat_speculation_off"] = note
-        handle = Handle(self, seq)
-        seq.handle = handle
-        with self._lock:
-            self.scheduler.waiting.append(seq)
-        self._wake.set()
-        return handle
+            seq.extra_stats["stat_speculation_off"] = note
+        return seq
 
     def abort(self, handle: Handle) -> None:
         """Stop a request; its executor requests are cancelled (thread-safe)."""
         with self._lock:
             seq = handle.seq
-            if seq in self.scheduler.waiting:
-                self.scheduler.waiting.remove(seq)
+            if seq in self.waiting:
+                self.waiting.remove(seq)
             self._release(seq)
             if not seq.finished:
                 seq.finished, seq.finish_reason = True, "abort"
@@ -473,8 +448,8 @@ class TrtllmEngine:
             if flight.seq is seq:
                 del self._flights[key]
                 self.executors[key[0]].cancel_request(key[1])
-        if seq in self.scheduler.running:
-            self.scheduler.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
 
     # ---- executor requests ----------------------------------------------------------------------
     def _round_seed(self, seq: Sequence) -> int:
@@ -519,12 +494,9 @@ class TrtllmEngine:
         req_id = self.executors[which].enqueue_request(request)
         self._flights[(which, req_id)] = flight
 
-    def _remaining(self, seq: Sequence) -> int:
-        return min(seq.params.max_tokens - len(seq.output_ids), self.max_seq_len - seq.total_len)
-
     def _launch(self, seq: Sequence) -> None:
         """Give an idle running sequence its next executor request."""
-        method, remaining = seq.spec.method, self._remaining(seq)
+        method, remaining = seq.spec.method, seq.remaining
         if method in ("none", "medusa"):
             self._enqueue("target", self._request(seq, remaining, streaming=True), _Flight(seq, "stream"))
             return
@@ -538,26 +510,23 @@ class TrtllmEngine:
         self._verify(seq, list(draft.tokens) if draft else [], None)
 
     def _verify(self, seq: Sequence, draft: list[int], draft_logits) -> None:
-        n = min(len(draft) + 1, self._remaining(seq))
+        n = min(len(draft) + 1, seq.remaining)
         draft = draft[:n - 1]
         logits = None if draft_logits is None else draft_logits[:len(draft)]  # [k, vocab_padded]
         self._enqueue("target", self._request(seq, n, streaming=False, draft=draft, draft_logits=logits),
                       _Flight(seq, "verify", draft))
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
-
     def step(self) -> int:
         """Admit, launch the next executor request of every idle sequence, wait up to `poll_ms`
         for responses and turn them into events. Returns the number of sequences that advanced."""
         with self._lock:
-            while self.scheduler.waiting and len(self.scheduler.running) < self.max_batch_size:
-                seq = self.scheduler.waiting.popleft()
+            while self.waiting and len(self.running) < self.max_batch_size:
+                seq = self.waiting.popleft()
                 seq.t_admit = time.perf_counter()
-                self.scheduler.running.append(seq)
+                self.running.append(seq)
             busy = {id(f.seq) for f in self._flights.values()}
-            for seq in list(self.scheduler.running):
+            for seq in list(self.running):
                 if id(seq) not in busy:
                     self._launch(seq)
             waiting_on = {key[0] for key in self._flights}
@@ -628,9 +597,9 @@ class TrtllmEngine:
     def _perf_stats(self, seq: Sequence, result) -> None:
         spec = getattr(getattr(result, "request_perf_metrics", None), "speculative_decoding", None)
         if spec is not None and getattr(spec, "total_draft_tokens", 0):
-            seq.extra["stat_trtllm_total_draft_tokens"] = int(spec.total_draft_tokens)
-            seq.extra["stat_trtllm_total_accepted_draft_tokens"] = int(spec.total_accepted_draft_tokens)
-            seq.extra["stat_trtllm_acceptance_rate"] = round(float(spec.acceptance_rate), 4)
+            seq.extra_stats["stat_trtllm_total_draft_tokens"] = int(spec.total_draft_tokens)
+            seq.extra_stats["stat_trtllm_total_accepted_draft_tokens"] = int(spec.total_accepted_draft_tokens)
+            seq.extra_stats["stat_trtllm_acceptance_rate"] = round(float(spec.acceptance_rate), 4)
 
     def _fail(self, seq: Sequence, message: str) -> None:
         seq.finished, seq.finish_reason = True, "error"
@@ -638,13 +607,9 @@ class TrtllmEngine:
             seq.handle.error = message
             seq.handle._emit(Event([], "", True, "error"))
 
-    def _kv_blocks(self) -> tuple[None, None]:
-        """TensorRT-LLM's executor owns the KV cache; specbuild does not see its blocks."""
-        return None, None
-
     def _fail_running(self, message: str) -> None:
         """Release and fail every running request (the shared loop calls it, lock held)."""
-        for seq in list(self.scheduler.running):
+        for seq in list(self.running):
             self._release(seq)
             self._fail(seq, message)
 

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from specbuild import __version__
 from specbuild.bundle import BundleMeta, Limits, tokenizer_fingerprint, write_meta, write_model_config
+from specbuild.compiler.draft_role import is_draft_dir, resolve_drafter, write_draft_role
 from specbuild.errors import CheckpointError, SpecbuildError
 from specbuild.formats.checkpoints import Checkpoint, read_checkpoint, to_runtime_layout
 
@@ -112,9 +113,6 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
     say = progress or (lambda msg: None)
     say(f"reading target {target if isinstance(target, str) else target.source}")
     tgt = read_checkpoint(target) if isinstance(target, str) else target
-    from specbuild.compiler.draft_role import resolve_drafter
-    from specbuild.train.draft import is_draft_dir
-
     draft = resolve_drafter(draft) if isinstance(draft, str) else draft
     medusa = resolve_drafter(medusa)
     own_draft = isinstance(draft, str) and is_draft_dir(draft)  # a train-draft directory (shares the target's)
@@ -139,8 +137,6 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
         roles = {"target": write_role(tmp, "target", tgt, options.dtype, options)}
         say(f"wrote target ({roles['target']['bytes'] / 1e6:.1f} MB, {options.dtype})")
         if own_draft:
-            from specbuild.compiler.draft_role import write_draft_role
-
             roles["draft"] = write_draft_role(tmp, draft, tgt.config, tgt.tokenizer_json,
                                               tgt.config.tie_word_embeddings, options.dtype)
             say(f"wrote draft ({roles['draft']['bytes'] / 1e6:.1f} MB of its own; embedding and output rows "

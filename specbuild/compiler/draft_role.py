@@ -7,6 +7,11 @@ bundle.json records `shares` ({"embed": "target/embed", "lm_head": "target/embed
 draft's embedding is the target's tensor, its output rows are the target's output rows at
 vocab_map) and `vocab_map` (the file, relative to the bundle). The engine assembles the
 weights at load (engine.shared_draft_weights); nothing is stored twice.
+
+The directory train-draft writes (a "specbuild draft", which `compile --draft DIR`
+recognises) is defined here, beside its only reader, so that train/ depends on compiler/
+and not the reverse: `draft.json` (FORMAT, the draft's ModelConfig, shares, sizes, the
+target's tokenizer fingerprint), `weights.safetensors`, `vocab_map.safetensors`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,26 @@ import torch
 
 from specbuild.bundle import ModelConfig, read_meta, read_model_config, tokenizer_fingerprint, write_model_config
 from specbuild.errors import CheckpointError, SpecbuildError
-from specbuild.train.draft import FORMAT, VOCAB_MAP, WEIGHTS, read_draft_dir
+
+FORMAT = "specbuild-draft-v1"
+DRAFT_JSON = "draft.json"
+WEIGHTS = "weights.safetensors"
+VOCAB_MAP = "vocab_map.safetensors"
+
+
+def is_draft_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, DRAFT_JSON))
+
+
+def read_draft_dir(path: str) -> tuple[dict, dict[str, torch.Tensor], torch.Tensor]:
+    """(draft.json, own weights, vocab_map [N]) of a train-draft output."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, DRAFT_JSON)) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise SpecbuildError(f"{path!r}: draft.json format {meta.get('format')!r} is not {FORMAT!r}")
+    return meta, load_file(os.path.join(path, WEIGHTS)), load_file(os.path.join(path, VOCAB_MAP))["vocab_map"]
 
 
 def write_draft_role(bundle_dir: str, src: str, target_config: ModelConfig, target_tokenizer_json: str,
@@ -27,8 +51,6 @@ def write_draft_role(bundle_dir: str, src: str, target_config: ModelConfig, targ
     """Copy a train-draft directory into <bundle>/draft (weights cast to dtype) after
     checking that it was trained for this target; returns the role entry."""
     from safetensors.torch import save_file
-
-    from specbuild.compiler.compile import DTYPES
 
     meta, weights, vocab_map = read_draft_dir(src)
     fp = tokenizer_fingerprint(target_tokenizer_json)
@@ -44,7 +66,7 @@ def write_draft_role(bundle_dir: str, src: str, target_config: ModelConfig, targ
         raise CheckpointError(f"draft {src!r}: vocab_map does not fit the target's vocabulary")
     role_dir = os.path.join(bundle_dir, "draft")
     write_model_config(role_dir, config)
-    cast = {k: v.to(DTYPES[dtype]).contiguous() for k, v in weights.items()}
+    cast = {k: v.to(getattr(torch, config.dtype)).contiguous() for k, v in weights.items()}
     save_file(cast, os.path.join(role_dir, WEIGHTS), metadata={"format": "specbuild-runtime-v1"})
     save_file({"vocab_map": vocab_map.to(torch.int64).contiguous()}, os.path.join(role_dir, VOCAB_MAP))
     head = "embed" if target_tied else "lm_head"

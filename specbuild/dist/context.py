@@ -56,6 +56,7 @@ from typing import Callable
 
 import numpy as np
 
+from specbuild.backends.launch import launcher_rank_size
 from specbuild.errors import SpecbuildError
 
 log = logging.getLogger("specbuild.parallel")
@@ -65,15 +66,6 @@ SUPPORTED = ("supported: 1 process (standard speculation), `mpirun -disable-auto
              "specbuild serve BUNDLE --parallel-draft` (rank 0 verifies, rank 1 drafts), or `mpirun -n TP*PP "
              "specbuild serve BUNDLE` for a bundle whose TensorRT-LLM engines were built for TP*PP ranks "
              "(TensorRT-LLM leader mode)")
-
-
-def launcher_rank_size() -> tuple[int, int]:
-    """(rank, world size) announced by an MPI launcher in the environment; (0, 1) alone."""
-    for rank_var, size_var in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                               ("PMIX_RANK", "PMIX_SIZE")):
-        if os.environ.get(size_var):
-            return int(os.environ.get(rank_var, "0")), int(os.environ[size_var])
-    return 0, 1
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,11 @@ import time
 import numpy as np
 
 from specbuild.dist import draft_worker as W
+from specbuild.speculation.state import NO_ROLLBACK
 from specbuild.speculation.proposers.base import Draft
-from specbuild.engine.scheduler import Scheduler, build_forward_batch
+from specbuild.engine.scheduler import Scheduler
 
 log = logging.getLogger("specbuild.minedraft")
-NO_ROLLBACK = 1 << 62
 
 
 class MpiTransport:
@@ -141,21 +141,21 @@ class RemoteDraftProposer:
     # ---- the split round trip ------------------------------------------------------------
     def send(self, pairs: list[tuple[object, int]]):
         """Ask for drafts of (seq, gamma) pairs; returns a ticket for `receive` (None: nothing sent)."""
-        pairs = [(s, g) for s, g in pairs if g > 0 and not s.extra.get("remote_failed")]
+        pairs = [(s, g) for s, g in pairs if g > 0 and not s.spec_state.remote_failed]
         if not pairs or not self.healthy:
             return None
         self.step += 1
         orders = []
         for seq, gamma in pairs:
             ids = seq.all_ids
-            sent = seq.extra.get("remote_sent", 0)
+            st = seq.spec_state
+            sent = st.remote_sent or 0
             p = seq.params
             # the draft cache may hold at most the committed text (never past len - 1)
-            keep = min(seq.extra.get("remote_keep", NO_ROLLBACK), len(ids) - 1) if sent else 0
+            keep = min(st.remote_keep, len(ids) - 1) if sent else 0
             orders.append(W.Order(seq.seq_id, keep, sent, ids[sent:], gamma, p.top_k, p.seed,
                                   float(p.temperature), float(p.top_p)))
-            seq.extra["remote_sent"] = len(ids)
-            seq.extra["remote_keep"] = NO_ROLLBACK
+            st.remote_sent, st.remote_keep = len(ids), NO_ROLLBACK
         tc = time.perf_counter()
         request = W.encode_request(W.KIND_DRAFT, self.step, orders, self.releases)
         self.stats["codec_seconds"] += time.perf_counter() - tc
@@ -195,10 +195,10 @@ class RemoteDraftProposer:
         for seq_id, (status, tokens, draft_probs) in results.items():
             seq = seqs[seq_id]
             if status == W.RESYNC:
-                seq.extra["remote_sent"], seq.extra["remote_keep"] = 0, 0
+                seq.spec_state.remote_sent, seq.spec_state.remote_keep = 0, 0
                 self.stats["resyncs"] += 1
             elif status == W.FAILED:
-                seq.extra["remote_failed"] = True
+                seq.spec_state.remote_failed = True
                 self.stats["failed_sequences"] += 1
                 log.warning("sequence %d: the drafter failed on it; decoding it plainly from now on", seq_id)
             elif tokens and not seq.finished:  # (an abort may have come in the meantime)
@@ -230,12 +230,15 @@ class RemoteDraftProposer:
         return entry is not None and entry[0] == len(seq.all_ids)
 
     def rollback(self, seq, length: int) -> None:
-        if "remote_sent" in seq.extra:
-            seq.extra["remote_keep"] = min(seq.extra.get("remote_keep", NO_ROLLBACK), length)
+        st = seq.spec_state
+        if st.remote_sent is not None:
+            st.remote_keep = min(st.remote_keep, length)
 
     def release(self, seq) -> None:
         self.prefetched.pop(seq.seq_id, None)
-        if seq.extra.pop("remote_sent", None) is not None:
+        st = seq.spec_state
+        if st.remote_sent is not None:
+            st.remote_sent, st.remote_keep = None, NO_ROLLBACK
             self.releases.append(seq.seq_id)
 
     def flush_releases(self) -> None:
@@ -259,7 +262,7 @@ class MineDraftScheduler(Scheduler):
                       "imbalance_sum": 0, "batch_sum": 0}
 
     def uses_draft(self, seq) -> bool:
-        return seq.spec is not None and seq.spec.method in ("draft", "auto") and not seq.extra.get("remote_failed")
+        return seq.spec is not None and seq.spec.method in ("draft", "auto") and not seq.spec_state.remote_failed
 
     def sync_batches(self) -> None:
         """Recycle sequences that left, place new decoders (balance counter), rebalance."""
@@ -288,8 +291,7 @@ class MineDraftScheduler(Scheduler):
             if spec.choose_method(seq) != "draft":
                 continue
             gamma = spec.controller.next(seq, "draft")
-            room = min(seq.params.max_tokens - len(seq.output_ids), self.max_seq_len - seq.total_len) - 1
-            pairs.append((seq, max(0, min(gamma, spec.max_draft_len, room))))
+            pairs.append((seq, max(0, min(gamma, spec.max_draft_len, seq.remaining - 1))))
         return pairs
 
     def step(self) -> int:
@@ -321,18 +323,9 @@ class MineDraftScheduler(Scheduler):
         return n
 
     def verify_except(self, skip: set[int]) -> int:
-        """The base step's plan / forward / finish over every running sequence but `skip`."""
-        everyone = self.running
-        self.running = [s for s in everyone if id(s) not in skip]
-        try:
-            items = self.plan()
-        finally:
-            self.running = everyone
-        for group in (self.speculator.bins(items) if items else []):
-            logits = self.model.forward(build_forward_batch(group, self.cache), self.cache)
-            self.passes += 1
-            self.finish_items(group, logits)
-        return len(items)
+        """The base step (plan / forward / finish, hidden states included) over every running
+        sequence but `skip`; admission was done by `step`."""
+        return Scheduler.step(self, exclude=skip, admit=False)
 
     def health(self) -> dict:
         remote = self.remote

@@ -23,6 +23,7 @@ from specbuild.errors import BundleError, RequestError
 from specbuild.model.decoder import Decoder
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
+from specbuild.engine.base import BaseEngine, validated_prompt_ids  # noqa: F401 (validated_prompt_ids: public here too)
 from specbuild.engine.scheduler import Scheduler
 from specbuild.engine.sequence import Handle, Request, Sequence
 
@@ -106,28 +107,10 @@ def shared_draft_weights(bundle_dir: str, role: dict, weights: dict, target_w: d
     return weights, vocab_map
 
 
-def validated_prompt_ids(request: Request, encode, vocab_size: int, max_seq_len: int) -> list[int]:
-    """The request's prompt as token ids, or a RequestError naming the value and the limit.
-    Shared by every backend's submit()."""
-    if request.prompt_ids is None:
-        if request.prompt is None:
-            raise RequestError("a request needs a prompt or prompt_ids")
-        prompt_ids = encode(request.prompt)
-    else:
-        prompt_ids = [int(t) for t in request.prompt_ids]
-    if not prompt_ids:
-        raise RequestError("the prompt is empty (0 tokens)")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError(f"prompt token id {bad[0]} is out of range [0, {vocab_size})")
-    if len(prompt_ids) >= max_seq_len:
-        raise RequestError(f"prompt is {len(prompt_ids)} tokens; max_seq_len is {max_seq_len} "
-                           "(the prompt plus at least one generated token must fit)")
-    return prompt_ids
+class Engine(BaseEngine):
+    """A loaded bundle plus the scheduler that serves it (the torch step loop)."""
 
-
-class Engine:
-    """A loaded bundle plus the scheduler that serves it."""
+    backend_name = "torch"
 
     def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig()) -> None:
         t0 = time.perf_counter()
@@ -171,17 +154,9 @@ class Engine:
             self.default_speculation = SpeculationConfig.make(None, method="none")
         self.default_speculation = SpeculationConfig.make(
             self.default_speculation, gamma_max=min(self.default_speculation.gamma_max, limits.max_draft_len))
+        self._init_loop(threading.Lock())
         self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len,
-                                   config.prefill_chunk, self.speculator)
-        self._init_loop(threading.Lock(), t0)
-
-    def _init_loop(self, lock, t0: float) -> None:
-        """State of the background loop (start/_loop/stop), which TrtllmEngine borrows too."""
-        self.background = False
-        self._lock = lock
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stop = False
+                                   config.prefill_chunk, self.speculator, waiting=self.waiting, running=self.running)
         self.load_seconds = time.perf_counter() - t0
 
     @classmethod
@@ -215,28 +190,7 @@ class Engine:
                           binning=self.config.binning)
 
     # ---- requests ---------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        sp = self.meta.special_tokens
-        bos = sp.get("bos_token_id")
-        if add_special_tokens and sp.get("add_bos_token") and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos] + ids
-        return ids
-
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        from specbuild.engine.chat import render_chat
-
-        sp = self.meta.special_tokens
-        vocab_size = self.tokenizer.get_vocab_size()
-
-        def tok(i):
-            return self.tokenizer.id_to_token(i) if isinstance(i, int) and 0 <= i < vocab_size else ""
-
-        return render_chat(sp.get("chat_template"), messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=tok(sp.get("bos_token_id")) or "", eos_token=tok(sp.get("eos_token_id")) or "")
-
-    def submit(self, request: Request) -> Handle:
-        """Validate and queue a request. Raises RequestError (nothing queued) on bad input."""
+    def _new_sequence(self, request: Request) -> Sequence:
         prompt_ids = validated_prompt_ids(request, self.encode, self.target_config.vocab_size, self.max_seq_len)
         params = request.sampling.with_seed()
         spec = self.resolve_speculation(request)
@@ -246,12 +200,7 @@ class Engine:
             raise RequestError(f"request needs {need} KV blocks (prompt {len(prompt_ids)} + max_tokens "
                                f"{params.max_tokens} tokens) but the cache holds {self.cache.num_blocks}; "
                                "lower max_tokens or raise --kv-cache-tokens")
-        handle = Handle(self, seq)
-        seq.handle = handle
-        with self._lock:
-            self.scheduler.waiting.append(seq)
-        self._wake.set()
-        return handle
+        return seq
 
     @property
     def methods(self) -> list[str]:
@@ -276,17 +225,6 @@ class Engine:
                                    "--max-draft-len)")
         return spec
 
-    def stats(self) -> dict:
-        """Load figures for health checks and metrics, the same keys on every backend (None:
-        this backend does not know): queue_depth (requests waiting for admission), running
-        (admitted, generating), kv_blocks_used, kv_blocks_total, gamma (mean current draft
-        length over running requests that speculate; 0.0 when none). Lock-free reads."""
-        running = list(self.scheduler.running)
-        gammas = [s.gammas[-1] for s in running if getattr(s, "gammas", None)]
-        used, total = self._kv_blocks()
-        return {"queue_depth": len(self.scheduler.waiting), "running": len(running), "kv_blocks_used": used,
-                "kv_blocks_total": total, "gamma": sum(gammas) / len(gammas) if gammas else 0.0}
-
     def _kv_blocks(self) -> tuple[int | None, int | None]:
         """(used, total) KV cache blocks, for stats()."""
         return self.cache.used_blocks, self.cache.num_blocks
@@ -301,50 +239,8 @@ class Engine:
         with self._lock:
             return self.scheduler.step()
 
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
-    def run_until_done(self) -> None:
-        while self.has_work():
-            self.step()
-
-    def generate(self, requests: list[Request]) -> list[dict]:
-        handles = [self.submit(r) for r in requests]
-        self.run_until_done()
-        return [h.result() for h in handles]
-
-    def start(self) -> None:
-        """Run the step loop on a background thread (servers)."""
-        if self._thread is not None:
-            return
-        self.background = True
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="specbuild-engine", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop:
-            if not self.has_work():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
-                self.step()
-            except Exception:  # a bug must not leave clients hanging: fail what was running
-                log.exception("engine step failed; failing the running requests")
-                with self._lock:
-                    self._fail_running("internal error in the engine step (see server log)")
-
     def _fail_running(self, message: str) -> None:
         """Release and fail every running request (called with the lock held)."""
         for seq in list(self.scheduler.running):
             self.scheduler.release(seq)
             self.scheduler.fail(seq, message)
-
-    def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-        self.background = False

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -105,18 +106,20 @@ def plain_next_token(seq: Sequence, logits: torch.Tensor) -> int:
 
 
 class Scheduler:
-    """Owns the target model, its cache, the queue and the running set."""
+    """Owns the target model and its cache; plans and runs steps over the engine's queue."""
 
     def __init__(self, model: Decoder, cache: PagedKVCache, max_batch_size: int, max_seq_len: int,
-                 prefill_chunk: int = 256, speculator=None) -> None:
+                 prefill_chunk: int = 256, speculator=None, waiting: collections.deque | None = None,
+                 running: list | None = None) -> None:
         self.model = model
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.speculator = speculator  # None: plain decoding only
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
+        # the engine's queue (BaseEngine.waiting / running), shared, mutated in place only
+        self.waiting: collections.deque[Sequence] = collections.deque() if waiting is None else waiting
+        self.running: list[Sequence] = [] if running is None else running
         self.budget_blocks = 0  # blocks promised to running sequences (never over-committed)
         self.passes = 0
 
@@ -140,7 +143,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            seq.extra["budget"] = need
+            seq.budget_blocks = need
             self.budget_blocks += need
             self.cache.add(seq.seq_id)
             seq.t_admit = time.perf_counter()
@@ -152,7 +155,7 @@ class Scheduler:
     def release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
-            self.budget_blocks -= seq.extra.get("budget", 0)
+            self.budget_blocks -= seq.budget_blocks
         self.cache.release(seq.seq_id)
         if self.speculator:
             self.speculator.on_release(seq)
@@ -191,20 +194,24 @@ class Scheduler:
                 log.warning("sequence %d: target KV holds %d tokens, expected %d; re-prefilling",
                             seq.seq_id, have, seq.num_cached)
                 seq.num_cached = 0
-                seq.extra["repairs"] = seq.extra.get("repairs", 0) + 1
+                seq.repairs += 1
                 self.commit(seq, 0)
 
     # ---- the step -----------------------------------------------------------------------
-    def plan(self) -> list[WorkItem]:
+    def plan(self, exclude: Collection[int] = ()) -> list[WorkItem]:
+        """Work for every running sequence whose id() is not in `exclude` (MineDraft's batch
+        being drafted). `self.running` itself is never replaced: lock-free readers (stats())
+        always see every running request."""
         self.check_lengths()
         items, budget = [], self.prefill_chunk
-        decoding = [s for s in self.running if s.num_cached >= len(s.all_ids) - 1]
+        running = [s for s in self.running if id(s) not in exclude] if exclude else list(self.running)
+        decoding = [s for s in running if s.num_cached >= len(s.all_ids) - 1]
         drafts = self.speculator.propose(decoding) if (self.speculator and decoding) else {}
-        for seq in self.running:
+        for seq in running:
             pending = seq.all_ids[seq.num_cached:]
             if len(pending) == 1 or seq in drafts:
                 items.append(WorkItem(seq, pending, drafts.get(seq), seq.num_cached, completes=True))
-        for seq in self.running:
+        for seq in running:
             pending = seq.all_ids[seq.num_cached:]
             if len(pending) > 1 and seq not in drafts and budget > 0:
                 chunk = pending[:budget]
@@ -212,12 +219,16 @@ class Scheduler:
                 items.append(WorkItem(seq, chunk, None, seq.num_cached, completes=len(chunk) == len(pending)))
         return items
 
-    def step(self) -> int:
-        """One batched step. Returns the number of sequences that advanced."""
-        self.admit()
+    def step(self, exclude: Collection[int] = (), admit: bool = True) -> int:
+        """One batched step. Returns the number of sequences that advanced.
+
+        exclude: id()s of running sequences to leave out of this step (MineDraft: the batch
+        the draft rank is drafting); admit=False when the caller already admitted."""
+        if admit:
+            self.admit()
         if not self.running:
             return 0
-        items = self.plan()
+        items = self.plan(exclude)
         if not items:
             return 0
         groups = self.speculator.bins(items) if self.speculator else [items]

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 
 from specbuild.sampling.params import SamplingParams
+from specbuild.speculation.state import SpecState
 from specbuild.engine.text import IncrementalDetokenizer, StopStringFilter
 
 _ids = itertools.count(1)
@@ -70,7 +71,10 @@ class Sequence:
         self.accepted_by_pos: list[int] = []
         self.drafted_by_pos: list[int] = []
         self.gammas: list[int] = []
-        self.extra: dict[str, Any] = {}  # drafter-owned state (e.g. the draft cache length)
+        self.budget_blocks = 0  # KV blocks the scheduler promised this sequence at admission
+        self.repairs = 0  # times its target cache was found inconsistent and re-prefilled
+        self.spec_state = SpecState()  # the speculator's and drafters' state (speculation/state.py)
+        self.extra_stats: dict[str, Any] = {}  # backend-specific result stats, under their output names
 
     @property
     def all_ids(self) -> list[int]:
@@ -79,6 +83,11 @@ class Sequence:
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens this sequence may still generate: its max_tokens and the context limit."""
+        return min(self.params.max_tokens - len(self.output_ids), self.max_total_len - self.total_len)
 
     @property
     def in_prefill(self) -> bool:
@@ -143,7 +152,7 @@ class Sequence:
             "acceptance_by_position": [round(a / d, 4) if d else None
                                        for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)],
             "gamma": gamma_summary(self.gammas),
-            **{k: v for k, v in self.extra.items() if k.startswith("stat_")},
+            **self.extra_stats,
         }
 
 

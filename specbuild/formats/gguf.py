@@ -12,7 +12,7 @@ import torch
 
 from specbuild.bundle import ModelConfig
 from specbuild.errors import CheckpointError
-from specbuild.formats.checkpoints import Checkpoint, check_tensors
+from specbuild.formats.layout import Checkpoint, check_tensors
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 RAW_KEPT = ("Q4_1", "Q8_0")  # quantized types whose raw blocks build/quantize.py can carry

@@ -71,8 +71,18 @@ def best_gamma(alpha: float, lo: int, hi: int, costs: CostModel) -> int:
 
 @dataclass
 class GammaState:
-    history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
+    """One sequence's recent acceptance: (drafted, accepted) of its last `window` verified
+    steps per method (a tree step counts its depth as drafted)."""
+
+    window: int = 20
+    history: dict[str, collections.deque] = field(default_factory=dict)
     plain_steps: int = 0
+
+    def of(self, method: str) -> collections.deque:
+        h = self.history.get(method)
+        if h is None:
+            h = self.history[method] = collections.deque(maxlen=self.window)
+        return h
 
 
 class GammaController:
@@ -86,15 +96,17 @@ class GammaController:
         self.probe_every = probe_every
 
     def state(self, seq) -> GammaState:
-        st = seq.extra.get("gamma_state")
+        st = seq.spec_state.gamma
         if st is None:
-            st = seq.extra["gamma_state"] = GammaState(collections.deque(maxlen=self.window))
+            st = seq.spec_state.gamma = GammaState(self.window)
         return st
 
-    def alpha(self, seq) -> float:
-        st = self.state(seq)
-        drafted = sum(d for d, _ in st.history)
-        accepted = sum(a for _, a in st.history)
+    def alpha(self, seq, method: str) -> float:
+        """The per-token acceptance estimate of `method` on seq: the one estimator, used for
+        the depth (`next`) and, under `auto`, for choosing the method (Speculator)."""
+        history = self.state(seq).of(method)
+        drafted = sum(d for d, _ in history)
+        accepted = sum(a for _, a in history)
         # a weak prior (2 pseudo-drafts) keeps the first steps from swinging to extremes
         return (accepted + 2 * self.prior_alpha) / (drafted + 2)
 
@@ -104,9 +116,9 @@ class GammaController:
         if not spec.dynamic:
             return spec.gamma
         st = self.state(seq)
-        if not st.history:
+        if not st.of(method):
             return max(spec.gamma, 1) if spec.gamma_max > 0 else 0
-        g = best_gamma(self.alpha(seq), spec.gamma_min, spec.gamma_max, costs or self.costs[method])
+        g = best_gamma(self.alpha(seq, method), spec.gamma_min, spec.gamma_max, costs or self.costs[method])
         if g == 0:
             st.plain_steps += 1
             if st.plain_steps >= self.probe_every:  # probe: maybe the text became predictable
@@ -116,6 +128,6 @@ class GammaController:
             st.plain_steps = 0
         return g
 
-    def record(self, seq, drafted: int, accepted: int) -> None:
+    def record(self, seq, method: str, drafted: int, accepted: int) -> None:
         if drafted > 0:
-            self.state(seq).history.append((drafted, accepted))
+            self.state(seq).of(method).append((drafted, accepted))

@@ -125,7 +125,7 @@ class Speculator:
         best, best_rate = None, 0.0
         for name in self.proposers:
             cm = self.cost_model(seq, name)
-            alpha = self.method_alpha(seq, name)
+            alpha = self.controller.alpha(seq, name)
             g = best_gamma(alpha, max(1, seq.spec.gamma_min), max(1, seq.spec.gamma_max), cm)
             rate = expected_tokens(alpha, g) / (g * cm.draft_cost + cm.verify(g + 1))
             if rate > best_rate:
@@ -142,22 +142,17 @@ class Speculator:
             return cm
         return TreeCostModel(cm, nodes_within_depth(validate(getattr(seq.spec, "tree", None))))
 
-    def method_alpha(self, seq, method: str) -> float:
-        drafted, accepted = seq.extra.get(f"auto_{method}", (0, 0))
-        return (accepted + 1.2) / (drafted + 2)
-
     def propose(self, seqs: list) -> dict:
         by_method: dict[str, list] = {}
         for seq in seqs:
             method = self.choose_method(seq)
-            seq.extra["method"] = method
+            seq.spec_state.method = method
             if method is None:
                 seq.gammas.append(0)
                 continue
             gamma = self.controller.next(seq, method, self.cost_model(seq, method))
             # never draft past the sequence's room (its max tokens or the context limit)
-            room = min(seq.params.max_tokens - len(seq.output_ids), self.max_seq_len - seq.total_len) - 1
-            gamma = max(0, min(gamma, self.max_draft_len, room))
+            gamma = max(0, min(gamma, self.max_draft_len, seq.remaining - 1))
             seq.gammas.append(gamma)
             if gamma > 0:
                 by_method.setdefault(method, []).append((seq, gamma))
@@ -168,7 +163,7 @@ class Speculator:
                 if draft is not None and len(draft) > 0:
                     out[seq] = draft
                 else:
-                    self.controller.record(seq, 0, 0)
+                    self.controller.record(seq, method, 0, 0)
         return out
 
     def bins(self, items: list) -> list[list]:
@@ -191,7 +186,7 @@ class Speculator:
         if draft.parents is not None:
             res = self.verify_tree(seq, draft, target_logits)
             a = len(res.accepted_nodes)
-            seq.extra["accepted_nodes"] = res.accepted_nodes
+            seq.spec_state.accepted_nodes = res.accepted_nodes
             draft.last_row = res.accepted_nodes[-1] if res.accepted_nodes else 0
             # by depth: the fraction of tree steps whose accepted path reached depth d + 1
             self.record(seq, draft, k, a, depth_counts=[1] * max(draft.depths))
@@ -230,17 +225,15 @@ class Speculator:
                 seq.accepted_by_pos.append(0)
             seq.drafted_by_pos[i] += c
             seq.accepted_by_pos[i] += int(i < a)
-        method = seq.extra.get("method") or draft.method
-        d, acc = seq.extra.get(f"auto_{method}", (0, 0))
+        method = seq.spec_state.method or draft.method
         # a tree's "drafted" for the depth controller is its depth, not its node count
         depth = len(counts) if depth_counts else k
-        seq.extra[f"auto_{method}"] = (d + depth, acc + a)
-        self.controller.record(seq, depth, a)
+        self.controller.record(seq, method, depth, a)
 
     def compact(self, seq, item, cache: PagedKVCache, accepted: int) -> None:
         """After a tree step, move the accepted path's K/V into contiguous positions right
         after the root; the other nodes' entries are dropped by the following commit."""
-        nodes = seq.extra.pop("accepted_nodes", ())
+        nodes, seq.spec_state.accepted_nodes = seq.spec_state.accepted_nodes, ()
         assert len(nodes) == accepted
         root = item.start + len(item.chunk) - 1  # cache index of the root token
         moves = [(root + node, root + 1 + j) for j, node in enumerate(nodes) if node != j + 1]

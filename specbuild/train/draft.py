@@ -40,14 +40,11 @@ import torch
 import torch.nn.functional as F
 
 from specbuild.bundle import ModelConfig
+# the output directory's format belongs to its reader, compile --draft
+from specbuild.compiler.draft_role import DRAFT_JSON, FORMAT, VOCAB_MAP, WEIGHTS
 from specbuild.errors import SpecbuildError
 from specbuild.model.decoder import apply_rope, rms_norm, rope_tables
 from specbuild.train import medusa as mt
-
-FORMAT = "specbuild-draft-v1"
-DRAFT_JSON = "draft.json"
-WEIGHTS = "weights.safetensors"
-VOCAB_MAP = "vocab_map.safetensors"
 
 
 @dataclass(frozen=True)
@@ -243,21 +240,6 @@ def evaluate(model: TrainDraft, seqs: list[dict], data: dict | None) -> dict:
 
 
 # ---- the command -------------------------------------------------------------------------------------
-def is_draft_dir(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, DRAFT_JSON))
-
-
-def read_draft_dir(path: str) -> tuple[dict, dict[str, torch.Tensor], torch.Tensor]:
-    """(draft.json, own weights, vocab_map [N]) of a train-draft output."""
-    from safetensors.torch import load_file
-
-    with open(os.path.join(path, DRAFT_JSON)) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise SpecbuildError(f"{path!r}: draft.json format {meta.get('format')!r} is not {FORMAT!r}")
-    return meta, load_file(os.path.join(path, WEIGHTS)), load_file(os.path.join(path, VOCAB_MAP))["vocab_map"]
-
-
 def _answers(engine, recs: list[dict], limit: int, cfg: DraftTrainConfig, temperature: float, path: str,
              progress: bool) -> list[dict]:
     if limit <= 0:

@@ -1,5 +1,5 @@
-"""Forced-probability unit tests of the verification functions, and the batched fast
-paths compared with the per-sequence references on random inputs."""
+"""Forced-probability unit tests of the verification functions the engine calls (through
+`Speculator.verify`, one sequence at a time)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specbuild.sampling.params import SamplingParams, sample_from, warp_probs
-from specbuild.sampling.acceptance import ChainResult, TreeResult, verify_chain_greedy, verify_chain_greedy_batch, verify_chain_sampled, verify_chain_sampled_batch, verify_tree_greedy, verify_tree_sampled, verify_tree_sampled_batch, verify_tree_typical
+from specbuild.sampling.acceptance import ChainResult, TreeResult, verify_chain_greedy, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled, verify_tree_typical
 
 V = 6
 
@@ -54,20 +54,6 @@ def test_chain_greedy_tie_takes_lowest_id_like_warp_probs():
     assert verify_chain_greedy(ids(2), logits) == ChainResult(0, 1, (1,))
     greedy = warp_probs(logits, SamplingParams(temperature=0.0))
     assert int(greedy[0].argmax()) == 1
-
-
-def test_chain_greedy_batch_matches_reference():
-    gen = torch.Generator().manual_seed(0)
-    batch, k = 40, 4
-    logits = torch.randn(batch, k + 1, V, generator=gen)
-    drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.7, logits[:, :k].argmax(-1),
-                         torch.randint(0, V, (batch, k), generator=gen))
-    lengths = torch.randint(0, k + 1, (batch,), generator=gen)
-    out = verify_chain_greedy_batch(drafts, logits, lengths).results(drafts)
-    for b in range(batch):
-        L = int(lengths[b])
-        assert out[b] == verify_chain_greedy(drafts[b, :L], logits[b, :L + 1])
-    assert any(r.accepted > 0 for r in out) and any(r.accepted < int(L) for r, L in zip(out, lengths))
 
 
 # ----------------------------------------------------------------------------- chain, sampled
@@ -130,45 +116,6 @@ def test_chain_sampled_recovered_token_follows_the_normalised_residual():
         assert result.next_token == int(sample_from(residual, value[None].float()))
 
 
-def _random_chain_batch(seed: int, batch: int = 64, k: int = 4, vocab: int = 16):
-    gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0.8, top_k=10)
-    draft_probs = warp_probs(torch.randn(batch, k, vocab, generator=gen), params)
-    target_probs = warp_probs(torch.randn(batch, k + 1, vocab, generator=gen), params)
-    mixed = 0.5 * draft_probs + 0.5 * target_probs[:, :k]  # drafts often accepted
-    draft_ids = sample_from(mixed.reshape(-1, vocab), torch.rand(batch * k, generator=gen)).reshape(batch, k)
-    uniforms = torch.rand(batch, k + 1, generator=gen)
-    lengths = torch.randint(0, k + 1, (batch,), generator=gen)
-    return draft_ids, draft_probs, target_probs, uniforms, lengths
-
-
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_chain_sampled_batch_matches_reference(deterministic):
-    draft_ids, draft_probs, target_probs, uniforms, lengths = _random_chain_batch(1 + deterministic)
-    if deterministic:
-        draft_probs = None
-    batch_out = verify_chain_sampled_batch(draft_ids, draft_probs, target_probs, uniforms, lengths)
-    results = batch_out.results(draft_ids)
-    for b, L in enumerate(lengths.tolist()):
-        ref = verify_chain_sampled(draft_ids[b, :L], None if draft_probs is None else draft_probs[b, :L],
-                                   target_probs[b, :L + 1], uniforms[b, :L + 1])
-        assert results[b] == ref, f"row {b}"
-    accepted, lengths_l = batch_out.accepted.tolist(), lengths.tolist()
-    assert any(0 < a for a in accepted)  # some drafts accepted
-    assert any(a < L for a, L in zip(accepted, lengths_l))  # some rejected
-    assert any(a == L > 0 for a, L in zip(accepted, lengths_l))  # some bonus
-
-
-def test_chain_sampled_batch_default_lengths_and_k0():
-    draft_ids, draft_probs, target_probs, uniforms, _ = _random_chain_batch(4, batch=8)
-    full = verify_chain_sampled_batch(draft_ids, draft_probs, target_probs, uniforms)
-    explicit = verify_chain_sampled_batch(draft_ids, draft_probs, target_probs, uniforms, torch.full((8,), 4))
-    assert torch.equal(full.accepted, explicit.accepted) and torch.equal(full.next_token, explicit.next_token)
-    empty = verify_chain_sampled_batch(draft_ids[:, :0], draft_probs[:, :0], target_probs[:, :1], uniforms[:, :1])
-    assert torch.equal(empty.accepted, torch.zeros(8, dtype=torch.int64))
-    assert torch.equal(empty.next_token, sample_from(target_probs[:, 0], uniforms[:, 0]))
-
-
 def test_chain_sampled_with_greedy_target_is_greedy():
     gen = torch.Generator().manual_seed(5)
     for _ in range(30):
@@ -199,18 +146,11 @@ def test_chain_sampled_shape_errors(change, message):
         verify_chain_sampled(**args)
 
 
-def test_chain_batch_and_greedy_shape_errors():
-    draft_ids, draft_probs, target_probs, uniforms, _ = _random_chain_batch(6, batch=4)
-    with pytest.raises(ValueError, match="lengths must lie in"):
-        verify_chain_sampled_batch(draft_ids, draft_probs, target_probs, uniforms, ids(0, 1, 2, 5))
-    with pytest.raises(ValueError, match="lengths has shape"):
-        verify_chain_sampled_batch(draft_ids, draft_probs, target_probs, uniforms, ids(0, 1))
-    with pytest.raises(ValueError, match="target_probs has shape"):
-        verify_chain_sampled_batch(draft_ids, draft_probs, target_probs[:, :3], uniforms)
+def test_chain_greedy_shape_errors():
     with pytest.raises(ValueError, match="target_logits has shape"):
         verify_chain_greedy(ids(1, 2), torch.randn(2, V))
     with pytest.raises(ValueError, match="expected draft_ids"):
-        verify_chain_greedy_batch(ids(1, 2), torch.randn(3, V))
+        verify_chain_greedy(ids(1, 2)[None], torch.randn(3, V))
 
 
 # ----------------------------------------------------------------------------- trees
@@ -276,24 +216,6 @@ def test_chain_shaped_tree_equals_chain_with_deterministic_draft():
         assert tree.tokens == chain.tokens and len(tree.accepted_nodes) == chain.accepted
 
 
-@pytest.mark.parametrize("parents", [(-1,), (-1, 0, 1, 2), TREE, (-1, 0, 0, 0, 1, 1, 2, 4, 4, 7)])
-def test_tree_sampled_batch_matches_reference(parents):
-    gen = torch.Generator().manual_seed(len(parents))
-    batch, n, vocab = 48, len(parents), 8
-    target = warp_probs(torch.randn(batch, n, vocab, generator=gen) * 1.5, SamplingParams(temperature=1.0, top_k=5))
-    # candidates: mostly likely tokens (duplicates among siblings included), some random
-    tokens = torch.where(torch.rand(batch, n, generator=gen) < 0.6,
-                         sample_from(target[:, [max(p, 0) for p in parents]].reshape(-1, vocab),
-                                     torch.rand(batch * n, generator=gen)).reshape(batch, n),
-                         torch.randint(0, vocab, (batch, n), generator=gen))
-    uniforms = torch.rand(batch, n, generator=gen)
-    out = verify_tree_sampled_batch(parents, tokens, target, uniforms).results(parents, tokens)
-    for b in range(batch):
-        assert out[b] == verify_tree_sampled(parents, tokens[b], target[b], uniforms[b]), f"row {b}"
-    if n > 1:
-        assert any(r.accepted_nodes for r in out) and any(not r.accepted_nodes for r in out)
-
-
 def test_tree_typical_is_greedy_on_one_hot_targets_and_lossy_otherwise():
     gen = torch.Generator().manual_seed(9)
     for _ in range(30):
@@ -338,7 +260,7 @@ def test_tree_shape_errors():
         verify_tree_greedy(TREE, ids(0, 1, 2, 3, 4, 5), target[:5])
     with pytest.raises(ValueError, match="uniforms has shape"):
         verify_tree_sampled(TREE, ids(0, 1, 2, 3, 4, 5), target, torch.zeros(5))
-    with pytest.raises(ValueError, match="uniforms has shape"):
-        verify_tree_sampled_batch(TREE, ids(0, 1, 2, 3, 4, 5)[None], target[None], torch.zeros(2, 6))
     with pytest.raises(ValueError, match="node_tokens has shape"):
-        verify_tree_sampled_batch(TREE, ids(0, 1, 2, 3, 4, 5), target[None], torch.zeros(1, 6))
+        verify_tree_sampled(TREE, ids(0, 1, 2, 3, 4, 5)[None], target, torch.zeros(6))
+    with pytest.raises(ValueError, match="target_probs has shape"):
+        verify_tree_sampled(TREE, ids(0, 1, 2, 3, 4, 5), target[None], torch.zeros(6))

@@ -3,7 +3,9 @@
 The "model" is a fixed random trigram table over a small vocabulary (logits depend on the
 two previous tokens); the drafter is a perturbed copy. Rows are independent requests
 that generate their first 3 tokens by speculative decoding (draft k tokens from the
-drafter's warped distribution, verify with `verify_chain_sampled_batch`, repeat). Two
+drafter's warped distribution, verify each row with `verify_chain_sampled`, the function
+the engine runs per sequence through `Speculator.verify`, repeat; trees likewise with
+`verify_tree_sampled`). Two
 chi-square tests per setting, against laws enumerated exactly from the tables:
 
 (a) losslessness: the joint of the first 3 tokens equals the target's (plain decoding with
@@ -28,12 +30,12 @@ import pytest
 import torch
 
 from specbuild.sampling.params import SamplingParams, sample_from, warp_probs
-from specbuild.sampling.acceptance import verify_chain_sampled_batch, verify_tree_sampled_batch
+from specbuild.sampling.acceptance import verify_chain_sampled, verify_tree_sampled
 
 from stats_util import holm, pooled_chisquare, stratified_chisquare
 
 VOCAB = 8
-ROWS = 30_000
+ROWS = 12_000  # per-row verification (the engine's function) costs ~50 us a call; broken variants still give p ~ 0
 ALPHA = 0.01
 PROMPT = (3, 5)  # the two context tokens before generation
 
@@ -104,6 +106,31 @@ def exact_step_law(model: Model, setting: Setting, k: int) -> torch.Tensor:
         pos = [accept if i < a else (residual if a < k else target) if i == a else target for i in range(3)]
         law[a, min(a + 1, 3) - 1] = pos[0][c0, c1][:, None, None] * pos[1][c1][:, :, None] * pos[2]
     return law
+
+
+# ------------------------------------------------------------------- the verifiers
+
+
+def engine_chain(draft_ids, draft_probs, target_probs, uniforms, lengths):
+    """The engine's chain verifier, one row (request) at a time, as Speculator.verify calls
+    it: row b's first lengths[b] drafts, lengths[b] + 1 target rows and uniforms."""
+    accepted, next_token = [], []
+    for b, k in enumerate(lengths.tolist()):
+        res = verify_chain_sampled(draft_ids[b, :k], None if draft_probs is None else draft_probs[b, :k],
+                                   target_probs[b, :k + 1], uniforms[b, :k + 1])
+        accepted.append(res.accepted)
+        next_token.append(res.next_token)
+    return torch.tensor(accepted, dtype=torch.int64), torch.tensor(next_token, dtype=torch.int64)
+
+
+def engine_tree(parents, node_tokens, target_probs, uniforms):
+    """The engine's tree verifier row by row: (deepest accepted node [rows], next token [rows])."""
+    last, next_token = [], []
+    for b in range(node_tokens.shape[0]):
+        res = verify_tree_sampled(parents, node_tokens[b], target_probs[b], uniforms[b])
+        last.append(res.accepted_nodes[-1] if res.accepted_nodes else 0)
+        next_token.append(res.next_token)
+    return torch.tensor(last, dtype=torch.int64), torch.tensor(next_token, dtype=torch.int64)
 
 
 # ------------------------------------------------------------------- broken verifiers
@@ -182,9 +209,8 @@ def simulate_chain(setting: Setting, seed: int, rows: int = ROWS, model: Model =
         target_probs = torch.stack([warp_probs(model.target_logits[a, b], target_params) for a, b in ctx], 1)
         uniforms = torch.rand(n, k + 1, generator=gen)
         if verifier is None:
-            res = verify_chain_sampled_batch(draft_ids, None if setting.deterministic else dprobs,
-                                             target_probs, uniforms, lengths)
-            accepted, next_token = res.accepted, res.next_token
+            accepted, next_token = engine_chain(draft_ids, None if setting.deterministic else dprobs,
+                                                target_probs, uniforms, lengths)
         else:
             accepted, next_token = verifier(draft_ids, dprobs, target_probs, uniforms, lengths)
         has_next = next_token >= 0
@@ -294,8 +320,7 @@ def simulate_tree(params: SamplingParams, seed: int, rows: int = ROWS, model: Mo
         target_probs = torch.stack([warp_probs(model.target_logits[a, b], params) for a, b in ctx], 1)
         uniforms = torch.rand(n, len(TREE_PARENTS), generator=gen)
         if verifier is None:
-            res = verify_tree_sampled_batch(TREE_PARENTS, node_tokens, target_probs, uniforms)
-            last, next_token = res.last_node, res.next_token
+            last, next_token = engine_tree(TREE_PARENTS, node_tokens, target_probs, uniforms)
         else:
             last, next_token = verifier(TREE_PARENTS, node_tokens, target_probs, uniforms)
         depth = TREE_DEPTHS[last]

@@ -18,7 +18,8 @@ from specbuild.bundle import read_meta
 from specbuild.errors import CheckpointError, RequestError, SpecbuildError
 from specbuild.speculation.tree import TreeSpec, load_tree
 from specbuild.speculation.medusa_heads import MedusaHeads, load_medusa, reference_medusa_logits
-from specbuild.speculation.proposers.medusa import HIDDEN_KEY, MedusaProposer
+from specbuild.speculation.proposers.medusa import MedusaProposer
+from specbuild.speculation.state import SpecState
 
 HIDDEN, VOCAB = 64, 320  # tests/tiny.py defaults
 
@@ -242,7 +243,7 @@ def test_propose_uses_current_hidden_gamma_and_request_tree():
     prop = MedusaProposer(heads, load_tree("mc_sim_7b_top10"))
 
     def seq(total_len, tree=None):
-        return SimpleNamespace(extra={}, total_len=total_len, spec=SimpleNamespace(tree=tree))
+        return SimpleNamespace(spec_state=SpecState(), total_len=total_len, spec=SimpleNamespace(tree=tree))
 
     fresh, stale, chain, none_yet = seq(10), seq(10), seq(7, "chain_3"), seq(5)
     for s, basis in ((fresh, 0), (stale, 1), (chain, 2)):
@@ -257,7 +258,7 @@ def test_propose_uses_current_hidden_gamma_and_request_tree():
     with pytest.raises(RequestError, match="depth 4 but the bundle has 3 Medusa heads"):
         prop.validate_tree("mc_sim_7b_63")
     prop.release(fresh)
-    assert HIDDEN_KEY not in fresh.extra
+    assert fresh.spec_state.medusa_hidden is None
 
 
 # ---- train-medusa --------------------------------------------------------------------------------
@@ -356,7 +357,7 @@ def test_trained_heads_draft_what_the_target_says(tiny_bundle, tmp_path):
         _, hidden = model.forward(ForwardBatch(torch.tensor(ids), slots, slots, slots,
                                                torch.ones(t, t, dtype=torch.bool).tril(), torch.tensor([t - 2])),
                                   cache, return_hidden=True)
-        seq = SimpleNamespace(extra={}, total_len=t, spec=SimpleNamespace(tree=None))
+        seq = SimpleNamespace(spec_state=SpecState(), total_len=t, spec=SimpleNamespace(tree=None))
         prop.observe(seq, hidden[0])
         draft = prop.propose([seq], [8])[0]
         # verify: feed root + tree nodes with the tree mask over the cached prefix

@@ -1,7 +1,7 @@
 """Draft-model drafter: a small decoder with its own paged KV cache.
 
 Per sequence the draft cache holds a prefix of the sequence's tokens
-(`seq.extra["draft_len"]`). Proposing first feeds the tokens it has not seen (the last
+(`seq.spec_state.draft_len`). Proposing first feeds the tokens it has not seen (the last
 accepted token, or more after a repair), then drafts gamma tokens one batched forward at
 a time, sampling each from the request's warped distribution and keeping those
 probabilities for rejection sampling. After verification `rollback` trims the draft
@@ -34,14 +34,14 @@ class DraftModelProposer:
     def _ensure(self, seq) -> None:
         if seq.seq_id not in self.cache.seqs:
             self.cache.add(seq.seq_id)
-            seq.extra["draft_len"] = 0
+            seq.spec_state.draft_len = 0
 
     def _forward(self, rows: list[tuple[object, list[int]]]) -> torch.Tensor:
         """Feed tokens[i] to seqs[i] (ragged); returns last-row logits [len(rows), vocab]."""
         ids, pos, wslots, rslots, last = [], [], [], [], []
         blocks, t, s = [], 0, 0
         for seq, toks in rows:
-            start = seq.extra["draft_len"]
+            start = seq.spec_state.draft_len
             n = len(toks)
             self.cache.reserve(seq.seq_id, start + n)
             slots = self.cache.slots(seq.seq_id, 0, start + n)
@@ -53,14 +53,14 @@ class DraftModelProposer:
             t += n
             s += start + n
             last.append(t - 1)
-            seq.extra["draft_len"] = start + n
+            seq.spec_state.draft_len = start + n
         mask = ragged_mask(blocks, t, s)
         dev = self.cache.device
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(pos).to(dev),
                              torch.cat(wslots).to(dev), torch.cat(rslots).to(dev),
                              None if mask is None else mask.to(dev), torch.tensor(last, device=dev))
         for seq, _ in rows:
-            self.cache.set_length(seq.seq_id, seq.extra["draft_len"])
+            self.cache.set_length(seq.seq_id, seq.spec_state.draft_len)
         return self.model.forward(batch, self.cache)
 
     def _to_target_vocab(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -83,11 +83,11 @@ class DraftModelProposer:
         for i, seq, g in active:
             self._ensure(seq)
             ids = seq.all_ids
-            if seq.extra["draft_len"] > len(ids) - 1:  # cannot happen unless state broke: repair
+            if seq.spec_state.draft_len > len(ids) - 1:  # cannot happen unless state broke: repair
                 log.warning("draft cache of sequence %d ahead of its text (%d > %d): re-prefilling",
-                            seq.seq_id, seq.extra["draft_len"], len(ids) - 1)
+                            seq.seq_id, seq.spec_state.draft_len, len(ids) - 1)
                 self.rollback(seq, 0)
-            rows.append((seq, ids[seq.extra["draft_len"]:]))
+            rows.append((seq, ids[seq.spec_state.draft_len:]))
         live = active
         for step in range(max(g for _, _, g in active)):
             logits = self._forward(rows)
@@ -117,10 +117,10 @@ class DraftModelProposer:
         """Target holds `length` valid tokens: keep at most that many in the draft cache."""
         if seq.seq_id not in self.cache.seqs:
             return
-        keep = min(seq.extra.get("draft_len", 0), length)
-        seq.extra["draft_len"] = keep
+        keep = min(seq.spec_state.draft_len, length)
+        seq.spec_state.draft_len = keep
         self.cache.set_length(seq.seq_id, keep)
 
     def release(self, seq) -> None:
         self.cache.release(seq.seq_id)
-        seq.extra.pop("draft_len", None)
+        seq.spec_state.draft_len = 0

@@ -34,8 +34,6 @@ from specbuild.speculation.tree import TreeError, TreeSpec, load_tree
 from specbuild.speculation.medusa_heads import MedusaHeads
 from specbuild.speculation.proposers.base import Draft
 
-HIDDEN_KEY = "medusa_hidden"  # seq.extra[HIDDEN_KEY] = (position, hidden [H])
-
 
 @functools.lru_cache(maxsize=256)
 def prune_tree(tree: TreeSpec, max_depth: int) -> TreeSpec:
@@ -101,12 +99,12 @@ class MedusaProposer:
     def observe(seq, hidden: torch.Tensor) -> None:
         """Record the hidden [H] of the row whose logits chose seq's last token (call after
         the sequence's new tokens are appended, so that row sits at total_len - 2)."""
-        seq.extra[HIDDEN_KEY] = (seq.total_len - 2, hidden.detach())
+        seq.spec_state.medusa_hidden = (seq.total_len - 2, hidden.detach())
 
     @staticmethod
     def hidden_of(seq) -> torch.Tensor | None:
         """seq's recorded hidden [H] if it belongs to the current root, else None."""
-        stored = seq.extra.get(HIDDEN_KEY)
+        stored = seq.spec_state.medusa_hidden
         if stored is None or stored[0] != seq.total_len - 2:
             return None
         return stored[1]
@@ -154,4 +152,4 @@ class MedusaProposer:
         ignored by `hidden_of` (the position check)."""
 
     def release(self, seq) -> None:
-        seq.extra.pop(HIDDEN_KEY, None)
+        seq.spec_state.medusa_hidden = None

@@ -1,0 +1,169 @@
+"""What every serving engine shares, whichever backend runs the model: the bundle's text
+helpers, the request queue (`waiting`, `running`), submit's validation and hand-off, the
+background loop and the load figures front ends read.
+
+Two subclasses: the torch `engine.Engine` (its `Scheduler` plans over these same two
+collections) and `backends.tensorrt_llm.TrtllmEngine` (TensorRT-LLM's executor). It lives
+in engine/, not backends/, because train/ and bench/ drive the torch Engine directly and
+sit below backends/ in the import chain.
+
+A subclass sets, in its __init__: bundle_dir, config, meta (BundleMeta), tokenizer,
+target_config, eos_ids, max_seq_len, max_batch_size, default_sampling, default_speculation,
+calls `_init_loop(lock)` before anything reads the queue, sets `load_seconds`; and implements `_new_sequence(request)` (validate, or
+raise RequestError with nothing queued), `step()`, `abort(handle)` and
+`_fail_running(message)` (called with the lock held when a step raised).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+from specbuild.errors import RequestError
+from specbuild.engine.sequence import Handle, Request, Sequence
+
+log = logging.getLogger("specbuild.engine")
+
+
+def validated_prompt_ids(request: Request, encode, vocab_size: int, max_seq_len: int) -> list[int]:
+    """The request's prompt as token ids, or a RequestError naming the value and the limit.
+    Shared by every backend's submit()."""
+    if request.prompt_ids is None:
+        if request.prompt is None:
+            raise RequestError("a request needs a prompt or prompt_ids")
+        prompt_ids = encode(request.prompt)
+    else:
+        prompt_ids = [int(t) for t in request.prompt_ids]
+    if not prompt_ids:
+        raise RequestError("the prompt is empty (0 tokens)")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token id {bad[0]} is out of range [0, {vocab_size})")
+    if len(prompt_ids) >= max_seq_len:
+        raise RequestError(f"prompt is {len(prompt_ids)} tokens; max_seq_len is {max_seq_len} "
+                           "(the prompt plus at least one generated token must fit)")
+    return prompt_ids
+
+
+class BaseEngine:
+    """The request queue and the background loop both backends share (see module doc)."""
+
+    backend_name = "base"
+
+    load_seconds = 0.0
+
+    def _init_loop(self, lock) -> None:
+        """The request queue and the state of the background loop (start/_loop/stop)."""
+        self.waiting: collections.deque[Sequence] = collections.deque()  # submitted, not admitted
+        self.running: list[Sequence] = []  # admitted, generating (mutated in place, never replaced)
+        self.background = False
+        self._lock = lock
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # ---- text helpers (need only .tokenizer and .meta) ------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        sp = self.meta.special_tokens
+        bos = sp.get("bos_token_id")
+        if add_special_tokens and sp.get("add_bos_token") and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        from specbuild.engine.chat import render_chat
+
+        sp = self.meta.special_tokens
+        vocab_size = self.tokenizer.get_vocab_size()
+
+        def tok(i):
+            return self.tokenizer.id_to_token(i) if isinstance(i, int) and 0 <= i < vocab_size else ""
+
+        return render_chat(sp.get("chat_template"), messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=tok(sp.get("bos_token_id")) or "", eos_token=tok(sp.get("eos_token_id")) or "")
+
+    # ---- requests ---------------------------------------------------------------------------
+    def _new_sequence(self, request: Request) -> Sequence:
+        raise NotImplementedError
+
+    def submit(self, request: Request) -> Handle:
+        """Validate and queue a request. Raises RequestError (nothing queued) on bad input."""
+        seq = self._new_sequence(request)
+        handle = Handle(self, seq)
+        seq.handle = handle
+        with self._lock:
+            self.waiting.append(seq)
+        self._wake.set()
+        return handle
+
+    def abort(self, handle: Handle) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        """Load figures for health checks and metrics, the same keys on every backend (None:
+        this backend does not know): queue_depth (requests waiting for admission), running
+        (admitted, generating), kv_blocks_used, kv_blocks_total, gamma (mean current draft
+        length over running requests that speculate; 0.0 when none). Lock-free reads."""
+        running = list(self.running)
+        gammas = [s.gammas[-1] for s in running if getattr(s, "gammas", None)]
+        used, total = self._kv_blocks()
+        return {"queue_depth": len(self.waiting), "running": len(running), "kv_blocks_used": used,
+                "kv_blocks_total": total, "gamma": sum(gammas) / len(gammas) if gammas else 0.0}
+
+    def _kv_blocks(self) -> tuple[int | None, int | None]:
+        """(used, total) KV cache blocks, for stats(); (None, None) when the backend owns its cache."""
+        return None, None
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> int:
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run_until_done(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def generate(self, requests: list[Request]) -> list[dict]:
+        handles = [self.submit(r) for r in requests]
+        self.run_until_done()
+        return [h.result() for h in handles]
+
+    def start(self) -> None:
+        """Run the step loop on a background thread (servers)."""
+        if self._thread is not None:
+            return
+        self.background = True
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="specbuild-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # a bug must not leave clients hanging: fail what was running
+                log.exception("engine step failed; failing the running requests")
+                with self._lock:
+                    self._fail_running("internal error in the engine step (see server log)")
+
+    def _fail_running(self, message: str) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.background = False
+
+    def close(self) -> None:
+        self.stop()

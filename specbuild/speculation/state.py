@@ -1,0 +1,32 @@
+"""Per-sequence speculation state: one typed record per request (`seq.spec_state`), written
+by the speculator, the depth controller and the drafters. Each field names its owner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specbuild.speculation.gamma import GammaState
+
+NO_ROLLBACK = 1 << 62  # remote_keep when the target has not rolled back since the last send
+
+
+@dataclass
+class SpecState:
+    # Speculator: the drafter chosen this step (None: plain decoding), and the accepted path
+    # of the last tree step (node indices, root excluded) until `compact` moves its K/V
+    method: str | None = None
+    accepted_nodes: tuple[int, ...] = ()
+    # GammaController: recent (drafted, accepted) per method; the one acceptance estimate
+    gamma: GammaState | None = None
+    # DraftModelProposer: tokens of this sequence held in the draft model's cache
+    draft_len: int = 0
+    # MedusaProposer: (position, final-normed hidden [H]) of the row that chose the last token
+    medusa_hidden: tuple[int, torch.Tensor] | None = None
+    # RemoteDraftProposer (MineDraft): text length the draft rank has seen (None: it holds
+    # nothing of this sequence), how much of it stays valid after a rollback, and whether the
+    # draft rank failed on this sequence (decoded plainly from then on)
+    remote_sent: int | None = None
+    remote_keep: int = NO_ROLLBACK
+    remote_failed: bool = False

@@ -1,0 +1,71 @@
+"""Per-sequence speculation state is one typed record (SpecState); one acceptance estimator
+(GammaController.alpha, per method, windowed) serves both the depth and `auto`'s choice of
+drafter; a sequence's remaining room is one property (Sequence.remaining)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+from specbuild.engine.engine import Engine, EngineConfig
+from specbuild.engine.sequence import Request, Sequence
+from specbuild.sampling.params import SamplingParams
+from specbuild.speculation.config import SpeculationConfig
+from specbuild.speculation.gamma import CostModel, GammaController
+from specbuild.speculation.speculator import Speculator
+from specbuild.speculation.state import SpecState
+
+
+def fake_seq(method: str = "auto"):
+    return types.SimpleNamespace(spec_state=SpecState(), spec=SpeculationConfig.make(None, method=method, gamma=4))
+
+
+def test_state_is_typed_not_string_keys():
+    names = {f.name for f in dataclasses.fields(SpecState)}
+    assert {"method", "accepted_nodes", "gamma", "draft_len", "medusa_hidden", "remote_sent", "remote_keep",
+            "remote_failed"} <= names
+    assert "extra" not in vars(Sequence) and not hasattr(Speculator, "method_alpha")
+
+
+def test_one_estimator_per_method_with_a_window():
+    ctl = GammaController({"draft": CostModel({1: 1.0, 9: 1.2}), "ngram": CostModel({1: 1.0, 9: 1.2})}, window=5)
+    seq = fake_seq()
+    assert ctl.alpha(seq, "draft") == ctl.alpha(seq, "ngram") == 0.6  # the prior
+    for _ in range(5):
+        ctl.record(seq, "draft", 4, 4)
+        ctl.record(seq, "ngram", 4, 0)
+    assert ctl.alpha(seq, "draft") == (20 + 1.2) / 22 and ctl.alpha(seq, "ngram") == 1.2 / 22
+    for _ in range(5):  # the window forgets the good steps
+        ctl.record(seq, "draft", 4, 1)
+    assert ctl.alpha(seq, "draft") == (5 + 1.2) / 22
+    ctl.record(seq, "draft", 0, 0)  # a step without drafts tells nothing
+    assert ctl.alpha(seq, "draft") == (5 + 1.2) / 22
+
+
+def test_auto_chooses_by_the_controllers_estimate():
+    costs = {"draft": CostModel({1: 1.0, 2: 1.02, 5: 1.1}, 0.01), "ngram": CostModel({1: 1.0, 2: 1.02, 5: 1.1})}
+    proposers = {"ngram": object(), "draft": object()}
+    spec = Speculator(None, None, proposers, max_draft_len=4, max_seq_len=64, costs=costs)
+    seq = fake_seq()
+    for _ in range(10):
+        spec.controller.record(seq, "draft", 4, 4)
+        spec.controller.record(seq, "ngram", 4, 0)
+    assert spec.choose_method(seq) == "draft"
+    for _ in range(20):
+        spec.controller.record(seq, "draft", 4, 0)
+        spec.controller.record(seq, "ngram", 4, 4)
+    assert spec.choose_method(seq) == "ngram"
+    for _ in range(20):
+        spec.controller.record(seq, "ngram", 4, 0)
+    assert spec.choose_method(seq) is None  # neither pays: plain decoding
+
+
+def test_remaining_room_counts_max_tokens_and_context(tiny_bundle):
+    engine = Engine(tiny_bundle, EngineConfig(max_batch_size=2))
+    short = engine.submit(Request(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=5, ignore_eos=True)))
+    near = engine.submit(Request(prompt_ids=list(range(1, engine.max_seq_len - 2)),
+                                 sampling=SamplingParams(max_tokens=50, ignore_eos=True)))
+    assert short.seq.remaining == 5 and near.seq.remaining == 3  # the context limit binds
+    engine.run_until_done()
+    assert short.seq.remaining == 0 and near.seq.remaining == 0
+    assert len(near.result()["token_ids"]) == 3 and near.result()["finish_reason"] == "length"

@@ -1,0 +1,232 @@
+"""The house stays layered: every import between specbuild modules (those inside functions
+included) points down the chain, and the module graph has no cycle. Plus `ruff check`.
+
+Ranks (lower may not import higher):
+    0 bundle, errors, formats      the contract and foreign formats
+    1 model                        math that knows no request
+    2 sampling                     params, warping, acceptance rules
+    3 speculation                  what to draft
+    4 engine                       the torch step loop
+    5 backends                     the request-level interface
+    6 dist, serve                  MPI and front ends (neither imports the other)
+    7 cli                          click only
+
+Beside the chain: compiler and train may import ranks 0-4 (nothing at or above backends);
+train may import compiler, never the reverse. bench may import anything but cli and serve.
+`data` is package data and is imported by nobody as code.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "specbuild")
+
+RANK = {"bundle": 0, "errors": 0, "formats": 0, "model": 1, "sampling": 2, "speculation": 3,
+        "engine": 4, "backends": 5, "dist": 6, "serve": 6, "cli": 7}
+# Rooms beside the chain: the highest chain rank they may import, and which side rooms.
+SIDE = {"compiler": (4, set()), "train": (4, {"compiler"}), "bench": (6, {"compiler", "train"})}
+# bench's 6 admits dist; serve (also 6) is excluded by name below.
+SIDE_FORBIDDEN = {"bench": {"serve", "cli"}}
+# Package-level modules that any room may import (no code of their own to speak of).
+NEUTRAL = {"", "__main__"}
+
+
+def module_name(path: str) -> str:
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def room_of(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def source_files() -> list[str]:
+    out = []
+    for dirpath, _, files in os.walk(PKG):
+        out += [os.path.join(dirpath, f) for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+MODULES = {module_name(p): p for p in source_files()}
+
+
+def resolve(target: str) -> str | None:
+    """The specbuild module an import name refers to (the longest existing prefix)."""
+    parts = target.split(".")
+    while parts:
+        name = ".".join(parts)
+        if name in MODULES:
+            return name
+        parts.pop()
+    return None
+
+
+def imports_of(path: str) -> list[tuple[int, str]]:
+    """(line, module) for every specbuild import in the file, at any depth of the tree."""
+    mod = module_name(path)
+    is_pkg = path.endswith("__init__.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "specbuild":
+                    out.append((node.lineno, alias.name))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            if name.split(".")[0] != "specbuild":
+                continue
+            # `from specbuild.x import y` may name a submodule y
+            for alias in node.names:
+                sub = f"{name}.{alias.name}"
+                out.append((node.lineno, sub if sub in MODULES else name))
+    resolved = []
+    for line, target in out:
+        r = resolve(target)
+        if r is not None and r != mod:
+            resolved.append((line, r))
+    return resolved
+
+
+GRAPH = {mod: imports_of(path) for mod, path in MODULES.items()}
+
+
+def allowed(src_room: str, dst_room: str) -> bool:
+    if dst_room in NEUTRAL or src_room in NEUTRAL or src_room == dst_room:
+        return True
+    if dst_room == "data":
+        return False
+    if src_room == "data":
+        return False
+    if src_room in SIDE:
+        top, sides = SIDE[src_room]
+        if dst_room in SIDE_FORBIDDEN.get(src_room, set()):
+            return False
+        if dst_room in SIDE:
+            return dst_room in sides
+        return RANK[dst_room] <= top
+    if dst_room in SIDE:  # the chain uses no side room, except the CLI that drives them all
+        return src_room == "cli"
+    if src_room in ("dist", "serve") and dst_room in ("dist", "serve"):
+        return False
+    return RANK[dst_room] <= RANK[src_room]
+
+
+def test_every_room_is_known():
+    rooms = {room_of(m) for m in MODULES} - NEUTRAL - {"data"}
+    unknown = rooms - set(RANK) - set(SIDE)
+    assert not unknown, f"rooms without a rank in tests/test_layers.py: {sorted(unknown)}"
+
+
+def test_rule_rejects_what_it_should():
+    # the rule itself, on made-up edges: a test that cannot fail proves nothing
+    assert not allowed("model", "engine")
+    assert not allowed("backends", "dist")
+    assert not allowed("serve", "dist")
+    assert not allowed("compiler", "backends")
+    assert not allowed("compiler", "train")
+    assert allowed("train", "compiler")
+    assert not allowed("bench", "serve") and not allowed("bench", "cli")
+    assert allowed("bench", "dist") and allowed("cli", "bench")
+    assert not allowed("engine", "compiler")
+    assert allowed("engine", "bundle") and allowed("formats", "errors")
+
+
+def test_imports_point_down():
+    bad = []
+    for mod, edges in GRAPH.items():
+        for line, dst in edges:
+            if not allowed(room_of(mod), room_of(dst)):
+                rel = os.path.relpath(MODULES[mod], ROOT)
+                bad.append(f"{rel}:{line}: {mod} ({room_of(mod) or 'specbuild'}) imports "
+                           f"{dst} ({room_of(dst)})")
+    assert not bad, "imports that point up the chain:\n" + "\n".join(sorted(set(bad)))
+
+
+def find_cycles(graph: dict[str, list[tuple[int, str]]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+    counter = [0]
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, it = work[-1]
+            advanced = False
+            for _, nxt in it:
+                if nxt not in graph:
+                    continue
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter[0]
+                    counter[0] += 1
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(graph[nxt])))
+                    advanced = True
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_cycle_finder_finds_cycles():
+    g = {"a": [(1, "b")], "b": [(2, "c")], "c": [(3, "a")], "d": [(4, "a")]}
+    assert find_cycles(g) == [["a", "b", "c"]]
+    assert find_cycles({"a": [(1, "b")], "b": []}) == []
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(GRAPH)
+    lines = []
+    for comp in cycles:
+        members = set(comp)
+        for mod in comp:
+            for line, dst in GRAPH[mod]:
+                if dst in members:
+                    lines.append(f"  {os.path.relpath(MODULES[mod], ROOT)}:{line}: {mod} -> {dst}")
+    lines = sorted(set(lines))
+    assert not cycles, ("import cycles among specbuild modules: "
+                        + "; ".join(" <-> ".join(c) for c in cycles) + "\n" + "\n".join(lines))
+
+
+def test_ruff_check_passes():
+    ruff = shutil.which("ruff") or shutil.which("ruff", path=os.path.dirname(sys.executable))
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install ruff)")
+    proc = subprocess.run([ruff, "check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
