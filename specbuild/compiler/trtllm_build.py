@@ -196,18 +196,25 @@ def write_trtllm_bundle_part(out_dir: str, target: Checkpoint, draft: Checkpoint
                              tp: int = 1, pp: int = 1, dtype: str = "float16", max_batch_size: int = 8,
                              max_seq_len: int = 2048, max_draft_len: int | None = None, *,
                              draft_tp: int | None = None, draft_pp: int | None = None,
-                             gather_generation_logits: bool = False) -> dict[str, Any]:
+                             gather_generation_logits: bool = False, llmapi: bool = True,
+                             eagle3_dir: str | None = None) -> dict[str, Any]:
     """Write `<out_dir>/trtllm/` (checkpoints, build.sh, trtllm.json) for a bundle; returns the
     metadata. Everything is validated before anything is written.
 
     max_draft_len: Medusa: default the tree's node count (the tree defaults to a chain of one
     node per head) and at least that; draft: default Limits().max_draft_len; plain: 0.
     gather_generation_logits (draft only; `compile --trtllm-gather-generation-logits`): both
-    engines are built with --gather_generation_logits, so sampled requests can speculate."""
+    engines are built with --gather_generation_logits, so sampled requests can speculate.
+    llmapi: also write each role as a Hugging Face directory (trtllm/hf/<role>, in `dtype`),
+    what TensorRT-LLM's LLM API (PyTorch backend, backends/tensorrt_llm_api.py) loads;
+    eagle3_dir: an EAGLE-3 draft head directory (in the form Eagle3DecodingConfig reads),
+    copied to trtllm/hf/eagle3 for that path."""
     if medusa is not None and draft is not None:
         raise ValueError("--medusa and --draft cannot be combined for the TensorRT-LLM backend")
     if tree_paths is not None and medusa is None:
         raise ValueError("a token tree needs Medusa heads in the TensorRT-LLM backend (draft models propose chains)")
+    if eagle3_dir is not None and not os.path.isfile(os.path.join(eagle3_dir, "config.json")):
+        raise ValueError(f"eagle3_dir {eagle3_dir!r} has no config.json: not an EAGLE-3 head directory")
     if gather_generation_logits and draft is None:
         raise ValueError("--trtllm-gather-generation-logits is for sampled acceptance of a draft model's tokens "
                          "(external draft tokens) and needs --draft; Medusa on TensorRT-LLM is greedy-only and "
@@ -266,12 +273,23 @@ def write_trtllm_bundle_part(out_dir: str, target: Checkpoint, draft: Checkpoint
         max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
         max_draft_len=limits.max_draft_len or None, gather_generation_logits=gather_generation_logits)
     write_build_script(os.path.join(root, BUILD_SCRIPT), commands)
+    hf_roles: dict[str, str] = {}
+    if llmapi:
+        from specbuild.formats.hf_export import write_hf_dir
+
+        for role, ckpt, _, _ in plan:
+            hf_roles[role] = write_hf_dir(ckpt, os.path.join(root, "hf", role), dtype=dtype)
+        if eagle3_dir is not None:
+            shutil.copytree(eagle3_dir, os.path.join(root, "hf", "eagle3"))
+            hf_roles["eagle3"] = "hf/eagle3"
+        hf_roles = {role: f"hf/{role}" for role in hf_roles}
     meta = {
         "format": "specbuild.trtllm", "version": 1, "dtype": dtype, "mode": mode,
         "limits": {"max_batch_size": limits.max_batch_size, "max_seq_len": limits.max_seq_len,
                    "max_draft_len": limits.max_draft_len},
         "gather_generation_logits": gather_generation_logits, "tree": tree, "roles": roles,
         "build_script": BUILD_SCRIPT, "build_commands": commands, "engines_built": False,
+        "llmapi": {"models": hf_roles, "tp": tp} if llmapi else None,
     }
     with open(os.path.join(root, META_FILE), "w") as f:
         json.dump(meta, f, indent=2)

@@ -1,6 +1,9 @@
 """The request-level backend contract, parametrised over backends.
 
     torch              specbuild's own engine (runs everywhere)
+    tensorrt-llm-api-stub  TrtllmApiEngine (the LLM-API adapter, TensorRT-LLM 1.x) on a stand-in
+                       for the LLM API (tests/helpers/trtllm_api_stub.py), specbuild's prompt
+                       lookup drafting through UserProvidedDecodingConfig
     tensorrt-llm-stub  TrtllmEngine (the real adapter code) driving a stand-in for
                        `tensorrt_llm.bindings.executor` (tests/trtllm_stub.py): greedy only, its tokens
                        from the torch engine, its request/response shapes those of the
@@ -116,6 +119,17 @@ def stub_trtllm(monkeypatch):
     return executor
 
 
+@pytest.fixture()
+def stub_llmapi(monkeypatch):
+    """TensorRT-LLM 1.x's LLM API replaced by tests/helpers/trtllm_api_stub.py (in process)."""
+    from specbuild.backends.tensorrt_llm_api import TEST_STUB_ENV
+    from trtllm_api_stub import LLM
+
+    monkeypatch.setenv(TEST_STUB_ENV, "trtllm_api_stub:package")
+    LLM.instances.clear()
+    return LLM
+
+
 def _skip_without_real_tensorrt_llm():
     from specbuild.backends.tensorrt_llm import tensorrt_llm_importable
 
@@ -135,6 +149,7 @@ def real_trt_bundle(hf_pair, tmp_path_factory) -> str:
 BACKENDS = [
     pytest.param("torch", id="torch"),
     pytest.param("tensorrt-llm-stub", id="tensorrt-llm-stub"),
+    pytest.param("tensorrt-llm-api-stub", id="tensorrt-llm-api-stub"),
     pytest.param("tensorrt-llm", id="tensorrt-llm", marks=[pytest.mark.tensorrt_llm, pytest.mark.gpu]),
 ]
 
@@ -149,6 +164,11 @@ def backend(request, trt_bundle, stub_bundle):
         from specbuild.backends.tensorrt_llm import TrtllmEngine
 
         engine = TrtllmEngine(stub_bundle, EngineConfig())
+    elif name == "tensorrt-llm-api-stub":  # the LLM-API adapter, its prompt lookup driving UserProvidedDecodingConfig
+        request.getfixturevalue("stub_llmapi")
+        from specbuild.backends.tensorrt_llm_api import TrtllmApiEngine
+
+        engine = TrtllmApiEngine(trt_bundle, EngineConfig(), method="ngram")
     else:
         engine = open_engine(request.getfixturevalue("real_trt_bundle"), EngineConfig(), backend="tensorrt-llm")
     yield engine
@@ -283,7 +303,7 @@ def test_stats_report_load_in_the_same_keys(backend):
 
 
 def test_seeded_sampling_reproduces(backend, request):
-    if request.node.callspec.params["backend"] == "tensorrt-llm-stub":
+    if request.node.callspec.params["backend"].endswith("-stub"):
         pytest.skip("the stub executor does not sample (it answers sampled requests greedily)")
     params = SamplingParams(temperature=0.8, max_tokens=8, seed=1234, ignore_eos=True)
     a, b = (backend.generate([Request(prompt_ids=LOOPY, sampling=params, speculation={"method": "none"})])[0]
