@@ -175,3 +175,25 @@ def test_backend_choice_follows_the_installed_release(bundle, monkeypatch, tmp_p
     engine = open_engine(built, EngineConfig(), backend="tensorrt-llm")
     assert type(engine) is TrtllmApiEngine and engine.method == "draft" and len(stub.LLM.instances) == 1
     engine.close()
+
+
+def test_cli_generate_on_the_llmapi_path(bundle):
+    """`specbuild generate --backend tensorrt-llm` in a subprocess picks the LLM-API path (stand-in
+    named by SPECBUILD_TEST_TRTLLM_LLMAPI), one process, greedy ids equal to plain greedy."""
+    import json
+    import subprocess
+
+    helpers = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
+    env = {**os.environ, TEST_STUB_ENV: "trtllm_api_stub:package",
+           "PYTHONPATH": os.pathsep.join(filter(None, [helpers, os.environ.get("PYTHONPATH")]))}
+    def generate(backend: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "specbuild.cli", "generate", bundle, "--backend", backend,
+                            "--prompt", "the the the the the", "--max-tokens", "10", "--temperature", "0",
+                            "--ignore-eos", "--json", "--speculation", "none" if backend == "torch" else "draft"],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        return {**json.loads(r.stdout), "stderr": r.stderr}
+
+    trt, plain = generate("tensorrt-llm"), generate("torch")
+    assert trt["token_ids"] == plain["token_ids"] and len(trt["token_ids"]) == 10 and trt["stats"]["drafted"] > 0
+    assert "TEST STUB" in trt["stderr"]
