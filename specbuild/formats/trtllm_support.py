@@ -10,13 +10,16 @@ where the file says so); no run on a real TensorRT-LLM has checked them here.
   `backends/tensorrt_llm.py` drive; it was read at v0.19 (reference/tensorrt-llm.md) and is gone
   from main after v1.2.x (`docs/source/legacy/tensorrt-backend-removal.md`, commit 335107a7:
   no `trtllm-build`, no `TrtLlmArgs`, PyTorch the sole backend). The LLM API on the PyTorch
-  backend (`backends/tensorrt_llm_api.py`) needs 1.0 or later: there `tensorrt_llm.LLM` is the
-  PyTorch `LLM` (`llmapi/llm_args.py`: `LlmArgs = TorchLlmArgs`, commits 0004396 and later;
-  the 0.x releases default `LLM` to the TensorRT engine).
+  backend (`backends/tensorrt_llm_api.py`) needs 1.0 or later: in the 1.x `llmapi/llm_args.py`
+  files read (those with DraftTargetDecodingConfig/Eagle3DecodingConfig) `LlmArgs =
+  TorchLlmArgs`, while the 0.x `llmapi/llm.py` read (commit 00966934) builds TensorRT engines
+  (`_build_model`, `EngineConfig`); the 1.0 boundary itself is NVIDIA's release note (PyTorch
+  the default backend from 1.0), not a tagged file read here.
 - Head sizes: `MMHA_SUPPORTED_HEAD_SIZES` {32, 48, 64, 80, 96, 104, 112, 128, 144, 160, 192,
-  224, 256}; anything else stops with "unsupported head_size"
-  (`cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/decoderMaskedMultiheadAttentionLaunch.h`,
-  commit 14e801da).
+  224, 256}; anything else stops with "unsupported head_size" (the masked-MHA dispatch in
+  `cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/`, which has one
+  `instantiation/decoderMaskedMultiheadAttention{N}_{half,bf16,float}.cu` per size and none
+  for 16).
 - Speculative generation feeds several query tokens per request (`multi_query_tokens`), which
   only XQA serves: `decoderXQARunner.cpp` (commit 02947a22) takes the JIT kernels only on
   Hopper with an FP8 KV cache and `64 % group == 0`, otherwise the precompiled ones, whose

@@ -195,6 +195,9 @@ class MpiStubExecutor(StubExecutor):
 
         self.comm = MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        if self.size > 1 and MpiStubExecutor._built:  # issue 17 row 7: what specbuild refuses at load
+            raise RuntimeError("a second leader-mode executor on a multi-rank MPI world: its collectives would wait "
+                               "on the first executor's (a hang on a GPU)")
         self.tag = 100 + MpiStubExecutor._built
         MpiStubExecutor._built += 1
         self.say(f"built, can_enqueue_requests={self.can_enqueue_requests()}")
