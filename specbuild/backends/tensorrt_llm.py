@@ -44,6 +44,7 @@ from typing import Any
 
 from specbuild.bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
 from specbuild.errors import BundleError, RequestError, SpecbuildError
+from specbuild.formats.trtllm_checkpoint import pad_vocab_size
 from specbuild.backends.guarantees import guarantees
 from specbuild.backends.launch import launcher_rank_size
 from specbuild.engine.base import BaseEngine, validated_prompt_ids
@@ -155,9 +156,72 @@ def check_engine_limits(engine_config: dict, *, role: str = "target", max_batch_
     if vocab_size is not None and lim["vocab_size"] is not None and int(lim["vocab_size"]) != vocab_size:
         problems.append(f"vocab_size {lim['vocab_size']} != the bundle's {vocab_size}: it was built from another "
                         "checkpoint; rebuild from this bundle's trtllm/build.sh")
+    problems += engine_kernel_problems(engine_config, role=role, mode=mode)
     if problems:
         raise EngineLimitError(f"the {role} engine cannot serve this bundle: " + "; ".join(problems))
     return lim
+
+
+def engine_kernel_problems(engine_config: dict, *, role: str, mode: str) -> list[str]:
+    """What TensorRT-LLM's attention kernels refuse in this engine (head size; for a speculative
+    mode the dtype and the XQA group size), read from its pretrained_config; the rules and where
+    they were read are in formats/trtllm_support.py. An engine built before these checks existed
+    fails here at load instead of at its first generation step."""
+    import types
+
+    from specbuild.formats.trtllm_support import kernel_problems
+
+    pre = engine_config.get("pretrained_config") or {}
+    if "num_attention_heads" not in pre:
+        return []  # nothing recorded to check (hand-written configs)
+    heads = int(pre["num_attention_heads"])
+    cfg = types.SimpleNamespace(num_heads=heads, num_kv_heads=int(pre.get("num_key_value_heads") or heads),
+                                head_dim=int(pre.get("head_size") or int(pre["hidden_size"]) // heads))
+    tp = int((pre.get("mapping") or {}).get("tp_size", 1))
+    problems = kernel_problems(cfg, role=role, mode=mode, dtype=str(pre.get("dtype", "float16")), tp=tp)
+    out = []
+    for p in problems:  # the engine was built: name the compile flag as what to recompile with
+        p = p.replace(": use --trtllm-dtype", ": recompile with --trtllm-dtype")
+        out.append("built with dtype " + p[len("--trtllm-dtype "):] if p.startswith("--trtllm-dtype ") else p)
+    return out
+
+
+def check_engine_version(version: str) -> None:
+    """Refuse a TensorRT-LLM release without (or older than) the engine path, in one line naming
+    the installed version and what to do (formats/trtllm_support.engine_path_problem)."""
+    from specbuild.formats.trtllm_support import engine_path_problem
+
+    problem = engine_path_problem(version)
+    if problem:
+        raise EngineLimitError(problem)
+
+
+def check_draft_target_engines(target: dict[str, Any], draft: dict[str, Any] | None) -> None:
+    """Draft/target engines (their engine_limits): one GPU each and the same tp, or refused
+    (formats/trtllm_support.draft_target_layout_problems: leader-mode executors on one MPI world,
+    vocabulary padding of the draft's logits)."""
+    from specbuild.formats.trtllm_support import draft_target_layout_problems
+
+    if draft is None:
+        return
+    problems = draft_target_layout_problems(tp=target["tp"], pp=target["pp"], draft_tp=draft["tp"],
+                                            draft_pp=draft["pp"])
+    if problems:
+        raise EngineLimitError("these draft/target engines cannot run: " + "; ".join(problems))
+
+
+def fit_draft_logits(logits, vocab_size: int, target_vocab_padded: int):
+    """Draft generation logits [k, V_draft_padded] -> [k, target_vocab_padded]: the real vocabulary
+    kept, the padding columns (no token) set to the dtype's lowest value, so the target's
+    acceptance never reads a column the draft padded differently. None stays None."""
+    if logits is None:
+        return None
+    import torch
+
+    t = torch.as_tensor(logits)
+    out = t.new_full((t.shape[0], target_vocab_padded), torch.finfo(t.dtype).min)
+    out[:, :vocab_size] = t[:, :vocab_size]
+    return out
 
 
 def sampled_speculation_default(mode: str, sampling: SamplingParams, spec: SpeculationConfig) -> bool:
@@ -257,8 +321,12 @@ def tensorrt_llm_importable() -> tuple[bool, str]:
 def _bindings():
     stub = stand_in_bindings()
     if stub is not None:
+        check_engine_version(str(getattr(stub, "TENSORRT_LLM_VERSION", "unknown")))
         return stub
-    import tensorrt_llm.bindings.executor as trtllm  # noqa: PLC0415 (only where it is installed)
+    import tensorrt_llm  # noqa: PLC0415 (only where it is installed)
+
+    check_engine_version(str(getattr(tensorrt_llm, "__version__", "unknown")))
+    import tensorrt_llm.bindings.executor as trtllm  # noqa: PLC0415
 
     return trtllm
 
@@ -320,6 +388,7 @@ class TrtllmEngine(BaseEngine):
         self.draft_limits = None
         if "draft" in dirs:  # the draft engine runs plain; it must return logits where the target compares them
             self.draft_limits = check_engine_limits(read_engine_config(dirs["draft"]), role="draft", **common)
+        check_draft_target_engines(self.limits, self.draft_limits)
         # what the built engines can do (a bundle that asked for logits was checked to have them above)
         self.logits_acceptance = self.limits["gather_generation_logits"] and (
             self.draft_limits is None or self.draft_limits["gather_generation_logits"])
@@ -512,7 +581,9 @@ class TrtllmEngine(BaseEngine):
     def _verify(self, seq: Sequence, draft: list[int], draft_logits) -> None:
         n = min(len(draft) + 1, seq.remaining)
         draft = draft[:n - 1]
-        logits = None if draft_logits is None else draft_logits[:len(draft)]  # [k, vocab_padded]
+        logits = None if draft_logits is None else fit_draft_logits(  # [k, the target's padded vocabulary]
+            draft_logits[:len(draft)], self.target_config.vocab_size,
+            pad_vocab_size(self.target_config.vocab_size, self.limits["tp"]))
         self._enqueue("target", self._request(seq, n, streaming=False, draft=draft, draft_logits=logits),
                       _Flight(seq, "verify", draft))
 

@@ -184,8 +184,10 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
             if build_engines(os.path.join(tmp, "trtllm")):
                 say("TensorRT-LLM engines built")
             else:
-                say("TensorRT-LLM is not importable here: checkpoints written; run trtllm/build.sh "
-                    "on a machine with TensorRT-LLM to build the engines")
+                from specbuild.compiler.trtllm_build import engine_build_plan
+
+                say(f"engines not built here ({engine_build_plan()[1]}): checkpoints written; run trtllm/build.sh "
+                    "on a machine with TensorRT-LLM 0.19-1.2 to build the engines")
         default_spec = speculation or {"method": "medusa" if medusa is not None else
                                        "draft" if drf is not None or own_draft else "none"}
         meta = BundleMeta(

@@ -23,6 +23,7 @@ returned for rejection sampling).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -37,6 +38,8 @@ from specbuild.bundle import Limits
 from specbuild.errors import SpecbuildError
 from specbuild.formats.checkpoints import Checkpoint
 from specbuild.formats.trtllm_checkpoint import check_parallel, normalize_medusa, write_trtllm_checkpoint
+from specbuild.formats.trtllm_support import (ENGINE_PATH_END, draft_target_layout_problems, engine_path_problem,
+                                              installed_version, kernel_problems, release)
 
 TRTLLM_DIR = "trtllm"
 META_FILE = "trtllm.json"
@@ -101,11 +104,36 @@ def write_build_script(path: str, commands: dict[str, Sequence[str]]) -> str:
 
 def tensorrt_llm_available() -> tuple[bool, str]:
     """(True, version) when `import tensorrt_llm` works, else (False, the reason)."""
+    version, why = installed_version()
+    return (True, version) if version is not None else (False, why)
+
+
+def engine_build_plan() -> tuple[bool, str]:
+    """(True, version) when this machine can run trtllm-build for the engine path; (False, why)
+    when TensorRT-LLM is absent (the checkpoints are the product) or is a release without the
+    engine path (>= 1.3: the LLM-API path serves the bundle). A release older than the pinned
+    range raises SpecbuildError: nothing here can run on it."""
+    ok, version = tensorrt_llm_available()
+    if not ok:
+        return False, version
+    problem = engine_path_problem(version)
+    rel = release(version)
+    if problem and rel is not None and rel[:2] >= ENGINE_PATH_END:
+        return False, problem
+    if problem:
+        raise SpecbuildError(problem)
+    if shutil.which(EXECUTABLE) is None and not _module_exists("tensorrt_llm.commands.build"):
+        raise SpecbuildError(f"TensorRT-LLM {version} is importable but neither {EXECUTABLE} is on PATH nor "
+                             "tensorrt_llm.commands.build importable: reinstall TensorRT-LLM (its wheel installs "
+                             f"{EXECUTABLE}) or put its bin directory on PATH")
+    return True, version
+
+
+def _module_exists(name: str) -> bool:
     try:
-        import tensorrt_llm  # noqa: F401
-    except Exception as e:  # ImportError, or a broken CUDA/TensorRT install underneath it
-        return False, f"import tensorrt_llm failed: {type(e).__name__}: {e}"
-    return True, str(getattr(tensorrt_llm, "__version__", "unknown"))
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a stand-in module without a spec
+        return False
 
 
 def _executable() -> list[str]:
@@ -118,7 +146,7 @@ def build_engines(trtllm_dir: str, commands: dict[str, Sequence[str]] | None = N
     """Run the build commands (default: those in trtllm.json) in `trtllm_dir` when TensorRT-LLM
     is importable; False when it is not (nothing run: the checkpoints are the product).
     A failing build raises SpecbuildError with the role, the exit code and the output's end."""
-    ok, _ = tensorrt_llm_available()
+    ok, _ = engine_build_plan()
     if not ok:
         return False
     meta_path = os.path.join(trtllm_dir, META_FILE)
@@ -168,18 +196,25 @@ def write_trtllm_bundle_part(out_dir: str, target: Checkpoint, draft: Checkpoint
                              tp: int = 1, pp: int = 1, dtype: str = "float16", max_batch_size: int = 8,
                              max_seq_len: int = 2048, max_draft_len: int | None = None, *,
                              draft_tp: int | None = None, draft_pp: int | None = None,
-                             gather_generation_logits: bool = False) -> dict[str, Any]:
+                             gather_generation_logits: bool = False, llmapi: bool = True,
+                             eagle3_dir: str | None = None) -> dict[str, Any]:
     """Write `<out_dir>/trtllm/` (checkpoints, build.sh, trtllm.json) for a bundle; returns the
     metadata. Everything is validated before anything is written.
 
     max_draft_len: Medusa: default the tree's node count (the tree defaults to a chain of one
     node per head) and at least that; draft: default Limits().max_draft_len; plain: 0.
     gather_generation_logits (draft only; `compile --trtllm-gather-generation-logits`): both
-    engines are built with --gather_generation_logits, so sampled requests can speculate."""
+    engines are built with --gather_generation_logits, so sampled requests can speculate.
+    llmapi: also write each role as a Hugging Face directory (trtllm/hf/<role>, in `dtype`),
+    what TensorRT-LLM's LLM API (PyTorch backend, backends/tensorrt_llm_api.py) loads;
+    eagle3_dir: an EAGLE-3 draft head directory (in the form Eagle3DecodingConfig reads),
+    copied to trtllm/hf/eagle3 for that path."""
     if medusa is not None and draft is not None:
         raise ValueError("--medusa and --draft cannot be combined for the TensorRT-LLM backend")
     if tree_paths is not None and medusa is None:
         raise ValueError("a token tree needs Medusa heads in the TensorRT-LLM backend (draft models propose chains)")
+    if eagle3_dir is not None and not os.path.isfile(os.path.join(eagle3_dir, "config.json")):
+        raise ValueError(f"eagle3_dir {eagle3_dir!r} has no config.json: not an EAGLE-3 head directory")
     if gather_generation_logits and draft is None:
         raise ValueError("--trtllm-gather-generation-logits is for sampled acceptance of a draft model's tokens "
                          "(external draft tokens) and needs --draft; Medusa on TensorRT-LLM is greedy-only and "
@@ -207,6 +242,13 @@ def write_trtllm_bundle_part(out_dir: str, target: Checkpoint, draft: Checkpoint
         mode = "draft_tokens_external"
     else:
         max_draft_len, mode = 0, "none"
+    # what the GPU would refuse, refused here first (formats/trtllm_support.py says where each rule is read)
+    problems = kernel_problems(target.config, role="target", mode=mode, dtype=dtype, tp=tp)
+    if draft is not None:
+        problems += kernel_problems(draft.config, role="draft", mode="none", dtype=dtype, tp=draft_tp)
+        problems += draft_target_layout_problems(tp=tp, pp=pp, draft_tp=draft_tp, draft_pp=draft_pp)
+    if problems:
+        raise ValueError("these TensorRT-LLM engines would fail on a GPU: " + "; ".join(problems))
     limits = Limits(max_seq_len=max_seq_len, max_batch_size=max_batch_size, max_draft_len=max_draft_len)
 
     root = os.path.join(out_dir, TRTLLM_DIR)
@@ -231,12 +273,23 @@ def write_trtllm_bundle_part(out_dir: str, target: Checkpoint, draft: Checkpoint
         max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
         max_draft_len=limits.max_draft_len or None, gather_generation_logits=gather_generation_logits)
     write_build_script(os.path.join(root, BUILD_SCRIPT), commands)
+    hf_roles: dict[str, str] = {}
+    if llmapi:
+        from specbuild.formats.hf_export import write_hf_dir
+
+        for role, ckpt, _, _ in plan:
+            hf_roles[role] = write_hf_dir(ckpt, os.path.join(root, "hf", role), dtype=dtype)
+        if eagle3_dir is not None:
+            shutil.copytree(eagle3_dir, os.path.join(root, "hf", "eagle3"))
+            hf_roles["eagle3"] = "hf/eagle3"
+        hf_roles = {role: f"hf/{role}" for role in hf_roles}
     meta = {
         "format": "specbuild.trtllm", "version": 1, "dtype": dtype, "mode": mode,
         "limits": {"max_batch_size": limits.max_batch_size, "max_seq_len": limits.max_seq_len,
                    "max_draft_len": limits.max_draft_len},
         "gather_generation_logits": gather_generation_logits, "tree": tree, "roles": roles,
         "build_script": BUILD_SCRIPT, "build_commands": commands, "engines_built": False,
+        "llmapi": {"models": hf_roles, "tp": tp} if llmapi else None,
     }
     with open(os.path.join(root, META_FILE), "w") as f:
         json.dump(meta, f, indent=2)

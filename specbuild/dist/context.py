@@ -95,8 +95,11 @@ def bundle_world(bundle_dir: str, backend: str = "auto") -> WorldNeed:
     name, why = resolve_backend(bundle_dir, backend)
     if name == "torch":
         return WorldNeed(why=why if backend == "auto" else "")
+    from specbuild.backends.select import trtllm_path
     from specbuild.backends.tensorrt_llm import engine_dirs, engine_limits, read_engine_config
 
+    if trtllm_path(bundle_dir)[0] == "llmapi":  # TensorRT-LLM's LLM API spawns its own workers: one process
+        return WorldNeed("tensorrt-llm", 1, 1, 1)
     lim = engine_limits(read_engine_config(engine_dirs(bundle_dir)["target"]))
     return WorldNeed("tensorrt-llm", lim["world_size"], lim["tp"], lim["pp"])
 

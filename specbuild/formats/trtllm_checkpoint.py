@@ -11,8 +11,9 @@ read (NVIDIA/TensorRT-LLM, Apache-2.0; formats only, no code taken):
   `dup_kv_bias` repeat each KV head tp / kv_heads times (adjacent copies) when
   kv_heads < tp; dense and proj split on dim 1; norms replicated;
 - pipeline stages: `tensorrt_llm/mapping.py`: tp_rank = rank % tp, pp_rank = rank // tp
-  (cp = 1); `pp_layers` = `torch.tensor_split(arange(L), pp)[pp_rank]` (the first L % pp
-  stages get one layer more); layer names use the index local to the stage
+  (cp = 1); `pp_layers` = `torch.tensor_split(arange(L), pp)[pp_rank]` in newer releases,
+  `range(pp_rank * L // pp, ...)` in older ones, which agree only when pp divides L, so
+  check_parallel requires that (and Medusa: pp = 1, its support matrix being tp only); layer names use the index local to the stage
   (`transformer.layers.{l - layers_range[0]}`); the embedding lives on the first stage,
   `ln_f` and `lm_head` on the last (`is_first_pp_rank` / `is_last_pp_rank`);
 - lm_head: padded with zero rows to `pad_vocab_size(V, tp)` (a multiple of tp), then split
@@ -87,6 +88,16 @@ def check_parallel(config: ModelConfig, tp: int, pp: int, *, medusa: bool = Fals
         )
     if not isinstance(pp, int) or not 1 <= pp <= config.num_layers:
         raise ValueError(f"pp={pp!r} must be in [1, {config.num_layers}] (the {role} has {config.num_layers} layers)")
+    if medusa and pp != 1:  # Medusa's support matrix is tensor parallel only (formats/trtllm_support.py)
+        raise ValueError(f"pp={pp}: Medusa on TensorRT-LLM is tensor parallel only (its support matrix has no "
+                         "pipeline parallelism): use --pp 1 and --tp for more GPUs")
+    if config.num_layers % pp:
+        # tensorrt_llm/mapping.py splits stages as num_layers // pp in several releases of the pinned range
+        # (the uneven tensor_split came later): an uneven split would drop layers there
+        divisors = [d for d in range(1, config.num_layers + 1) if config.num_layers % d == 0]
+        raise ValueError(f"pp={pp} does not divide the {role}'s {config.num_layers} layers (several TensorRT-LLM "
+                         f"releases split stages as layers // pp and would drop layers); valid pp sizes: "
+                         f"{', '.join(map(str, divisors))}")
 
 
 def rank_position(rank: int, tp: int) -> tuple[int, int]:
@@ -143,8 +154,9 @@ def trtllm_config(config: ModelConfig, *, dtype: str, tp: int, pp: int, medusa: 
         "attn_bias": config.attn_bias,
         "use_parallel_embedding": False,
         "embedding_sharding_dim": 0,
-        "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp, "cp_size": 1,
-                    "gpus_per_node": 8, "moe_tp_size": tp, "moe_ep_size": 1},
+        # only the keys every release's Mapping(**mapping) takes: cp_size and moe_* are left to their
+        # defaults (1, and tp / 1), since releases before them refuse unknown keywords
+        "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp, "gpus_per_node": 8},
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
     }
     if config.architecture == "qwen2":

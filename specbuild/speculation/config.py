@@ -12,7 +12,7 @@ from typing import Any
 
 from specbuild.errors import RequestError
 
-METHODS = ("none", "ngram", "draft", "medusa", "auto")
+METHODS = ("none", "ngram", "draft", "medusa", "auto", "eagle3")  # eagle3: the TensorRT-LLM LLM-API path
 GAMMA_LIMIT = 16
 
 

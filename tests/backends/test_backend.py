@@ -1,6 +1,9 @@
 """The request-level backend contract, parametrised over backends.
 
     torch              specbuild's own engine (runs everywhere)
+    tensorrt-llm-api-stub  TrtllmApiEngine (the LLM-API adapter, TensorRT-LLM 1.x) on a stand-in
+                       for the LLM API (tests/helpers/trtllm_api_stub.py), specbuild's prompt
+                       lookup drafting through UserProvidedDecodingConfig
     tensorrt-llm-stub  TrtllmEngine (the real adapter code) driving a stand-in for
                        `tensorrt_llm.bindings.executor` (tests/trtllm_stub.py): greedy only, its tokens
                        from the torch engine, its request/response shapes those of the
@@ -33,7 +36,7 @@ from specbuild.engine.engine import EngineConfig
 from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
 from specbuild.backends.tensorrt_llm import MODE_BITS, EngineLimitError
-from trtllm_stub import StubExecutor, stub_module, write_engine_config
+from trtllm_stub import STUB_VERSION, StubExecutor, stub_module, write_engine_config
 
 VOCAB = 320
 LOOPY = [5, 5, 5, 5, 5, 5, 5, 5]  # the tiny model answers it with a loop: prompt lookup finds drafts
@@ -52,7 +55,8 @@ def prompts(k: int, length: int = 12) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("backend_hf")
-    target = make_tiny_hf(str(root / "target"), scale=8.0)
+    # head size 32 and 2 query heads per KV head: what TensorRT-LLM's (speculative) kernels take
+    target = make_tiny_hf(str(root / "target"), scale=8.0, head_dim=32)
     return target, target  # the target drafts for itself: its drafts are accepted (the stub corrupts some)
 
 
@@ -60,7 +64,7 @@ def _compile(hf_pair, out: str) -> str:
     from specbuild.compiler.compile import CompileOptions, compile_bundle
 
     opts = CompileOptions(dtype="float64", max_seq_len=128, max_batch_size=4, max_draft_len=4,
-                          backend="tensorrt-llm", trtllm_dtype="float32")
+                          backend="tensorrt-llm", trtllm_dtype="bfloat16")
     return compile_bundle(hf_pair[0], out, opts, draft=hf_pair[1])
 
 
@@ -95,7 +99,7 @@ def medusa_bundle(hf_pair, stub_bundle, tmp_path_factory) -> str:
         heads[f"{h}.0.linear.bias"] = torch.randn(64, generator=gen)
         heads[f"{h}.1.weight"] = torch.randn(VOCAB, 64, generator=gen)
     write_trtllm_bundle_part(out, read_hf_dir(hf_pair[0]), medusa=heads, tree_paths=[[0], [1], [0, 0], [0, 0, 0]],
-                             dtype="float32", max_batch_size=4, max_seq_len=128)
+                             dtype="bfloat16", max_batch_size=4, max_seq_len=128)
     write_engine_config(out, "target")
     return out
 
@@ -107,12 +111,23 @@ def stub_trtllm(monkeypatch):
     bindings = types.ModuleType("tensorrt_llm.bindings")
     bindings.executor = executor
     pkg = types.ModuleType("tensorrt_llm")
-    pkg.bindings, pkg.__version__ = bindings, "stub"
+    pkg.bindings, pkg.__version__ = bindings, STUB_VERSION
     for name, mod in (("tensorrt_llm", pkg), ("tensorrt_llm.bindings", bindings),
                       ("tensorrt_llm.bindings.executor", executor)):
         monkeypatch.setitem(sys.modules, name, mod)
     StubExecutor.instances.clear()
     return executor
+
+
+@pytest.fixture()
+def stub_llmapi(monkeypatch):
+    """TensorRT-LLM 1.x's LLM API replaced by tests/helpers/trtllm_api_stub.py (in process)."""
+    from specbuild.backends.tensorrt_llm_api import TEST_STUB_ENV
+    from trtllm_api_stub import LLM
+
+    monkeypatch.setenv(TEST_STUB_ENV, "trtllm_api_stub:package")
+    LLM.instances.clear()
+    return LLM
 
 
 def _skip_without_real_tensorrt_llm():
@@ -134,6 +149,7 @@ def real_trt_bundle(hf_pair, tmp_path_factory) -> str:
 BACKENDS = [
     pytest.param("torch", id="torch"),
     pytest.param("tensorrt-llm-stub", id="tensorrt-llm-stub"),
+    pytest.param("tensorrt-llm-api-stub", id="tensorrt-llm-api-stub"),
     pytest.param("tensorrt-llm", id="tensorrt-llm", marks=[pytest.mark.tensorrt_llm, pytest.mark.gpu]),
 ]
 
@@ -148,6 +164,11 @@ def backend(request, trt_bundle, stub_bundle):
         from specbuild.backends.tensorrt_llm import TrtllmEngine
 
         engine = TrtllmEngine(stub_bundle, EngineConfig())
+    elif name == "tensorrt-llm-api-stub":  # the LLM-API adapter, its prompt lookup driving UserProvidedDecodingConfig
+        request.getfixturevalue("stub_llmapi")
+        from specbuild.backends.tensorrt_llm_api import TrtllmApiEngine
+
+        engine = TrtllmApiEngine(trt_bundle, EngineConfig(), method="ngram")
     else:
         engine = open_engine(request.getfixturevalue("real_trt_bundle"), EngineConfig(), backend="tensorrt-llm")
     yield engine
@@ -282,7 +303,7 @@ def test_stats_report_load_in_the_same_keys(backend):
 
 
 def test_seeded_sampling_reproduces(backend, request):
-    if request.node.callspec.params["backend"] == "tensorrt-llm-stub":
+    if request.node.callspec.params["backend"].endswith("-stub"):
         pytest.skip("the stub executor does not sample (it answers sampled requests greedily)")
     params = SamplingParams(temperature=0.8, max_tokens=8, seed=1234, ignore_eos=True)
     a, b = (backend.generate([Request(prompt_ids=LOOPY, sampling=params, speculation={"method": "none"})])[0]
@@ -345,6 +366,28 @@ def test_medusa_engine(stub_trtllm, medusa_bundle, reference):
     assert not engine.has_work()
     table = engine.describe_guarantees()
     assert table["methods"]["medusa"]["sampled"] == "refused" and table["methods"]["medusa"]["greedy"] == "lossless"
+
+
+def test_stub_enforces_what_the_gpu_enforces(stub_trtllm, stub_bundle, medusa_bundle):
+    """Issue 17: the stand-in answers as TensorRT-LLM would where the real kernels or runtime refuse,
+    so a CPU test fails where a GPU would (rules in specbuild/formats/trtllm_support.py)."""
+    from trtllm_stub import _Rec, kernel_error
+
+    pre = json.load(open(os.path.join(medusa_bundle, "trtllm", "engines", "target", "config.json")))["pretrained_config"]
+    assert pre["dtype"] == "bfloat16" and kernel_error(pre, speculative=True) is None
+    assert "No available XQA kernels" in kernel_error({**pre, "dtype": "float32"}, speculative=True)
+    assert kernel_error({**pre, "dtype": "float32"}, speculative=False) is None
+    assert "No available XQA kernels" in kernel_error({**pre, "num_attention_heads": 6, "num_key_value_heads": 2},
+                                                      speculative=True)  # group 3
+    assert "unsupported head_size 16" in kernel_error({**pre, "head_size": 16}, speculative=False)
+    target = os.path.join(stub_bundle, "trtllm", "engines", "target")
+    no_reuse = _Rec(kv_cache_config=_Rec(enable_block_reuse=False), decoding_config=_Rec())
+    with pytest.raises(RuntimeError, match="KV cache block reuse must be enabled for speculative decoding target"):
+        StubExecutor(target, "decoder_only", no_reuse)
+    # trtllm-build records max_seq_len + max_draft_len for speculative engines (tensorrt_llm/builder.py)
+    lim = StubExecutor(target, "decoder_only", _Rec(kv_cache_config=_Rec(enable_block_reuse=True),
+                                                     decoding_config=_Rec())).limits
+    assert (lim["max_seq_len"], lim["max_draft_len"]) == (128 + 4, 4)
 
 
 def test_sampled_speculation_is_refused_or_served_without_drafts(stub_trtllm, stub_bundle):
@@ -418,7 +461,7 @@ def test_executor_errors_end_the_request(stub_trtllm, stub_bundle):
     assert not engine.has_work()
 
 
-def test_leader_mode(stub_trtllm, stub_bundle, tmp_path, monkeypatch):
+def test_leader_mode(stub_trtllm, stub_bundle, medusa_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("PMI_SIZE", "2")
     monkeypatch.setenv("PMI_RANK", "1")
     with pytest.raises(SpecbuildError, match=r"built for tp\*pp = 1 ranks .* 2 were launched"):
@@ -430,14 +473,25 @@ def test_leader_mode(stub_trtllm, stub_bundle, tmp_path, monkeypatch):
         cfg = json.load(open(path))
         cfg["pretrained_config"]["mapping"].update(world_size=2, tp_size=2)
         json.dump(cfg, open(path, "w"))
-    worker = stub_engine(bundle)
+    # two leader-mode executors on one 2-rank MPI world (issue 17 row 7): refused, not left to hang
+    with pytest.raises(EngineLimitError, match=r"draft/target with target tp\*pp = 2 .* leader mode on one MPI "
+                                               r"world, which can hang"):
+        stub_engine(bundle)
+    assert StubExecutor.instances == []
+    medusa = str(tmp_path / "m")  # Medusa splits across ranks (tensor parallel): leader mode serves it
+    shutil.copytree(medusa_bundle, medusa)
+    path = os.path.join(medusa, "trtllm", "engines", "target", "config.json")
+    cfg = json.load(open(path))
+    cfg["pretrained_config"]["mapping"].update(world_size=2, tp_size=2)
+    json.dump(cfg, open(path, "w"))
+    worker = stub_engine(medusa)
     assert not worker.is_leader and worker.rank == 1
     with pytest.raises(SpecbuildError, match="only rank 0 takes requests"):
         worker.submit(Request(prompt_ids=LOOPY, sampling=greedy(2)))
     worker.wait_as_worker()
-    assert all(ex.shut for ex in StubExecutor.instances[-2:])
+    assert all(ex.shut for ex in StubExecutor.instances[-1:])
     monkeypatch.setenv("PMI_RANK", "0")
-    assert stub_engine(bundle).is_leader
+    assert stub_engine(medusa).is_leader
 
 
 def test_open_engine_picks_the_backend(stub_trtllm, trt_bundle, stub_bundle, tiny_bundle):

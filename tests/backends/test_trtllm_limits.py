@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from specbuild.errors import BundleError, SpecbuildError
-from specbuild.backends.tensorrt_llm import MODE_BITS, EngineLimitError, accepted_prefix, check_engine_limits, engine_limits, engine_modes, leader_plan, sampled_speculation_default
+from specbuild.backends.tensorrt_llm import MODE_BITS, EngineLimitError, accepted_prefix, check_draft_target_engines, check_engine_limits, check_engine_version, engine_limits, engine_modes, fit_draft_logits, leader_plan, sampled_speculation_default
 
 TREE = {"name": "t9", "num_drafts": 9, "max_depth": 4}
 
@@ -155,3 +155,59 @@ def test_accepted_prefix():
     assert accepted_prefix([5, 6, 7], [4]) == 0
     assert accepted_prefix([], [4]) == 0
     assert accepted_prefix([5, 6, 7], [5, 0]) == 1  # the target stopped (end id) after one draft
+
+
+# ---- issue 17: engines a GPU would refuse, refused at load ---------------------------------------
+def with_model(cfg: dict, **pre) -> dict:
+    cfg["pretrained_config"].update({"num_attention_heads": 4, "num_key_value_heads": 2, "head_size": 32,
+                                     "hidden_size": 64, "dtype": "bfloat16", **pre})
+    return cfg
+
+
+def test_engine_kernels_checked_at_load():
+    ok = with_model(engine_config("medusa", heads=4, ckpt_draft=9))
+    check_engine_limits(ok, mode="medusa", tree=TREE)
+    fp32 = with_model(engine_config("medusa", heads=4, ckpt_draft=9), dtype="float32")
+    with pytest.raises(EngineLimitError, match=r"built with dtype float32: medusa speculation .* XQA kernels.*"
+                                               r"recompile with --trtllm-dtype bfloat16 or float16"):
+        check_engine_limits(fp32, mode="medusa", tree=TREE)
+    check_engine_limits(with_model(engine_config("none"), dtype="float32"))  # plain fp32 has kernels
+    with pytest.raises(EngineLimitError, match="head size 16 has no TensorRT-LLM attention kernel"):
+        check_engine_limits(with_model(engine_config("none"), head_size=16))
+    smol = with_model(engine_config("draft_tokens_external", 4), num_attention_heads=9, num_key_value_heads=3,
+                      head_size=64, hidden_size=576)
+    with pytest.raises(EngineLimitError, match=r"9 query heads over 3 KV heads: 3 query heads per KV head at tp=1"):
+        check_engine_limits(smol, mode="draft_tokens_external", max_draft_len=4)
+
+
+def test_engine_path_versions():
+    for good in ("0.19.0", "0.21.0rc1", "1.0.0", "1.2.1"):
+        check_engine_version(good)
+    with pytest.raises(EngineLimitError, match=r"^TensorRT-LLM 0.18.2 is installed; the engine path was checked "
+                                               r"against tensorrt_llm>=0.19,<1.3.*pip install"):
+        check_engine_version("0.18.2")
+    for gone in ("1.3.0", "1.3.0rc1", "2.1.0"):
+        with pytest.raises(EngineLimitError, match=rf"^TensorRT-LLM {gone} is installed, which has no trtllm-build or "
+                                                   r"executor bindings.*LLM API path"):
+            check_engine_version(gone)
+
+
+def test_draft_target_engines_one_gpu_same_tp():
+    one = engine_limits(engine_config("draft_tokens_external", 4))
+    check_draft_target_engines(one, engine_limits(engine_config()))
+    check_draft_target_engines(engine_limits(engine_config("medusa", tp=2)), None)  # Medusa: any tp
+    with pytest.raises(EngineLimitError, match="leader mode on one MPI world, which can hang"):
+        check_draft_target_engines(engine_limits(engine_config("draft_tokens_external", 4, tp=2)),
+                                   engine_limits(engine_config(tp=2)))
+    with pytest.raises(EngineLimitError, match="draft tp 2 != target tp 1"):
+        check_draft_target_engines(one, engine_limits(engine_config(tp=2)))
+
+
+def test_draft_logits_fit_the_targets_padded_vocabulary():
+    import torch
+
+    logits = torch.arange(2 * 302, dtype=torch.float32).reshape(2, 302)  # V 301 padded for draft tp 2
+    out = fit_draft_logits(logits, 301, 304)  # the target at tp 4 pads to 304
+    assert out.shape == (2, 304) and torch.equal(out[:, :301], logits[:, :301])
+    assert (out[:, 301:] == torch.finfo(torch.float32).min).all()
+    assert fit_draft_logits(None, 301, 304) is None

@@ -94,13 +94,16 @@ def test_build_script_runs_each_command_from_its_directory(tmp_path):
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return make_tiny_hf(str(root / "target"), vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2, inter=128, seed=5)
+    # head size 32 (the default 16 has no TensorRT-LLM kernel), 2 query heads per KV head
+    return make_tiny_hf(str(root / "target"), vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2, inter=128, seed=5,
+                        head_dim=32)
 
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return make_tiny_hf(str(root / "draft"), vocab=VOCAB, hidden=32, layers=1, heads=2, kv_heads=1, inter=64, seed=6)
+    return make_tiny_hf(str(root / "draft"), vocab=VOCAB, hidden=32, layers=1, heads=2, kv_heads=1, inter=64, seed=6,
+                        head_dim=32)
 
 
 def medusa_heads(num_heads: int = 3, hidden: int = 64) -> dict[str, torch.Tensor]:
@@ -140,11 +143,10 @@ def test_bundle_part_medusa(tmp_path, target_dir):
 
 def test_bundle_part_draft_target(tmp_path, target_dir, draft_dir):
     target, draft = read_hf_dir(target_dir), read_hf_dir(draft_dir)
-    meta = write_trtllm_bundle_part(str(tmp_path), target, draft=draft, tp=4, pp=2, draft_tp=1, draft_pp=1,
-                                    dtype="float32", max_batch_size=2, max_seq_len=128, max_draft_len=5,
-                                    gather_generation_logits=True)
+    meta = write_trtllm_bundle_part(str(tmp_path), target, draft=draft, dtype="bfloat16", max_batch_size=2,
+                                    max_seq_len=128, max_draft_len=5, gather_generation_logits=True)
     assert meta["mode"] == "draft_tokens_external" and meta["tree"] is None
-    assert (meta["roles"]["target"]["world_size"], meta["roles"]["draft"]["world_size"]) == (8, 1)
+    assert (meta["roles"]["target"]["world_size"], meta["roles"]["draft"]["world_size"]) == (1, 1)
     assert meta["roles"]["draft"]["architecture"] == "LlamaForCausalLM"
     t, d = (flags(meta["build_commands"][r]) for r in ("target", "draft"))
     assert (t["speculative_decoding_mode"], t["max_draft_len"], t["use_paged_context_fmha"]) == (
@@ -152,7 +154,7 @@ def test_bundle_part_draft_target(tmp_path, target_dir, draft_dir):
     assert d["use_paged_context_fmha"] == "enable" and "speculative_decoding_mode" not in d
     assert "gather_generation_logits" in t and "gather_generation_logits" in d
     back = read_trtllm_checkpoint(str(tmp_path / "trtllm" / meta["roles"]["draft"]["checkpoint_dir"]))
-    assert all(torch.equal(back.tensors[n], draft.tensors[n]) for n in draft.tensors)
+    assert all(torch.equal(back.tensors[n], draft.tensors[n].to(torch.bfloat16)) for n in draft.tensors)
 
 
 def test_bundle_part_plain_and_errors(tmp_path, target_dir, draft_dir):
@@ -191,7 +193,8 @@ def test_build_engines_without_tensorrt_llm(tmp_path, target_dir, monkeypatch):
 
 
 def test_build_engines_runs_commands(tmp_path, target_dir, monkeypatch):
-    monkeypatch.setattr(trtllm_build, "tensorrt_llm_available", lambda: (True, "test"))
+    monkeypatch.setattr(trtllm_build, "tensorrt_llm_available", lambda: (True, "0.19.0"))
+    monkeypatch.setattr(trtllm_build.shutil, "which", lambda name: f"/opt/bin/{name}")
     meta = write_trtllm_bundle_part(str(tmp_path), read_hf_dir(target_dir), medusa=medusa_heads(), max_seq_len=64)
     root = str(tmp_path / "trtllm")
     calls = []
@@ -232,4 +235,104 @@ def test_real_engine_build(tmp_path, target_dir, draft_dir, kind):
         assert (engine / "config.json").is_file() and (engine / "rank0.engine").is_file()
         with open(engine / "config.json") as f:
             build = json.load(f)["build_config"]
-        assert build["max_batch_size"] == 2 and build["max_seq_len"] == 128
+        # tensorrt_llm/builder.py adds max_draft_len to max_seq_len for every speculative mode (issue 17 row 4)
+        added = meta["limits"]["max_draft_len"] if role is meta["roles"]["target"] else 0
+        assert build["max_batch_size"] == 2 and build["max_seq_len"] == 128 + added
+
+
+# ---- issue 17: what a GPU would refuse is refused at compile, naming the flag ----------------------
+@pytest.fixture(scope="module")
+def head16_dir(tmp_path_factory):
+    return make_tiny_hf(str(tmp_path_factory.mktemp("hf") / "h16"), vocab=VOCAB, seed=8)  # head size 64 / 4 = 16
+
+
+@pytest.fixture(scope="module")
+def group3_dir(tmp_path_factory):  # SmolLM2's shape in small: 3 query heads per KV head, head size 32
+    return make_tiny_hf(str(tmp_path_factory.mktemp("hf") / "g3"), vocab=VOCAB, hidden=96, heads=6, kv_heads=2,
+                        inter=128, seed=9, head_dim=32)
+
+
+def test_speculative_engines_must_be_half_precision(tmp_path, target_dir, draft_dir):
+    """Row 2: Medusa and draft/target engines in float32 (the old e2e script and tests) are refused."""
+    target, draft = read_hf_dir(target_dir), read_hf_dir(draft_dir)
+    for extra in ({"draft": draft, "max_draft_len": 4}, {"medusa": medusa_heads()}):
+        with pytest.raises(ValueError, match=r"--trtllm-dtype float32: .* XQA kernels, which have float16/bfloat16 "
+                                             r"only.*use --trtllm-dtype bfloat16 or float16"):
+            write_trtllm_bundle_part(str(tmp_path / "x"), target, dtype="float32", max_seq_len=64, **extra)
+    assert not (tmp_path / "x").exists()
+    # plain decoding has fp32 kernels; half precision serves every mode
+    assert write_trtllm_bundle_part(str(tmp_path / "p"), target, dtype="float32", max_seq_len=64)["mode"] == "none"
+    write_trtllm_bundle_part(str(tmp_path / "d"), target, draft=draft, dtype="bfloat16", max_seq_len=64,
+                             max_draft_len=4)
+
+
+def test_head_size_without_a_kernel_is_refused(tmp_path, head16_dir, draft_dir):
+    """Row 3: head size 16 (every tiny model before) has no masked-MHA kernel, in any mode."""
+    with pytest.raises(ValueError, match=r"the target's head size 16 has no TensorRT-LLM attention kernel \(masked "
+                                         r"MHA takes 32, 48, 64"):
+        write_trtllm_bundle_part(str(tmp_path / "x"), read_hf_dir(head16_dir), dtype="float16", max_seq_len=64)
+    with pytest.raises(ValueError, match="the draft's head size 16"):
+        write_trtllm_bundle_part(str(tmp_path / "y"), read_hf_dir(draft_dir), draft=read_hf_dir(head16_dir),
+                                 dtype="float16", max_seq_len=64, max_draft_len=4)
+
+
+def test_xqa_group_sizes(tmp_path, group3_dir):
+    """Row 5: 3 query heads per KV head (SmolLM2-135M's 9/3) has no speculative XQA kernel; plain
+    decoding does not need one; tp 2 makes the group... still 3 per rank, tp 6 makes it 1."""
+    from specbuild.formats.trtllm_support import xqa_group
+
+    ckpt = read_hf_dir(group3_dir)
+    assert (xqa_group(9, 3), xqa_group(6, 2, tp=2), xqa_group(6, 2, tp=6), xqa_group(32, 8)) == (3, 3, 1, 4)
+    heads = medusa_heads(hidden=96)
+    with pytest.raises(ValueError, match=r"6 query heads over 2 KV heads: 3 query heads per KV head at tp=1.*"
+                                         r"power-of-two groups only.*a --tp that makes it one \(6\)"):
+        write_trtllm_bundle_part(str(tmp_path / "x"), ckpt, medusa=heads, dtype="bfloat16", max_seq_len=64)
+    write_trtllm_bundle_part(str(tmp_path / "plain"), ckpt, dtype="bfloat16", max_seq_len=64)
+    meta = write_trtllm_bundle_part(str(tmp_path / "tp6"), ckpt, medusa=heads, dtype="bfloat16", max_seq_len=64, tp=6)
+    assert meta["roles"]["target"]["world_size"] == 6
+
+
+def test_medusa_is_tensor_parallel_only(tmp_path, target_dir):
+    """Row 6: Medusa with pp > 1 was written; its support matrix is tp only."""
+    with pytest.raises(ValueError, match=r"pp=2: Medusa on TensorRT-LLM is tensor parallel only.*use --pp 1"):
+        write_trtllm_bundle_part(str(tmp_path / "x"), read_hf_dir(target_dir), medusa=medusa_heads(), pp=2,
+                                 dtype="bfloat16", max_seq_len=64)
+    assert write_trtllm_bundle_part(str(tmp_path / "tp2"), read_hf_dir(target_dir), medusa=medusa_heads(), tp=2,
+                                    dtype="bfloat16", max_seq_len=64)["roles"]["target"]["world_size"] == 2
+
+
+def test_draft_target_is_one_gpu_with_equal_tp(tmp_path, target_dir, draft_dir):
+    """Rows 7 and 8: draft/target at tp*pp > 1 (two leader-mode executors on one MPI world) and a
+    draft tp that differs from the target's (its logits padded to another vocabulary) are refused."""
+    target, draft = read_hf_dir(target_dir), read_hf_dir(draft_dir)
+    with pytest.raises(ValueError, match=r"draft/target with target tp\*pp = 2 and draft tp\*pp = 2: both executors "
+                                         r"would run in leader mode on one MPI world, which can hang.*--tp 1 --pp 1"):
+        write_trtllm_bundle_part(str(tmp_path / "x"), target, draft=draft, tp=2, dtype="bfloat16", max_seq_len=64,
+                                 max_draft_len=4)
+    with pytest.raises(ValueError, match=r"draft tp 2 != target tp 1: the draft's generation logits are padded"):
+        write_trtllm_bundle_part(str(tmp_path / "x"), target, draft=draft, draft_tp=2, dtype="bfloat16",
+                                 max_seq_len=64, max_draft_len=4)
+    assert not (tmp_path / "x").exists()
+
+
+def test_engine_build_needs_a_release_with_the_engine_path(tmp_path, monkeypatch):
+    """Row 1: only `import tensorrt_llm` was checked; now the release must carry trtllm-build."""
+    from specbuild.compiler.trtllm_build import engine_build_plan
+
+    monkeypatch.setattr(trtllm_build.shutil, "which", lambda name: None)
+    for version, outcome in (("0.18.2", "raise"), ("1.3.0", False), ("1.3.0rc2", False), ("2.0.0", False),
+                             ("0.19.0", "raise"), ("1.2.1", "raise")):  # in range, but no trtllm-build here
+        monkeypatch.setattr(trtllm_build, "tensorrt_llm_available", lambda v=version: (True, v))
+        if outcome == "raise":
+            with pytest.raises(SpecbuildError) as e:
+                engine_build_plan()
+            assert e.value.args[0].count("\n") == 0 and version in e.value.args[0]
+            assert ("tensorrt_llm>=0.19,<1.3" in e.value.args[0]) if version == "0.18.2" else \
+                "trtllm-build is on PATH" in e.value.args[0]
+        else:
+            ok, why = engine_build_plan()
+            assert not ok and f"TensorRT-LLM {version} is installed, which has no trtllm-build" in why
+            assert "LLM API path" in why and "tensorrt-backend-removal.md" in why
+    monkeypatch.setattr(trtllm_build.shutil, "which", lambda name: f"/opt/bin/{name}")
+    monkeypatch.setattr(trtllm_build, "tensorrt_llm_available", lambda: (True, "1.2.1"))
+    assert engine_build_plan() == (True, "1.2.1")

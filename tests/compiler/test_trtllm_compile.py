@@ -15,20 +15,19 @@ def specbuild(*args):
 
 
 def test_compile_writes_trtllm_part_and_build_script(tmp_path):
-    target = make_tiny_hf(str(tmp_path / "t"), heads=4, kv_heads=2)
-    draft = make_tiny_hf(str(tmp_path / "d"), heads=4, kv_heads=2, layers=1, seed=4)
+    target = make_tiny_hf(str(tmp_path / "t"), heads=4, kv_heads=2, head_dim=32)
+    draft = make_tiny_hf(str(tmp_path / "d"), heads=4, kv_heads=2, layers=1, seed=4, head_dim=32)
     out = str(tmp_path / "b")
     r = specbuild("compile", "--target", target, "--draft", draft, "--out", out, "--backend", "tensorrt-llm",
-                  "--tp", "2", "--max-draft-len", "5")
+                  "--max-draft-len", "5")
     assert r.returncode == 0, r.stderr
-    assert "trtllm/build.sh" in r.stderr
+    assert "trtllm/build.sh" in r.stderr and "engines not built here (import tensorrt_llm failed" in r.stderr
     meta = json.load(open(os.path.join(out, "bundle.json")))
     assert meta["backend"] == "tensorrt-llm"
     for role in ("target", "draft"):
         ckpt = os.path.join(out, "trtllm", "checkpoints", role)
-        assert sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors")) == ["rank0.safetensors",
-                                                                                     "rank1.safetensors"]
-        assert json.load(open(os.path.join(ckpt, "config.json")))["mapping"]["tp_size"] == 2
+        assert sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors")) == ["rank0.safetensors"]
+        assert json.load(open(os.path.join(ckpt, "config.json")))["dtype"] == "float16"
     script = open(os.path.join(out, "trtllm", "build.sh")).read()
     assert "--speculative_decoding_mode draft_tokens_external --max_draft_len 5" in script
     # the torch roles are written too, so the same bundle also runs on the torch backend
@@ -38,7 +37,7 @@ def test_compile_writes_trtllm_part_and_build_script(tmp_path):
 
 
 def test_invalid_tp_names_the_valid_values(tmp_path):
-    target = make_tiny_hf(str(tmp_path / "t"), heads=4, kv_heads=2)
+    target = make_tiny_hf(str(tmp_path / "t"), heads=4, kv_heads=2, head_dim=32)
     r = specbuild("compile", "--target", target, "--out", str(tmp_path / "b"), "--backend", "tensorrt-llm", "--tp", "3")
     assert r.returncode == 2
     assert "valid tp sizes: 1, 2, 4" in r.stderr and "Traceback" not in r.stderr
@@ -46,8 +45,8 @@ def test_invalid_tp_names_the_valid_values(tmp_path):
 
 
 def test_gather_generation_logits_flag(tmp_path):
-    target = make_tiny_hf(str(tmp_path / "t"), heads=4, kv_heads=2)
-    draft = make_tiny_hf(str(tmp_path / "d"), heads=4, kv_heads=2, layers=1, seed=4)
+    target = make_tiny_hf(str(tmp_path / "t"), heads=4, kv_heads=2, head_dim=32)
+    draft = make_tiny_hf(str(tmp_path / "d"), heads=4, kv_heads=2, layers=1, seed=4, head_dim=32)
     out = str(tmp_path / "b")
     r = specbuild("compile", "--target", target, "--draft", draft, "--out", out, "--backend", "tensorrt-llm",
                   "--trtllm-gather-generation-logits")
@@ -82,10 +81,23 @@ def test_gather_generation_logits_flag(tmp_path):
 
 
 def test_gather_generation_logits_needs_trtllm_and_a_draft(tmp_path):
-    target = make_tiny_hf(str(tmp_path / "t"), heads=4, kv_heads=2)
+    target = make_tiny_hf(str(tmp_path / "t"), heads=4, kv_heads=2, head_dim=32)
     for extra, message in ((("--backend", "torch"), "needs --backend tensorrt-llm"),
                            (("--backend", "tensorrt-llm"), "needs --draft")):
         out = tmp_path / "b"
         r = specbuild("compile", "--target", target, "--out", str(out), *extra, "--trtllm-gather-generation-logits")
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not out.exists()
+
+
+def test_compile_refuses_what_a_gpu_would_refuse(tmp_path):
+    """Issue 17: a float32 draft/target bundle, or one at --tp 2, exits 2 with the reason and the
+    flag, before anything is written."""
+    target = make_tiny_hf(str(tmp_path / "t"), heads=4, kv_heads=2, head_dim=32)
+    for extra, message in ((("--trtllm-dtype", "float32"), "use --trtllm-dtype bfloat16 or float16"),
+                           (("--tp", "2"), "use --tp 1 --pp 1")):
+        out = tmp_path / "b"
+        r = specbuild("compile", "--target", target, "--draft", target, "--out", str(out), "--backend",
+                      "tensorrt-llm", *extra)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert not out.exists()

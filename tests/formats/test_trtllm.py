@@ -19,7 +19,7 @@ from specbuild.errors import CheckpointError
 from specbuild.model.decoder import reference_forward
 
 VOCAB = 301  # divisible by neither 2 nor 4: lm_head padding at tp 2 and 4
-LAYERS = 3  # odd: pp 2 splits 2 + 1
+LAYERS = 4  # pp 2 splits it evenly, as every pinned TensorRT-LLM release needs (issue 17 row 9)
 INPUT_IDS = [5, 17, 120, 3, 250, 9, 88, 300, 41, 7, 64, 199]
 
 
@@ -115,7 +115,7 @@ CASES = [("llama", 1, 1), ("llama", 2, 1), ("llama", 4, 1), ("llama", 1, 2), ("l
 @pytest.mark.parametrize("arch,tp,pp", CASES)
 def test_rank_files_match_reference_table(models, tmp_path, arch, tp, pp):
     sd, cfg = hf_state(models[arch])
-    medusa = fasterdecoding_heads(cfg["hidden_size"], VOCAB) if arch == "llama" else None
+    medusa = fasterdecoding_heads(cfg["hidden_size"], VOCAB) if arch == "llama" and pp == 1 else None  # tp only
     dtype = torch.float16 if (tp, pp) == (2, 2) else torch.float32
     out = str(tmp_path / "ckpt")
     write_trtllm_checkpoint(read_hf_dir(models[arch]), out, dtype=str(dtype).split(".")[1], tp=tp, pp=pp,
@@ -143,8 +143,8 @@ def test_config_json(models, tmp_path):
         assert json.load(f) == cfg
     assert cfg["architecture"] == "MedusaForCausalLM" and cfg["model_type"] == "llama"
     assert (cfg["num_medusa_heads"], cfg["num_medusa_layers"], cfg["max_draft_len"]) == (2, 1, 7)
-    assert cfg["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1, "cp_size": 1, "gpus_per_node": 8,
-                              "moe_tp_size": 2, "moe_ep_size": 1}
+    # only keys every release's Mapping takes (older ones have no cp_size): issue 17 row 9
+    assert cfg["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1, "gpus_per_node": 8}
     assert (cfg["dtype"], cfg["logits_dtype"], cfg["hidden_act"], cfg["position_embedding_type"]) == (
         "bfloat16", "float32", "silu", "rope_gpt_neox")
     assert (cfg["vocab_size"], cfg["num_key_value_heads"], cfg["head_size"], cfg["intermediate_size"]) == (VOCAB, 2, 16, 128)
@@ -195,10 +195,10 @@ def test_mlp_padded_when_tp_does_not_divide_intermediate(tmp_path):
 def test_medusa_heads_round_trip(models, tmp_path):
     ckpt = read_hf_dir(models["llama"])
     heads = fasterdecoding_heads(64, VOCAB, num_heads=3, num_layers=2)
-    write_trtllm_checkpoint(ckpt, str(tmp_path / "a"), dtype="float32", tp=4, pp=2, medusa=heads)
+    write_trtllm_checkpoint(ckpt, str(tmp_path / "a"), dtype="float32", tp=4, pp=1, medusa=heads)
     back = read_trtllm_medusa(str(tmp_path / "a"))
     assert sorted(back) == sorted(heads) and all(torch.equal(back[n], heads[n]) for n in heads)
-    for rank in range(8):  # on every rank, every stage
+    for rank in range(4):  # on every rank
         names = load_file(str(tmp_path / "a" / f"rank{rank}.safetensors"))
         assert "medusa_heads.2.medusa_layers.1.linear.bias" in names
     # TensorRT-LLM names in, a head without its own lm_head shares the target's
@@ -251,3 +251,16 @@ def test_reader_refuses_incomplete_checkpoint(models, tmp_path):
         read_trtllm_checkpoint(str(out))
     with pytest.raises(CheckpointError, match="no config.json"):
         read_trtllm_checkpoint(str(tmp_path))
+
+
+def test_pipeline_layouts_every_pinned_release_reads(models, tmp_path):
+    """Issue 17 rows 6 and 9: Medusa is tp only; pp must divide the layers (releases whose
+    Mapping.pp_layers is layers // pp would drop the remainder)."""
+    ckpt = read_hf_dir(models["llama"])
+    with pytest.raises(ValueError, match=r"pp=2: Medusa on TensorRT-LLM is tensor parallel only"):
+        write_trtllm_checkpoint(ckpt, str(tmp_path / "m"), tp=2, pp=2, medusa=fasterdecoding_heads(64, VOCAB))
+    smol = smol_like()  # 30 layers
+    with pytest.raises(ValueError, match=r"pp=4 does not divide the model's 30 layers .* valid pp sizes: 1, 2, 3, 5, "
+                                         r"6, 10, 15, 30"):
+        write_trtllm_checkpoint(Checkpoint(smol, {}, ""), str(tmp_path / "never"), tp=3, pp=4)
+    assert not (tmp_path / "m").exists() and not (tmp_path / "never").exists()

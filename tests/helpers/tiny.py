@@ -46,11 +46,13 @@ CHAT_TEMPLATE = (
 def make_tiny_hf(path: str, arch: str = "llama", vocab: int = 320, hidden: int = 64, layers: int = 2,
                  heads: int = 4, kv_heads: int = 2, inter: int = 128, tie: bool = False, seed: int = 0,
                  dtype: torch.dtype = torch.float32, rope_scaling: dict | None = None,
-                 scale: float = 1.0) -> str:
+                 scale: float = 1.0, head_dim: int | None = None) -> str:
     """Write a random HF checkpoint directory at `path` and return it.
 
     `scale` multiplies the random weights so that tiny models give peaked (not uniform)
-    distributions, which speculation tests need for acceptance to happen.
+    distributions, which speculation tests need for acceptance to happen. `head_dim` sets the
+    attention head size apart from hidden // heads (the default, 16 here, has no TensorRT-LLM
+    kernel: tests of engine configs that must be valid on a GPU pass 32 or 64).
     """
     import transformers
 
@@ -59,6 +61,8 @@ def make_tiny_hf(path: str, arch: str = "llama", vocab: int = 320, hidden: int =
                   num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
                   max_position_embeddings=512, tie_word_embeddings=tie, rms_norm_eps=1e-6,
                   bos_token_id=0, eos_token_id=0)
+    if head_dim is not None:
+        common["head_dim"] = head_dim
     if arch == "llama":
         cfg = transformers.LlamaConfig(rope_theta=10000.0, rope_scaling=rope_scaling, **common)
         model = transformers.LlamaForCausalLM(cfg)

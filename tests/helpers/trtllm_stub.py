@@ -1,5 +1,5 @@
 """A stand-in for `tensorrt_llm.bindings.executor`, to run specbuild's TensorRT-LLM adapter
-(runtime/trtllm_engine.py) without TensorRT-LLM or a GPU. It checks the adapter's logic (draft
+(backends/tensorrt_llm.py) without TensorRT-LLM or a GPU. It checks the adapter's logic (draft
 rounds, streaming, stats, abort, limits, leader mode), NOT TensorRT-LLM.
 
 Two ways in:
@@ -36,6 +36,7 @@ class _Rec(types.SimpleNamespace):
 
 
 _ORACLES: dict[str, TorchEngine] = {}
+STUB_VERSION = "0.19.0"  # the release whose executor API the stand-in follows (reference/tensorrt-llm.md)
 
 
 def oracle(bundle: str, ids: list[int], n: int) -> list[int]:
@@ -58,10 +59,34 @@ class StubResponse:
         return self.error_msg is not None
 
 
+def kernel_error(pretrained: dict, speculative: bool) -> str | None:
+    """What TensorRT-LLM's attention answers at the first generation step of an engine with this
+    pretrained_config (rules: specbuild/formats/trtllm_support.py, read in NVIDIA/TensorRT-LLM):
+    "unsupported head_size" outside the masked-MHA sizes; for speculative (multi-query)
+    generation, no XQA kernel for a float32 engine or a non-power-of-two group per rank."""
+    from specbuild.formats.trtllm_support import MMHA_HEAD_SIZES, SPECULATIVE_DTYPES, xqa_group
+
+    heads = int(pretrained["num_attention_heads"])
+    head = int(pretrained.get("head_size") or int(pretrained["hidden_size"]) // heads)
+    if head not in MMHA_HEAD_SIZES:
+        return f"[TensorRT-LLM][ERROR] Assertion failed: unsupported head_size {head}"
+    if speculative:
+        tp = int(pretrained["mapping"].get("tp_size", 1))
+        group = xqa_group(heads, int(pretrained.get("num_key_value_heads") or heads), tp)
+        if pretrained.get("dtype") not in SPECULATIVE_DTYPES or group & (group - 1):
+            return "[TensorRT-LLM][ERROR] No available XQA kernels are found for speculative decoding mode."
+    return None
+
+
 class StubExecutor:
     """Greedy executor: tokens from the torch oracle; drafts accepted while equal to its
     argmax, one more token after; streaming answers one engine iteration per await (Medusa
-    iterations yield 3, 1, 2, ... tokens); a draft-role engine corrupts every third token."""
+    iterations yield 3, 1, 2, ... tokens); a draft-role engine corrupts every third token.
+
+    It enforces what the real runtime enforces (see kernel_error and __init__): kernels per head
+    size, dtype and XQA group; KV block reuse for a draft/target target; Medusa tp-only; prompt +
+    max_tokens + drafts within the engine's recorded max_seq_len; draft logits sized to the
+    target's padded vocabulary."""
 
     instances: list["StubExecutor"] = []
 
@@ -69,11 +94,37 @@ class StubExecutor:
         engine_dir = str(engine_dir)
         self.role = os.path.basename(engine_dir)
         self.bundle = os.path.dirname(os.path.dirname(os.path.dirname(engine_dir)))
-        self.limits = engine_limits(json.load(open(os.path.join(engine_dir, "config.json"))))
+        self.engine_config = json.load(open(os.path.join(engine_dir, "config.json")))
+        self.limits = engine_limits(self.engine_config)
         self.vocab = int(self.limits["vocab_size"])
         self.medusa = getattr(config.decoding_config, "decoding_mode", None) == "medusa"
+        if self.medusa and self.limits["pp"] > 1:
+            raise RuntimeError("[TensorRT-LLM][ERROR] Medusa does not support pipeline parallelism")
+        if "draft_tokens_external" in self.limits["modes"] and not config.kv_cache_config.enable_block_reuse:
+            raise RuntimeError("[TensorRT-LLM][ERROR] KV cache block reuse must be enabled for speculative "
+                               "decoding target model")
         self.config, self.requests, self.pending, self.next_id, self.shut = config, [], {}, 1, False
         StubExecutor.instances.append(self)
+
+    def _refusal(self, req) -> str | None:
+        """The error the real executor answers this request with, or None."""
+        drafts = req.external_draft_tokens_config.tokens if req.external_draft_tokens_config else []
+        pre = self.engine_config.get("pretrained_config") or {}
+        error = kernel_error(pre, speculative=self.medusa or bool(drafts)) if "num_attention_heads" in pre else None
+        if error:
+            return error
+        need = len(req.input_token_ids) + req.max_tokens + len(drafts)
+        if need > self.limits["max_seq_len"]:
+            return (f"[TensorRT-LLM][ERROR] Assertion failed: prompt length + max new tokens + draft tokens ({need}) "
+                    f"exceeds max_seq_len ({self.limits['max_seq_len']})")
+        logits = req.external_draft_tokens_config.logits if req.external_draft_tokens_config else None
+        if logits is not None:
+            from specbuild.formats.trtllm_checkpoint import pad_vocab_size
+
+            want = (len(drafts), pad_vocab_size(self.vocab, self.limits["tp"]))
+            if tuple(logits.shape) != want:
+                return f"[TensorRT-LLM][ERROR] draft logits shape {tuple(logits.shape)} != {want}"
+        return None
 
     def can_enqueue_requests(self):
         return int(os.environ.get("PMI_RANK", "0")) == 0
@@ -87,9 +138,12 @@ class StubExecutor:
             self.pending[rid] = [StubResponse(rid, error=f"Number of draft tokens ({len(drafts)}) > maximum "
                                                          f"({self.limits['max_draft_len']})")]
             return rid
+        refusal = self._refusal(req)
+        if refusal:
+            self.pending[rid] = [StubResponse(rid, error=refusal)]
+            return rid
         # sampled requests are answered greedily (a stand-in, not a sampler); never with drafts
         assert req.sampling_config.top_k == 1 or not drafts, "sampled drafts reached the stub"
-        assert len(ids) + req.max_tokens <= self.limits["max_seq_len"]
         tokens = oracle(self.bundle, ids, len(drafts) + 1 if drafts else req.max_tokens)
         if self.role == "draft":
             tokens = [(t + 1) % self.vocab if (len(ids) + i) % 3 == 0 else t for i, t in enumerate(tokens)]
@@ -141,6 +195,9 @@ class MpiStubExecutor(StubExecutor):
 
         self.comm = MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        if self.size > 1 and MpiStubExecutor._built:  # issue 17 row 7: what specbuild refuses at load
+            raise RuntimeError("a second leader-mode executor on a multi-rank MPI world: its collectives would wait "
+                               "on the first executor's (a hang on a GPU)")
         self.tag = 100 + MpiStubExecutor._built
         MpiStubExecutor._built += 1
         self.say(f"built, can_enqueue_requests={self.can_enqueue_requests()}")
@@ -170,7 +227,8 @@ class MpiStubExecutor(StubExecutor):
 
 def stub_module(executor: type = StubExecutor) -> types.ModuleType:
     m = types.ModuleType("tensorrt_llm.bindings.executor")
-    m.SPECBUILD_TEST_STUB = True  # what runtime/trtllm_engine.stand_in_bindings requires
+    m.SPECBUILD_TEST_STUB = True  # what backends/tensorrt_llm.stand_in_bindings requires
+    m.TENSORRT_LLM_VERSION = STUB_VERSION  # the release it stands in for (checked like tensorrt_llm.__version__)
     m.ModelType = types.SimpleNamespace(DECODER_ONLY="decoder_only")
     m.CommunicationType = types.SimpleNamespace(MPI="mpi")
     m.CommunicationMode = types.SimpleNamespace(LEADER="leader")
@@ -213,15 +271,18 @@ def write_engine_config(bundle: str, role: str, **build_override) -> dict:
     root = os.path.join(bundle, "trtllm")
     meta = json.load(open(os.path.join(root, "trtllm.json")))
     f = build_flags(meta["build_commands"][role])
-    build = {"max_batch_size": int(f["max_batch_size"]), "max_seq_len": int(f["max_seq_len"]),
-             "max_input_len": int(f["max_input_len"]), "max_draft_len": int(f.get("max_draft_len") or 0),
-             "speculative_decoding_mode": MODE_BITS[f.get("speculative_decoding_mode") or "none"],
+    pretrained = json.load(open(os.path.join(root, "checkpoints", role, "config.json")))
+    mode = f.get("speculative_decoding_mode") or "none"
+    # trtllm-build takes Medusa's max_draft_len from the checkpoint, and tensorrt_llm/builder.py adds
+    # max_draft_len to max_seq_len for every speculative mode
+    draft_len = int(f.get("max_draft_len") or pretrained.get("max_draft_len") or 0) if mode != "none" else 0
+    build = {"max_batch_size": int(f["max_batch_size"]), "max_seq_len": int(f["max_seq_len"]) + draft_len,
+             "max_input_len": int(f["max_input_len"]), "max_draft_len": draft_len,
+             "speculative_decoding_mode": MODE_BITS[mode],
              "gather_generation_logits": "gather_generation_logits" in f,
              "plugin_config": {"use_paged_context_fmha": f.get("use_paged_context_fmha") == "enable"}}
     build.update(build_override)
-    cfg = {"version": "stub", "pretrained_config": json.load(open(os.path.join(root, "checkpoints", role,
-                                                                                "config.json"))),
-           "build_config": build}
+    cfg = {"version": STUB_VERSION, "pretrained_config": pretrained, "build_config": build}
     engine = os.path.join(root, meta["roles"][role]["engine_dir"])
     os.makedirs(engine, exist_ok=True)
     with open(os.path.join(engine, "config.json"), "w") as fh:

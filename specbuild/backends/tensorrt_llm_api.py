@@ -1,0 +1,427 @@
+"""The TensorRT-LLM 1.x backend: specbuild requests served by TensorRT-LLM's LLM API on its
+PyTorch backend (the path NVIDIA keeps after removing the TensorRT engine path).
+
+    LLM(model=<bundle>/trtllm/hf/target, speculative_config=..., ...)
+    result = llm.generate_async(prompt_token_ids, SamplingParams(...), streaming=True)
+    for out in result: out.outputs[0].token_ids_diff ...       # one engine iteration each
+
+Speculation is fixed when the LLM starts (one `speculative_config`), so a bundle's LLM-API
+engine serves one method besides `none` (which then runs through the same speculating LLM;
+greedy output is the target's either way):
+
+    draft    DraftTargetDecodingConfig(max_draft_len, speculative_model_dir=trtllm/hf/draft)
+    ngram    UserProvidedDecodingConfig(max_draft_len, drafter=specbuild's prompt lookup), or
+             NGramDecodingConfig(max_draft_len, max_matching_ngram_size) with ngram_impl="trtllm"
+    eagle3   Eagle3DecodingConfig(max_draft_len, speculative_model_dir=an EAGLE-3 head dir)
+
+Medusa is not in the PyTorch backend's speculative support: Medusa bundles need the engine
+path (backends/tensorrt_llm.py, tensorrt_llm>=0.19,<1.3).
+
+API matched (NVIDIA/TensorRT-LLM, read for names and signatures only): `tensorrt_llm/llmapi/
+llm.py` (LLM(model, tokenizer, ..., skip_tokenizer_init, tensor_parallel_size, dtype, **kwargs),
+generate_async(inputs, sampling_params, ..., streaming) -> RequestOutput, shutdown) at commit
+00966934; `executor/result.py` (GenerationResult: sync iteration, one response per step,
+outputs[0].token_ids / token_ids_diff / finish_reason in stop|length|timeout|cancelled,
+finished, abort(), request_id) at 005bc848; `sampling_params.py` (SamplingParams kw-only:
+end_id, pad_id, max_tokens, stop_token_ids, top_k, top_p, seed, temperature, ignore_eos,
+detokenize) at 000a01de (v1.0.0rc4); `llmapi/llm_args.py` (DecodingBaseConfig.max_draft_len,
+speculative_model with alias speculative_model_dir; DraftTargetDecodingConfig,
+NGramDecodingConfig, Eagle3DecodingConfig, UserProvidedDecodingConfig(drafter,
+resource_manager)) at several commits; `_torch/speculative/drafter.py` (Drafter:
+prepare_draft_tokens(scheduled_requests, resource_manager=None) setting each generation
+request's py_draft_tokens from request.get_tokens(0)).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import inspect
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from specbuild.backends.guarantees import guarantees
+from specbuild.bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
+from specbuild.engine.base import BaseEngine, validated_prompt_ids
+from specbuild.engine.engine import EngineConfig
+from specbuild.engine.sequence import Event, Handle, Request, Sequence
+from specbuild.errors import BundleError, RequestError, SpecbuildError
+from specbuild.sampling.params import SamplingParams
+from specbuild.speculation.config import SpeculationConfig
+
+log = logging.getLogger("specbuild.trtllm_api")
+
+API_METHODS = ("draft", "ngram", "eagle3")
+# Test-only, like backends/tensorrt_llm.TEST_STUB_ENV: "module:factory" returning a stand-in for
+# the `tensorrt_llm` package (tests/helpers/trtllm_api_stub.py); it must say it is one.
+TEST_STUB_ENV = "SPECBUILD_TEST_TRTLLM_LLMAPI"
+
+
+def _stand_in():
+    spec = os.environ.get(TEST_STUB_ENV)
+    if not spec:
+        return None
+    module, _, factory = spec.partition(":")
+    try:
+        pkg = getattr(importlib.import_module(module), factory or "package")()
+    except (ImportError, AttributeError) as e:
+        raise SpecbuildError(f"{TEST_STUB_ENV}={spec!r}: {e}; it is for specbuild's tests only: unset it") from None
+    if getattr(pkg, "SPECBUILD_TEST_STUB", False) is not True:
+        raise SpecbuildError(f"{TEST_STUB_ENV}={spec!r} is not a specbuild test stub; it is for specbuild's tests "
+                             "only: unset it")
+    log.warning("TensorRT-LLM's LLM API is replaced by the TEST STUB %s (%s is set)", spec, TEST_STUB_ENV)
+    return pkg
+
+
+def llmapi_package():
+    """The `tensorrt_llm` package (or the test stand-in), refused in one line when its release has
+    no LLM API on the PyTorch backend (formats/trtllm_support.llmapi_path_problem)."""
+    from specbuild.formats.trtllm_support import llmapi_path_problem
+
+    pkg = _stand_in()
+    if pkg is None:
+        import tensorrt_llm as pkg  # noqa: PLC0415 (only where it is installed)
+    problem = llmapi_path_problem(str(getattr(pkg, "__version__", "unknown")))
+    if problem:
+        raise BundleError(problem)
+    return pkg
+
+
+def _submodule(pkg, name: str):
+    """pkg.<name> for the real package (imported) or the stand-in (an attribute chain)."""
+    obj = pkg
+    try:
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj
+    except AttributeError:
+        return importlib.import_module(f"{pkg.__name__}.{name}")
+
+
+def speculative_config(pkg, method: str, *, max_draft_len: int, models: dict[str, str], drafter=None,
+                       ngram_impl: str = "specbuild", ngram_max: int = 3):
+    """The LLM's speculative_config for `method` (none -> None), with TensorRT-LLM's own classes."""
+    if method == "none":
+        return None
+    llmapi = _submodule(pkg, "llmapi")
+    if method == "draft":
+        return llmapi.DraftTargetDecodingConfig(max_draft_len=max_draft_len, speculative_model_dir=models["draft"])
+    if method == "ngram" and ngram_impl == "trtllm":
+        return llmapi.NGramDecodingConfig(max_draft_len=max_draft_len, max_matching_ngram_size=ngram_max)
+    if method == "ngram":
+        return llmapi.UserProvidedDecodingConfig(max_draft_len=max_draft_len, drafter=drafter)
+    if method == "eagle3":
+        if not hasattr(llmapi, "Eagle3DecodingConfig"):
+            raise BundleError(f"TensorRT-LLM {getattr(pkg, '__version__', '?')} has no Eagle3DecodingConfig "
+                              "(its EAGLE-3 is EagleDecodingConfig(eagle3_one_model=...)): install a newer "
+                              "tensorrt_llm for EAGLE-3 on the LLM-API path")
+        return llmapi.Eagle3DecodingConfig(max_draft_len=max_draft_len, speculative_model_dir=models["eagle3"])
+    raise BundleError(f"method {method!r} has no LLM-API speculative config (known: none, {', '.join(API_METHODS)})")
+
+
+def make_drafter(pkg, max_draft_len: int, ngram_min: int, ngram_max: int):
+    """A `Drafter` (tensorrt_llm._torch.speculative.drafter) proposing specbuild's prompt lookup
+    (speculation/proposers/ngram.lookup) for every generation request; it keeps no state."""
+    import numpy as np
+
+    from specbuild.speculation.proposers.ngram import lookup
+
+    base = _submodule(pkg, "_torch.speculative.drafter").Drafter
+    takes_len = "max_draft_len" in inspect.signature(base.__init__).parameters
+
+    class SpecbuildDrafter(base):
+        def __init__(self):
+            if takes_len:  # 1.1+: Drafter(max_draft_len, max_total_draft_tokens, ...)
+                super().__init__(max_draft_len=max_draft_len, max_total_draft_tokens=max_draft_len)
+            else:  # 1.0: Drafter(max_concurrency=None)
+                super().__init__()
+            self.max_draft_len = max_draft_len
+
+        def prepare_draft_tokens(self, scheduled_requests, resource_manager=None) -> None:
+            for req in scheduled_requests.generation_requests:
+                tokens = lookup(np.asarray(list(req.get_tokens(0)), dtype=np.int64), ngram_min, ngram_max,
+                                max_draft_len)
+                req.py_draft_tokens = list(tokens)
+
+    return SpecbuildDrafter()
+
+
+class TrtllmApiEngine(BaseEngine):
+    """A bundle served by TensorRT-LLM's LLM API behind the request-level backend interface.
+
+    Each running request has one streaming `generate_async` result, read by a thread of its own
+    (the result's iteration blocks); `step()` turns what the readers queued into events, so the
+    handles, stop strings, detokenisation and stats are the torch engine's code."""
+
+    backend_name = "tensorrt-llm"
+    path = "llmapi"
+    poll_ms = 2
+
+    def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig(), *, method: str | None = None,
+                 eagle3_dir: str | None = None, ngram_impl: str = "specbuild") -> None:
+        t0 = time.perf_counter()
+        from tokenizers import Tokenizer
+
+        from specbuild.backends.tensorrt_llm import read_trtllm_meta
+
+        self.bundle_dir, self.config = bundle_dir, config
+        self.meta: BundleMeta = read_meta(bundle_dir)
+        self.tokenizer = Tokenizer.from_str(check_fingerprint(bundle_dir, self.meta))
+        self.trt_meta = read_trtllm_meta(bundle_dir)
+        api = self.trt_meta.get("llmapi") or {}
+        root = os.path.join(bundle_dir, "trtllm")
+        models = {role: os.path.join(root, rel) for role, rel in (api.get("models") or {}).items()}
+        if eagle3_dir is not None:
+            models["eagle3"] = eagle3_dir
+        if "target" not in models:
+            raise BundleError(f"bundle {bundle_dir!r} has no Hugging Face target for the LLM-API path "
+                              "(trtllm/hf/target): recompile it with --backend tensorrt-llm")
+        if self.trt_meta["mode"] == "medusa":
+            raise BundleError("Medusa is not in TensorRT-LLM's PyTorch-backend speculative decoding: serve this "
+                              "bundle on the engine path (tensorrt_llm>=0.19,<1.3) or on --backend torch")
+        bundle_limits = self.trt_meta["limits"]
+        self.max_seq_len = int(bundle_limits["max_seq_len"])
+        self.max_batch_size = int(config.max_batch_size or bundle_limits["max_batch_size"])
+        self.target_config = read_model_config(os.path.join(bundle_dir, self.meta.roles["target"]["path"]))
+        default = SpeculationConfig.make(None, **dict(self.meta.default_speculation))
+        if method is None:
+            method = "eagle3" if "eagle3" in models else default.method if default.method in API_METHODS else "none"
+        if method not in ("none",) + API_METHODS:
+            raise BundleError(f"method {method!r} is not served on the LLM-API path (none, {', '.join(API_METHODS)})")
+        if method in ("draft", "eagle3") and method not in models:
+            raise BundleError(f"method {method!r} needs its model: {'compile with --draft' if method == 'draft' else 'pass eagle3_dir (an EAGLE-3 head directory)'}")
+        self.method = method
+        self.max_draft_len = int(bundle_limits["max_draft_len"] or default.gamma_max) if method != "none" else 0
+        self.ngram_impl = ngram_impl
+
+        self._pkg = llmapi_package()
+        drafter = None
+        if method == "ngram" and ngram_impl == "specbuild":
+            drafter = make_drafter(self._pkg, self.max_draft_len, default.ngram_min, default.ngram_max)
+        spec = speculative_config(self._pkg, method, max_draft_len=self.max_draft_len, models=models,
+                                  drafter=drafter, ngram_impl=ngram_impl, ngram_max=default.ngram_max)
+        dtype = self.trt_meta.get("dtype", "bfloat16")
+        kw: dict[str, Any] = dict(skip_tokenizer_init=True, tensor_parallel_size=int(api.get("tp", 1)), dtype=dtype,
+                                  max_batch_size=self.max_batch_size,
+                                  max_seq_len=self.max_seq_len + self.max_draft_len)
+        if spec is not None:
+            kw["speculative_config"] = spec
+        self.llm = self._pkg.LLM(model=models["target"], **kw)
+        self.is_leader, self.rank = True, 0  # the LLM API spawns its own MPI workers
+        sp = self.meta.special_tokens
+        self.eos_ids = tuple(sp.get("eos_token_ids") or ([sp["eos_token_id"]] if sp.get("eos_token_id") is not None
+                                                         else []))
+        self.default_sampling = SamplingParams.from_dict(dict(self.meta.default_sampling))
+        cap = self.max_draft_len or default.gamma_max
+        self.default_speculation = SpeculationConfig.make(
+            default, method=method, gamma_min=min(default.gamma_min, cap), gamma_max=min(default.gamma_max, cap),
+            gamma=min(default.gamma, cap))
+        self._results: dict[int, Any] = {}  # id(seq) -> its generate_async result
+        self._inbox: queue.Queue = queue.Queue()
+        self._backlog: dict[int, collections.deque] = {}  # id(seq) -> its iterations not yet turned into events
+        self._init_loop(threading.RLock())
+        self._iterations: dict[int, int] = {}  # id(seq) -> generation iterations seen
+        self.load_seconds = time.perf_counter() - t0
+
+    # ---- what this engine serves ------------------------------------------------------------
+    @property
+    def methods(self) -> list[str]:
+        return ["none"] + ([self.method] if self.method != "none" else [])
+
+    def describe_guarantees(self) -> dict:
+        table = guarantees("tensorrt-llm", mode="none", methods=["none"])
+        if self.method != "none":
+            how = {"draft": "TensorRT-LLM DraftTargetDecodingConfig (PyTorch backend)",
+                   "ngram": "specbuild's prompt lookup through UserProvidedDecodingConfig" if self.ngram_impl ==
+                   "specbuild" else "TensorRT-LLM NGramDecodingConfig",
+                   "eagle3": "TensorRT-LLM Eagle3DecodingConfig"}[self.method]
+            table["methods"][self.method] = {"greedy": "lossless", "sampled": "refused",
+                                             "acceptance": how + "; drafts accepted while equal to the target's "
+                                                                 "argmax (sampled speculation is not checked here)"}
+            table["methods"]["none"] = {"greedy": "lossless", "sampled": "refused",
+                                        "acceptance": f"served by the speculating LLM ({self.method}): the LLM API "
+                                                      "fixes speculation when it starts, so greedy-only"}
+        table["notes"] = [f"TensorRT-LLM LLM API (PyTorch backend), {self._pkg.__version__}: it owns the KV cache, "
+                          "batching and acceptance; specbuild streams the tokens and counts acceptance per iteration",
+                          "drafted counts max_draft_len per generation iteration (an upper bound: the LLM API "
+                          "reports no per-request draft counts); accepted is the iteration's tokens minus one"]
+        return table
+
+    def resolve_speculation(self, request: Request, params: SamplingParams) -> SpeculationConfig:
+        spec = SpeculationConfig.for_request(request.speculation, self.default_speculation)
+        cap = self.max_draft_len or self.trt_meta["limits"]["max_draft_len"]
+        if spec.method != "none" and spec.gamma_max > cap:
+            raise RequestError(f"Number of draft tokens ({spec.gamma_max}) > maximum ({cap}) of this LLM's "
+                               "speculative_config: lower --gamma-max, or recompile with a larger --max-draft-len")
+        if spec.method not in self.methods:
+            raise RequestError(f"speculation method {spec.method!r} is not available on this TensorRT-LLM LLM-API "
+                               f"engine (available: {', '.join(self.methods)}; the LLM API fixes it at start)")
+        if spec.typical:
+            raise RequestError("typical acceptance is not available on the tensorrt-llm backend (torch only)")
+        if not params.greedy and self.method != "none":
+            raise RequestError(f"sampled requests are refused on this TensorRT-LLM LLM-API engine: it speculates "
+                               f"({self.method}) for every request and its sampled acceptance is not checked "
+                               "lossless here; use temperature 0, or the torch backend")
+        return spec
+
+    # ---- requests -----------------------------------------------------------------------------
+    def _new_sequence(self, request: Request) -> Sequence:
+        """Validate a request (BaseEngine.submit queues it). RequestError: nothing queued."""
+        prompt_ids = validated_prompt_ids(request, self.encode, self.target_config.vocab_size, self.max_seq_len)
+        params = request.sampling.with_seed()
+        unsupported = [name for name, on in (("response_format", request.response_format is not None),
+                                             ("logprobs", request.logprobs is not None),
+                                             ("presence_penalty/frequency_penalty/logit_bias", params.adjusts)) if on]
+        if unsupported:
+            raise RequestError(f"{', '.join(unsupported)}: not supported on the tensorrt-llm backend in this version; "
+                               "serve the bundle with --backend torch for them")
+        spec = self.resolve_speculation(request, params)
+        return Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
+
+    def abort(self, handle: Handle) -> None:
+        with self._lock:
+            seq = handle.seq
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            self._release(seq)
+            if not seq.finished:
+                seq.finished, seq.finish_reason = True, "abort"
+                handle._emit(Event([], "", True, "abort"))
+
+    def _release(self, seq: Sequence) -> None:
+        self._backlog.pop(id(seq), None)
+        self._iterations.pop(id(seq), None)
+        result = self._results.pop(id(seq), None)
+        if result is not None and not result.finished:
+            result.abort()
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def _sampling_params(self, seq: Sequence):
+        p = seq.params
+        eos = [] if p.ignore_eos else list(self.eos_ids) + list(p.stop_token_ids)
+        kw: dict[str, Any] = {"max_tokens": min(p.max_tokens, self.max_seq_len - seq.total_len),
+                              "end_id": eos[0] if eos else -1, "pad_id": eos[0] if eos else 0,
+                              "stop_token_ids": eos[1:] or None, "ignore_eos": p.ignore_eos, "detokenize": False}
+        if p.greedy:
+            kw["top_k"] = 1
+        else:
+            kw.update(temperature=float(p.temperature), seed=int(seq.uniforms(1)[0] * (1 << 62)))
+            if p.top_k:
+                kw["top_k"] = p.top_k
+            if p.top_p < 1.0:
+                kw["top_p"] = float(p.top_p)
+        return self._pkg.SamplingParams(**kw)
+
+    def _launch(self, seq: Sequence) -> None:
+        result = self.llm.generate_async(list(seq.all_ids), sampling_params=self._sampling_params(seq),
+                                         streaming=True)
+        self._results[id(seq)] = result
+        threading.Thread(target=self._read, args=(seq, result), name="specbuild-trtllm-reader", daemon=True).start()
+
+    def _read(self, seq: Sequence, result) -> None:
+        """The reader of one request: each streamed iteration to the inbox, then a final marker."""
+        try:
+            for out in result:
+                o = out.outputs[0]
+                self._inbox.put((seq, list(o.token_ids_diff), out.finished, o.finish_reason, None))
+        except Exception as e:  # an executor error for this request: its failure, not the engine's
+            self._inbox.put((seq, [], True, None, f"TensorRT-LLM: {type(e).__name__}: {e}"))
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def step(self) -> int:
+        with self._lock:
+            while self.waiting and len(self.running) < self.max_batch_size:
+                seq = self.waiting.popleft()
+                seq.t_admit = time.perf_counter()
+                self.running.append(seq)
+                self._iterations[id(seq)] = 0
+                self._launch(seq)
+        arrived = []  # what the readers queued (outside the lock: abort() must not wait on it)
+        try:
+            arrived.append(self._inbox.get(timeout=self.poll_ms / 1000))
+            while True:
+                arrived.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        with self._lock:  # in arrival order per request; one iteration per request per step
+            for item in arrived:
+                if id(item[0]) in self._results:
+                    self._backlog.setdefault(id(item[0]), collections.deque()).append(item)
+            items = [q.popleft() for q in self._backlog.values()]
+            self._backlog = {k: q for k, q in self._backlog.items() if q}
+            return sum(self._on_item(*item) for item in items)
+
+    def _on_item(self, seq: Sequence, tokens: list[int], final: bool, reason, error) -> int:
+        if seq.finished or id(seq) not in self._results:
+            return 0  # aborted or stopped by specbuild: what its cancelled result still said
+        if error:
+            self._release(seq)
+            seq.finished, seq.finish_reason = True, "error"
+            if seq.handle:
+                seq.handle.error = error
+                seq.handle._emit(Event([], "", True, "error"))
+            return 1
+        seq.target_passes += 1
+        iteration = self._iterations.get(id(seq), 0)
+        self._iterations[id(seq)] = iteration + 1
+        if iteration > 0 and self.method != "none":  # the first answer is the prompt's (context) iteration
+            self._record(seq, len(tokens))
+        before = len(seq.text)
+        kept = seq.append_tokens(tokens) if tokens else []
+        if not seq.finished and final:
+            seq._finish({"length": "length", "cancelled": "abort"}.get(reason, "stop"))
+        if seq.handle is not None and (kept or seq.finished):
+            seq.handle._emit(Event(kept, seq.text[before:], seq.finished, seq.finish_reason))
+        if seq.finished:
+            self._release(seq)
+        return 1
+
+    def _record(self, seq: Sequence, produced: int) -> None:
+        """One generation iteration that produced `produced` tokens: produced - 1 drafts accepted of
+        max_draft_len (an upper bound of what was drafted: the LLM API reports no per-request draft
+        counts, and the drafter may run in TensorRT-LLM's worker process, out of specbuild's sight)."""
+        drafted = self.max_draft_len
+        accepted = min(max(produced - 1, 0), drafted)
+        seq.verify_passes += 1
+        seq.drafted += drafted
+        seq.accepted += accepted
+        if drafted:
+            seq.gammas.append(drafted)
+        while len(seq.drafted_by_pos) < drafted:
+            seq.drafted_by_pos.append(0)
+            seq.accepted_by_pos.append(0)
+        for i in range(drafted):
+            seq.drafted_by_pos[i] += 1
+            seq.accepted_by_pos[i] += int(i < accepted)
+
+    def _fail_running(self, message: str) -> None:
+        for seq in list(self.running):
+            self._release(seq)
+            if not seq.finished:
+                seq.finished, seq.finish_reason = True, "error"
+                if seq.handle is not None:
+                    seq.handle.error = message
+                    seq.handle._emit(Event([], "", True, "error"))
+
+    def _fail_running(self, message: str) -> None:
+        for seq in list(self.running):
+            self._release(seq)
+            seq.finished, seq.finish_reason = True, "error"
+            if seq.handle:
+                seq.handle.error = message
+                seq.handle._emit(Event([], "", True, "error"))
+
+    def close(self) -> None:
+        self.stop()
+        with self._lock:
+            for seq in list(self.running):
+                self._release(seq)
+        self.llm.shutdown()
+
+    def wait_as_worker(self) -> None:  # the LLM API runs its own workers; every caller is the leader
+        return None

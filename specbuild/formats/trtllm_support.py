@@ -1,0 +1,167 @@
+"""What a TensorRT-LLM install can run: which versions carry which path, and the kernel, dtype
+and parallel rules a speculative engine must meet. Pure: nothing here imports TensorRT-LLM.
+
+Every rule was read in NVIDIA/TensorRT-LLM's sources (Apache-2.0; facts only, no code taken).
+Versions are of the stored files the rule was read in (commit, and the release it belongs to
+where the file says so); no run on a real TensorRT-LLM has checked them here.
+
+- Two paths. The engine path (checkpoint -> `trtllm-build` -> `tensorrt_llm.bindings.executor`)
+  is what `formats/trtllm_checkpoint.py`, `compiler/trtllm_build.py` and
+  `backends/tensorrt_llm.py` drive; it was read at v0.19 (reference/tensorrt-llm.md) and is gone
+  from main after v1.2.x (`docs/source/legacy/tensorrt-backend-removal.md`, commit 335107a7:
+  no `trtllm-build`, no `TrtLlmArgs`, PyTorch the sole backend). The LLM API on the PyTorch
+  backend (`backends/tensorrt_llm_api.py`) needs 1.0 or later: in the 1.x `llmapi/llm_args.py`
+  files read (those with DraftTargetDecodingConfig/Eagle3DecodingConfig) `LlmArgs =
+  TorchLlmArgs`, while the 0.x `llmapi/llm.py` read (commit 00966934) builds TensorRT engines
+  (`_build_model`, `EngineConfig`); the 1.0 boundary itself is NVIDIA's release note (PyTorch
+  the default backend from 1.0), not a tagged file read here.
+- Head sizes: `MMHA_SUPPORTED_HEAD_SIZES` {32, 48, 64, 80, 96, 104, 112, 128, 144, 160, 192,
+  224, 256}; anything else stops with "unsupported head_size" (the masked-MHA dispatch in
+  `cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/`, which has one
+  `instantiation/decoderMaskedMultiheadAttention{N}_{half,bf16,float}.cu` per size and none
+  for 16).
+- Speculative generation feeds several query tokens per request (`multi_query_tokens`), which
+  only XQA serves: `decoderXQARunner.cpp` (commit 02947a22) takes the JIT kernels only on
+  Hopper with an FP8 KV cache and `64 % group == 0`, otherwise the precompiled ones, whose
+  "MultiQueryToken kernels can support any num_q_heads_over_kv that is power of 2"
+  (`decoderXQAImplPrecompiled.cpp`, commit 000a01de = v1.0.0rc4). Both sets are powers of two
+  (<= 64 for JIT). The group is per rank: q heads / tp over max(kv heads, tp) / tp.
+- Dtypes: Medusa FP16/BF16 and draft/target FP16/BF16/FP8 in the speculative-decoding support
+  matrix; XQA has fp16/bf16 kernels, and in fp32 the attention plugin falls back to unfused
+  attention (`plugins/gptAttentionCommon`). FP8 needs a quantized checkpoint, which specbuild
+  does not write, so the engine path takes float16 or bfloat16 for any speculative mode.
+- Lengths: `tensorrt_llm/builder.py` adds max_draft_len to max_seq_len for every speculative
+  mode ("Increasing max_seq_len ... by max_draft_len"), so a built engine records more than the
+  `--max_seq_len` flag.
+- Medusa is tensor parallel only in the support matrix (no pp).
+- Draft/target: both executors run in leader mode on one MPI world; NVIDIA's multi-GPU
+  draft/target setups give each its own device list (orchestrator mode, participant ids), which
+  specbuild does not drive, so the draft/target engine path is one GPU (tp = pp = 1) for both.
+  The draft's generation logits are [k, pad_vocab(V, draft_tp)] and the target compares them
+  with its own padded vocabulary, so the two tp sizes must be equal anyway.
+- Mapping: `tensorrt_llm/mapping.py` splits pipeline stages as `num_layers // pp` in several
+  releases (the uneven `tensor_split` came later) and older releases have no `cp_size`; the
+  writer therefore requires pp to divide the layers and writes only keys every release reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ENGINE_PATH_MIN = (0, 19)
+ENGINE_PATH_END = (1, 3)  # first release line without trtllm-build / the executor bindings
+LLMAPI_PATH_MIN = (1, 0)
+ENGINE_PATH_PIN = "tensorrt_llm>=0.19,<1.3"
+LLMAPI_PATH_PIN = "tensorrt_llm>=1.0"
+
+SPECULATIVE_DTYPES = ("float16", "bfloat16")
+MMHA_HEAD_SIZES = (32, 48, 64, 80, 96, 104, 112, 128, 144, 160, 192, 224, 256)
+SPECULATIVE_MODES = ("medusa", "draft_tokens_external", "eagle")
+REMOVAL_DOC = "docs/source/legacy/tensorrt-backend-removal.md"
+
+
+def release(version: str) -> tuple[int, ...] | None:
+    """'1.2.0rc3' -> (1, 2, 0); None when the string is not a version (packaging's parser)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(str(version)).release
+    except InvalidVersion:
+        return None
+
+
+def _cmp(rel: tuple[int, ...], bound: tuple[int, ...]) -> int:
+    a, b = rel[:len(bound)] + (0,) * max(0, len(bound) - len(rel)), bound
+    return (a > b) - (a < b)
+
+
+def engine_path_problem(version: str) -> str | None:
+    """Why TensorRT-LLM `version` cannot run the engine path (trtllm-build + executor), or None."""
+    rel = release(version)
+    if rel is None:
+        return (f"TensorRT-LLM reports version {version!r}, which is not a version; the engine path is checked "
+                f"for {ENGINE_PATH_PIN}: reinstall TensorRT-LLM from NVIDIA's index")
+    if _cmp(rel, ENGINE_PATH_MIN) < 0:
+        return (f"TensorRT-LLM {version} is installed; the engine path was checked against {ENGINE_PATH_PIN} "
+                f"(executor keywords and build flags of older releases differ): pip install '{ENGINE_PATH_PIN}' "
+                "from NVIDIA's index")
+    if _cmp(rel, ENGINE_PATH_END) >= 0:
+        return (f"TensorRT-LLM {version} is installed, which has no trtllm-build or executor bindings (removed "
+                f"after 1.2.x, see {REMOVAL_DOC}): serve the bundle through the LLM API path (--backend tensorrt-llm "
+                f"picks it on {LLMAPI_PATH_PIN}), or pip install '{ENGINE_PATH_PIN}' for the engine path")
+    return None
+
+
+def llmapi_path_problem(version: str) -> str | None:
+    """Why TensorRT-LLM `version` cannot run the LLM-API (PyTorch backend) path, or None."""
+    rel = release(version)
+    if rel is None or _cmp(rel, LLMAPI_PATH_MIN) < 0:
+        return (f"TensorRT-LLM {version} is installed; the LLM-API path needs {LLMAPI_PATH_PIN} (before 1.0 "
+                "tensorrt_llm.LLM is the TensorRT-engine LLM): pip install 'tensorrt_llm>=1.0' from NVIDIA's index, "
+                f"or use the engine path ({ENGINE_PATH_PIN})")
+    return None
+
+
+def installed_version() -> tuple[str | None, str]:
+    """(version, "") of the importable tensorrt_llm, or (None, why it is not importable)."""
+    try:
+        import tensorrt_llm
+    except Exception as e:  # ImportError, or a broken CUDA/TensorRT install underneath
+        return None, f"import tensorrt_llm failed: {type(e).__name__}: {e}"
+    return str(getattr(tensorrt_llm, "__version__", "unknown")), ""
+
+
+# ---- kernels, dtypes, parallel layout --------------------------------------------------------
+def xqa_group(num_heads: int, num_kv_heads: int, tp: int = 1) -> int:
+    """Query heads per KV head on one rank (KV heads are duplicated up to tp when fewer)."""
+    return (num_heads // tp) // (max(num_kv_heads, tp) // tp)
+
+
+def kernel_problems(config: Any, *, role: str, mode: str, dtype: str, tp: int = 1) -> list[str]:
+    """What the attention kernels refuse for this model as `role` in speculative `mode`
+    (none | draft_tokens_external | medusa | eagle); each entry names the flag to change.
+    `config` is a ModelConfig (head_dim, num_heads, num_kv_heads)."""
+    out: list[str] = []
+    speculative = mode in SPECULATIVE_MODES
+    if config.head_dim not in MMHA_HEAD_SIZES:
+        out.append(f"the {role}'s head size {config.head_dim} has no TensorRT-LLM attention kernel (masked MHA "
+                   f"takes {', '.join(map(str, MMHA_HEAD_SIZES))}): use another model")
+    if speculative and dtype not in SPECULATIVE_DTYPES:
+        out.append(f"--trtllm-dtype {dtype}: {mode} speculation on TensorRT-LLM runs its generation through XQA "
+                   f"kernels, which have float16/bfloat16 only (Medusa and draft/target support FP16/BF16; float32 "
+                   "falls back to unfused attention): use --trtllm-dtype bfloat16 or float16")
+    if speculative:
+        group = xqa_group(config.num_heads, config.num_kv_heads, tp)
+        if group & (group - 1) or group > 64:
+            out.append(f"the {role} has {config.num_heads} query heads over {config.num_kv_heads} KV heads: "
+                       f"{group} query heads per KV head at tp={tp}, and TensorRT-LLM's speculative (multi-query) "
+                       "XQA kernels take power-of-two groups only (decoderXQAImplPrecompiled; the Hopper JIT needs "
+                       f"64 % group == 0): use a model with a power-of-two group, or a --tp that makes it one "
+                       f"({', '.join(map(str, _group_fixing_tps(config))) or 'none exists'})")
+    return out
+
+
+def _group_fixing_tps(config: Any) -> list[int]:
+    out = []
+    for tp in range(1, config.num_heads + 1):
+        if config.num_heads % tp or (config.num_kv_heads % tp and tp % config.num_kv_heads):
+            continue
+        g = xqa_group(config.num_heads, config.num_kv_heads, tp)
+        if not g & (g - 1) and g <= 64:
+            out.append(tp)
+    return out
+
+
+def draft_target_layout_problems(*, tp: int, pp: int, draft_tp: int, draft_pp: int) -> list[str]:
+    """Parallel layouts the draft/target engine path refuses: more than one GPU, or different tp
+    for draft and target (Medusa's pp and every pipeline split are check_parallel's)."""
+    out: list[str] = []
+    if draft_tp != tp:
+        out.append(f"draft tp {draft_tp} != target tp {tp}: the draft's generation logits are padded to its own "
+                   "tp's vocabulary and the target compares them with its own padded vocabulary; use the same tp")
+    if tp * pp != 1 or draft_tp * draft_pp != 1:
+        out.append(f"draft/target with target tp*pp = {tp * pp} and draft tp*pp = {draft_tp * draft_pp}: both "
+                   "executors would run in leader mode on one MPI world, which can hang (NVIDIA's multi-GPU "
+                   "draft/target setups give each engine its own devices in orchestrator mode, which specbuild does "
+                   f"not drive): use --tp 1 --pp 1, or Medusa for several GPUs, or the LLM-API path ({LLMAPI_PATH_PIN})")
+    return out

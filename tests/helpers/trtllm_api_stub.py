@@ -1,0 +1,291 @@
+"""A stand-in for TensorRT-LLM 1.x's LLM API (PyTorch backend), to run specbuild's LLM-API
+adapter (specbuild/backends/tensorrt_llm_api.py) without TensorRT-LLM or a GPU. It checks the
+adapter's logic (streaming, speculative configs, the user-provided drafter, abort, limits), NOT
+TensorRT-LLM.
+
+Its names and signatures follow the real sources (see the adapter's docstring for files and
+commits): `LLM(model, tokenizer=None, tokenizer_mode, skip_tokenizer_init, trust_remote_code,
+tensor_parallel_size, dtype, revision, tokenizer_revision, **kwargs)` with kwargs checked like
+TorchLlmArgs (unknown ones refused), `generate_async(inputs, sampling_params, lora_request,
+prompt_adapter_request, streaming, ...)`, a result iterated one engine iteration at a time with
+`outputs[0].token_ids / token_ids_diff / finish_reason`, `finished`, `abort()`, `request_id`;
+`SamplingParams` kw-only; the decoding configs' validators (max_draft_len > 0, a draft model for
+DraftTarget and Eagle3); `Drafter.prepare_draft_tokens(scheduled_requests, resource_manager)`
+setting `py_draft_tokens` on each generation request (`get_tokens(0)`, `py_request_id`).
+
+Tokens come from the torch oracle (greedy; sampled requests are answered greedily too, which
+the adapter refuses on speculating engines anyway). Drafts: the user-provided drafter's own;
+DraftTarget / Eagle3 / NGram propose the oracle's continuation with every third token corrupted,
+so some are rejected. An iteration yields the accepted drafts plus one token.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import os
+import types
+from typing import Any, List, Optional
+
+from trtllm_stub import oracle
+
+STUB_VERSION = "1.2.0"
+_TORCH_LLM_ARGS = {"speculative_config", "max_batch_size", "max_seq_len", "max_num_tokens", "kv_cache_config",
+                   "enable_chunked_prefill", "disable_overlap_scheduler", "cuda_graph_config"}
+
+
+class _Base:
+    """pydantic-like: keyword fields only, unknown ones refused (StrictBaseModel)."""
+
+    fields: dict[str, Any] = {}
+
+    def __init__(self, **kw):
+        unknown = set(kw) - set(self.fields) - set(getattr(self, "aliases", {}))
+        if unknown:
+            raise ValueError(f"{type(self).__name__}: extra inputs are not permitted: {sorted(unknown)}")
+        for name, default in self.fields.items():
+            setattr(self, name, kw.get(name, default))
+        for alias, name in getattr(self, "aliases", {}).items():
+            if alias in kw:
+                setattr(self, name, kw[alias])
+        self.validate()
+
+    def validate(self) -> None:
+        pass
+
+
+class DecodingBaseConfig(_Base):
+    fields = {"max_draft_len": None, "max_total_draft_tokens": None, "speculative_model": None,
+              "max_concurrency": None, "load_format": None}
+    aliases = {"speculative_model_dir": "speculative_model"}
+
+    def _needs_len(self, name):
+        if self.max_draft_len is None or self.max_draft_len <= 0:
+            raise ValueError(f"max_draft_len must be > 0 for {name}")
+        self.max_total_draft_tokens = self.max_draft_len
+
+
+class DraftTargetDecodingConfig(DecodingBaseConfig):
+    decoding_type = "Draft_Target"
+
+    def validate(self):
+        self._needs_len("DraftTarget")
+        if self.speculative_model is None:
+            raise ValueError("speculative_model must be specified for DraftTarget")
+
+
+class NGramDecodingConfig(DecodingBaseConfig):
+    fields = {**DecodingBaseConfig.fields, "max_matching_ngram_size": 0, "is_keep_all": True, "is_use_oldest": True,
+              "is_public_pool": True}
+    decoding_type = "NGram"
+
+    def validate(self):
+        self._needs_len("NGram")
+
+
+class Eagle3DecodingConfig(DecodingBaseConfig):
+    fields = {**DecodingBaseConfig.fields, "eagle_choices": None, "greedy_sampling": True, "eagle3_one_model": True,
+              "num_eagle_layers": None}
+    decoding_type = "Eagle3"
+
+    def validate(self):
+        if self.speculative_model is None:
+            raise ValueError("Draft model must be provided for EAGLE")
+
+
+class UserProvidedDecodingConfig(DecodingBaseConfig):
+    fields = {**DecodingBaseConfig.fields, "drafter": None, "resource_manager": None}
+    decoding_type = "User_Provided"
+
+    def validate(self):
+        self.max_total_draft_tokens = self.max_draft_len
+
+
+class KvCacheConfig(_Base):
+    fields = {"enable_block_reuse": True, "max_tokens": None, "free_gpu_memory_fraction": None}
+
+
+class Drafter(abc.ABC):
+    def __init__(self, max_draft_len: int = None, max_total_draft_tokens: int = None,
+                 max_concurrency: Optional[int] = None, draft_len_schedule=None) -> None:
+        self.max_draft_len = max_draft_len
+        self.max_total_draft_tokens = max_total_draft_tokens
+        self.max_concurrency = max_concurrency
+
+    @abc.abstractmethod
+    def prepare_draft_tokens(self, scheduled_requests, resource_manager=None) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(kw_only=True)
+class SamplingParams:
+    end_id: Optional[int] = None
+    pad_id: Optional[int] = None
+    max_tokens: int = 32
+    stop: Optional[Any] = None
+    stop_token_ids: Optional[List[int]] = None
+    n: int = 1
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    temperature: Optional[float] = None
+    return_perf_metrics: bool = False
+    ignore_eos: bool = False
+    detokenize: bool = True
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list = dataclasses.field(default_factory=list)
+    finish_reason: Optional[str] = None
+    _last_token_ids_len: int = 0
+
+    @property
+    def token_ids_diff(self) -> list:
+        return self.token_ids[self._last_token_ids_len:]
+
+
+class _LlmRequest:
+    """What a Drafter sees of a generation request (tensorrt_llm._torch.pyexecutor.llm_request)."""
+
+    def __init__(self, request_id: int, tokens: list[int], end_id: int):
+        self.py_request_id, self._tokens, self.py_end_id, self.py_draft_tokens = request_id, tokens, end_id, []
+
+    def get_tokens(self, beam: int) -> list[int]:
+        assert beam == 0
+        return list(self._tokens)
+
+
+class StubResult:
+    """A streaming generate_async result: each next() is one engine iteration."""
+
+    def __init__(self, llm: "LLM", request_id: int, ids: list[int], params: SamplingParams):
+        self.llm, self.request_id, self.ids, self.params = llm, request_id, list(ids), params
+        self.outputs = [CompletionOutput(0)]
+        self.finished, self._aborted, self._iterations = False, False, 0
+        self._truth = oracle(llm.bundle, self.ids, params.max_tokens)  # the greedy continuation
+
+    def abort(self) -> None:
+        self._aborted = True
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.finished:
+            raise StopIteration
+        out = self.outputs[0]
+        out._last_token_ids_len = len(out.token_ids)
+        done = len(out.token_ids)
+        if self._aborted:
+            self.finished, out.finish_reason = True, "cancelled"
+            return self
+        n = 1 if self._iterations == 0 or self.llm.spec is None else self._accepted(done) + 1
+        self._iterations += 1
+        new = self._truth[done:done + n]
+        stops = set() if self.params.ignore_eos else {self.params.end_id, *(self.params.stop_token_ids or [])}
+        for i, t in enumerate(new):
+            if t in stops:
+                new, out.finish_reason = new[:i + 1], "stop"
+                break
+        out.token_ids.extend(new)
+        if out.finish_reason == "stop" or len(out.token_ids) >= self.params.max_tokens:
+            out.finish_reason = out.finish_reason or "length"
+            self.finished = True
+        return self
+
+    def _accepted(self, done: int) -> int:
+        spec, truth = self.llm.spec, self._truth[done:]
+        k = spec.max_draft_len
+        if isinstance(spec, UserProvidedDecodingConfig):
+            req = _LlmRequest(self.request_id, self.ids + self.outputs[0].token_ids, self.params.end_id)
+            spec.drafter.prepare_draft_tokens(types.SimpleNamespace(generation_requests=[req], context_requests=[]))
+            drafts = list(req.py_draft_tokens)
+            assert len(drafts) <= k, f"the drafter proposed {len(drafts)} > max_draft_len {k}"
+        else:  # the model's own drafter: right but for every third token
+            drafts = [(t + 1) % self.llm.vocab if (done + i) % 3 == 2 else t for i, t in enumerate(truth[:k])]
+        self.llm.drafts_proposed += len(drafts)
+        n = 0
+        while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:
+            n += 1
+        return n
+
+
+class LLM:
+    instances: list["LLM"] = []
+
+    def __init__(self, model, tokenizer=None, tokenizer_mode="auto", skip_tokenizer_init=False,
+                 trust_remote_code=False, tensor_parallel_size=1, dtype="auto", revision=None,
+                 tokenizer_revision=None, **kwargs):
+        from specbuild.formats.trtllm_support import kernel_problems
+
+        unknown = set(kwargs) - _TORCH_LLM_ARGS
+        if unknown:
+            raise ValueError(f"Failed to parse the arguments for the LLM constructor: {sorted(unknown)}")
+        cfg_path = os.path.join(str(model), "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"{model} is not a Hugging Face model directory (no config.json)")
+        hf = json.load(open(cfg_path))
+        self.spec = kwargs.get("speculative_config")
+        if self.spec is not None:
+            if getattr(self.spec, "speculative_model", None) is not None and not os.path.isfile(
+                    os.path.join(str(self.spec.speculative_model), "config.json")):
+                raise ValueError(f"speculative_model {self.spec.speculative_model} has no config.json")
+            heads = hf["num_attention_heads"]
+            shape = types.SimpleNamespace(num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
+                                          head_dim=hf.get("head_dim") or hf["hidden_size"] // heads)
+            problems = kernel_problems(shape, role="target", mode="draft_tokens_external",
+                                       dtype=hf.get("torch_dtype") if dtype == "auto" else dtype,
+                                       tp=tensor_parallel_size)
+            if problems:  # the same attention kernels serve speculative generation on the PyTorch backend
+                raise RuntimeError("No available XQA kernels are found for speculative decoding mode: " + problems[0])
+        self.model, self.skip_tokenizer_init, self.kwargs = str(model), skip_tokenizer_init, kwargs
+        self.bundle = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(str(model)))))
+        self.vocab = int(hf["vocab_size"])
+        self.max_seq_len = int(kwargs.get("max_seq_len") or hf.get("max_position_embeddings", 2048))
+        self.next_id, self.requests, self.drafts_proposed, self.shut = 1, [], 0, False
+        LLM.instances.append(self)
+
+    def generate_async(self, inputs, sampling_params=None, lora_request=None, prompt_adapter_request=None,
+                       streaming=False, queries=None, kv_cache_retention_config=None, disaggregated_params=None,
+                       _postproc_params=None):
+        if self.shut:
+            raise RuntimeError("the LLM was shut down")
+        params = sampling_params or SamplingParams()
+        if self.skip_tokenizer_init and params.end_id is None:
+            raise ValueError("tokenizer is required to reset end_id if it is None, or you can explicitly specify "
+                             "the end_id for sampling_params")
+        if not isinstance(inputs, list) or not all(isinstance(t, int) for t in inputs):
+            raise TypeError("the stub takes prompt token ids only")
+        if len(inputs) + params.max_tokens > self.max_seq_len:
+            raise ValueError(f"The sum of prompt length ({len(inputs)}) and max_tokens ({params.max_tokens}) should "
+                             f"not exceed max_seq_len ({self.max_seq_len})")
+        rid, self.next_id = self.next_id, self.next_id + 1
+        self.requests.append((list(inputs), params, streaming))
+        result = StubResult(self, rid, inputs, params)
+        if not streaming:
+            for _ in result:
+                pass
+        return result
+
+    def shutdown(self):
+        self.shut = True
+
+
+def package() -> types.ModuleType:
+    """The stand-in `tensorrt_llm` package (factory for SPECBUILD_TEST_TRTLLM_LLMAPI)."""
+    pkg = types.ModuleType("tensorrt_llm")
+    pkg.__version__ = STUB_VERSION
+    pkg.SPECBUILD_TEST_STUB = True
+    pkg.LLM, pkg.SamplingParams = LLM, SamplingParams
+    llmapi = types.ModuleType("tensorrt_llm.llmapi")
+    for cls in (LLM, KvCacheConfig, DraftTargetDecodingConfig, NGramDecodingConfig, Eagle3DecodingConfig,
+                UserProvidedDecodingConfig):
+        setattr(llmapi, cls.__name__, cls)
+    pkg.llmapi = llmapi
+    drafter = types.ModuleType("tensorrt_llm._torch.speculative.drafter")
+    drafter.Drafter = Drafter
+    pkg._torch = types.SimpleNamespace(speculative=types.SimpleNamespace(drafter=drafter))
+    return pkg
