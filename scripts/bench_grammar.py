@@ -1,5 +1,6 @@
-"""Mask cost per token of the grammar engines on a bundle's tokenizer, for one JSON schema:
-the measurement behind specbuild.sampling.constraint's choice of xgrammar.
+"""Mask cost per token of the grammar engines on a bundle's tokenizer, for one JSON schema,
+and one correctness probe (does a string with maxLength refuse a raw control character, as
+JSON requires?): the measurement behind specbuild.sampling.constraint's choice of llguidance.
 
     python scripts/bench_grammar.py BUNDLE [--repeats 5]
 
@@ -23,6 +24,7 @@ from tokenizers import Tokenizer
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "age", "tags"], "additionalProperties": False}
+PROBE = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 12}}, "required": ["s"]}
 ANSWER = '{"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry", "engines"]}'
 
 
@@ -35,55 +37,53 @@ def cpu() -> str:
         return platform.processor()
 
 
-def run_xgrammar(tok_json: str, vocab: int, stop: list[int], ids: list[int]) -> tuple[float, list[float]]:
+def run_xgrammar(tok_json: str, vocab: int, stop: list[int], ids: list[int]) -> tuple[float, list[float], bool]:
+    import xgrammar as xgr
+
+    model = json.loads(tok_json)
+    encoded = [""] * vocab
+    for token, i in model["model"]["vocab"].items():
+        if i < vocab:
+            encoded[i] = token
+    for added in model.get("added_tokens", []):
+        if added["id"] < vocab:
+            encoded[added["id"]] = "" if added.get("special") else added["content"]
+    info = xgr.TokenizerInfo(encoded, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab, stop_token_ids=stop)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # once per engine, not counted
+    t0 = time.perf_counter()
+    matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(SCHEMA)))
+    compile_s = time.perf_counter() - t0
+    mask = xgr.allocate_token_bitmask(1, vocab)
+    times = []
+    for t in ids:
+        a = time.perf_counter()
+        matcher.fill_next_token_bitmask(mask, 0)
+        times.append(time.perf_counter() - a)
+        assert matcher.accept_token(t)
+    probe = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(PROBE)))
+    probe.accept_string('{"s": "a')
+    return compile_s, times, not probe.accept_string("\x00")
+
+
+def run_llguidance(tok_json: str, vocab: int, stop: list[int], ids: list[int]) -> tuple[float, list[float], bool]:
     from specbuild.sampling.constraint import GrammarBackend, ResponseFormat
 
+    backend = GrammarBackend(tok_json, vocab, stop)  # once per engine: the tokenizer, not counted
     t0 = time.perf_counter()
-    c = GrammarBackend(tok_json, vocab, stop).constraint(ResponseFormat.parse(
-        {"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}}))
+    c = backend.constraint(ResponseFormat.parse({"type": "json_schema", "json_schema": {"name": "b", "schema": SCHEMA}}))
     compile_s = time.perf_counter() - t0
     mask = c.bitmask()
     times = []
     for t in ids:
         a = time.perf_counter()
-        c.matcher.fill_next_token_bitmask(mask, 0)
+        c._fill(c.matcher, mask, 0)
         times.append(time.perf_counter() - a)
         c.advance(t)
-    return compile_s, times
-
-
-def run_llguidance(tok_json: str, vocab: int, stop: list[int], ids: list[int]) -> tuple[float, list[float]]:
-    import llguidance
-    import llguidance.numpy as lln
-
-    t0 = time.perf_counter()
-    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_HfShim(tok_json, stop[0], vocab)))
-    matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA)))
-    compile_s = time.perf_counter() - t0
-    mask = lln.allocate_token_bitmask(1, tok.vocab_size)
-    times = []
-    for t in ids:
-        a = time.perf_counter()
-        lln.fill_next_token_bitmask(matcher, mask, 0)
-        times.append(time.perf_counter() - a)
-        if not matcher.consume_token(t):
-            raise RuntimeError(matcher.get_error())
-    return compile_s, times
-
-
-class _HfShim:
-    """The minimal tokenizer object llguidance's TokenizerWrapper reads (bytes per token id)."""
-
-    def __init__(self, tok_json: str, eos: int, vocab: int) -> None:
-        tok = Tokenizer.from_str(tok_json)
-        self.eos_token_id = eos
-        self.bos_token_id = None
-        self.tokens = [bytes(tok.decode([i], skip_special_tokens=False), "utf-8") for i in range(vocab)]
-        self._tok = tok
-
-    def __call__(self, text, **kw):
-        return self._tok.encode(text if isinstance(text, str) else text.decode("utf-8", "replace"),
-                                add_special_tokens=False).ids
+    probe = backend.constraint(ResponseFormat.parse({"type": "json_schema", "json_schema": {"name": "p",
+                                                                                             "schema": PROBE}}))
+    prefix = backend.tokenizer.tokenize_str('{"s": "a')
+    nul = backend.tokenizer.tokenize_bytes(b"\x00")
+    return compile_s, times, probe.matcher.try_consume_tokens(prefix + nul) == len(prefix)
 
 
 def main() -> None:
@@ -109,7 +109,9 @@ def main() -> None:
         comp = statistics.median(r[0] for r in runs) * 1e3
         med = statistics.median(statistics.median(r[1]) for r in runs) * 1e3
         mx = statistics.median(max(r[1]) for r in runs) * 1e3
-        print(f"{name:11s} compile {comp:8.1f} ms   mask per token: median {med:.4f} ms, max {mx:.3f} ms")
+        valid = "refuses" if runs[0][2] else "ACCEPTS (invalid JSON)"
+        print(f"{name:11s} grammar compile {comp:7.1f} ms   mask per token: median {med:.4f} ms, max {mx:.3f} ms   "
+              f"raw NUL in a maxLength string: {valid}")
 
 
 if __name__ == "__main__":

@@ -495,6 +495,12 @@ class TrtllmEngine(BaseEngine):
             raise SpecbuildError(f"rank {self.rank} is not the leader: only rank 0 takes requests")
         prompt_ids = validated_prompt_ids(request, self.encode, self.target_config.vocab_size, self.max_seq_len)
         params = request.sampling.with_seed()
+        unsupported = [name for name, on in (("response_format", request.response_format is not None),
+                                             ("logprobs", request.logprobs is not None),
+                                             ("presence_penalty/frequency_penalty/logit_bias", params.adjusts)) if on]
+        if unsupported:
+            raise RequestError(f"{', '.join(unsupported)}: not supported on the tensorrt-llm backend in this version; "
+                               "serve the bundle with --backend torch for them")
         spec, note = self.resolve_speculation(request, params)
         seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
         if note:

@@ -21,6 +21,7 @@ import torch
 from specbuild.bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
 from specbuild.errors import BundleError, RequestError
 from specbuild.model.decoder import Decoder
+from specbuild.sampling.constraint import GrammarBackend, ResponseFormat
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
 from specbuild.engine.base import BaseEngine, validated_prompt_ids  # noqa: F401 (validated_prompt_ids: public here too)
@@ -107,6 +108,16 @@ def shared_draft_weights(bundle_dir: str, role: dict, weights: dict, target_w: d
     return weights, vocab_map
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+def check_logprobs(request: Request) -> None:
+    n = request.logprobs
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"logprobs={n!r} must be an integer in [0, {MAX_TOP_LOGPROBS}] (the number of most likely "
+                           "tokens to report beside each chosen one)")
+
+
 class Engine(BaseEngine):
     """A loaded bundle plus the scheduler that serves it (the torch step loop)."""
 
@@ -123,6 +134,8 @@ class Engine(BaseEngine):
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        self._tokenizer_json = tokenizer_json
+        self._grammar = None  # sampling.constraint.GrammarBackend, made at the first structured request
         limits = self.meta.limits
         self.max_seq_len = limits.max_seq_len
         self.max_batch_size = config.max_batch_size or limits.max_batch_size
@@ -195,12 +208,23 @@ class Engine(BaseEngine):
         params = request.sampling.with_seed()
         spec = self.resolve_speculation(request)
         seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
+        check_logprobs(request)
+        fmt = ResponseFormat.parse(request.response_format) if isinstance(request.response_format, dict) \
+            else request.response_format
+        if fmt is not None:
+            seq.constraint = self.grammar().constraint(fmt)
         need = self.scheduler.block_budget(seq)
         if need > self.cache.num_blocks:
             raise RequestError(f"request needs {need} KV blocks (prompt {len(prompt_ids)} + max_tokens "
                                f"{params.max_tokens} tokens) but the cache holds {self.cache.num_blocks}; "
                                "lower max_tokens or raise --kv-cache-tokens")
         return seq
+
+    def grammar(self) -> GrammarBackend:
+        """The bundle's tokenizer as the grammar engine reads it (compiled grammars cached)."""
+        if self._grammar is None:
+            self._grammar = GrammarBackend(self._tokenizer_json, self.target_config.vocab_size, list(self.eos_ids))
+        return self._grammar
 
     @property
     def methods(self) -> list[str]:

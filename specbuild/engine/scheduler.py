@@ -22,7 +22,8 @@ import torch
 
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.decoder import Decoder, ForwardBatch, ragged_mask
-from specbuild.sampling.params import sample_from, warp_probs
+from specbuild.sampling.params import sample_from, token_logprobs, warp_probs
+from specbuild.sampling.processing import chain_paths, process_logits, tree_paths
 from specbuild.engine.sequence import Event, Sequence
 
 log = logging.getLogger("specbuild.scheduler")
@@ -97,8 +98,18 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
     )
 
 
+def draft_paths(draft) -> list[list[int]]:
+    """The draft tokens before each row of a verify pass ([[]] for a plain step)."""
+    if draft is None:
+        return [[]]
+    if draft.parents is not None:
+        return tree_paths(draft.parents, [0, *draft.tokens])
+    return chain_paths(draft.tokens)
+
+
 def plain_next_token(seq: Sequence, logits: torch.Tensor) -> int:
-    """Sample one token from logits [vocab] with the request's params and generator."""
+    """Sample one token from logits [vocab] (already `process_logits`ed) with the request's
+    params and generator."""
     if seq.params.greedy:
         return int(logits.argmax())
     probs = warp_probs(logits.unsqueeze(0), seq.params)
@@ -258,10 +269,18 @@ class Scheduler:
             hidden_rows = hidden[r:r + 1 + it.n_draft] if hidden is not None else None
             r += 1 + it.n_draft
             was_decode = len(it.chunk) == 1 and seq.output_ids
+            # penalties, logit_bias and the grammar, identically for plain and verify rows
+            rows = process_logits(rows, seq.params, seq.output_ids, draft_paths(it.draft if it.n_draft else None),
+                                  seq.constraint)
             if it.n_draft:
                 accepted, new_tokens = self.speculator.verify(seq, it.draft, rows)
             else:
                 accepted, new_tokens = 0, [plain_next_token(seq, rows[0])]
+            if seq.request.logprobs is not None:  # the rows that chose the new tokens
+                chosen = [0, *seq.spec_state.accepted_nodes] if it.n_draft and it.draft.parents is not None \
+                    else list(range(len(new_tokens)))
+                seq.pending_logprobs = token_logprobs(rows[chosen[:len(new_tokens)]], seq.params, new_tokens,
+                                                      seq.request.logprobs)
             if was_decode or it.n_draft:
                 seq.verify_passes += 1
             # K/V valid: the chunk plus the accepted drafts; the new last token is pending
@@ -271,6 +290,10 @@ class Scheduler:
             self.commit(seq, seq.num_cached)
             before = len(seq.text)
             kept = seq.append_tokens(new_tokens)
+            lps = None
+            if seq.request.logprobs is not None:
+                lps = seq.pending_logprobs[:len(kept)]
+                seq.logprobs += lps
             if hidden_rows is not None and not seq.finished:
                 # the row whose logits chose the new last token: the last accepted node
                 # (chain: draft `accepted`; tree: that node's index); 0 when none was accepted
@@ -278,6 +301,6 @@ class Scheduler:
                     else accepted
                 self.speculator.observe_hidden(seq, hidden_rows[row])
             if seq.handle is not None:
-                seq.handle._emit(Event(kept, seq.text[before:], seq.finished, seq.finish_reason))
+                seq.handle._emit(Event(kept, seq.text[before:], seq.finished, seq.finish_reason, lps))
             if seq.finished:
                 self.release(seq)

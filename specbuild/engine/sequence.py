@@ -27,6 +27,8 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculation: Any = None  # SpeculationConfig (None: the bundle's default)
     request_id: str | None = None
+    response_format: Any = None  # structured output: an OpenAI response_format dict or a ResponseFormat
+    logprobs: int | None = None  # None: none; N >= 0: each token's logprob and the N most likely
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Event:
     text: str
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list | None = None  # per token (request.logprobs set): (logprob, [(id, logprob), ...])
 
 
 class Sequence:
@@ -50,6 +53,9 @@ class Sequence:
         self.output_ids: list[int] = []
         self.params = params  # seeded
         self.spec = spec
+        self.constraint = None  # sampling.constraint.Constraint when the request asks for structured output
+        self.logprobs: list = []  # per output token, when request.logprobs is set
+        self.pending_logprobs: list = []  # the last step's, aligned with the tokens it chose
         self.generator = torch.Generator().manual_seed(params.seed)
         self.eos_ids = () if params.ignore_eos else tuple(eos_ids) + tuple(params.stop_token_ids)
         self.max_total_len = max_total_len
@@ -112,9 +118,14 @@ class Sequence:
             if tok in self.eos_ids:
                 self._finish("stop")
                 break
+            if self.constraint is not None:
+                self.constraint.advance(tok)
             new_text = self.stop_filter.push(self.detok.push([tok]))
             self.text += new_text
             if self.stop_filter.stopped:
+                self._finish("stop")
+                break
+            if self.constraint is not None and self.constraint.finished:  # the grammar is complete
                 self._finish("stop")
                 break
             if len(self.output_ids) >= self.params.max_tokens or self.total_len >= self.max_total_len:
@@ -215,4 +226,14 @@ class Handle:
             pass
         s = self.seq
         return {"text": s.text, "token_ids": list(s.output_ids), "finish_reason": s.finish_reason,
-                "stats": s.stats(), **({"error": self.error} if self.error else {})}
+                "stats": s.stats(), **({"logprobs": logprob_records(s.logprobs)} if s.request.logprobs is not None
+                                       else {}),
+                **({"error": self.error} if self.error else {})}
+
+
+def logprob_records(items: list) -> list[dict[str, Any]]:
+    """(logprob, [(id, logprob), ...]) per token -> JSON-ready records (-inf becomes None)."""
+    def num(x: float):
+        return None if x == float("-inf") else round(x, 6)
+    return [{"logprob": num(lp), "top_logprobs": [{"id": i, "logprob": num(v)} for i, v in top]}
+            for lp, top in items]

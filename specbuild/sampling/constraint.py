@@ -4,23 +4,29 @@ distribution, state by state, and rolls back with the KV cache when drafts are r
 What a request may ask for (`ResponseFormat`): OpenAI's `response_format` `{"type":
 "json_object"}` and `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`,
 and specbuild's extensions `{"type": "regex", "regex": ...}` and `{"type": "grammar",
-"grammar": ...}` (EBNF as the grammar engine reads it). Every text a client sends is bounded
-(`MAX_SPEC_CHARS`), and compiled grammars are cached per bundle (`GrammarBackend`).
+"grammar": ...}` (a Lark grammar, as llguidance reads it). Every text a client sends is
+bounded (`MAX_SPEC_CHARS`), and compiled grammars are cached per bundle (`GrammarBackend`).
 
-The engine is xgrammar, chosen by measurement (`python scripts/bench_grammar.py BUNDLE`; AMD
-EPYC, 2 cores shared with other work, SmolLM2's 49,152-token vocabulary, a three-field JSON
-schema, the 32 tokens of one answer, median of 5): xgrammar compiled in 148 ms and filled a mask
-in 0.011 ms per token (max 0.025 ms); llguidance 153 ms and 0.008 ms (max 0.18 ms). Both cost
-under 0.1% of a 30 ms decode step, so the choice rests on the rest: xgrammar's worst token is 7x
-cheaper, its matcher rolls back by N tokens (rejected drafts), fills masks along a draft tree,
-and names the tokens a grammar forces (free drafts). outlines-core was not measured: it builds a
-regex index over the whole vocabulary per schema and has no rollback.
+The engine is llguidance, chosen by measurement and by a correctness check
+(`python scripts/bench_grammar.py BUNDLE`; AMD EPYC, 2 cores shared with other work,
+SmolLM2's 49,152-token vocabulary, a three-field JSON schema, the 32 tokens of one answer,
+median of 5, the tokenizer set up once beforehand): llguidance compiled the grammar in 0.8 ms
+and filled a mask in 0.009 ms per token (max 0.14 ms); xgrammar 0.2.9 in 14 ms and 0.003 ms
+(max 0.025 ms). Both cost well under 0.1% of a 30 ms decode step. What decided it: xgrammar
+0.2.9 turns a string with `maxLength`/`minLength` into a character class that admits raw
+control characters, so the tiny test model wrote NUL bytes into a JSON string and the output
+did not parse (the task set's own validator, bench/structured.py, caught it; the script's
+probe shows it); llguidance refuses them. llguidance also reads the bundle's tokenizer.json as
+it is and needs no other package (xgrammar pulls in transformers and triton), rolls back N
+tokens (rejected drafts) and names the tokens a grammar forces (free drafts). outlines-core
+was not measured: it builds a regex index over the whole vocabulary per schema and has no
+rollback.
 
 Lossless under speculation means the constraint is applied to the logits before
 `warp_probs`, identically at every position, whether the position is decoded plainly or
-verified inside a draft: `Constraint.masks_along(draft)` gives the mask for each position of a
-draft chain (the state after accepting the draft's earlier tokens) and leaves the matcher where
-it was; the caller then `advance`s by the tokens actually accepted.
+verified inside a draft: `Constraint.masks_for_paths` gives the mask after each draft path
+(a chain's prefixes, a tree's node paths) and leaves the matcher where it was; the caller then
+`advance`s by the tokens actually accepted.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from specbuild.errors import RequestError
 
 KINDS = ("json_object", "json_schema", "regex", "grammar")
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused
-MAX_WHITESPACE = 8  # JSON whitespace runs are capped: a model must not loop on spaces forever
+# JSON whitespace between tokens: at most 8 characters a run, so a model cannot loop on spaces forever
+WHITESPACE = r"[\x20\x0A\x0D\x09]{0,8}"
 
 
 @dataclass(frozen=True)
@@ -87,67 +94,66 @@ class GrammarBackend:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, stop_token_ids: list[int]) -> None:
         try:
-            import xgrammar as xgr
+            import llguidance
         except ImportError as e:
             raise RequestError("structured output needs the grammar engine: pip install 'specbuild[structured]' "
-                               f"(xgrammar); import failed: {e}") from None
-
-        self._xgr = xgr
-        vocab = json.loads(tokenizer_json)
-        encoded = [""] * vocab_size
-        for token, i in vocab["model"]["vocab"].items():
-            if i < vocab_size:
-                encoded[i] = token
-        for added in vocab.get("added_tokens", []):
-            if added["id"] < vocab_size:
-                encoded[added["id"]] = added["content"]
-        self.info = xgr.TokenizerInfo(encoded, vocab_type(vocab, xgr), vocab_size=vocab_size,
-                                      stop_token_ids=list(stop_token_ids), add_prefix_space=False)
+                               f"(llguidance); import failed: {e}") from None
+        self._ll = llguidance
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                eos_token=list(stop_token_ids) or None)
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._compile = functools.lru_cache(maxsize=64)(self._compile_uncached)
+        self._template = functools.lru_cache(maxsize=64)(self._compile)
 
-    def _compile_uncached(self, fmt: ResponseFormat):
+    def grammar_text(self, fmt: ResponseFormat) -> str:
+        M = self._ll.LLMatcher
+        options = {"whitespace_pattern": WHITESPACE}
         try:
             if fmt.kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+                return M.grammar_from_json_schema({"type": "object"}, overrides=options)
             if fmt.kind == "json_schema":
-                return self.compiler.compile_json_schema(fmt.spec, any_whitespace=True,
-                                                         max_whitespace_cnt=MAX_WHITESPACE, strict_mode=True)
+                return M.grammar_from_json_schema(fmt.spec, overrides=options)
             if fmt.kind == "regex":
-                return self.compiler.compile_regex(fmt.spec)
-            return self.compiler.compile_grammar(fmt.spec)
-        except (RuntimeError, ValueError) as e:  # the engine's parse errors name the place
-            raise RequestError(f"response_format {fmt.kind} does not compile: {str(e).splitlines()[0][:300]}")
+                return M.grammar_from_regex(fmt.spec)
+            return M.grammar_from_lark(fmt.spec)
+        except (ValueError, RuntimeError) as e:
+            raise RequestError(f"response_format {fmt.kind} is not valid: {str(e).splitlines()[0][:300]}") from None
+
+    def _compile(self, fmt: ResponseFormat):
+        matcher = self._ll.LLMatcher(self.tokenizer, self.grammar_text(fmt), log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"response_format {fmt.kind} does not compile: {matcher.get_error()[:300]}")
+        return matcher
 
     def constraint(self, fmt: ResponseFormat) -> "Constraint":
-        return Constraint(self, self._compile(fmt))
+        return Constraint(self, self._template(fmt).deep_copy())
 
 
 class Constraint:
     """One sequence's grammar state. Not thread-safe; owned by the sequence's step loop."""
 
-    def __init__(self, backend: GrammarBackend, compiled) -> None:
-        xgr = backend._xgr
-        self._xgr = xgr
+    def __init__(self, backend: GrammarBackend, matcher) -> None:
+        from llguidance.numpy import fill_next_token_bitmask
+
+        self._fill = fill_next_token_bitmask
         self.vocab_size = backend.vocab_size
-        self.matcher = xgr.GrammarMatcher(compiled)  # rollback depth is unlimited in xgrammar >= 0.2
+        self.matcher = matcher
         self._words = (self.vocab_size + 31) // 32
 
     # ---- one position -------------------------------------------------------------------
-    def bitmask(self, rows: int = 1) -> torch.Tensor:
-        return torch.zeros(rows, self._words, dtype=torch.int32)
+    def bitmask(self, rows: int = 1) -> np.ndarray:
+        return np.zeros((rows, self._words), dtype=np.int32)
 
     def allowed(self) -> torch.Tensor:
         """bool [vocab]: the tokens the grammar allows next."""
-        mask = self.bitmask()
-        self.matcher.fill_next_token_bitmask(mask, 0)
-        return unpack(mask, self.vocab_size)[0]
+        bits = self.bitmask()
+        self._fill(self.matcher, bits, 0)
+        return unpack(bits, self.vocab_size)[0]
 
     def advance(self, token: int) -> None:
         """Accept one emitted token (it was sampled under the mask, so the grammar takes it)."""
-        if not self.matcher.accept_token(int(token)):
-            raise RuntimeError(f"token {token} is not allowed by the grammar here: the mask was not applied")
+        if not self.matcher.consume_token(int(token)):
+            raise RuntimeError(f"token {token} is not allowed by the grammar here: the mask was not applied "
+                               f"({self.matcher.get_error()})")
 
     def rollback(self, n: int) -> None:
         if n:
@@ -156,56 +162,63 @@ class Constraint:
     @property
     def finished(self) -> bool:
         """The grammar is complete and took its stop token: nothing more may be generated."""
-        return self.matcher.is_terminated()
+        return self.matcher.is_stopped()
 
     # ---- along a draft -------------------------------------------------------------------
+    def _take(self, path: list[int]) -> int:
+        """Consume as many of `path` as the grammar allows; how many."""
+        return self.matcher.try_consume_tokens([int(t) for t in path]) if path else 0
+
     def masks_along(self, draft: list[int]) -> tuple[torch.Tensor, int]:
         """(allowed [k+1, vocab] bool, valid): the mask at each position of `draft` (row 0 is the
         next position; row i the position after draft[:i]) for the `valid` draft tokens the
-        grammar allows in a row; rows past `valid` repeat nothing and are all False. The matcher
-        ends where it started."""
+        grammar allows in a row; rows past `valid` are all False. The matcher ends where it
+        started."""
         bits = self.bitmask(len(draft) + 1)
-        self.matcher.fill_next_token_bitmask(bits, 0)
+        self._fill(self.matcher, bits, 0)
         valid = 0
         for i, t in enumerate(draft):
-            if self.matcher.is_terminated() or not self.matcher.accept_token(int(t)):
+            if self.matcher.is_stopped() or self._take([t]) != 1:
                 break
             valid = i + 1
-            self.matcher.fill_next_token_bitmask(bits, i + 1)
+            self._fill(self.matcher, bits, i + 1)
         self.rollback(valid)
         allowed = unpack(bits, self.vocab_size)
         allowed[valid + 1:] = False
         return allowed, valid
 
+    def masks_for_paths(self, paths: list[list[int]]) -> torch.Tensor:
+        """allowed [len(paths), vocab]: row i is the mask after the tokens of paths[i] (a draft
+        tree's node paths; a chain's prefixes). A path the grammar refuses is unreachable in
+        verification (its refused token has probability 0 there), so its row is left
+        unconstrained (all True) rather than all False, which would make its logits all -inf.
+        The matcher ends where it started."""
+        bits = self.bitmask(len(paths))
+        reachable = [True] * len(paths)
+        for i, path in enumerate(paths):
+            n = self._take(path)
+            if n == len(path) and not self.matcher.is_stopped():
+                self._fill(self.matcher, bits, i)
+            else:
+                reachable[i] = False
+            self.rollback(n)
+        allowed = unpack(bits, self.vocab_size)
+        for i, ok in enumerate(reachable):
+            if not ok:
+                allowed[i] = True
+        return allowed
+
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces from here (a free draft: the target still
         verifies them, so a forced tokenization the model would not pick is only rejected)."""
-        if limit <= 0 or self.matcher.is_terminated():
+        if limit <= 0 or self.matcher.is_stopped():
             return []
-        return [int(t) for t in self.matcher.find_jump_forward_tokens()[:limit]]
+        return [int(t) for t in self.matcher.compute_ff_tokens()[:limit]]
 
 
-def vocab_type(tokenizer: dict, xgr):
-    """How token strings spell bytes, from tokenizer.json's decoder: GPT-2 style byte-level
-    (SmolLM2, Llama 3, Qwen2), SentencePiece byte fallback (<0xAB> tokens, Llama 2), or raw."""
-    def kinds(dec) -> set[str]:
-        if not isinstance(dec, dict):
-            return set()
-        out = {dec.get("type", "")}
-        for d in dec.get("decoders") or []:
-            out |= kinds(d)
-        return out
-    found = kinds(tokenizer.get("decoder"))
-    if "ByteLevel" in found:
-        return xgr.VocabType.BYTE_LEVEL
-    if "ByteFallback" in found:
-        return xgr.VocabType.BYTE_FALLBACK
-    return xgr.VocabType.RAW
-
-
-def unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def unpack(bits: np.ndarray, vocab_size: int) -> torch.Tensor:
     """int32 bitmask [rows, words] (bit j of word w = token 32w + j) -> bool [rows, vocab]."""
-    flat = np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
+    flat = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
     return torch.from_numpy(flat.astype(bool))
 
 

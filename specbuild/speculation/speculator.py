@@ -19,9 +19,13 @@ from specbuild.speculation.gamma import CostModel, GammaController, TreeCostMode
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.decoder import Decoder, ForwardBatch
 from specbuild.sampling.params import warp_probs
+from specbuild.speculation.proposers.base import Draft
 from specbuild.sampling.acceptance import verify_chain_greedy, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled, verify_tree_typical
 
 log = logging.getLogger("specbuild.speculator")
+
+
+GRAMMAR = "grammar"  # Draft.method of the tokens a structured-output grammar forces
 
 
 def measure_verify_costs(model: Decoder, cache: PagedKVCache, widths: list[int], context: int = 64,
@@ -144,7 +148,13 @@ class Speculator:
 
     def propose(self, seqs: list) -> dict:
         by_method: dict[str, list] = {}
+        out = {}
         for seq in seqs:
+            forced = self.forced_draft(seq)
+            if forced is not None:  # the grammar's forced tokens: a free draft, whatever the method
+                out[seq] = forced
+                seq.gammas.append(len(forced))
+                continue
             method = self.choose_method(seq)
             seq.spec_state.method = method
             if method is None:
@@ -156,7 +166,6 @@ class Speculator:
             seq.gammas.append(gamma)
             if gamma > 0:
                 by_method.setdefault(method, []).append((seq, gamma))
-        out = {}
         for method, pairs in by_method.items():
             drafts = self.proposers[method].propose([s for s, _ in pairs], [g for _, g in pairs])
             for (seq, gamma), draft in zip(pairs, drafts):
@@ -165,6 +174,15 @@ class Speculator:
                 else:
                     self.controller.record(seq, method, 0, 0)
         return out
+
+    def forced_draft(self, seq) -> Draft | None:
+        """The tokens a structured-output grammar forces from here, as a one-hot chain draft
+        (None when it forces nothing): the target still verifies them, so a forced spelling the
+        model would not choose is only rejected, never emitted."""
+        if seq.constraint is None:
+            return None
+        tokens = seq.constraint.forced(max(0, min(self.max_draft_len, seq.remaining - 1)))
+        return Draft(tokens, method=GRAMMAR) if tokens else None
 
     def bins(self, items: list) -> list[list]:
         if self.binning == "ragged" or len(items) <= 1:
@@ -225,6 +243,8 @@ class Speculator:
                 seq.accepted_by_pos.append(0)
             seq.drafted_by_pos[i] += c
             seq.accepted_by_pos[i] += int(i < a)
+        if draft.method == GRAMMAR:  # free drafts say nothing about the drafters' acceptance
+            return
         method = seq.spec_state.method or draft.method
         # a tree's "drafted" for the depth controller is its depth, not its node count
         depth = len(counts) if depth_counts else k

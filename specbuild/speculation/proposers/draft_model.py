@@ -94,11 +94,14 @@ class DraftModelProposer:
             logits = self._to_target_vocab(logits, self.target_vocab)
             nxt_rows, nxt_live = [], []
             for r, (i, seq, g) in enumerate(live):
+                row = logits[r:r + 1]
+                if seq.constraint is not None:  # draft only what the grammar allows (the target checks anyway)
+                    row = row.masked_fill(~seq.constraint.masks_for_paths([tokens[i]]), float("-inf"))
                 if seq.params.greedy:
-                    tok = int(logits[r].argmax())
+                    tok = int(row[0].argmax())
                     p = None
                 else:
-                    p = warp_probs(logits[r:r + 1], seq.params)[0]
+                    p = warp_probs(row, seq.params)[0]
                     tok = int(sample_from(p.unsqueeze(0), seq.uniforms(1))[0])
                 tokens[i].append(tok)
                 probs[i].append(p)
