@@ -52,7 +52,7 @@ def build_pair(root: str, layers: int, draft_layers: int, hidden: int, tail_scal
     import torch
     from safetensors.torch import load_file, save_file
 
-    sys.path.insert(0, os.path.join(REPO, "tests"))
+    sys.path.insert(0, os.path.join(REPO, "tests", "helpers"))
     from tiny import make_tiny_hf  # the tests' random HF checkpoint writer (tokenizer included)
 
     from specbuild.compiler.compile import CompileOptions, compile_bundle
@@ -243,7 +243,7 @@ def main() -> None:
             health = srv.get_json("/health")
             if ranks == 2:  # this run's share of the draft rank's counters
                 for key, value in before.items():
-                    if isinstance(value, (int, float)) and key in health["draft_rank"] and key != "pid":
+                    if isinstance(value, (int, float)) and key in health["draft_rank"] and not key.endswith("pid"):
                         health["draft_rank"][key] -= value
         finally:
             srv.stop()
