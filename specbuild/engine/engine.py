@@ -248,8 +248,11 @@ class Engine:
                                "lower max_tokens or raise --kv-cache-tokens")
         handle = Handle(self, seq)
         seq.handle = handle
-        with self._lock:
-            self.scheduler.waiting.append(seq)
+        # no engine lock here: deque appends are thread-safe, and the step loop re-takes the lock
+        # the moment it releases it, so a submitter waiting for it starved behind whole runs of
+        # steps (measured under MineDraft: median 0.35 s from submit to admission, 2.7 of 4
+        # clients' requests running); the next step's admit() sees the request
+        self.scheduler.waiting.append(seq)
         self._wake.set()
         return handle
 
