@@ -41,6 +41,7 @@ class MpiTransport:
 
     def __init__(self, ctx) -> None:
         self.ctx = ctx
+        self.ahead: list = []  # sends not awaited (prefill notices); complete once a later reply came
 
     @property
     def healthy(self) -> bool:
@@ -62,11 +63,21 @@ class MpiTransport:
         pendings, meta, probs = ticket
         if not self.ctx.wait(pendings, deadline):
             return None
+        if self.ahead:  # the draft rank read them before this request (MPI keeps the order): done
+            self.ctx.wait(self.ahead, time.monotonic() + 1.0)
+            self.ahead = []
         meta = meta[:int(meta[3])]
         return meta, probs
 
     def notify(self, request: np.ndarray) -> None:
         self.ctx.notify(request, W.TAG_REQUEST)
+
+    def send_ahead(self, request: np.ndarray) -> None:
+        """Send without waiting: a large prefill notice must not hold the verifier while the
+        draft rank is busy drafting. A lost link shows up at the next reply's deadline."""
+        pending = self.ctx.isend(request, W.TAG_REQUEST)
+        if pending is not None:
+            self.ahead.append(pending)
 
     def handshake(self, timeout_s: float) -> dict:
         """Wait (bounded) for the draft rank's hello; {} when it never came (link abandoned)."""
@@ -111,6 +122,8 @@ class LoopbackTransport:
         if self.healthy:
             self.worker.handle(request)
 
+    send_ahead = notify
+
 
 class RemoteDraftProposer:
     """The Proposer protocol over a transport. `propose` uses drafts prefetched by the
@@ -132,7 +145,7 @@ class RemoteDraftProposer:
         # "ready" and "verifier free to look" (transfer + our polling); encode/decode here
         self.stats = {"requests": 0, "sequences": 0, "draft_seconds": 0.0, "round_trip_seconds": 0.0,
                       "request_latency_seconds": 0.0, "reply_latency_seconds": 0.0, "codec_seconds": 0.0,
-                      "failed_sequences": 0, "resyncs": 0}
+                      "failed_sequences": 0, "resyncs": 0, "prefilled_sequences": 0}
 
     @property
     def healthy(self) -> bool:
@@ -156,6 +169,7 @@ class RemoteDraftProposer:
                                   float(p.temperature), float(p.top_p)))
             seq.extra["remote_sent"] = len(ids)
             seq.extra["remote_keep"] = NO_ROLLBACK
+            seq.extra["remote_drafted"] = True  # the draft cache now holds K/V of drafted tokens
         tc = time.perf_counter()
         request = W.encode_request(W.KIND_DRAFT, self.step, orders, self.releases)
         self.stats["codec_seconds"] += time.perf_counter() - tc
@@ -167,6 +181,26 @@ class RemoteDraftProposer:
         if ticket is None:
             return None
         return ticket, t0, {s.seq_id: s for s, _ in pairs}
+
+    def prefill(self, seqs: list) -> int:
+        """Send the prompts of sequences the target is prefilling, so that the draft rank fills
+        its cache meanwhile (no reply is awaited). Only the committed text goes: the prompt,
+        fixed while it is prefilled. Returns how many were sent."""
+        seqs = [s for s in seqs if "remote_sent" not in s.extra and not s.extra.get("remote_failed")]
+        if not seqs or not self.healthy:
+            return 0
+        orders = []
+        for seq in seqs:
+            p = seq.params
+            orders.append(W.Order(seq.seq_id, 0, 0, list(seq.all_ids), 0, p.top_k, p.seed,
+                                  float(p.temperature), float(p.top_p)))
+            seq.extra["remote_sent"] = len(seq.all_ids)
+            seq.extra["remote_keep"] = NO_ROLLBACK
+            seq.extra["remote_drafted"] = False
+        self.transport.send_ahead(W.encode_request(W.KIND_PREFILL, self.step, orders, self.releases))
+        self.releases = []
+        self.stats["prefilled_sequences"] += len(orders)
+        return len(orders)
 
     def receive(self, sent) -> None:
         """Collect the drafts of `send` by its deadline into `prefetched`."""
@@ -230,7 +264,9 @@ class RemoteDraftProposer:
         return entry is not None and entry[0] == len(seq.all_ids)
 
     def rollback(self, seq, length: int) -> None:
-        if "remote_sent" in seq.extra:
+        # a draft cache that holds only committed text (a prefilled prompt) is valid at any
+        # target length: the target's chunked prefill must not trim it
+        if "remote_sent" in seq.extra and seq.extra.get("remote_drafted", True):
             seq.extra["remote_keep"] = min(seq.extra.get("remote_keep", NO_ROLLBACK), length)
 
     def release(self, seq) -> None:
@@ -300,15 +336,24 @@ class MineDraftScheduler(Scheduler):
         self.check_lengths()
         self.sync_batches()
         verified, drafted = self.batches[self.turn], self.batches[1 - self.turn]
+        # prompts the target prefills this step go to the draft rank too, so that its cache
+        # fills meanwhile instead of inside the sequence's first draft round trip
+        prefilling = [s for s in self.running if s.num_cached < len(s.all_ids) - 1 and self.uses_draft(s)]
         if not (verified and drafted and self.remote.healthy):
             self.stats["ordinary_steps"] += 1
             self.remote.sync_allowed = True
+            placed = verified or drafted
+            if not placed:  # no draft round trip in this step to queue behind the prefill
+                self.remote.prefill(prefilling)
             n = super().step()
+            if placed:
+                self.remote.prefill([s for s in prefilling if not s.finished])
         else:
             self.stats["minedraft_steps"] += 1
             self.stats["imbalance_sum"] += abs(len(verified) - len(drafted))
             self.stats["batch_sum"] += len(verified) + len(drafted)
             sent = self.remote.send(self.draft_orders(drafted))
+            self.remote.prefill(prefilling)  # after the drafts: the worker serves those first
             self.remote.sync_allowed = False
             t0 = time.monotonic()
             n = self.verify_except({id(s) for s in drafted})

@@ -73,8 +73,8 @@ def requests(method: str, max_tokens: int = 30, gamma: int | None = 3, **samplin
                     sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)) for p in PROMPTS]
 
 
-def loopback_engine(bundle, fail_after=None):
-    engine = Engine(bundle, EngineConfig(max_batch_size=4, threads=1))
+def loopback_engine(bundle, fail_after=None, **config):
+    engine = Engine(bundle, EngineConfig(max_batch_size=4, threads=1, **config))
     proposer, vocab = W.load_draft_proposer(bundle, EngineConfig(max_batch_size=4, threads=1))
     worker = W.DraftWorker(proposer, vocab)
     return engine, M.install(engine, M.LoopbackTransport(worker, fail_after)), worker
@@ -114,6 +114,35 @@ def test_minedraft_greedy_equals_plain_and_standard(bundle, engine):
     assert stats["minedraft_steps"] > 10, stats  # two batches really alternated
     assert stats["imbalance_sum"] <= stats["minedraft_steps"], stats  # balance counter kept |A - B| <= 1 mostly
     assert md_engine.cache.used_blocks == 0 and worker.proposer.cache.used_blocks == 0 and not worker.mirrors
+
+
+@pytest.mark.parametrize("prefill_chunk", [256, 16])
+def test_prompts_prefill_on_the_draft_rank_while_the_target_prefills(bundle, engine, prefill_chunk):
+    """The step that admits a request sends its prompt to the draft rank, which fills its
+    cache meanwhile: before the first draft request the draft cache already holds the prompt
+    (all but its last token), and the target's chunked prefill does not trim it. Output stays
+    the plain greedy one, drafts are proposed and accepted, and nothing had to be resent."""
+    plain = engine.generate(requests("none"))
+    md_engine, scheduler, worker = loopback_engine(bundle, prefill_chunk=prefill_chunk)
+    handles = [md_engine.submit(r) for r in requests("draft")]
+    md_engine.step()
+    admitted = [h.seq for h in handles if h.seq in scheduler.running]
+    assert len(admitted) == 4 and worker.requests == 0  # prefilled ahead, nothing drafted yet
+    for seq in admitted:
+        assert worker.proposer.cache.length(seq.seq_id) == len(seq.prompt_ids) - 1, seq.seq_id
+    longest = max(admitted, key=lambda s: len(s.prompt_ids))
+    while longest.num_cached < len(longest.prompt_ids):  # with chunks of 16: several steps
+        md_engine.step()
+    assert not longest.extra["remote_drafted"]  # the others were drafted meanwhile, not this one
+    assert longest.extra["remote_keep"] == M.NO_ROLLBACK  # no chunk commit asks to trim the prompt
+    assert worker.proposer.cache.length(longest.seq_id) == len(longest.prompt_ids) - 1
+    md_engine.run_until_done()
+    out = [h.result() for h in handles]
+    assert [r["token_ids"] for r in out] == [p["token_ids"] for p in plain]
+    assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0
+    stats = scheduler.remote.stats
+    assert stats["prefilled_sequences"] == len(PROMPTS) and stats["resyncs"] == 0, stats
+    assert worker.prefills == len(PROMPTS) and not worker.mirrors
 
 
 def test_uneven_finishes_rebalance_without_starving(bundle, engine):

@@ -113,6 +113,20 @@ class DraftModelProposer:
             out[i] = Draft(tokens[i], p, method="draft")
         return out
 
+    def prefill(self, seqs: list) -> None:
+        """Feed each sequence's text but its last token into the draft cache, drafting nothing
+        (one batched forward): the prompt's K/V are in place before the first `propose`, which
+        then feeds only what came after. MineDraft's draft rank runs it while the target
+        prefills the same prompt."""
+        rows = []
+        for seq in seqs:
+            self._ensure(seq)
+            todo = seq.all_ids[seq.extra["draft_len"]:len(seq.all_ids) - 1]
+            if todo:
+                rows.append((seq, todo))
+        if rows:
+            self._forward(rows)
+
     def rollback(self, seq, length: int) -> None:
         """Target holds `length` valid tokens: keep at most that many in the draft cache."""
         if seq.seq_id not in self.cache.seqs:
