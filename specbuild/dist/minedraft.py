@@ -292,7 +292,7 @@ class MineDraftScheduler(Scheduler):
         self.turn = 0  # the batch verified this step; 1 - turn is drafted
         self.balance = 0
         self.stats = {"minedraft_steps": 0, "ordinary_steps": 0, "verify_seconds": 0.0, "wait_seconds": 0.0,
-                      "imbalance_sum": 0, "batch_sum": 0}
+                      "imbalance_sum": 0, "batch_sum": 0, "sync_drafted_sequences": 0, "sync_draft_seconds": 0.0}
 
     def uses_draft(self, seq) -> bool:
         return seq.spec is not None and seq.spec.method in ("draft", "auto") and not seq.extra.get("remote_failed")
@@ -352,6 +352,16 @@ class MineDraftScheduler(Scheduler):
             self.stats["minedraft_steps"] += 1
             self.stats["imbalance_sum"] += abs(len(verified) - len(drafted))
             self.stats["batch_sum"] += len(verified) + len(drafted)
+            # per sequence, not per step: a sequence to verify whose drafts are not in hand (it just
+            # started decoding, the previous step was ordinary, it was resynced) is drafted now,
+            # on the idle draft rank, before the other batch's request; otherwise it would get one
+            # token from this pass instead of its accepted run
+            missing = [(s, g) for s, g in self.draft_orders(verified) if g > 0 and not self.remote.has_draft(s)]
+            if missing:
+                t_sync = time.monotonic()
+                self.remote.receive(self.remote.send(missing))
+                self.stats["sync_drafted_sequences"] += len(missing)
+                self.stats["sync_draft_seconds"] += time.monotonic() - t_sync
             sent = self.remote.send(self.draft_orders(drafted))
             self.remote.prefill(prefilling)  # after the drafts: the worker serves those first
             self.remote.sync_allowed = False

@@ -113,6 +113,8 @@ def test_minedraft_greedy_equals_plain_and_standard(bundle, engine):
     stats = scheduler.stats
     assert stats["minedraft_steps"] > 10, stats  # two batches really alternated
     assert stats["imbalance_sum"] <= stats["minedraft_steps"], stats  # balance counter kept |A - B| <= 1 mostly
+    # sequences that reached their verify turn without drafts in hand were drafted then, not decoded plainly
+    assert stats["sync_drafted_sequences"] > 0, stats
     assert md_engine.cache.used_blocks == 0 and worker.proposer.cache.used_blocks == 0 and not worker.mirrors
 
 
