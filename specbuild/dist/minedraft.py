@@ -16,6 +16,24 @@ the target are reserved when a sequence is verified (build_forward_batch), never
 the batch that is only being drafted, whose draft K/V lives on the draft rank: nothing is
 allocated twice (the paper's deferred allocation).
 
+Keeping both ranks busy, and nobody waiting a turn it does not need to:
+
+- a request is admitted at the first step after it is submitted (Engine.submit queues it
+  without the engine lock) and its prefill chunks run in the verifier's pass of that step,
+  whichever batch is verified; its prompt goes to the draft rank in the same step
+  (`RemoteDraftProposer.prefill`, not awaited), which fills the draft cache meanwhile;
+- a sequence whose verify turn comes without drafts in hand (it just started decoding, the
+  step before was ordinary, it was resynced) is drafted then, synchronously, on the draft
+  rank that is idle at that moment, instead of decoding a single token (per sequence, not
+  per step);
+- when one batch is empty the step is ordinary speculation through the same remote drafter.
+
+Which drafters can run on the draft rank: the draft model (this module). Medusa or EAGLE
+heads would need the target's hidden states of each sequence's last verification shipped
+over (the alternation makes them available one turn ahead), a copy of the lm_head there, and
+they cost little next to a verification pass: hiding them does not repay the extra target
+passes that two half-size batches take, so they stay on rank 0 (ordinary speculation).
+
 Faults: the remote drafter never raises. A lost or late draft rank (DistContext abandons
 the link) or a failed sequence yields no drafts, which the scheduler verifies as plain
 decoding; `health()` reports it for /health.
