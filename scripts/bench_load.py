@@ -205,7 +205,9 @@ def summarize(name: str, results: list[dict], wall: float, health: dict) -> dict
             "reply_latency_ms": round(dr["reply_latency_seconds"] / max(dr["requests"], 1) * 1e3, 3),
             "codec_ms_per_request": round(dr["codec_seconds"] / max(dr["requests"], 1) * 1e3, 3),
             "mean_imbalance": round(dr["imbalance_sum"] / steps, 2),
-            "mean_batch": round(dr["batch_sum"] / steps, 2), "state": dr["state"]}
+            "mean_batch": round(dr["batch_sum"] / steps, 2), "state": dr["state"],
+            "sync_drafted_sequences": dr.get("sync_drafted_sequences"),
+            "prefilled_sequences": dr.get("prefilled_sequences")}
     return row
 
 
