@@ -4,7 +4,8 @@ MineDraft on two ranks, each served by `specbuild serve` and hit by N concurrent
 streaming clients over Spec-Bench eval prompts.
 
     .venv/bin/python scripts/bench_load.py [--bundle B] [--clients 8] [--requests 24]
-        [--max-tokens 64] [--gamma 4] [--rows plain,standard,minedraft,standard-2t] [--json out.json]
+        [--max-tokens 64] [--gamma 4] [--rows plain,standard,minedraft,standard-2t] [--repeats 3]
+        [--json out.json]
 
 Without --bundle it builds a synthetic pair in a temp dir: a Llama target whose layers past
 the first `--draft-layers` add only small corrections (their output projections are scaled
@@ -21,7 +22,11 @@ Rows (threads are torch threads per rank):
 Reported per row: output tokens/s over the run, p50/p99 TTFT and TPOT (ms), mean end-to-end
 latency (s), mean accepted tokens per target pass, and for MineDraft the time the verifier
 waited for drafts, the draft rank's compute time, the round trip and the batch imbalance.
-Every wait is bounded; servers are killed (process group) at the end of each row.
+Every row's server is started once and kept up; the rows then run one after another in
+each of `--repeats` rounds (the order rotated per round), so they share the same machine
+state; the summary gives per-row medians and the per-round MineDraft/standard throughput
+ratios (their spread is the noise). Comparisons are worded by bench/compare.py, whose words
+follow the numbers' sign. Every wait is bounded; servers are killed (process group) at the end.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ def build_pair(root: str, layers: int, draft_layers: int, hidden: int, tail_scal
     import torch
     from safetensors.torch import load_file, save_file
 
-    sys.path.insert(0, os.path.join(REPO, "tests"))
+    sys.path.insert(0, os.path.join(REPO, "tests", "helpers"))
     from tiny import make_tiny_hf  # the tests' random HF checkpoint writer (tokenizer included)
 
     from specbuild.compiler.compile import CompileOptions, compile_bundle
@@ -200,7 +205,9 @@ def summarize(name: str, results: list[dict], wall: float, health: dict) -> dict
             "reply_latency_ms": round(dr["reply_latency_seconds"] / max(dr["requests"], 1) * 1e3, 3),
             "codec_ms_per_request": round(dr["codec_seconds"] / max(dr["requests"], 1) * 1e3, 3),
             "mean_imbalance": round(dr["imbalance_sum"] / steps, 2),
-            "mean_batch": round(dr["batch_sum"] / steps, 2), "state": dr["state"]}
+            "mean_batch": round(dr["batch_sum"] / steps, 2), "state": dr["state"],
+            "sync_drafted_sequences": dr.get("sync_drafted_sequences"),
+            "prefilled_sequences": dr.get("prefilled_sequences")}
     return row
 
 
@@ -218,51 +225,96 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--rows", default="plain,standard,minedraft,standard-2t")
     ap.add_argument("--timeout", type=float, default=600, help="bound on each row's load (seconds)")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved repeats of every row (medians reported)")
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
     rows = args.rows.split(",")
     bad = [r for r in rows if r not in ROWS]
     if bad:
         sys.exit(f"error: unknown row {bad[0]!r}; rows: {', '.join(ROWS)}")
+    if not 1 <= args.repeats <= 50:
+        sys.exit(f"error: --repeats {args.repeats} is out of range [1, 50]")
     if "minedraft" in rows and not os.access(MPIRUN, os.X_OK):
         sys.exit(f"error: {MPIRUN} missing; pip install mpi4py mpich")
     work = tempfile.mkdtemp(prefix="specbuild_bench_load_")
     bundle = args.bundle or build_pair(work, args.layers, args.draft_layers, args.hidden, args.tail_scale)
     prompts = eval_prompts(args.requests, args.prompt_chars)
-    report = []
-    for name in rows:
-        ranks, threads, method = ROWS[name]
-        body = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0, "speculation": method,
-                "return_token_ids": True, **({"gamma": args.gamma} if method != "none" else {})}
-        srv = Server(bundle, ranks, threads, args.clients, os.path.join(work, f"{name}.log"))
-        try:
-            run_load(srv.port, prompts[:2], 2, body, args.timeout)  # warm-up (calibration, first-call costs)
-            if ranks == 2:
-                before = srv.get_json("/health")["draft_rank"]
-            results, wall = run_load(srv.port, prompts, args.clients, body, args.timeout)
-            health = srv.get_json("/health")
-            if ranks == 2:  # this run's share of the draft rank's counters
-                for key, value in before.items():
-                    if isinstance(value, (int, float)) and key in health["draft_rank"] and key != "pid":
-                        health["draft_rank"][key] -= value
-        finally:
+    servers: dict[str, Server] = {}
+    bodies: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {name: [] for name in rows}
+    try:
+        for name in rows:  # every row's server is up for the whole run, so rows interleave
+            ranks, threads, method = ROWS[name]
+            bodies[name] = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0,
+                            "speculation": method, "return_token_ids": True,
+                            **({"gamma": args.gamma} if method != "none" else {})}
+            servers[name] = Server(bundle, ranks, threads, args.clients, os.path.join(work, f"{name}.log"))
+            run_load(servers[name].port, prompts[:2], 2, bodies[name], args.timeout)  # warm-up (calibration)
+        for rep in range(args.repeats):
+            order = rows[rep % len(rows):] + rows[:rep % len(rows)]  # rotate: no row always goes first
+            for name in order:
+                srv, (ranks, threads, _) = servers[name], ROWS[name]
+                before = srv.get_json("/health").get("draft_rank") if ranks == 2 else None
+                results, wall = run_load(srv.port, prompts, args.clients, bodies[name], args.timeout)
+                health = srv.get_json("/health")
+                if before:  # this run's share of the draft rank's counters
+                    for key, value in before.items():
+                        if isinstance(value, (int, float)) and key in health["draft_rank"] and not key.endswith("pid"):
+                            health["draft_rank"][key] -= value
+                row = summarize(name, results, wall, health)
+                row.update(ranks=ranks, threads_per_rank=threads, repeat=rep)
+                runs[name].append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for srv in servers.values():
             srv.stop()
-        row = summarize(name, results, wall, health)
-        row.update(ranks=ranks, threads_per_rank=threads)
-        report.append(row)
+    report = [median_row(runs[name]) for name in rows]
+    print(f"medians over {args.repeats} interleaved repeat(s):")
+    for row in report:
         print(json.dumps(row), flush=True)
-    by = {r["row"]: r for r in report}
-    if "standard" in by and "minedraft" in by:
-        s, m = by["standard"], by["minedraft"]
-        print(f"minedraft vs standard (one extra core): throughput x{m['tokens_per_s'] / s['tokens_per_s']:.2f}, "
-              f"mean e2e latency {100 * (1 - m['e2e_mean_s'] / s['e2e_mean_s']):+.0f}% lower")
-    if "standard-2t" in by and "minedraft" in by:
-        s, m = by["standard-2t"], by["minedraft"]
-        print(f"minedraft vs standard-2t (equal cores): throughput x{m['tokens_per_s'] / s['tokens_per_s']:.2f}, "
-              f"mean e2e latency {100 * (1 - m['e2e_mean_s'] / s['e2e_mean_s']):+.0f}% lower")
+    for line in comparison_lines(runs):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": report}, f, indent=1)
+            json.dump({"args": vars(args), "rows": report, "runs": runs}, f, indent=1)
+
+
+MEDIAN_KEYS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "e2e_mean_s",
+               "mean_accepted_tokens", "wall_s")
+
+
+def median_row(runs: list[dict]) -> dict:
+    """One row's figures as medians over its repeats (the MineDraft counters of the median-
+    throughput repeat)."""
+    row = {"row": runs[0]["row"], "repeats": len(runs), "ranks": runs[0]["ranks"],
+           "threads_per_rank": runs[0]["threads_per_rank"]}
+    for key in MEDIAN_KEYS:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        row[key] = round(statistics.median(values), 3) if values else None
+    mid = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+    if "minedraft" in mid:
+        row["minedraft"] = mid["minedraft"]
+    return row
+
+
+def comparison_lines(runs: dict[str, list[dict]]) -> list[str]:
+    """MineDraft against each standard row: the medians' comparison in words that follow the
+    numbers' sign (bench/compare.py), and the per-repeat throughput ratios (how noisy it was)."""
+    from specbuild.bench.compare import compare, ratio_phrase
+
+    lines = []
+    for base, label in (("standard", "one extra core"), ("standard-2t", "equal cores")):
+        if base not in runs or "minedraft" not in runs:
+            continue
+        m, s = median_row(runs["minedraft"]), median_row(runs[base])
+        per_rep = [ratio_phrase(a["tokens_per_s"], b["tokens_per_s"]) for a, b in zip(runs["minedraft"], runs[base])]
+        lines.append(f"minedraft vs {base} ({label}), medians: throughput {ratio_phrase(m['tokens_per_s'], s['tokens_per_s'])} "
+                     f"(per repeat: {', '.join(per_rep)})")
+        lines.append("  " + compare("throughput", m["tokens_per_s"], s["tokens_per_s"], "tok/s", better="higher"))
+        lines.append("  " + compare("mean e2e latency", m["e2e_mean_s"], s["e2e_mean_s"], "s"))
+        lines.append("  " + compare("TTFT p50", m["ttft_p50_ms"], s["ttft_p50_ms"], "ms"))
+        lines.append("  " + compare("TPOT p50", m["tpot_p50_ms"], s["tpot_p50_ms"], "ms"))
+    return lines
 
 
 if __name__ == "__main__":

@@ -204,6 +204,7 @@ def connect_draft_rank(ctx, engine, app, draft_timeout):
     def health() -> dict:
         out = scheduler.health()
         out["draft_rank"]["pid"] = hello["pid"]
+        out["draft_rank"]["verifier_pid"] = os.getpid()  # rank 0 (under its guard)
         return out
 
     app.health_checks.append(health)

@@ -33,6 +33,13 @@ and what follows:
   that runs the real rank as its child, forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1 to it and
   exits with 128 + signal when the child is killed: the launcher then sees an ordinary
   exit status. (Killing a guard itself still takes every rank down.)
+- No rank outlives its launcher. The rank runs in its own session (see `guard`), so a
+  SIGKILL of mpirun's process group (a CI timeout, a test fixture) reaches mpirun, its proxy
+  and the guards but not the ranks, and a kill -9 of mpirun alone takes its proxy and then
+  the guards' parent away. Two ties close that: the rank asks the kernel for SIGKILL when its
+  guard dies (prctl PR_SET_PDEATHSIG, `die_with_parent`), and the guard watches its own parent
+  (the launcher's proxy): once that is gone it sends the rank one SIGTERM (the ordinary
+  shutdown) and SIGKILL after `ORPHAN_GRACE_S`.
 - After the peer is gone a pending receive never completes and MPI_Finalize hangs. So the
   communicator has MPI.ERRORS_RETURN, every transfer is Isend/Irecv polled with Test until
   a deadline (no blocking MPI call anywhere; blocking calls would also spin a core), a
@@ -62,6 +69,9 @@ from specbuild.errors import SpecbuildError
 log = logging.getLogger("specbuild.parallel")
 
 GUARD_ENV = "SPECBUILD_RANK_GUARDED"  # set in a guard's child: it is the real rank
+GUARD_PID_ENV = "SPECBUILD_RANK_GUARD_PID"  # the guard's pid, in its child
+ORPHAN_GRACE_S = 5.0  # a rank whose launcher is gone gets this long to shut down after SIGTERM
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SUPPORTED = ("supported: 1 process (standard speculation), `mpirun -disable-auto-cleanup -n 2 "
              "specbuild serve BUNDLE --parallel-draft` (rank 0 verifies, rank 1 drafts), or `mpirun -n TP*PP "
              "specbuild serve BUNDLE` for a bundle whose TensorRT-LLM engines were built for TP*PP ranks "
@@ -124,13 +134,34 @@ def check_world(world_size: int, parallel_draft: bool, need: WorldNeed = TORCH, 
                              f"backend{chose}; " + SUPPORTED)
 
 
+def die_with_parent(sig: int, parent: int) -> bool:
+    """Have the kernel send `sig` to this process when its parent exits (Linux prctl
+    PR_SET_PDEATHSIG through ctypes; no package does just this). `parent`: the pid the parent
+    should have; if it is gone already (it died before this call) the signal comes at once.
+    Returns False where prctl is not available (the guard's own watch still holds then)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        ok = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+    if ok and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+    return ok
+
+
 def guard() -> None:
     """Run this same command line as a child and mirror its fate (never returns).
 
     The child inherits the launcher's PMI file descriptor (close_fds=False). A child killed
     by signal N makes the guard exit with 128 + N instead of dying of it (see the module doc).
+    The child dies with the guard (`die_with_parent`, set up in `DistContext.create`), and the
+    guard ends the child when its own parent, the launcher's proxy, is gone.
     """
-    env = {**os.environ, GUARD_ENV: "1"}
+    launcher = os.getppid()
+    env = {**os.environ, GUARD_ENV: "1", GUARD_PID_ENV: str(os.getpid())}
     # its own process group: a signal the launcher sends to our group reaches the child once,
     # through `forward`, not twice (twice means "forced exit" to the server)
     child = subprocess.Popen([sys.executable, *sys.orig_argv[1:]], env=env, close_fds=False,
@@ -144,8 +175,22 @@ def guard() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, forward)
-    rc = child.wait()
-    sys.stdout.flush()
+    orphaned_at = None
+    while True:
+        try:
+            rc = child.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if orphaned_at is None and os.getppid() != launcher:  # nobody is left to stop the rank
+            orphaned_at = time.monotonic()
+            forward(signal.SIGTERM, None)
+        elif orphaned_at is not None and time.monotonic() - orphaned_at > ORPHAN_GRACE_S:
+            child.kill()
+    try:
+        sys.stdout.flush()
+    except OSError:  # the launcher that read our stdout is gone
+        pass
     os._exit(rc if rc >= 0 else 128 - rc)
 
 
@@ -250,6 +295,8 @@ class DistContext:
             return cls(rank, size, leader_mode=True)
         if os.environ.get(GUARD_ENV) != "1":
             guard()
+        if os.environ.get(GUARD_PID_ENV, "").isdigit():  # this rank ends when its guard does
+            die_with_parent(signal.SIGKILL, int(os.environ[GUARD_PID_ENV]))
         # before MPI_Init, which can take a while: the launcher's SIGUSR1 must not kill us
         peer_lost = threading.Event()
         signal.signal(signal.SIGUSR1, lambda signum, frame: peer_lost.set())

@@ -21,6 +21,11 @@ the new tokens each request carries, and drives the bundle's DraftModelProposer 
 A text-length mismatch answers RESYNC (the verifier resends the whole text and the draft
 cache re-prefills); a drafter exception answers FAILED for the sequences it touched, whose
 state is dropped; the verifier decodes those plainly.
+
+A PREFILL request (no reply) carries the prompts of sequences the target is prefilling: the
+worker mirrors them and fills the draft cache with their K/V meanwhile, so the first draft
+request of each only feeds its first output token. A failure there just drops the mirrors;
+the next draft request then gets RESYNC and the whole text again.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from specbuild.speculation.state import SpecState
 
 log = logging.getLogger("specbuild.draft_worker")
 
-KIND_DRAFT, KIND_RELEASE, KIND_STOP = 1, 2, 3
+KIND_DRAFT, KIND_RELEASE, KIND_STOP, KIND_PREFILL = 1, 2, 3, 4
 TAG_REQUEST, TAG_REPLY, TAG_PROBS, TAG_HELLO = 11, 12, 13, 14
 REQ_HEAD, REQ_FIELDS = 4, 9
 REP_HEAD, REP_FIELDS = 6, 3
@@ -155,11 +160,32 @@ class DraftWorker:
         self.vocab = vocab
         self.mirrors: dict[int, MirrorSeq] = {}
         self.requests = 0
+        self.prefills = 0  # sequences whose prompt was prefilled ahead of their first draft
 
     def drop(self, seq_id: int) -> None:
         mirror = self.mirrors.pop(seq_id, None)
         if mirror is not None:
             self.proposer.release(mirror)
+
+    def prefill(self, orders: list[Order]) -> None:
+        """Mirror new sequences' prompts and prefill the draft cache with them (no reply)."""
+        mirrors = []
+        for o in orders:
+            if o.sent_before != 0 or o.seq_id in self.mirrors:  # prefill only ever opens a sequence
+                log.warning("sequence %d: prefill of a sequence the drafter already holds; dropping it", o.seq_id)
+                self.drop(o.seq_id)
+                continue
+            params = SamplingParams(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, seed=o.seed)
+            mirror = self.mirrors[o.seq_id] = MirrorSeq(o.seq_id, params)
+            mirror.all_ids.extend(o.new_tokens)
+            mirrors.append(mirror)
+        try:
+            self.proposer.prefill(mirrors)
+            self.prefills += len(mirrors)
+        except Exception:  # the next draft request of each resyncs
+            log.exception("prefilling sequences %s failed; they will be resent", [m.seq_id for m in mirrors])
+            for mirror in mirrors:
+                self.drop(mirror.seq_id)
 
     def handle(self, buf: np.ndarray, seen_at: float = 0.0) -> tuple[int, tuple[np.ndarray, np.ndarray] | None]:
         """One request -> (kind, (meta, probs) or None when no reply is due). seen_at: when
@@ -167,6 +193,8 @@ class DraftWorker:
         kind, step, orders, releases = decode_request(buf)
         for seq_id in releases:
             self.drop(seq_id)
+        if kind == KIND_PREFILL:
+            self.prefill(orders)
         if kind != KIND_DRAFT:
             return kind, None
         self.requests += 1

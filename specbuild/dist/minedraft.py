@@ -16,6 +16,24 @@ the target are reserved when a sequence is verified (build_forward_batch), never
 the batch that is only being drafted, whose draft K/V lives on the draft rank: nothing is
 allocated twice (the paper's deferred allocation).
 
+Keeping both ranks busy, and nobody waiting a turn it does not need to:
+
+- a request is admitted at the first step after it is submitted (Engine.submit queues it
+  without the engine lock) and its prefill chunks run in the verifier's pass of that step,
+  whichever batch is verified; its prompt goes to the draft rank in the same step
+  (`RemoteDraftProposer.prefill`, not awaited), which fills the draft cache meanwhile;
+- a sequence whose verify turn comes without drafts in hand (it just started decoding, the
+  step before was ordinary, it was resynced) is drafted then, synchronously, on the draft
+  rank that is idle at that moment, instead of decoding a single token (per sequence, not
+  per step);
+- when one batch is empty the step is ordinary speculation through the same remote drafter.
+
+Which drafters can run on the draft rank: the draft model (this module). Medusa or EAGLE
+heads would need the target's hidden states of each sequence's last verification shipped
+over (the alternation makes them available one turn ahead), a copy of the lm_head there, and
+they cost little next to a verification pass: hiding them does not repay the extra target
+passes that two half-size batches take, so they stay on rank 0 (ordinary speculation).
+
 Faults: the remote drafter never raises. A lost or late draft rank (DistContext abandons
 the link) or a failed sequence yields no drafts, which the scheduler verifies as plain
 decoding; `health()` reports it for /health.
@@ -41,6 +59,7 @@ class MpiTransport:
 
     def __init__(self, ctx) -> None:
         self.ctx = ctx
+        self.ahead: list = []  # sends not awaited (prefill notices); complete once a later reply came
 
     @property
     def healthy(self) -> bool:
@@ -62,11 +81,21 @@ class MpiTransport:
         pendings, meta, probs = ticket
         if not self.ctx.wait(pendings, deadline):
             return None
+        if self.ahead:  # the draft rank read them before this request (MPI keeps the order): done
+            self.ctx.wait(self.ahead, time.monotonic() + 1.0)
+            self.ahead = []
         meta = meta[:int(meta[3])]
         return meta, probs
 
     def notify(self, request: np.ndarray) -> None:
         self.ctx.notify(request, W.TAG_REQUEST)
+
+    def send_ahead(self, request: np.ndarray) -> None:
+        """Send without waiting: a large prefill notice must not hold the verifier while the
+        draft rank is busy drafting. A lost link shows up at the next reply's deadline."""
+        pending = self.ctx.isend(request, W.TAG_REQUEST)
+        if pending is not None:
+            self.ahead.append(pending)
 
     def handshake(self, timeout_s: float) -> dict:
         """Wait (bounded) for the draft rank's hello; {} when it never came (link abandoned)."""
@@ -111,6 +140,8 @@ class LoopbackTransport:
         if self.healthy:
             self.worker.handle(request)
 
+    send_ahead = notify
+
 
 class RemoteDraftProposer:
     """The Proposer protocol over a transport. `propose` uses drafts prefetched by the
@@ -132,7 +163,7 @@ class RemoteDraftProposer:
         # "ready" and "verifier free to look" (transfer + our polling); encode/decode here
         self.stats = {"requests": 0, "sequences": 0, "draft_seconds": 0.0, "round_trip_seconds": 0.0,
                       "request_latency_seconds": 0.0, "reply_latency_seconds": 0.0, "codec_seconds": 0.0,
-                      "failed_sequences": 0, "resyncs": 0}
+                      "failed_sequences": 0, "resyncs": 0, "prefilled_sequences": 0}
 
     @property
     def healthy(self) -> bool:
@@ -156,6 +187,7 @@ class RemoteDraftProposer:
             orders.append(W.Order(seq.seq_id, keep, sent, ids[sent:], gamma, p.top_k, p.seed,
                                   float(p.temperature), float(p.top_p)))
             st.remote_sent, st.remote_keep = len(ids), NO_ROLLBACK
+            st.remote_drafted = True  # the draft cache now holds K/V of drafted tokens
         tc = time.perf_counter()
         request = W.encode_request(W.KIND_DRAFT, self.step, orders, self.releases)
         self.stats["codec_seconds"] += time.perf_counter() - tc
@@ -167,6 +199,26 @@ class RemoteDraftProposer:
         if ticket is None:
             return None
         return ticket, t0, {s.seq_id: s for s, _ in pairs}
+
+    def prefill(self, seqs: list) -> int:
+        """Send the prompts of sequences the target is prefilling, so that the draft rank fills
+        its cache meanwhile (no reply is awaited). Only the committed text goes: the prompt,
+        fixed while it is prefilled. Returns how many were sent."""
+        seqs = [s for s in seqs if s.spec_state.remote_sent is None and not s.spec_state.remote_failed]
+        if not seqs or not self.healthy:
+            return 0
+        orders = []
+        for seq in seqs:
+            p = seq.params
+            orders.append(W.Order(seq.seq_id, 0, 0, list(seq.all_ids), 0, p.top_k, p.seed,
+                                  float(p.temperature), float(p.top_p)))
+            st = seq.spec_state
+            st.remote_sent, st.remote_keep = len(seq.all_ids), NO_ROLLBACK
+            st.remote_drafted = False  # only committed text so far: valid at any target length
+        self.transport.send_ahead(W.encode_request(W.KIND_PREFILL, self.step, orders, self.releases))
+        self.releases = []
+        self.stats["prefilled_sequences"] += len(orders)
+        return len(orders)
 
     def receive(self, sent) -> None:
         """Collect the drafts of `send` by its deadline into `prefetched`."""
@@ -230,8 +282,10 @@ class RemoteDraftProposer:
         return entry is not None and entry[0] == len(seq.all_ids)
 
     def rollback(self, seq, length: int) -> None:
+        # a draft cache that holds only committed text (a prefilled prompt) is valid at any
+        # target length: the target's chunked prefill must not trim it
         st = seq.spec_state
-        if st.remote_sent is not None:
+        if st.remote_sent is not None and st.remote_drafted:
             st.remote_keep = min(st.remote_keep, length)
 
     def release(self, seq) -> None:
@@ -259,7 +313,7 @@ class MineDraftScheduler(Scheduler):
         self.turn = 0  # the batch verified this step; 1 - turn is drafted
         self.balance = 0
         self.stats = {"minedraft_steps": 0, "ordinary_steps": 0, "verify_seconds": 0.0, "wait_seconds": 0.0,
-                      "imbalance_sum": 0, "batch_sum": 0}
+                      "imbalance_sum": 0, "batch_sum": 0, "sync_drafted_sequences": 0, "sync_draft_seconds": 0.0}
 
     def uses_draft(self, seq) -> bool:
         return seq.spec is not None and seq.spec.method in ("draft", "auto") and not seq.spec_state.remote_failed
@@ -302,15 +356,34 @@ class MineDraftScheduler(Scheduler):
         self.check_lengths()
         self.sync_batches()
         verified, drafted = self.batches[self.turn], self.batches[1 - self.turn]
+        # prompts the target prefills this step go to the draft rank too, so that its cache
+        # fills meanwhile instead of inside the sequence's first draft round trip
+        prefilling = [s for s in self.running if s.num_cached < len(s.all_ids) - 1 and self.uses_draft(s)]
         if not (verified and drafted and self.remote.healthy):
             self.stats["ordinary_steps"] += 1
             self.remote.sync_allowed = True
+            placed = verified or drafted
+            if not placed:  # no draft round trip in this step to queue behind the prefill
+                self.remote.prefill(prefilling)
             n = super().step()
+            if placed:
+                self.remote.prefill([s for s in prefilling if not s.finished])
         else:
             self.stats["minedraft_steps"] += 1
             self.stats["imbalance_sum"] += abs(len(verified) - len(drafted))
             self.stats["batch_sum"] += len(verified) + len(drafted)
+            # per sequence, not per step: a sequence to verify whose drafts are not in hand (it just
+            # started decoding, the previous step was ordinary, it was resynced) is drafted now,
+            # on the idle draft rank, before the other batch's request; otherwise it would get one
+            # token from this pass instead of its accepted run
+            missing = [(s, g) for s, g in self.draft_orders(verified) if g > 0 and not self.remote.has_draft(s)]
+            if missing:
+                t_sync = time.monotonic()
+                self.remote.receive(self.remote.send(missing))
+                self.stats["sync_drafted_sequences"] += len(missing)
+                self.stats["sync_draft_seconds"] += time.monotonic() - t_sync
             sent = self.remote.send(self.draft_orders(drafted))
+            self.remote.prefill(prefilling)  # after the drafts: the worker serves those first
             self.remote.sync_allowed = False
             t0 = time.monotonic()
             n = self.verify_except({id(s) for s in drafted})

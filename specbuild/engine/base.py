@@ -93,8 +93,11 @@ class BaseEngine:
         seq = self._new_sequence(request)
         handle = Handle(self, seq)
         seq.handle = handle
-        with self._lock:
-            self.waiting.append(seq)
+        # no engine lock here: deque appends are thread-safe, and the step loop re-takes the lock
+        # the moment it releases it, so a submitter waiting for it starved behind whole runs of
+        # steps (measured under MineDraft: median 0.35 s from submit to admission, 2.7 of 4
+        # clients' requests running); the next step's admit() sees the request
+        self.waiting.append(seq)
         self._wake.set()
         return handle
 

@@ -30,3 +30,4 @@ class SpecState:
     remote_sent: int | None = None
     remote_keep: int = NO_ROLLBACK
     remote_failed: bool = False
+    remote_drafted: bool = True  # the draft rank's cache holds drafted (uncommitted) tokens, not just the prompt

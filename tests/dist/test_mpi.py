@@ -73,8 +73,8 @@ def requests(method: str, max_tokens: int = 30, gamma: int | None = 3, **samplin
                     sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)) for p in PROMPTS]
 
 
-def loopback_engine(bundle, fail_after=None):
-    engine = Engine(bundle, EngineConfig(max_batch_size=4, threads=1))
+def loopback_engine(bundle, fail_after=None, **config):
+    engine = Engine(bundle, EngineConfig(max_batch_size=4, threads=1, **config))
     proposer, vocab = W.load_draft_proposer(bundle, EngineConfig(max_batch_size=4, threads=1))
     worker = W.DraftWorker(proposer, vocab)
     return engine, M.install(engine, M.LoopbackTransport(worker, fail_after)), worker
@@ -113,7 +113,38 @@ def test_minedraft_greedy_equals_plain_and_standard(bundle, engine):
     stats = scheduler.stats
     assert stats["minedraft_steps"] > 10, stats  # two batches really alternated
     assert stats["imbalance_sum"] <= stats["minedraft_steps"], stats  # balance counter kept |A - B| <= 1 mostly
+    # sequences that reached their verify turn without drafts in hand were drafted then, not decoded plainly
+    assert stats["sync_drafted_sequences"] > 0, stats
     assert md_engine.cache.used_blocks == 0 and worker.proposer.cache.used_blocks == 0 and not worker.mirrors
+
+
+@pytest.mark.parametrize("prefill_chunk", [256, 16])
+def test_prompts_prefill_on_the_draft_rank_while_the_target_prefills(bundle, engine, prefill_chunk):
+    """The step that admits a request sends its prompt to the draft rank, which fills its
+    cache meanwhile: before the first draft request the draft cache already holds the prompt
+    (all but its last token), and the target's chunked prefill does not trim it. Output stays
+    the plain greedy one, drafts are proposed and accepted, and nothing had to be resent."""
+    plain = engine.generate(requests("none"))
+    md_engine, scheduler, worker = loopback_engine(bundle, prefill_chunk=prefill_chunk)
+    handles = [md_engine.submit(r) for r in requests("draft")]
+    md_engine.step()
+    admitted = [h.seq for h in handles if h.seq in scheduler.running]
+    assert len(admitted) == 4 and worker.requests == 0  # prefilled ahead, nothing drafted yet
+    for seq in admitted:
+        assert worker.proposer.cache.length(seq.seq_id) == len(seq.prompt_ids) - 1, seq.seq_id
+    longest = max(admitted, key=lambda s: len(s.prompt_ids))
+    while longest.num_cached < len(longest.prompt_ids):  # with chunks of 16: several steps
+        md_engine.step()
+    assert not longest.spec_state.remote_drafted  # the others were drafted meanwhile, not this one
+    assert longest.spec_state.remote_keep == M.NO_ROLLBACK  # no chunk commit asks to trim the prompt
+    assert worker.proposer.cache.length(longest.seq_id) == len(longest.prompt_ids) - 1
+    md_engine.run_until_done()
+    out = [h.result() for h in handles]
+    assert [r["token_ids"] for r in out] == [p["token_ids"] for p in plain]
+    assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0
+    stats = scheduler.remote.stats
+    assert stats["prefilled_sequences"] == len(PROMPTS) and stats["resyncs"] == 0, stats
+    assert worker.prefills == len(PROMPTS) and not worker.mirrors
 
 
 def test_uneven_finishes_rebalance_without_starving(bundle, engine):
@@ -211,12 +242,24 @@ def test_world_size_checks():
 
 
 # ---- the real thing: two ranks under mpirun ----------------------------------------------------------
+def live(pid: int) -> bool:
+    """pid names a process that still runs (a zombie waiting for its parent's wait() does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 class MpiServer:
     def __init__(self, bundle: str, log_path: str, *args: str) -> None:
         self.log_path = log_path
         self.log = open(log_path, "w")
+        # a name no other process carries: every process of this launch has it on its command line
+        self.tag = f"md-{os.getpid()}-{time.monotonic_ns()}"
         cmd = [MPIRUN, "-disable-auto-cleanup", "-n", "2", *CLI, "serve", bundle, "--host", "127.0.0.1",
-               "--port", "0", "--threads", "1", "--max-batch-size", "4", "--parallel-draft", *args]
+               "--port", "0", "--threads", "1", "--max-batch-size", "4", "--parallel-draft",
+               "--model-name", self.tag, *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
                                      start_new_session=True)
         deadline = time.monotonic() + 60
@@ -225,6 +268,28 @@ class MpiServer:
             assert time.monotonic() < deadline, f"no URL in time:\n{self.output()}"
             time.sleep(0.05)
         self.port = int(m.group(1))
+        self.pids = self.launch_pids()
+        health = self.health()
+        # the ranks (each under its guard) as /health and the log name them, checked against /proc
+        self.rank_pids = {health["draft_rank"]["pid"]}
+        self.rank_pids |= {int(p) for p in re.findall(r"draft rank ready \(pid (\d+)", self.output())}
+        self.rank_pids.add(health["draft_rank"]["verifier_pid"])
+        assert self.rank_pids <= self.pids, (self.rank_pids, self.pids)
+
+    def launch_pids(self) -> set[int]:
+        """Every live process whose command line carries this launch's tag (mpirun, its proxy,
+        the guards and the ranks), besides this test process."""
+        found = set()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if self.tag.encode() in f.read() and live(int(entry)):
+                        found.add(int(entry))
+            except OSError:
+                continue
+        return found
 
     def output(self) -> str:
         with open(self.log_path) as f:
@@ -236,10 +301,26 @@ class MpiServer:
         return json.loads(text)
 
     def stop(self) -> None:
+        """Kill mpirun's process group (mpirun, its proxy, the guards), as a user's Ctrl-\\ or
+        a CI timeout would, then require that no rank outlives it."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # mpirun, its proxies and every rank
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
         self.log.close()
+        self.assert_no_process_left()
+
+    def assert_no_process_left(self, timeout: float = 15.0) -> None:
+        left = set(self.pids)
+        deadline = time.monotonic() + timeout
+        while left := {p for p in left if live(p)} | self.launch_pids():
+            if time.monotonic() > deadline:
+                for pid in left:  # do not leave them to the next run either
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                pytest.fail(f"processes outlived their launcher: {sorted(left)} (ranks {sorted(self.rank_pids)})")
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +329,27 @@ def mpi_server(bundle, tmp_path_factory):
     srv = MpiServer(bundle, str(tmp_path_factory.mktemp("mpi_logs") / "server.log"))
     yield srv
     srv.stop()
+
+
+@pytest.mark.parametrize("kill", ["process-group", "launcher-only"])
+def test_no_rank_outlives_its_launcher(bundle, tmp_path, kill):
+    """SIGKILL of mpirun's whole process group (what a test fixture or CI timeout does), or of
+    mpirun alone (a user's kill -9): within a bounded wait no guard and no rank is left, and the
+    port is free again. Both ranks run in their own sessions under their guards, so the group
+    kill never reaches them: only their tie to the launcher can take them down."""
+    need_mpi()
+    srv = MpiServer(bundle, str(tmp_path / "server.log"))
+    assert len(srv.rank_pids) == 2 and srv.proc.pid not in srv.rank_pids, srv.rank_pids
+    try:
+        if kill == "process-group":
+            os.killpg(srv.proc.pid, signal.SIGKILL)
+        else:
+            os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(timeout=10)
+        srv.assert_no_process_left()
+        assert get(srv.port, "/health")[0] == 0  # nobody answers on the port any more
+    finally:
+        srv.stop()
 
 
 def test_mpi_server_greedy_equals_generate(mpi_server, engine):

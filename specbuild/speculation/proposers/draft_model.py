@@ -95,8 +95,9 @@ class DraftModelProposer:
             nxt_rows, nxt_live = [], []
             for r, (i, seq, g) in enumerate(live):
                 row = logits[r:r + 1]
-                if seq.constraint is not None:  # draft only what the grammar allows (the target checks anyway)
-                    row = row.masked_fill(~seq.constraint.masks_for_paths([tokens[i]]), float("-inf"))
+                constraint = getattr(seq, "constraint", None)  # MineDraft's draft-rank mirrors have none
+                if constraint is not None:  # draft only what the grammar allows (the target checks anyway)
+                    row = row.masked_fill(~constraint.masks_for_paths([tokens[i]]), float("-inf"))
                 if seq.params.greedy:
                     tok = int(row[0].argmax())
                     p = None
@@ -115,6 +116,20 @@ class DraftModelProposer:
             p = None if seq.params.greedy else torch.stack(probs[i])
             out[i] = Draft(tokens[i], p, method="draft")
         return out
+
+    def prefill(self, seqs: list) -> None:
+        """Feed each sequence's text but its last token into the draft cache, drafting nothing
+        (one batched forward): the prompt's K/V are in place before the first `propose`, which
+        then feeds only what came after. MineDraft's draft rank runs it while the target
+        prefills the same prompt."""
+        rows = []
+        for seq in seqs:
+            self._ensure(seq)
+            todo = seq.all_ids[seq.spec_state.draft_len:len(seq.all_ids) - 1]
+            if todo:
+                rows.append((seq, todo))
+        if rows:
+            self._forward(rows)
 
     def rollback(self, seq, length: int) -> None:
         """Target holds `length` valid tokens: keep at most that many in the draft cache."""
