@@ -51,17 +51,16 @@ import uvicorn
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specbuild.engine.chat import MAX_MESSAGES
 from specbuild.engine.sequence import Handle, Request
 from specbuild.errors import RequestError
 from specbuild.sampling.params import SamplingParams
 from specbuild.serve.metrics import CONTENT_TYPE, ServerMetrics
 from specbuild.speculation.config import GAMMA_LIMIT, METHODS
-from specbuild.speculation.tree import MAX_DEPTH, MAX_INLINE_NODES, MAX_RANK
+from specbuild.speculation.tree import MAX_DEPTH, MAX_INLINE_NODES, MAX_RANK, TreeError, load_tree
 
 log = logging.getLogger("specbuild.server")
 
@@ -78,6 +77,7 @@ LIMIT_STOP_CHARS = 256
 LIMIT_PROMPT_CHARS = 1 << 22  # (the body limit bounds it too); tokens: the engine's max_seq_len
 LIMIT_PROMPT_IDS = 1 << 18
 LIMIT_MAX_TOKENS = 1 << 20  # and the engine refuses what its KV cache cannot hold
+LIMIT_MESSAGES = 4096  # messages per chat (each is rendered by the template)
 LIMIT_TEXT_PARTS = 256  # content parts per chat message
 LIMIT_NAME_CHARS = 256  # model, user, message name, tree preset name
 LIMIT_TOKEN_ID = 1 << 31  # ids are checked against the vocabulary by the engine
@@ -143,7 +143,18 @@ NgramSize = Annotated[int, Field(ge=1, le=8)]
 TreePaths = Annotated[list[Annotated[list[Annotated[int, Field(ge=0, lt=MAX_RANK)]],
                                      Field(min_length=1, max_length=MAX_DEPTH)]],
                       Field(min_length=1, max_length=MAX_INLINE_NODES)]
-Tree = Annotated[Union[Name, TreePaths], Field(description=(
+
+
+def preset_tree(name: str) -> str:
+    """A request's tree name must be a preset (load_tree opens no file without allow_files)."""
+    try:
+        load_tree(name)
+    except TreeError as e:
+        raise ValueError(str(e)) from None
+    return name
+
+
+Tree = Annotated[Union[Annotated[Name, AfterValidator(preset_tree)], TreePaths], Field(description=(
     "Medusa token tree: a preset name (e.g. mc_sim_7b_63, chain_4) or inline paths, a list of lists "
     f"of ranks (at most {MAX_INLINE_NODES} paths, depth <= {MAX_DEPTH}, ranks < {MAX_RANK}); never a file"))]
 Stop = Union[Annotated[str, Field(min_length=1, max_length=LIMIT_STOP_CHARS)],
@@ -217,7 +228,7 @@ class Message(Strict):
 
 
 class ChatRequest(CommonFields):
-    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=LIMIT_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=LIMIT_MAX_TOKENS)] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -240,12 +251,20 @@ def request_error(e: RequestError, default_param: str | None) -> ApiError:
     return ApiError(400, msg, param=param)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def validation_error(exc: RequestValidationError) -> ApiError:
     """pydantic's first complaint as OpenAI's error object, naming the top-level field."""
     errors = exc.errors()
     if not errors:
         return ApiError(400, "the request body is not valid")
-    err = errors[0]
+    first = [str(p) for p in errors[0].get("loc", ()) if p != "body"][:1]
+    # of the complaints about the first field, one about its value beats "wrong type" from
+    # the other branches of a union (tree=[[99]]: the rank, not "not a string")
+    same = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == first]
+    valued = [e for e in same if not e.get("type", "").endswith("_type")]
+    err = max(valued, key=lambda e: len(e.get("loc", ()))) if valued else same[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     kind = err.get("type", "")
     if kind == "json_invalid":
@@ -255,12 +274,16 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         got = type(err.get("input")).__name__
         return ApiError(400, f"the request body must be a JSON object, got {got}: {err.get('msg')}")
     field = loc[0]
-    where = ".".join(loc)
+    # the path a client wrote (messages[0].role), without pydantic's union branch tags
+    where = field + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:]
+                            if p.isdigit() or (re.fullmatch(r"[a-z_]+", p) and p not in _TYPE_TAGS))
     if kind == "extra_forbidden" and len(loc) == 1:
         return ApiError(400, f"unknown field {field!r} (see /openapi.json for the fields this server takes)",
                         param=field)
     if kind == "missing":
         return ApiError(400, f"{where} is required", param=field)
+    if kind == "value_error":  # our own validators' messages name the value already
+        return ApiError(400, f"{where}: {str(err.get('msg', '')).removeprefix('Value error, ')}", param=field)
     value = repr(err.get("input"))
     value = value if len(value) <= 60 else value[:57] + "..."
     return ApiError(400, f"{where}={value}: {err.get('msg')}", param=field)
@@ -379,6 +402,7 @@ class OpenAIServer:
             sock.close()
             raise
         self.sock = sock
+        quiet_uvicorn()
         self.uvicorn = uvicorn.Server(uvicorn.Config(
             self.app, log_config=None, access_log=False, lifespan="off", ws="none", http="h11",
             timeout_keep_alive=self.config.keep_alive_s, timeout_graceful_shutdown=3,
@@ -580,6 +604,22 @@ class OpenAIServer:
             return Response(text.encode(), media_type=CONTENT_TYPE)
 
         return BodyGuard(app, self.config)  # type: ignore[return-value]
+
+
+def quiet_uvicorn() -> None:
+    """uvicorn's own log under this server's name, its lifecycle lines (INFO) only at debug:
+    `specbuild serve` prints what it always printed (a line named "uvicorn.error" would read
+    as an error to anyone grepping the log)."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _Rename) for f in logger.filters):
+        logger.addFilter(_Rename())
+    logger.setLevel(logging.DEBUG if logging.getLogger().isEnabledFor(logging.DEBUG) else logging.WARNING)
+
+
+class _Rename(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.name = "specbuild.http"
+        return True
 
 
 class Events:
