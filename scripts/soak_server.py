@@ -33,7 +33,6 @@ import json
 import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import tempfile

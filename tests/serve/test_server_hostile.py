@@ -16,7 +16,6 @@ import os
 import re
 import socket
 import sys
-import threading
 
 import pytest
 from http_client import get, post, stream, wait_until
