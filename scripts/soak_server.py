@@ -294,9 +294,21 @@ def pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def soak(port: int, jobs: list[Job], expect: dict[tuple, list[int]], clients: int) -> dict:
-    """Run the jobs from `clients` threads; return the figures and the list of failures."""
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process, all its threads (Linux /proc), or None."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
+
+
+def soak(port: int, jobs: list[Job], expect: dict[tuple, list[int]], clients: int, pid: int | None = None) -> dict:
+    """Run the jobs from `clients` threads; return the figures and the list of failures.
+    With the server's pid, also its CPU seconds over the run (a cost that, unlike wall time,
+    other load on a shared machine barely moves)."""
     before = requests_total(port)
+    cpu_before = cpu_seconds(pid)
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     queue = list(reversed(jobs))
@@ -318,6 +330,7 @@ def soak(port: int, jobs: list[Job], expect: dict[tuple, list[int]], clients: in
     for t in threads:
         t.join(timeout=600)
     wall = time.perf_counter() - t0
+    cpu_after = cpu_seconds(pid)
     failures = []
     if any(t.is_alive() for t in threads):
         failures.append("clients still running after 600 s")
@@ -372,6 +385,7 @@ def soak(port: int, jobs: list[Job], expect: dict[tuple, list[int]], clients: in
             "output_tokens_per_s": round(sum(o.tokens for o in outcomes) / wall, 1),
             "ttft_p50_ms": ms(pct(ttft, 0.5)), "ttft_p99_ms": ms(pct(ttft, 0.99)),
             "tpot_p50_ms": ms(pct(tpot, 0.5)), "tpot_p99_ms": ms(pct(tpot, 0.99)),
+            "server_cpu_s": None if cpu_before is None or cpu_after is None else round(cpu_after - cpu_before, 2),
             "admitted": admitted, "bad": sum(j.kind == "bad" for j in jobs),
             "cancelled": sum(j.kind == "cancel" for j in jobs), "retries_429": sum(o.retries for o in outcomes),
             "kinds": {k: sum(j.kind == k for j in jobs) for k in sorted({j.kind for j in jobs})},
@@ -412,12 +426,13 @@ def main() -> int:
             label, _, path = spec.rpartition("=") if "=" in spec else (spec, "", spec)
             server = Server(bundle, os.path.join(tmp, f"{label}.log"), pythonpath=path)
             try:
-                rows[label] = result = soak(server.port, jobs, expect, args.clients)
+                rows[label] = result = soak(server.port, jobs, expect, args.clients, pid=server.proc.pid)
             finally:
                 server.stop()
             print(f"[{label}] PYTHONPATH={path}")
             print(f"  {result['requests']} requests ({result['kinds']}) from {result['clients']} clients in "
-                  f"{result['wall_s']} s: {result['requests_per_s']} req/s, {result['output_tokens_per_s']} tok/s")
+                  f"{result['wall_s']} s: {result['requests_per_s']} req/s, {result['output_tokens_per_s']} tok/s; "
+                  f"server CPU {result['server_cpu_s']} s")
             print(f"  TTFT p50 {result['ttft_p50_ms']} ms, p99 {result['ttft_p99_ms']} ms; "
                   f"TPOT p50 {result['tpot_p50_ms']} ms, p99 {result['tpot_p99_ms']} ms; 429 retries "
                   f"{result['retries_429']}")

@@ -404,7 +404,7 @@ class OpenAIServer:
         self.sock = sock
         quiet_uvicorn()
         self.uvicorn = uvicorn.Server(uvicorn.Config(
-            self.app, log_config=None, access_log=False, lifespan="off", ws="none", http="h11",
+            self.app, log_config=None, access_log=False, lifespan="off", ws="none",
             timeout_keep_alive=self.config.keep_alive_s, timeout_graceful_shutdown=3,
             limit_concurrency=self.config.max_connections))
         self.engine.start()
