@@ -57,7 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specbuild.engine.sequence import Handle, Request
 from specbuild.errors import RequestError
-from specbuild.sampling.params import SamplingParams
+from specbuild.sampling.params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from specbuild.serve.metrics import CONTENT_TYPE, ServerMetrics
 from specbuild.speculation.config import GAMMA_LIMIT, METHODS
 from specbuild.speculation.tree import MAX_DEPTH, MAX_INLINE_NODES, MAX_RANK, TreeError, load_tree
@@ -72,8 +72,8 @@ NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": (0, False), "top_log
            "presence_penalty": 0, "frequency_penalty": 0}
 
 # ---- limits on what a client sends (each reaches a loop, an allocation or a search) -------
-LIMIT_STOP_STRINGS = 16  # stop strings are searched in every new piece of text
-LIMIT_STOP_CHARS = 256
+LIMIT_STOP_STRINGS = MAX_STOP_STRINGS  # stop strings are searched in every new piece of text
+LIMIT_STOP_CHARS = MAX_STOP_CHARS
 LIMIT_PROMPT_CHARS = 1 << 22  # (the body limit bounds it too); tokens: the engine's max_seq_len
 LIMIT_PROMPT_IDS = 1 << 18
 LIMIT_MAX_TOKENS = 1 << 20  # and the engine refuses what its KV cache cannot hold

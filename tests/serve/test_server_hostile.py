@@ -311,3 +311,18 @@ def test_soak_ci_sized(server, bundle):
     drafted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("specbuild_accepted_tokens_total"))
     assert drafted > 0  # speculation ran and some drafts were accepted
+
+
+def test_triton_inputs_get_the_same_stop_limits(engine):
+    """The limits live in SamplingParams, so the Triton model refuses the same stop words."""
+    import numpy as np
+
+    from specbuild.errors import RequestError
+    from specbuild.serve.tritonserver_model import build_request, parse_inputs
+
+    base = {"text_input": np.array([b"hi"], dtype=object), "max_tokens": np.array([4], np.int32)}
+    for words, limit in (([b"x" * 257], "at most 256"), ([b"w%d" % i for i in range(17)], "at most 16")):
+        parsed = parse_inputs({**base, "stop_words": np.array(words, dtype=object)})
+        with pytest.raises(RequestError, match=limit):
+            build_request(parsed, engine)
+    assert build_request(parse_inputs({**base, "stop_words": np.array([b"x" * 256], dtype=object)}), engine)
