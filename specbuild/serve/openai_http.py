@@ -411,6 +411,12 @@ class OpenAIServer:
         return self.url
 
     @property
+    def port(self) -> int:
+        """The bound port (the free one picked when ServeConfig.port is 0)."""
+        assert self.sock is not None
+        return self.sock.getsockname()[1]
+
+    @property
     def url(self) -> str:
         assert self.sock is not None
         host, port = self.sock.getsockname()[:2]
