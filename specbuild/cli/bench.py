@@ -143,6 +143,8 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
     target = roles["target"]
     fmt = target.get("dtype", str(engine.model.dtype).replace("torch.", ""))
     target_format = f"{fmt}, from {os.path.basename(target.get('source', '')) or '?'} ({target.get('source_format', '?')})"
+    from specbuild.speculation.tree import tree_argument
+
     spec_fields = {"gamma": cfg.gamma, "gamma_min": cfg.gamma_min, "gamma_max": cfg.gamma_max}
     if cfg.trees and "medusa" not in methods:
         raise ValueError("--tree applies to Medusa rows: add medusa to --speculation")
@@ -150,7 +152,7 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
     for m in methods:
         for tree in (cfg.trees or (None,)) if m == "medusa" else (None,):
             name = f"specbuild {m}" + (f"[{tree}]" if tree and len(cfg.trees) > 1 else "")
-            fields = {**spec_fields, "tree": tree} if m == "medusa" else spec_fields if m != "none" else {}
+            fields = {**spec_fields, "tree": tree_argument(tree)} if m == "medusa" else spec_fields if m != "none" else {}
             rows.append((B.RowRecord(name, "specbuild", m, fmt, cfg.batch_size),
                          B.SpecbuildRunner(engine, m, cfg.max_tokens, **fields)))
     if "transformers" in cfg.peers:
@@ -239,9 +241,9 @@ def measure_verify_costs(engine, trees: tuple[str, ...] | None, repeats: int) ->
     shapes = [("decode step", 0), ("chain of 5", 5)]
     medusa = engine.meta.roles.get("medusa")
     if trees:
-        shapes += [(n, load_tree(n).num_drafts) for n in trees]
+        shapes += [(n, load_tree(n, allow_files=True).num_drafts) for n in trees]
     elif medusa is not None and os.path.isfile(os.path.join(engine.bundle_dir, medusa["path"], "tree.json")):
-        tree = load_tree(os.path.join(engine.bundle_dir, medusa["path"], "tree.json"))
+        tree = load_tree(os.path.join(engine.bundle_dir, medusa["path"], "tree.json"), allow_files=True)
         shapes.append((str(medusa.get("tree") or tree.name), tree.num_drafts))
     widths = sorted({nodes + 1 for _, nodes in shapes})
     costs = forward_costs(engine.model, engine.cache, widths, repeats=2 * repeats + 1)

@@ -249,9 +249,10 @@ def speculation_options(fn):
 
 def make_speculation(engine, speculation, gamma, gamma_min, gamma_max, tree, typical):
     from specbuild.speculation.config import SpeculationConfig
+    from specbuild.speculation.tree import tree_argument
 
-    return SpeculationConfig.make(engine.default_speculation, method=speculation, gamma=gamma,
-                                  gamma_min=gamma_min, gamma_max=gamma_max, tree=tree, typical=typical)
+    return SpeculationConfig.make(engine.default_speculation, method=speculation, gamma=gamma, gamma_min=gamma_min,
+                                  gamma_max=gamma_max, tree=tree_argument(tree), typical=typical)
 
 
 def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, index=0):

@@ -52,6 +52,8 @@ from specbuild.errors import SpecbuildError
 @click.option("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens [enough for a full batch].")
 @click.option("--prefill-chunk", type=int, default=256, show_default=True,
               help="Most prompt tokens per step, so long prompts do not stall running requests.")
+@click.option("--body-timeout", type=float, default=30.0, show_default=True,
+              help="Seconds a request body may take to arrive before the server answers 408 (slow clients).")
 @click.option("--model-name", default=None, help="Name in /v1/models and responses [the bundle directory's name].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
@@ -60,7 +62,7 @@ from specbuild.errors import SpecbuildError
 @click.option("--draft-timeout", type=float, default=5.0, show_default=True,
               help="Seconds the verifier waits for a draft reply before it decodes without the draft rank for good.")
 def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, kv_cache_tokens, prefill_chunk,
-          model_name, log_level, parallel_draft, draft_timeout) -> None:
+          body_timeout, model_name, log_level, parallel_draft, draft_timeout) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
     from specbuild.cli.main import dist_context, fail_once
 
@@ -83,7 +85,8 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
         from specbuild.engine.engine import EngineConfig
         from specbuild.serve.openai_http import OpenAIServer, ServeConfig
 
-        config = ServeConfig(host=host, port=port, max_queue=max_queue, model_name=model_name)
+        config = ServeConfig(host=host, port=port, max_queue=max_queue, model_name=model_name,
+                             body_timeout_s=body_timeout)
         engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
                                                   kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
                                                   load_draft=ctx.role != "verifier"),

@@ -174,7 +174,7 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
                 mw = read_medusa(medusa)
                 lm = tgt.tensors.get("lm_head.weight", tgt.tensors["model.embed_tokens.weight"])
                 heads = mw.tensors(lm)
-                spec = load_tree(os.path.join(tmp, "medusa", "tree.json"))
+                spec = load_tree(os.path.join(tmp, "medusa", "tree.json"), allow_files=True)
                 tree_paths, max_draft = [list(p) for p in spec.paths], spec.num_drafts
             say(f"writing TensorRT-LLM checkpoints (tp={options.tp}, pp={options.pp}, {options.trtllm_dtype})")
             write_trtllm_bundle_part(

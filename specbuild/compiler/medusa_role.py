@@ -255,7 +255,7 @@ def write_medusa_role(bundle_dir: str, heads: str | MedusaWeights, tree: str | T
     if tree is None and isinstance(weights.config.get("specbuild_tree"), (str, list)):
         tree = weights.config["specbuild_tree"]  # the tree the heads' trainer chose by measurement
         tree = TreeSpec.from_paths(tree, "heads' tree") if isinstance(tree, list) else tree
-    spec = default_tree(weights.num_heads) if tree is None else load_tree(tree)
+    spec = default_tree(weights.num_heads) if tree is None else load_tree(tree, allow_files=True)
     check_tree_depth(spec, weights.num_heads)
     dtype = target_lm.dtype
     role_dir = os.path.join(bundle_dir, MEDUSA_ROLE)
@@ -327,7 +327,7 @@ def bundle_heads(bundle_dir: str) -> tuple[MedusaWeights, TreeSpec, ModelConfig]
         tensors[name] = _target_tensor(bundle_dir, tname)
     weights = parse_heads(tensors, os.path.join(role_dir, HEADS_FILE))
     config = read_model_config(os.path.join(bundle_dir, meta.roles["target"]["path"]))
-    return weights, load_tree(os.path.join(role_dir, TREE_FILE)), config
+    return weights, load_tree(os.path.join(role_dir, TREE_FILE), allow_files=True), config
 
 
 EXPORT_FORMATS = ("fasterdecoding", "tensorrt-llm")

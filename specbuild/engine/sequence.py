@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -187,11 +187,24 @@ class Handle:
         self._events: queue.Queue[Event] = queue.Queue()
         self.done = threading.Event()
         self.error: str | None = None
+        # called (on the engine's thread) after each event is queued: lets an asyncio front
+        # end wake its waiter with loop.call_soon_threadsafe instead of blocking on get()
+        self.listener: Callable[[], None] | None = None
 
     def _emit(self, event: Event) -> None:
         self._events.put(event)
         if event.finished:
             self.done.set()
+        listener = self.listener
+        if listener is not None:
+            listener()
+
+    def get_nowait(self) -> Event | None:
+        """The next queued event, or None when none is queued (never waits)."""
+        try:
+            return self._events.get_nowait()
+        except queue.Empty:
+            return None
 
     def get(self, timeout: float | None = None) -> Event | None:
         """The next event, waiting up to `timeout` seconds (None: forever); None on timeout.

@@ -18,6 +18,8 @@ from specbuild.errors import RequestError
 
 
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_STOP_STRINGS = 16  # per request (HTTP, Triton, CLI)
+MAX_STOP_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,10 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise RequestError(f"stop string {s!r} must be a non-empty string")
-        if len(self.stop) > 16:
-            raise RequestError(f"{len(self.stop)} stop strings given; at most 16 are allowed")
+            if len(s) > MAX_STOP_CHARS:  # each is searched for in every new piece of text
+                raise RequestError(f"stop string {s[:20]!r}... is {len(s)} characters; at most {MAX_STOP_CHARS}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise RequestError(f"{len(self.stop)} stop strings given; at most {MAX_STOP_STRINGS} are allowed")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)

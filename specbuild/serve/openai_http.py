@@ -1,64 +1,88 @@
-"""OpenAI-compatible HTTP front end over one engine of any backend (standard library only).
+"""OpenAI-compatible HTTP front end over one engine of any backend, on FastAPI + uvicorn.
 
     POST /v1/completions, /v1/chat/completions   (stream: true -> server-sent events)
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /v1/models/{id}, /health, /metrics, /openapi.json
 
 The engine is what `backend.open_engine` returns (torch or TensorRT-LLM); the server uses
 only the request-level interface (`backend.Backend`): submit/abort/start/stop, the text
 helpers, and `stats()` for /health and /metrics.
 
-One thread per connection (`ThreadingHTTPServer`); the engine's step loop runs on its own
-thread and continuous batching happens there: requests join and leave between steps.
-A handler thread submits, then waits on its handle's events, polling its socket between
-events so that a client that goes away has its request aborted (KV blocks freed) at once.
-Back-pressure: when `max_queue` requests already wait for admission, new ones get 429
-with Retry-After. Bad bodies get 4xx with `{"error": {message, type, param, code}}`.
+Threads. uvicorn runs one asyncio event loop (on the thread that calls `serve_forever`);
+the engine's step loop runs on its own thread and continuous batching happens there. The
+event loop never blocks on the engine: parsing, chat rendering, tokenizing and `submit` run
+in a worker thread, and a request's events reach its coroutine through `Handle.listener`
+(the engine thread calls `loop.call_soon_threadsafe`). Each request also watches its
+connection: when the client goes away its request is aborted (KV blocks freed) at once,
+while it streams, while it waits for a whole answer, or while it is still queued.
 
-Extension fields (beyond OpenAI's): `top_k`, `ignore_eos`, `return_token_ids`, and the
-SpeculationConfig names `speculation` (a method name, or an object of those fields),
-`gamma`, `gamma_min`, `gamma_max`, `tree`, `ngram_min`, `ngram_max`, `typical`. `usage`
-adds drafted_tokens, accepted_tokens, mean_accepted_tokens and seed.
+Back-pressure: when `max_queue` requests already wait for admission, new ones get 429 with
+Retry-After. Bad bodies get 4xx with `{"error": {message, type, param, code}}`, `param`
+naming the field. Bodies need a Content-Length (or chunked encoding), at most
+`max_body_bytes`; a body that does not arrive within `body_timeout_s` gets 408, so a slow
+client holds one connection, never a worker.
+
+Request bodies are pydantic models (`CompletionRequest`, `ChatRequest`, in /openapi.json):
+OpenAI's field names, plus the extension fields `top_k`, `ignore_eos`, `return_token_ids`
+and the SpeculationConfig names `speculation` (a method name, or an object of those
+fields), `gamma`, `gamma_min`, `gamma_max`, `tree`, `ngram_min`, `ngram_max`, `typical`.
+`usage` adds drafted_tokens, accepted_tokens, mean_accepted_tokens and seed.
+
+Every field a client controls that reaches a loop bound, an allocation, a string search or
+the filesystem has a limit (the LIMIT constants below; 400 names the field, value and
+limit): a `tree` is a preset name or inline paths and never opens a file; chat roles are
+OpenAI's (system, developer, user, assistant, tool, function).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import re
-import select
 import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Literal, Union
 
-from specbuild.errors import RequestError
-from specbuild.serve.metrics import CONTENT_TYPE, ServerMetrics
-from specbuild.sampling.params import SamplingParams
+import uvicorn
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from specbuild.engine.sequence import Handle, Request
+from specbuild.errors import RequestError
+from specbuild.sampling.params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from specbuild.serve.metrics import CONTENT_TYPE, ServerMetrics
+from specbuild.speculation.config import GAMMA_LIMIT, METHODS
+from specbuild.speculation.tree import MAX_DEPTH, MAX_INLINE_NODES, MAX_RANK, TreeError, load_tree
 
 log = logging.getLogger("specbuild.server")
 
 SPEC_FIELDS = ("gamma", "gamma_min", "gamma_max", "tree", "ngram_min", "ngram_max", "typical")
 SPEC_OBJECT_FIELDS = ("method",) + SPEC_FIELDS
-_INT, _NUM, _STR, _BOOL = ("integer", "null"), ("number", "null"), ("string", "null"), ("boolean", "null")
-COMMON_FIELDS: dict[str, tuple[str, ...]] = {
-    "model": _STR, "stream": _BOOL, "stream_options": ("object", "null"), "max_tokens": _INT,
-    "temperature": _NUM, "top_p": _NUM, "top_k": _INT, "seed": _INT, "stop": ("string", "array", "null"),
-    "n": _INT, "user": _STR, "presence_penalty": _NUM, "frequency_penalty": _NUM, "ignore_eos": _BOOL,
-    "return_token_ids": _BOOL, "speculation": ("string", "object", "null"), "gamma": _INT, "gamma_min": _INT,
-    "gamma_max": _INT, "tree": _STR, "ngram_min": _INT, "ngram_max": _INT, "typical": _BOOL,
-}
-COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": ("string", "array"), "echo": _BOOL, "best_of": _INT,
-                     "logprobs": _INT, "suffix": _STR}
-CHAT_FIELDS = {**COMMON_FIELDS, "messages": ("array",), "max_completion_tokens": _INT, "logprobs": _BOOL,
-               "top_logprobs": _INT}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # accepted OpenAI fields this server does not implement: only their neutral value is allowed
 NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": (0, False), "top_logprobs": 0, "suffix": "",
            "presence_penalty": 0, "frequency_penalty": 0}
+
+# ---- limits on what a client sends (each reaches a loop, an allocation or a search) -------
+LIMIT_STOP_STRINGS = MAX_STOP_STRINGS  # stop strings are searched in every new piece of text
+LIMIT_STOP_CHARS = MAX_STOP_CHARS
+LIMIT_PROMPT_CHARS = 1 << 22  # (the body limit bounds it too); tokens: the engine's max_seq_len
+LIMIT_PROMPT_IDS = 1 << 18
+LIMIT_MAX_TOKENS = 1 << 20  # and the engine refuses what its KV cache cannot hold
+LIMIT_MESSAGES = 4096  # messages per chat (each is rendered by the template)
+LIMIT_TEXT_PARTS = 256  # content parts per chat message
+LIMIT_NAME_CHARS = 256  # model, user, message name, tree preset name
+LIMIT_TOKEN_ID = 1 << 31  # ids are checked against the vocabulary by the engine
+LIMIT_TOP_K = 1 << 20
+LIMIT_SEED = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -71,42 +95,146 @@ class ServeConfig:
     model_name: str | None = None  # None: the bundle directory's name
     retry_after_s: int = 1
     max_body_bytes: int = 4 << 20
-    poll_s: float = 0.05  # how often a waiting handler checks that its client is still there
+    body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
+    max_connections: int = 1024  # uvicorn answers 503 beyond this many connections + tasks
+    keep_alive_s: int = 60  # idle keep-alive connections close after this
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port} is out of range [0, 65535]")
         if not 1 <= self.max_queue <= 1 << 20:
             raise ValueError(f"max_queue={self.max_queue} is out of range [1, {1 << 20}]")
-        if not 0 < self.poll_s <= 1:
-            raise ValueError(f"poll_s={self.poll_s} is out of range (0, 1]")
+        if not 0.05 <= self.body_timeout_s <= 3600:
+            raise ValueError(f"body_timeout_s={self.body_timeout_s} is out of range [0.05, 3600]")
+        if not 1 <= self.max_connections <= 1 << 20:
+            raise ValueError(f"max_connections={self.max_connections} is out of range [1, {1 << 20}]")
 
 
-class ApiError(Exception):
-    """An HTTP error answer: status plus OpenAI's error object."""
+class ApiError(StarletteHTTPException):
+    """An HTTP error answer: status plus OpenAI's error object. An HTTPException, so that
+    FastAPI passes it through body parsing unchanged (a slow or oversized body)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
+        super().__init__(status, message, headers)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status, headers=self.headers)
 
 
 class ClientGone(Exception):
     """The client closed its connection."""
 
 
-def json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    return {int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "?")
+# ---- request models ---------------------------------------------------------------------------
+class Strict(BaseModel):
+    """JSON types as JSON has them: no "10" for 10, no true for 1, no NaN; unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+Name = Annotated[str, Field(max_length=LIMIT_NAME_CHARS)]
+Gamma = Annotated[int, Field(ge=0, le=GAMMA_LIMIT)]
+NgramSize = Annotated[int, Field(ge=1, le=8)]
+TreePaths = Annotated[list[Annotated[list[Annotated[int, Field(ge=0, lt=MAX_RANK)]],
+                                     Field(min_length=1, max_length=MAX_DEPTH)]],
+                      Field(min_length=1, max_length=MAX_INLINE_NODES)]
+
+
+def preset_tree(name: str) -> str:
+    """A request's tree name must be a preset (load_tree opens no file without allow_files)."""
+    try:
+        load_tree(name)
+    except TreeError as e:
+        raise ValueError(str(e)) from None
+    return name
+
+
+Tree = Annotated[Union[Annotated[Name, AfterValidator(preset_tree)], TreePaths], Field(description=(
+    "Medusa token tree: a preset name (e.g. mc_sim_7b_63, chain_4) or inline paths, a list of lists "
+    f"of ranks (at most {MAX_INLINE_NODES} paths, depth <= {MAX_DEPTH}, ranks < {MAX_RANK}); never a file"))]
+Stop = Union[Annotated[str, Field(min_length=1, max_length=LIMIT_STOP_CHARS)],
+             Annotated[list[Annotated[str, Field(min_length=1, max_length=LIMIT_STOP_CHARS)]],
+                       Field(max_length=LIMIT_STOP_STRINGS)]]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=LIMIT_TOKEN_ID)]], Field(max_length=LIMIT_PROMPT_IDS)]
+PromptText = Annotated[str, Field(max_length=LIMIT_PROMPT_CHARS)]
+
+
+class SpeculationObject(Strict):
+    method: Literal[METHODS] | None = None  # type: ignore[valid-type]
+    gamma: Gamma | None = None
+    gamma_min: Gamma | None = None
+    gamma_max: Gamma | None = None
+    tree: Tree | None = None
+    ngram_min: NgramSize | None = None
+    ngram_max: NgramSize | None = None
+    typical: bool | None = None
+
+
+class StreamOptions(Strict):
+    include_usage: bool | None = None
+
+
+class CommonFields(Strict):
+    model: Name | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=LIMIT_MAX_TOKENS)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=100)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=LIMIT_TOP_K)] | None = None
+    seed: Annotated[int, Field(ge=0, le=LIMIT_SEED)] | None = None
+    stop: Stop | None = None
+    n: int | None = None
+    user: Name | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    ignore_eos: bool | None = None
+    return_token_ids: bool | None = None
+    speculation: Union[Literal[METHODS], SpeculationObject] | None = Field(  # type: ignore[valid-type]
+        None, description="a method name, or an object of SpeculationConfig fields")
+    gamma: Gamma | None = None
+    gamma_min: Gamma | None = None
+    gamma_max: Gamma | None = None
+    tree: Tree | None = None
+    ngram_min: NgramSize | None = None
+    ngram_max: NgramSize | None = None
+    typical: bool | None = Field(None, description="Medusa typical acceptance: LOSSY (opt-in)")
+
+
+class CompletionRequest(CommonFields):
+    prompt: Union[PromptText, TokenIds, Annotated[list[PromptText], Field(max_length=1)],
+                  Annotated[list[TokenIds], Field(max_length=1)]] = Field(
+        description="a string or a list of token ids (one prompt per request; a one-element list of either)")
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: PromptText
+
+
+class Message(Strict):
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
+    content: Union[PromptText, Annotated[list[TextPart], Field(max_length=LIMIT_TEXT_PARTS)]]
+    name: Name | None = None
+
+
+class ChatRequest(CommonFields):
+    messages: Annotated[list[Message], Field(min_length=1, max_length=LIMIT_MESSAGES)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=LIMIT_MAX_TOKENS)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+# ---- parsing -----------------------------------------------------------------------------------
 def request_error(e: RequestError, default_param: str | None) -> ApiError:
     """Map an engine/config RequestError to 400, naming the field its message starts with."""
     msg = str(e)
@@ -114,91 +242,115 @@ def request_error(e: RequestError, default_param: str | None) -> ApiError:
     param = m.group(1) if m else default_param
     if msg.startswith("speculation") or msg.startswith("unknown speculation"):
         param = "speculation"
-    elif msg.startswith("stop string"):
+    elif msg.startswith("stop string") or re.match(r"\d+ stop strings", msg):
         param = "stop"
+    elif msg.startswith("tree"):
+        param = "tree"
     elif msg.startswith("unknown sampling"):
         param = None
     return ApiError(400, msg, param=param)
 
 
-def check_fields(body: Any, fields: dict[str, tuple[str, ...]]) -> None:
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {json_type(body)}")
-    unknown = sorted(set(body) - set(fields))
-    if unknown:
-        raise ApiError(400, f"unknown field(s) {unknown}; supported: {sorted(fields)}", param=unknown[0])
-    for name, value in body.items():
-        kind = json_type(value)
-        allowed = fields[name]
-        if kind not in allowed and not (kind == "integer" and "number" in allowed):
-            raise ApiError(400, f"{name} must be {' or '.join(allowed)}, got {kind} {value!r:.60}", param=name)
-        neutral = NEUTRAL.get(name)
-        if neutral is not None and value is not None:
-            ok = value in neutral if isinstance(neutral, tuple) else value == neutral
-            if not ok:
-                raise ApiError(400, f"{name}={value!r} is not supported by this server (only {neutral!r})", param=name)
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def parse_sampling(body: dict[str, Any], defaults: SamplingParams, chat: bool) -> SamplingParams:
-    stop = body.get("stop")
-    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
-        raise ApiError(400, "stop must be a string or a list of strings", param="stop")
-    max_tokens = body.get("max_completion_tokens") if chat else None
-    fields = {"max_tokens": max_tokens if max_tokens is not None else body.get("max_tokens"),
-              "temperature": body.get("temperature"), "top_p": body.get("top_p"), "top_k": body.get("top_k"),
-              "seed": body.get("seed"), "stop": tuple([stop] if isinstance(stop, str) else stop) if stop else None,
-              "ignore_eos": body.get("ignore_eos")}
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """pydantic's first complaint as OpenAI's error object, naming the top-level field."""
+    errors = exc.errors()
+    if not errors:
+        return ApiError(400, "the request body is not valid")
+    first = [str(p) for p in errors[0].get("loc", ()) if p != "body"][:1]
+    # of the complaints about the first field, one about its value beats "wrong type" from
+    # the other branches of a union (tree=[[99]]: the rank, not "not a string")
+    same = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == first]
+    valued = [e for e in same if not e.get("type", "").endswith("_type")]
+    err = max(valued, key=lambda e: len(e.get("loc", ()))) if valued else same[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", err.get("msg", ""))
+        return ApiError(400, f"the body is not valid JSON: {detail}", code="invalid_json")
+    if not loc:
+        got = type(err.get("input")).__name__
+        return ApiError(400, f"the request body must be a JSON object, got {got}: {err.get('msg')}")
+    field = loc[0]
+    # the path a client wrote (messages[0].role), without pydantic's union branch tags
+    where = field + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:]
+                            if p.isdigit() or (re.fullmatch(r"[a-z_]+", p) and p not in _TYPE_TAGS))
+    if kind == "extra_forbidden" and len(loc) == 1:
+        return ApiError(400, f"unknown field {field!r} (see /openapi.json for the fields this server takes)",
+                        param=field)
+    if kind == "missing":
+        return ApiError(400, f"{where} is required", param=field)
+    if kind == "value_error":  # our own validators' messages name the value already
+        return ApiError(400, f"{where}: {str(err.get('msg', '')).removeprefix('Value error, ')}", param=field)
+    value = repr(err.get("input"))
+    value = value if len(value) <= 60 else value[:57] + "..."
+    return ApiError(400, f"{where}={value}: {err.get('msg')}", param=field)
+
+
+def check_neutral(body: BaseModel) -> None:
+    for name, neutral in NEUTRAL.items():
+        value = getattr(body, name, None)
+        if value is not None:
+            if not (value in neutral if isinstance(neutral, tuple) else value == neutral):
+                raise ApiError(400, f"{name}={value!r} is not supported by this server (only {neutral!r})",
+                               param=name)
+
+
+def parse_sampling(body: CommonFields, defaults: SamplingParams, chat: bool) -> SamplingParams:
+    stop = body.stop
+    max_tokens = body.max_completion_tokens if chat else None  # type: ignore[attr-defined]
+    fields = {"max_tokens": max_tokens if max_tokens is not None else body.max_tokens,
+              "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
+              "stop": tuple([stop] if isinstance(stop, str) else stop) if stop else None,
+              "ignore_eos": body.ignore_eos}
     try:
         return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None}, defaults)
     except RequestError as e:
         raise request_error(e, None) from None
 
 
-def parse_speculation(body: dict[str, Any]) -> dict[str, Any] | None:
+def parse_speculation(body: CommonFields) -> dict[str, Any] | None:
     """The request's speculation fields as a dict for SpeculationConfig.make (None: bundle default)."""
     spec: dict[str, Any] = {}
-    given = body.get("speculation")
+    given = body.speculation
     if isinstance(given, str):
         spec["method"] = given
-    elif isinstance(given, dict):
-        unknown = sorted(set(given) - set(SPEC_OBJECT_FIELDS))
-        if unknown:
-            raise ApiError(400, f"unknown speculation field(s) {unknown}; known: {list(SPEC_OBJECT_FIELDS)}",
-                           param="speculation")
-        spec.update({k: v for k, v in given.items() if v is not None})
+    elif isinstance(given, SpeculationObject):
+        spec.update(given.model_dump(exclude_none=True))
     for name in SPEC_FIELDS:
-        if body.get(name) is not None:
+        value = getattr(body, name)
+        if value is not None:
             if name in spec:
                 raise ApiError(400, f"{name} is given both at top level and inside speculation", param=name)
-            spec[name] = body[name]
+            spec[name] = value
+    if isinstance(spec.get("tree"), list):  # inline paths: SpeculationConfig keeps them as tuples
+        spec["tree"] = tuple(tuple(p) for p in spec["tree"])
     return spec or None
 
 
-def parse_prompt(body: dict[str, Any]) -> Request:
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise ApiError(400, "prompt is required", param="prompt")
+def parse_prompt(body: CompletionRequest) -> Request:
+    prompt = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return Request(prompt=prompt)
-    if isinstance(prompt, list) and all(json_type(t) == "integer" for t in prompt):
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return Request(prompt_ids=list(prompt))
     raise ApiError(400, "prompt must be a string, a list of token ids, or a one-element list of either "
                         "(one prompt per request)", param="prompt")
 
 
-def flatten_messages(messages: list[Any]) -> list[Any]:
-    """OpenAI content parts [{type: text, text}] -> one string; other parts are refused."""
+def flatten_messages(messages: list[Message]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them; text parts joined into one string."""
     out = []
-    for i, message in enumerate(messages):
-        if isinstance(message, dict) and isinstance(message.get("content"), list):
-            parts = message["content"]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in parts):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            message = {**message, "content": "".join(p["text"] for p in parts)}
-        out.append(message)
+    for message in messages:
+        content = message.content if isinstance(message.content, str) else "".join(p.text for p in message.content)
+        item = {"role": message.role, "content": content}
+        if message.name is not None:
+            item["name"] = message.name
+        out.append(item)
     return out
 
 
@@ -215,8 +367,12 @@ class Call:
     created: int
 
 
+# ---- the application ---------------------------------------------------------------------------
 class OpenAIServer:
-    """The HTTP application: parsing, admission, streaming, metrics. Owns no model state."""
+    """The HTTP application: parsing, admission, streaming, metrics. Owns no model state.
+
+    `bind()` starts the engine loop and binds the socket; `serve_forever()` runs uvicorn on
+    the calling thread until `shutdown()` (from another thread)."""
 
     def __init__(self, engine, config: ServeConfig = ServeConfig()) -> None:
         self.engine = engine
@@ -228,28 +384,50 @@ class OpenAIServer:
         self.created = int(time.time())
         self.health_checks: list[Callable[[], dict[str, Any]]] = []  # extra /health fields (e.g. draft rank)
         self._lock = threading.Lock()
-        self.httpd: ThreadingHTTPServer | None = None
+        self.sock: socket.socket | None = None
+        self.uvicorn: uvicorn.Server | None = None
+        self._served = threading.Event()
+        self.app = self.make_app()
 
     # ---- lifecycle ----------------------------------------------------------------------
     def bind(self) -> str:
         """Start the engine loop and bind the socket; returns the URL (serve with serve_forever)."""
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
-        server_cls = type("SpecbuildHTTPServer", (ThreadingHTTPServer,),
-                          {"address_family": family, "daemon_threads": True, "block_on_close": False})
-        self.httpd = server_cls((self.config.host, self.config.port), RequestHandler)
-        self.httpd.app = self  # type: ignore[attr-defined]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.config.host, self.config.port))
+            sock.listen(2048)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+        quiet_uvicorn()
+        self.uvicorn = uvicorn.Server(uvicorn.Config(
+            self.app, log_config=None, access_log=False, lifespan="off", ws="none",
+            timeout_keep_alive=self.config.keep_alive_s, timeout_graceful_shutdown=3,
+            limit_concurrency=self.config.max_connections))
         self.engine.start()
         return self.url
 
     @property
+    def port(self) -> int:
+        """The bound port (the free one picked when ServeConfig.port is 0)."""
+        assert self.sock is not None
+        return self.sock.getsockname()[1]
+
+    @property
     def url(self) -> str:
-        assert self.httpd is not None
-        host, port = self.httpd.server_address[:2]
+        assert self.sock is not None
+        host, port = self.sock.getsockname()[:2]
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def serve_forever(self) -> None:
-        assert self.httpd is not None
-        self.httpd.serve_forever(poll_interval=0.2)
+        assert self.uvicorn is not None and self.sock is not None
+        try:
+            self.uvicorn.run(sockets=[self.sock])
+        finally:
+            self._served.set()
 
     def shutdown(self) -> None:
         """Refuse new work, abort what is in flight, stop the loop (call off the serving thread)."""
@@ -258,42 +436,38 @@ class OpenAIServer:
             handles = list(self.active)
         for handle in handles:
             self.engine.abort(handle)
-        if self.httpd is not None:
-            self.httpd.shutdown()
-            self.httpd.server_close()
+        if self.uvicorn is not None:
+            self.uvicorn.should_exit = True
+            self._served.wait(timeout=10)
+        if self.sock is not None:
+            self.sock.close()
         self.engine.stop()
 
     # ---- requests ----------------------------------------------------------------------
-    def parse(self, body: Any, endpoint: str) -> Call:
+    def parse(self, body: CompletionRequest | ChatRequest, endpoint: str) -> Call:
         chat = endpoint == "chat"
-        check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-        model = body.get("model")
-        if model is not None and model not in (self.model_name, self.engine.bundle_dir):
-            raise ApiError(404, f"model {model!r} is not served here (serving {self.model_name!r})",
+        check_neutral(body)
+        if body.model is not None and body.model not in (self.model_name, self.engine.bundle_dir):
+            raise ApiError(404, f"model {body.model!r} is not served here (serving {self.model_name!r})",
                            param="model", code="model_not_found")
-        stream = bool(body.get("stream"))
-        options = body.get("stream_options") or {}
-        if options and not stream:
+        stream = bool(body.stream)
+        options = body.stream_options
+        if options is not None and not stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
-            raise ApiError(400, "stream_options takes only include_usage (boolean)", param="stream_options")
         sampling = parse_sampling(body, self.engine.default_sampling, chat)
         if chat:
-            messages = body.get("messages")
-            if not messages:
-                raise ApiError(400, "messages is required and must not be empty", param="messages")
             try:
-                text = self.engine.render_chat(flatten_messages(messages))
+                text = self.engine.render_chat(flatten_messages(body.messages))  # type: ignore[union-attr]
             except RequestError as e:
                 raise ApiError(400, str(e), param="messages") from None
             request = Request(prompt_ids=self.engine.encode(text, add_special_tokens=False))
         else:
-            request = parse_prompt(body)
+            request = parse_prompt(body)  # type: ignore[arg-type]
         prefix = "chatcmpl" if chat else "cmpl"
         request.request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         request.sampling = sampling
         request.speculation = parse_speculation(body)
-        return Call(endpoint, request, stream, bool(options.get("include_usage")), bool(body.get("return_token_ids")),
+        return Call(endpoint, request, stream, bool(options and options.include_usage), bool(body.return_token_ids),
                     request.request_id, int(time.time()))
 
     def submit(self, call: Call) -> Handle:
@@ -315,8 +489,13 @@ class OpenAIServer:
             self.active.add(handle)
         return handle
 
+    def parse_and_submit(self, body: CompletionRequest | ChatRequest, endpoint: str) -> tuple[Call, Handle]:
+        call = self.parse(body, endpoint)
+        return call, self.submit(call)
+
     def finish(self, handle: Handle) -> None:
         """Abort the request if it is still running (the client went away)."""
+        handle.listener = None
         with self._lock:
             self.active.discard(handle)
         if not handle.seq.finished:
@@ -342,6 +521,277 @@ class OpenAIServer:
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "specbuild", "max_model_len": self.engine.max_seq_len}]}
+
+    # ---- generation --------------------------------------------------------------------------
+    async def generate(self, request: HttpRequest, body: CompletionRequest | ChatRequest, endpoint: str) -> Response:
+        try:
+            call, handle = await run_in_threadpool(self.parse_and_submit, body, endpoint)
+        except ApiError as e:
+            if 400 <= e.status < 500 and e.status != 429:
+                self.metrics.rejected.inc(reason="invalid")
+            raise
+        events = Events(self, call, handle, request.receive)
+        if call.stream:
+            return SSEResponse(self, call, events)
+        try:
+            async for _ in events:
+                pass
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; uvicorn drops it
+        finally:
+            events.close()
+        seq = handle.seq
+        if seq.finish_reason == "error":
+            raise ApiError(500, handle.error or "the engine failed this request", type_="server_error")
+        if seq.finish_reason == "abort":
+            raise ApiError(503, "the request was aborted (server shutting down)", type_="server_error", code="aborted")
+        return JSONResponse(envelope(call, self.model_name, [choice(call, seq.text, seq.output_ids, seq.finish_reason,
+                                                                    True)], False, usage=usage(seq)))
+
+    def make_app(self) -> FastAPI:
+        from specbuild import __version__
+
+        app = FastAPI(title="specbuild", version=__version__, docs_url=None, redoc_url=None,
+                      description="OpenAI-compatible completions and chat over a speculation bundle "
+                                  "(lossless speculative decoding).")
+
+        @app.exception_handler(ApiError)
+        async def api_error(request, exc: ApiError):
+            return exc.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(request, exc: RequestValidationError):
+            self.metrics.rejected.inc(reason="invalid")
+            return validation_error(exc).response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request, exc: StarletteHTTPException):
+            if exc.status_code == 404:
+                e = ApiError(404, f"no route {request.url.path!r}", code="not_found")
+            elif exc.status_code == 405:
+                e = ApiError(405, f"{request.url.path} does not take {request.method}", code="method_not_allowed")
+            else:
+                e = ApiError(exc.status_code, str(exc.detail), code=None)
+            return e.response()
+
+        @app.exception_handler(Exception)
+        async def bug(request, exc: Exception):  # a bug answers 500 with the usual shape, never a bare reset
+            log.error("request to %s failed", request.url.path, exc_info=exc)
+            return ApiError(500, "internal error (see the server log)", type_="server_error").response()
+
+        @app.post("/v1/completions", tags=["openai"])
+        async def completions(body: CompletionRequest, request: HttpRequest):
+            return await self.generate(request, body, "completions")
+
+        @app.post("/v1/chat/completions", tags=["openai"])
+        async def chat_completions(body: ChatRequest, request: HttpRequest):
+            return await self.generate(request, body, "chat")
+
+        @app.get("/v1/models", tags=["openai"])
+        async def models():
+            return self.models()
+
+        @app.get("/v1/models/{model_id:path}", tags=["openai"])
+        async def model(model_id: str):
+            found = [m for m in self.models()["data"] if m["id"] == model_id]
+            if not found:
+                raise ApiError(404, f"model {model_id[:LIMIT_NAME_CHARS]!r} is not served here", param="model",
+                               code="model_not_found")
+            return found[0]
+
+        @app.get("/health", tags=["specbuild"])
+        async def health():
+            status, info = await run_in_threadpool(self.health)
+            return JSONResponse(info, status)
+
+        @app.get("/metrics", tags=["specbuild"])
+        async def metrics():
+            text = await run_in_threadpool(self.metrics.render)
+            return Response(text.encode(), media_type=CONTENT_TYPE)
+
+        return BodyGuard(app, self.config)  # type: ignore[return-value]
+
+
+def quiet_uvicorn() -> None:
+    """uvicorn's own log under this server's name, its lifecycle lines (INFO) only at debug:
+    `specbuild serve` prints what it always printed (a line named "uvicorn.error" would read
+    as an error to anyone grepping the log)."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _Rename) for f in logger.filters):
+        logger.addFilter(_Rename())
+    logger.setLevel(logging.DEBUG if logging.getLogger().isEnabledFor(logging.DEBUG) else logging.WARNING)
+
+
+class _Rename(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.name = "specbuild.http"
+        return True
+
+
+class Events:
+    """A request's engine events as an async iterator. The engine thread wakes it through
+    `Handle.listener`; a watcher on the connection's `receive` wakes it when the client goes
+    away (then ClientGone is raised and the request aborted, KV blocks freed)."""
+
+    def __init__(self, server: OpenAIServer, call: Call, handle: Handle, receive) -> None:
+        self.server, self.call, self.handle = server, call, handle
+        self.ready = asyncio.Event()
+        self.gone = False
+        self.recorded = False
+        loop = asyncio.get_running_loop()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(self.ready.set)
+            except RuntimeError:  # the loop is closed (shutting down)
+                pass
+
+        handle.listener = wake
+        self.watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                self.ready.set()
+                return
+
+    def record(self) -> None:
+        """Metrics for a finished request, once; before its last bytes go out, so that a client
+        that reads /metrics after its response sees its request counted."""
+        if not self.recorded:
+            self.recorded = True
+            self.server.metrics.observe_request(self.call.endpoint, self.handle.seq.finish_reason, self.handle.seq)
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        while True:
+            self.ready.clear()
+            while True:
+                event = self.handle.get_nowait()
+                if event is None:
+                    break
+                if event.finished:
+                    self.record()
+                yield event
+                if event.finished:
+                    return
+            if self.gone:
+                raise ClientGone()
+            await self.ready.wait()
+
+    def close(self) -> None:
+        self.watcher.cancel()
+        self.server.finish(self.handle)
+        self.record()
+
+
+class SSEResponse(Response):
+    """Server-sent events for one streaming request (uvicorn chunks the body)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, server: OpenAIServer, call: Call, events: Events) -> None:
+        super().__init__(status_code=200)
+        # set by hand: Starlette would append "; charset=utf-8" to a text/* type
+        self.raw_headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]
+        self.server, self.call, self.events = server, call, events
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.chunks():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (ClientGone, OSError):  # uvicorn raises OSError (ClientDisconnected) on a closed socket
+            pass
+        except Exception:
+            log.exception("request %s failed while streaming", self.call.id)
+        finally:
+            self.events.close()
+
+    async def chunks(self):
+        call, model, handle = self.call, self.server.model_name, self.events.handle
+        if call.endpoint == "chat":
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield sse(envelope(call, model, [first], True))
+        async for event in self.events:
+            if event.text or (call.return_token_ids and event.token_ids):
+                yield sse(envelope(call, model, [choice(call, event.text, event.token_ids, None, False)], True))
+            if event.finished and event.finish_reason == "error":
+                yield sse(ApiError(500, handle.error or "the engine failed this request", type_="server_error").body())
+            elif event.finished:
+                seq_usage = usage(handle.seq)
+                yield sse(envelope(call, model, [choice(call, None, [] if call.return_token_ids else None,
+                                                        event.finish_reason, False)], True, usage=seq_usage))
+                if call.include_usage:
+                    yield sse(envelope(call, model, [], True, usage=seq_usage))
+        yield b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+class BodyGuard:
+    """ASGI middleware in front of the app: a POST needs a Content-Length (or chunked
+    encoding) of at most max_body_bytes (411/413 before any byte is read), and its body must
+    arrive within body_timeout_s (408): a client that sends half a body holds its own
+    connection only. Counted while reading, so chunked bodies are bounded too."""
+
+    def __init__(self, app: FastAPI, config: ServeConfig) -> None:
+        self.app, self.config = app, config
+
+    def __getattr__(self, name: str) -> Any:  # .openapi(), .routes ... of the wrapped FastAPI app
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        limit = self.config.max_body_bytes
+        if length is None and not chunked:
+            return await self.reject(send, ApiError(411, "a Content-Length header is required", code="length_required"))
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return await self.reject(send, ApiError(413, f"the body is {length.decode(errors='replace')[:20]} bytes; "
+                                                         f"the limit is {limit}", code="body_too_large"))
+        received, complete = 0, False
+        deadline = time.monotonic() + self.config.body_timeout_s
+
+        async def guarded() -> dict:
+            nonlocal received, complete
+            if complete:
+                return await receive()  # the body is in; this waits for the disconnect
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout_s:g}s "
+                                    f"({received} bytes came)", code="body_timeout") from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise ApiError(413, f"the body is over {limit} bytes, the limit", code="body_too_large")
+                complete = not message.get("more_body", False)
+            return message
+
+        # the body is JSON whatever Content-Type says (curl -d sends a form type), as before
+        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                 + [(b"content-type", b"application/json")]}
+        await self.app(scope, guarded, send)
+
+    @staticmethod
+    async def reject(send, error: ApiError) -> None:
+        data = json.dumps(error.body()).encode()
+        await send({"type": "http.response.start", "status": error.status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": data})
 
 
 def usage(seq) -> dict[str, Any]:
@@ -372,202 +822,3 @@ def envelope(call: Call, model: str, choices: list[dict], stream: bool, **extra:
     kind = ("chat.completion" if call.endpoint == "chat" else "text_completion") + \
         (".chunk" if stream and call.endpoint == "chat" else "")
     return {"id": call.id, "object": kind, "created": call.created, "model": model, "choices": choices, **extra}
-
-
-class RequestHandler(BaseHTTPRequestHandler):
-    """Routes one connection's requests (HTTP/1.1 keep-alive; SSE bodies are chunked)."""
-
-    protocol_version = "HTTP/1.1"
-    server_version = "specbuild"
-    timeout = 300  # idle keep-alive connections and stalled writes give up after this (seconds)
-
-    @property
-    def app(self) -> OpenAIServer:
-        return self.server.app  # type: ignore[attr-defined]
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
-        log.info("%s %s", self.address_string(), format % args)
-
-    # ---- routing -----------------------------------------------------------------------
-    def do_GET(self) -> None:  # noqa: N802
-        path = self.path.split("?", 1)[0].rstrip("/")
-        try:
-            if path == "/health":
-                status, info = self.app.health()
-                self.send_json(status, info)
-            elif path == "/metrics":
-                self.send_bytes(200, self.app.metrics.render().encode(), CONTENT_TYPE)
-            elif path == "/v1/models":
-                self.send_json(200, self.app.models())
-            elif path.startswith("/v1/models/"):
-                found = [m for m in self.app.models()["data"] if m["id"] == path[len("/v1/models/"):]]
-                if not found:
-                    raise ApiError(404, f"model {path[len('/v1/models/'):]!r} is not served here", param="model",
-                                   code="model_not_found")
-                self.send_json(200, found[0])
-            elif path in ("/v1/completions", "/v1/chat/completions"):
-                raise ApiError(405, f"{path} takes POST", code="method_not_allowed")
-            else:
-                raise ApiError(404, f"no route {path!r}", code="not_found")
-        except ApiError as e:
-            self.send_api_error(e)
-
-    def do_POST(self) -> None:  # noqa: N802
-        path = self.path.split("?", 1)[0].rstrip("/")
-        endpoint = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(path)
-        self.responded = False  # status line sent for this request (keep-alive reuses the handler)
-        self.recorded = False  # metrics recorded for this request
-        try:
-            if endpoint is None:
-                raise ApiError(404, f"no route {path!r}", code="not_found")
-            call = self.app.parse(self.read_json(), endpoint)
-            handle = self.app.submit(call)
-        except ApiError as e:
-            if 400 <= e.status < 500 and e.status != 429:
-                self.app.metrics.rejected.inc(reason="invalid")
-            self.send_api_error(e)
-            return
-        except Exception:  # a bug must answer 500, not drop the connection
-            log.exception("failed to parse or submit a request")
-            self.send_api_error(ApiError(500, "internal error (see the server log)", type_="server_error"))
-            return
-        try:
-            if call.stream:
-                self.stream(call, handle)
-            else:
-                self.complete(call, handle)
-        except ClientGone:
-            self.close_connection = True
-        except Exception:
-            log.exception("request %s failed", handle.request_id)
-            self.close_connection = True
-            if not self.responded:
-                self.send_api_error(ApiError(500, "internal error (see the server log)", type_="server_error"))
-        finally:
-            self.app.finish(handle)
-            self.record(handle, endpoint)
-
-    def record(self, handle: Handle, endpoint: str) -> None:
-        """Metrics for a finished request, once; before its last bytes go out, so that a client
-        that reads /metrics after its response sees its request counted."""
-        if not self.recorded:
-            self.recorded = True
-            self.app.metrics.observe_request(endpoint, handle.seq.finish_reason, handle.seq)
-
-    # ---- bodies --------------------------------------------------------------------------
-    def read_json(self) -> Any:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self.close_connection = True
-            raise ApiError(411, "a Content-Length header is required", code="length_required")
-        if int(length) > self.app.config.max_body_bytes:
-            self.close_connection = True
-            raise ApiError(413, f"the body is {length} bytes; the limit is {self.app.config.max_body_bytes}",
-                           code="body_too_large")
-        raw = self.rfile.read(int(length))
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-
-    def send_bytes(self, status: int, data: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        self.responded = True
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:
-            self.close_connection = True
-            raise ClientGone() from None
-
-    def send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-        self.send_bytes(status, json.dumps(obj).encode(), "application/json", headers)
-
-    def send_api_error(self, e: ApiError) -> None:
-        try:
-            self.send_json(e.status, e.body(), e.headers)
-        except ClientGone:
-            pass
-
-    # ---- generation ------------------------------------------------------------------------
-    def client_gone(self) -> bool:
-        """True when the peer has closed its end (readable with nothing to read)."""
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    def events(self, handle: Handle, endpoint: str):
-        """The handle's events; raises ClientGone as soon as the client disconnects."""
-        poll = self.app.config.poll_s
-        checked = time.monotonic()
-        while True:
-            # a timed wait lets us notice a departed client
-            event = handle.get(timeout=poll)
-            now = time.monotonic()
-            if event is None or now - checked >= poll:
-                checked = now
-                if self.client_gone():
-                    raise ClientGone()
-            if event is not None:
-                if event.finished:
-                    self.record(handle, endpoint)
-                yield event
-                if event.finished:
-                    return
-
-    def complete(self, call: Call, handle: Handle) -> None:
-        for _ in self.events(handle, call.endpoint):
-            pass
-        seq = handle.seq
-        if seq.finish_reason == "error":
-            raise_error = ApiError(500, handle.error or "the engine failed this request", type_="server_error")
-            return self.send_api_error(raise_error)
-        if seq.finish_reason == "abort":
-            return self.send_api_error(ApiError(503, "the request was aborted (server shutting down)",
-                                                type_="server_error", code="aborted"))
-        body = envelope(call, self.app.model_name, [choice(call, seq.text, seq.output_ids, seq.finish_reason, True)],
-                        False, usage=usage(seq))
-        self.send_json(200, body)
-
-    def write_chunk(self, data: bytes) -> None:
-        try:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        except OSError:
-            raise ClientGone() from None
-
-    def sse(self, obj: Any) -> None:
-        self.write_chunk(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
-
-    def stream(self, call: Call, handle: Handle) -> None:
-        self.responded = True
-        try:
-            self.send_response(200)
-            for k, v in (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
-                         ("Transfer-Encoding", "chunked"), ("X-Accel-Buffering", "no")):
-                self.send_header(k, v)
-            self.end_headers()
-        except OSError:
-            raise ClientGone() from None
-        model = self.app.model_name
-        if call.endpoint == "chat":
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            self.sse(envelope(call, model, [first], True))
-        for event in self.events(handle, call.endpoint):
-            if event.text or (call.return_token_ids and event.token_ids):
-                self.sse(envelope(call, model, [choice(call, event.text, event.token_ids, None, False)], True))
-            if event.finished and event.finish_reason == "error":
-                self.sse(ApiError(500, handle.error or "the engine failed this request", type_="server_error").body())
-            elif event.finished:
-                seq_usage = usage(handle.seq)
-                self.sse(envelope(call, model, [choice(call, None, [] if call.return_token_ids else None,
-                                                       event.finish_reason, False)], True, usage=seq_usage))
-                if call.include_usage:
-                    self.sse(envelope(call, model, [], True, usage=seq_usage))
-        self.sse(b"[DONE]")
-        self.write_chunk(b"")

@@ -23,7 +23,8 @@ class SpeculationConfig:
     method   none | ngram (prompt lookup) | draft (draft model) | medusa (heads + tree) | auto
     gamma    starting draft length; with gamma_min == gamma_max it is fixed
     gamma_min, gamma_max   bounds for the per-sequence controller (0 allows plain decoding)
-    tree     Medusa token tree (preset name or JSON file); None: the bundle's tree
+    tree     Medusa token tree: a preset name or inline paths (tuple of rank tuples), never a
+             file (the CLI reads a --tree file into paths: tree.tree_argument); None: the bundle's
     ngram_min, ngram_max   n-gram sizes that prompt lookup matches (longest first)
     typical  Medusa typical acceptance: LOSSY (output no longer the target's distribution)
     """
@@ -32,7 +33,7 @@ class SpeculationConfig:
     gamma: int = 4
     gamma_min: int = 0
     gamma_max: int = 8
-    tree: str | None = None
+    tree: str | tuple[tuple[int, ...], ...] | None = None
     ngram_min: int = 1
     ngram_max: int = 3
     typical: bool = False
@@ -52,6 +53,13 @@ class SpeculationConfig:
         if not 1 <= self.ngram_min <= self.ngram_max <= 8:
             raise RequestError(f"ngram sizes [{self.ngram_min}, {self.ngram_max}] must satisfy "
                                "1 <= ngram_min <= ngram_max <= 8")
+        if isinstance(self.tree, (list, tuple)):  # inline paths: hashable tuples (JSON gives lists)
+            try:
+                object.__setattr__(self, "tree", tuple(tuple(int(r) for r in p) for p in self.tree))
+            except (TypeError, ValueError):
+                raise RequestError(f"tree={self.tree!r:.80} must be a preset name or a list of lists of ranks") from None
+        elif self.tree is not None and not isinstance(self.tree, str):
+            raise RequestError(f"tree={self.tree!r:.80} must be a preset name or a list of lists of ranks")
         if self.typical and self.method != "medusa":
             raise RequestError("typical acceptance (lossy) applies only to method 'medusa'")
 

@@ -179,7 +179,7 @@ def load_medusa(bundle_dir: str, target_weights: dict[str, torch.Tensor],
     for name, ref in shares.items():  # the target's own tensor object: nothing is copied
         weights[name] = resolve_share(ref, target_weights)
     heads = MedusaHeads(weights, num_heads, num_layers, None)
-    tree = load_tree(os.path.join(role_dir, TREE_FILE))
+    tree = load_tree(os.path.join(role_dir, TREE_FILE), allow_files=True)
     if tree.max_depth > num_heads:
         raise BundleError(f"bundle tree {tree.name!r} has depth {tree.max_depth} but there are only "
                           f"{num_heads} Medusa heads")

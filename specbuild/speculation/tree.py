@@ -336,9 +336,12 @@ def _load_file(path: Path) -> TreeSpec:
         raise TreeError(f"tree file {str(path)!r}: {err}") from err
 
 
-def load_tree(name_or_file: str | Path | TreeSpec) -> TreeSpec:
-    """A preset name (see `list_presets`), `chain_<k>`, or a JSON file holding a list of
-    paths or {"paths": [...]} (JSON only; nothing is evaluated)."""
+def load_tree(name_or_file: str | Path | TreeSpec, *, allow_files: bool = False) -> TreeSpec:
+    """A preset name (see `list_presets`), `chain_<k>`, or, with `allow_files=True` only, a
+    JSON file holding a list of paths or {"paths": [...]} (JSON only; nothing is evaluated).
+
+    Files are for trusted callers (the CLI's --tree, the bundle's own tree.json): a tree
+    named by a request (HTTP, Triton) is a preset or inline paths, and opens no file."""
     if isinstance(name_or_file, TreeSpec):
         return name_or_file
     if isinstance(name_or_file, str):
@@ -348,6 +351,12 @@ def load_tree(name_or_file: str | Path | TreeSpec) -> TreeSpec:
         chain = _CHAIN_NAME.match(name_or_file)
         if chain:
             return TreeSpec.chain(int(chain.group(1)))
+    if not allow_files:
+        raise TreeError(
+            f"tree {str(name_or_file)[:80]!r} is not a preset ({', '.join(list_presets())}, "
+            f"chain_1..chain_{MAX_DEPTH}); a request names a preset or gives its paths inline "
+            "(a list of lists of ranks), never a file"
+        )
     path = Path(name_or_file)
     if path.is_file():
         return _load_file(path)
@@ -355,3 +364,25 @@ def load_tree(name_or_file: str | Path | TreeSpec) -> TreeSpec:
         f"tree {str(name_or_file)!r} is neither a preset ({', '.join(list_presets())}, "
         f"chain_1..chain_{MAX_DEPTH}) nor a readable JSON file"
     )
+
+
+MAX_INLINE_NODES = 256  # an inline tree (request or CLI) has at most this many paths
+
+
+def request_tree(value: "str | Sequence[Sequence[int]] | TreeSpec") -> TreeSpec:
+    """The tree a request names: a preset or chain name, or inline paths (never a file)."""
+    if isinstance(value, (TreeSpec, str)):
+        return load_tree(value)
+    if isinstance(value, Sequence) and not isinstance(value, bytes) and len(value) > MAX_INLINE_NODES:
+        raise TreeError(f"tree has {len(value)} paths; an inline tree has at most {MAX_INLINE_NODES}")
+    return TreeSpec.from_paths(value)
+
+
+def tree_argument(value: str | None) -> "str | tuple[tuple[int, ...], ...] | None":
+    """The CLI's --tree: a preset or chain name stays a name; a JSON file (allowed here only,
+    the user's own command line) is read now and becomes inline paths for the request."""
+    if value is None:
+        return None
+    if value in _preset_table() or _CHAIN_NAME.match(value):
+        return value
+    return load_tree(value, allow_files=True).paths

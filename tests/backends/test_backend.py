@@ -597,7 +597,7 @@ def test_http_server_on_the_tensorrt_llm_backend(trtllm_runs_here, stub_bundle, 
     app.bind()
     serving = threading.Thread(target=app.serve_forever, daemon=True)
     serving.start()
-    port = app.httpd.server_address[1]
+    port = app.port
     try:
         status, text = get(port, "/health")
         health = json.loads(text)

@@ -22,13 +22,14 @@ def get(port: int, path: str) -> tuple[int, str]:
         conn.close()
 
 
-def post(port: int, path: str, body, raw: bytes | None = None) -> tuple[int, dict, dict]:
+def post(port: int, path: str, body, raw: bytes | None = None) -> tuple[int, "http.client.HTTPMessage", dict]:
+    """(status, headers (case-insensitive, as HTTP names are), JSON body)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         data = raw if raw is not None else json.dumps(body).encode()
         conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
-        return resp.status, dict(resp.getheaders()), json.loads(resp.read())
+        return resp.status, resp.headers, json.loads(resp.read())
     finally:
         conn.close()
 

@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -318,3 +319,37 @@ def test_metrics_exposition_by_hand():
     assert [samples[("x_seconds_bucket", (("le", le),))] for le in ("0.1", "1", "+Inf")] == [2, 3, 4]
     assert samples[("x_seconds_sum", ())] == pytest.approx(3.65) and samples[("x_seconds_count", ())] == 4
     assert samples[("y_total", (("reason", 'say \\"hi\\"\\nback\\\\slash'),))] == 2
+
+
+def test_openai_client_and_curl(server, engine):
+    """The README's clients: the openai package (sync, streaming, extension fields through
+    extra_body) and curl, against the real server."""
+    openai = pytest.importorskip("openai")
+    expect = greedy(engine, 12, prompt="The quick brown fox")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0, timeout=60)
+    done = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True, "speculation": "ngram"})
+    assert done.choices[0].text == expect["text"] and done.usage.completion_tokens == 12
+    pieces = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello there"}],
+                                            max_tokens=8, stream=True, extra_body={"ignore_eos": True})
+    text = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+    messages = [{"role": "user", "content": "hello there"}]
+    assert text == greedy(engine, 8, prompt_ids=engine.encode(engine.render_chat(messages),
+                                                                add_special_tokens=False))["text"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
+    assert info.value.status_code == 400 and "wizard" in str(info.value)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed")
+    out = subprocess.run([curl, "-s", f"127.0.0.1:{server.port}/v1/completions", "-d",  # curl -d: a form type
+                          json.dumps({"prompt": "The quick brown fox", "max_tokens": 12, "ignore_eos": True})],
+                         capture_output=True, text=True, timeout=60)
+    assert json.loads(out.stdout)["choices"][0]["text"] == expect["text"], out
+    out = subprocess.run([curl, "-sN", f"127.0.0.1:{server.port}/v1/completions", "-H", "content-type: application/json",
+                          "-d", json.dumps({"prompt": "The quick brown fox", "max_tokens": 12, "ignore_eos": True,
+                                            "stream": True})], capture_output=True, text=True, timeout=60)
+    events = [line[6:] for line in out.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expect["text"]

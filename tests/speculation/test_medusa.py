@@ -136,7 +136,7 @@ def test_shared_lm_head_detected_and_recorded(bundle_copy, tmp_path):
     meta = read_meta(bundle_copy)
     assert meta.roles["medusa"]["shares"] == entry["shares"]
     assert meta.limits.max_draft_len >= 10 and meta.default_speculation["method"] == "medusa"
-    assert load_tree(os.path.join(bundle_copy, "medusa", "tree.json")) == load_tree("mc_sim_7b_top10")
+    assert load_tree(os.path.join(bundle_copy, "medusa", "tree.json"), allow_files=True) == load_tree("mc_sim_7b_top10")
     # at run time the shared heads use the target's own tensor: no copy
     weights = load_file(os.path.join(bundle_copy, "target", "weights.safetensors"))
     role = load_medusa(bundle_copy, weights)
@@ -294,7 +294,7 @@ def test_train_medusa_learns_and_resumes(tiny_bundle, tmp_path):
     assert all(a["expected_accepted"] <= b["expected_accepted"] for a, b in zip(trees, trees[1:]))
     from specbuild.speculation.tree import load_tree
 
-    assert load_tree(trees[2]["file"]).num_drafts == 4
+    assert load_tree(trees[2]["file"], allow_files=True).num_drafts == 4
     heads = read_medusa(out)  # FasterDecoding layout; the shared lm_head is not stored
     assert (heads.num_heads, heads.num_layers, heads.lm_heads) == (2, 1, {})
     assert json.load(open(os.path.join(out, "config.json")))["shared_lm_head"] is True

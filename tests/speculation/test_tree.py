@@ -164,15 +164,35 @@ def test_presets_load_and_are_valid():
 def test_load_from_json_file(tmp_path):
     listed = tmp_path / "mine.json"
     listed.write_text(json.dumps(DOC_TREE))
-    tree = load_tree(str(listed))
+    tree = load_tree(str(listed), allow_files=True)
     assert tree == TreeSpec.from_paths(DOC_TREE) and tree.name == "mine"
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text(json.dumps({"name": "doc", "paths": DOC_TREE}))
-    assert load_tree(wrapped).name == "doc"
+    assert load_tree(wrapped, allow_files=True).name == "doc"
     # to_json round-trips through a file.
     again = tmp_path / "again.json"
     again.write_text(load_tree("mc_sim_7b_63").to_json())
-    assert load_tree(again) == load_tree("mc_sim_7b_63")
+    assert load_tree(again, allow_files=True) == load_tree("mc_sim_7b_63")
+    # without allow_files (what a request's tree gets) no file is opened, existing or not
+    for path in (str(listed), wrapped, "/etc/passwd"):
+        with pytest.raises(TreeError, match="never a file"):
+            load_tree(path)
+
+
+def test_request_tree_and_cli_tree_argument(tmp_path):
+    from specbuild.speculation.tree import MAX_INLINE_NODES, request_tree, tree_argument
+
+    assert request_tree("mc_sim_7b_63") == load_tree("mc_sim_7b_63")
+    assert request_tree([[0], [1], [0, 0]]) == TreeSpec.from_paths([[0], [1], [0, 0]])
+    listed = tmp_path / "mine.json"
+    listed.write_text(json.dumps(DOC_TREE))
+    with pytest.raises(TreeError, match="never a file"):
+        request_tree(str(listed))
+    with pytest.raises(TreeError, match=f"at most {MAX_INLINE_NODES}"):
+        request_tree([[0]] * (MAX_INLINE_NODES + 1))
+    # the CLI reads its own file into inline paths; names stay names
+    assert tree_argument(str(listed)) == TreeSpec.from_paths(DOC_TREE).paths
+    assert tree_argument("chain_3") == "chain_3" and tree_argument(None) is None
 
 
 @pytest.mark.parametrize(
@@ -188,7 +208,7 @@ def test_bad_tree_files_name_the_file(tmp_path, content, needle):
     bad = tmp_path / "bad.json"
     bad.write_text(content)
     with pytest.raises(ValueError, match=needle) as info:
-        load_tree(str(bad))
+        load_tree(str(bad), allow_files=True)
     assert str(bad) in str(info.value)
 
 

@@ -240,3 +240,25 @@ def test_heads_config_names_the_default_tree(medusa_bundle, tmp_path):
     json.dump({**cfg, "specbuild_tree": "chain_9"}, open(cfg_path, "w"))
     with pytest.raises(Exception, match="depth 9"):
         compile_bundle(source, str(tmp_path / "b3"), CompileOptions(dtype="float32"), medusa=heads)
+
+
+def test_a_request_tree_is_a_preset_or_inline_paths_never_a_file(medusa_bundle, tmp_path):
+    """Whatever the front end (HTTP, Triton, Python), a request's tree opens no file; inline
+    paths work and stay lossless; the CLI's --tree file is read by the CLI into paths."""
+    import json
+
+    from specbuild.errors import RequestError
+    from specbuild.speculation.tree import tree_argument
+
+    engine = Engine(medusa_bundle, EngineConfig(max_batch_size=4))
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps([[0], [0, 0], [1], [0, 0, 0]]))
+    for tree in (str(path), "/etc/passwd"):
+        with pytest.raises(RequestError, match="never a file"):
+            engine.submit(Request(prompt_ids=[40, 41, 42], speculation={"method": "medusa", "tree": tree}))
+    prompts = [engine.encode(" ".join(f"word{(i * 7 + j) % 23}" for j in range(12))) for i in range(3)]
+    plain = run(engine, method="none", prompts=prompts, max_tokens=30)
+    inline = run(engine, tree=tree_argument(str(path)), prompts=prompts, max_tokens=30)
+    assert [r["token_ids"] for r in inline] == [r["token_ids"] for r in plain]
+    assert sum(r["stats"]["drafted"] for r in inline) > 0
+    assert sum(r["stats"]["accepted"] for r in inline) > 0

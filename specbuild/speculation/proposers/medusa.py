@@ -16,7 +16,7 @@ node at depth d (root 0) takes the `rank`-th best guess of head d - 1:
 
 and a tree deeper than the number of heads cannot be drafted.
 
-Tree per request: `seq.spec.tree` (a preset name or JSON file) or, when None, the
+Tree per request: `seq.spec.tree` (a preset name or inline paths; never a file) or, when None, the
 bundle's tree. `gamma` caps the depth: gamma >= the tree's depth drafts the whole tree,
 0 < gamma < depth drafts its nodes of depth <= gamma (still prefix-closed), 0 none.
 Candidates are deterministic (probs None), which the tree verifier's recursive rejection
@@ -30,7 +30,7 @@ import functools
 import torch
 
 from specbuild.errors import RequestError
-from specbuild.speculation.tree import TreeError, TreeSpec, load_tree
+from specbuild.speculation.tree import TreeError, TreeSpec, request_tree
 from specbuild.speculation.medusa_heads import MedusaHeads
 from specbuild.speculation.proposers.base import Draft
 
@@ -46,8 +46,8 @@ def prune_tree(tree: TreeSpec, max_depth: int) -> TreeSpec:
 
 
 @functools.lru_cache(maxsize=64)
-def _load_cached(name: str) -> TreeSpec:
-    return load_tree(name)
+def _load_cached(name_or_paths: str | tuple) -> TreeSpec:
+    return request_tree(name_or_paths)  # a preset name or inline paths: never a file
 
 
 @functools.lru_cache(maxsize=256)
@@ -74,7 +74,7 @@ class MedusaProposer:
         if tree is None:
             return self.default_tree
         try:
-            spec = tree if isinstance(tree, TreeSpec) else _load_cached(str(tree))
+            spec = tree if isinstance(tree, TreeSpec) else _load_cached(tree if isinstance(tree, tuple) else str(tree))
         except TreeError as err:
             raise RequestError(str(err)) from err
         if spec.max_depth > self.heads.num_heads:
