@@ -36,6 +36,7 @@ OpenAI's (system, developer, user, assistant, tool, function).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -68,8 +69,7 @@ SPEC_FIELDS = ("gamma", "gamma_min", "gamma_max", "tree", "ngram_min", "ngram_ma
 SPEC_OBJECT_FIELDS = ("method",) + SPEC_FIELDS
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # accepted OpenAI fields this server does not implement: only their neutral value is allowed
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": (0, False), "top_logprobs": 0, "suffix": "",
-           "presence_penalty": 0, "frequency_penalty": 0}
+NEUTRAL = {"suffix": ""}
 
 # ---- limits on what a client sends (each reaches a loop, an allocation or a search) -------
 LIMIT_STOP_STRINGS = MAX_STOP_STRINGS  # stop strings are searched in every new piece of text
@@ -83,6 +83,10 @@ LIMIT_NAME_CHARS = 256  # model, user, message name, tree preset name
 LIMIT_TOKEN_ID = 1 << 31  # ids are checked against the vocabulary by the engine
 LIMIT_TOP_K = 1 << 20
 LIMIT_SEED = (1 << 63) - 1
+LIMIT_N = 16  # choices per request (each is a sequence of its own in the engine)
+LIMIT_TOP_LOGPROBS = 20  # OpenAI's
+LIMIT_LOGIT_BIAS = 300  # OpenAI's
+LIMIT_FORMAT_CHARS = 64 * 1024  # a response_format's schema / regex / grammar (sampling.constraint)
 
 
 @dataclass(frozen=True)
@@ -189,10 +193,15 @@ class CommonFields(Strict):
     top_k: Annotated[int, Field(ge=0, le=LIMIT_TOP_K)] | None = None
     seed: Annotated[int, Field(ge=0, le=LIMIT_SEED)] | None = None
     stop: Stop | None = None
-    n: int | None = None
+    n: Annotated[int, Field(ge=1, le=LIMIT_N)] | None = None
     user: Name | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=LIMIT_LOGIT_BIAS)] | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="OpenAI's {type: text | json_object | json_schema}; specbuild adds {type: regex, regex} "
+                          "and {type: grammar, grammar} (Lark)")
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
     speculation: Union[Literal[METHODS], SpeculationObject] | None = Field(  # type: ignore[valid-type]
@@ -211,8 +220,8 @@ class CompletionRequest(CommonFields):
                   Annotated[list[TokenIds], Field(max_length=1)]] = Field(
         description="a string or a list of token ids (one prompt per request; a one-element list of either)")
     echo: bool | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=LIMIT_N)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=LIMIT_TOP_LOGPROBS)] | None = None
     suffix: str | None = None
 
 
@@ -231,7 +240,7 @@ class ChatRequest(CommonFields):
     messages: Annotated[list[Message], Field(min_length=1, max_length=LIMIT_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=LIMIT_MAX_TOKENS)] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=LIMIT_TOP_LOGPROBS)] | None = None
 
 
 # ---- parsing -----------------------------------------------------------------------------------
@@ -304,7 +313,9 @@ def parse_sampling(body: CommonFields, defaults: SamplingParams, chat: bool) -> 
     fields = {"max_tokens": max_tokens if max_tokens is not None else body.max_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
               "stop": tuple([stop] if isinstance(stop, str) else stop) if stop else None,
-              "ignore_eos": body.ignore_eos}
+              "ignore_eos": body.ignore_eos, "presence_penalty": body.presence_penalty,
+              "frequency_penalty": body.frequency_penalty,
+              "logit_bias": tuple(body.logit_bias.items()) if body.logit_bias else None}
     try:
         return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None}, defaults)
     except RequestError as e:
@@ -359,12 +370,25 @@ class Call:
     """One parsed generation request and how to answer it."""
 
     endpoint: str  # "completions" | "chat"
-    request: Request
+    request: Request  # the first choice's; choice i > 0 is a copy with seed + i (or its own seed)
     stream: bool
     include_usage: bool
     return_token_ids: bool
     id: str
     created: int
+    n: int = 1
+    echo: str | None = None  # completions echo: the prompt text to put before each answer
+    logprobs: str | None = None  # "chat" | "completions": how to shape them; None: not asked for
+
+    def requests(self) -> list[Request]:
+        """One engine request per choice: independent samples, each with its own seed."""
+        out = [self.request]
+        for i in range(1, self.n):
+            sampling = self.request.sampling
+            if sampling.seed is not None:
+                sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 63))
+            out.append(dataclasses.replace(self.request, sampling=sampling, request_id=f"{self.id}-{i}"))
+        return out
 
 
 # ---- the application ---------------------------------------------------------------------------
@@ -467,29 +491,56 @@ class OpenAIServer:
         request.request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         request.sampling = sampling
         request.speculation = parse_speculation(body)
+        n = body.n or 1
+        if not chat and body.best_of is not None and body.best_of != n:  # type: ignore[union-attr]
+            raise ApiError(400, f"best_of={body.best_of} is not supported (only best_of = n = {n}: every sample "
+                                "is returned)", param="best_of")
+        fmt = body.response_format
+        if fmt is not None:
+            if len(json.dumps(fmt)) > LIMIT_FORMAT_CHARS:
+                raise ApiError(400, f"response_format is over {LIMIT_FORMAT_CHARS} characters", param="response_format")
+            request.response_format = fmt
+        logprobs = None
+        if chat and body.logprobs:  # type: ignore[union-attr]
+            request.logprobs, logprobs = body.top_logprobs or 0, "chat"  # type: ignore[union-attr]
+        elif chat and body.top_logprobs:  # type: ignore[union-attr]
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        elif not chat and body.logprobs is not None:  # type: ignore[union-attr]
+            request.logprobs, logprobs = body.logprobs, "completions"  # type: ignore[union-attr]
+        echo = None
+        if not chat and body.echo:  # type: ignore[union-attr]
+            if logprobs:
+                raise ApiError(400, "echo with logprobs is not supported (the prompt's logprobs are not computed: "
+                                    "prefill keeps only the last row's logits)", param="echo")
+            echo = request.prompt if request.prompt is not None else self.engine.tokenizer.decode(request.prompt_ids)
         return Call(endpoint, request, stream, bool(options and options.include_usage), bool(body.return_token_ids),
-                    request.request_id, int(time.time()))
+                    request.request_id, int(time.time()), n=n, echo=echo, logprobs=logprobs)
 
-    def submit(self, call: Call) -> Handle:
-        """Queue the request, or raise ApiError (429 when the queue is full, 400 when invalid)."""
+    def submit(self, call: Call) -> list[Handle]:
+        """Queue the request's choices, or raise ApiError (429 when the queue is full, 400 when
+        invalid; nothing stays queued then)."""
         with self._lock:
             if self.closing:
                 self.metrics.rejected.inc(reason="shutting_down")
                 raise ApiError(503, "the server is shutting down", type_="server_error", code="shutting_down")
             depth = self.engine.stats()["queue_depth"]
-            if depth >= self.config.max_queue:
+            if depth + call.n > self.config.max_queue:
                 self.metrics.rejected.inc(reason="queue_full")
                 raise ApiError(429, f"{depth} requests are waiting, the queue limit (--max-queue) is "
                                     f"{self.config.max_queue}; retry later", type_="rate_limit_error",
                                code="queue_full", headers={"Retry-After": str(self.config.retry_after_s)})
+            handles: list[Handle] = []
             try:
-                handle = self.engine.submit(call.request)
+                for request in call.requests():
+                    handles.append(self.engine.submit(request))
             except RequestError as e:
+                for h in handles:
+                    self.engine.abort(h)
                 raise request_error(e, "messages" if call.endpoint == "chat" else "prompt") from None
-            self.active.add(handle)
-        return handle
+            self.active.update(handles)
+        return handles
 
-    def parse_and_submit(self, body: CompletionRequest | ChatRequest, endpoint: str) -> tuple[Call, Handle]:
+    def parse_and_submit(self, body: CompletionRequest | ChatRequest, endpoint: str) -> tuple[Call, list[Handle]]:
         call = self.parse(body, endpoint)
         return call, self.submit(call)
 
@@ -525,12 +576,12 @@ class OpenAIServer:
     # ---- generation --------------------------------------------------------------------------
     async def generate(self, request: HttpRequest, body: CompletionRequest | ChatRequest, endpoint: str) -> Response:
         try:
-            call, handle = await run_in_threadpool(self.parse_and_submit, body, endpoint)
+            call, handles = await run_in_threadpool(self.parse_and_submit, body, endpoint)
         except ApiError as e:
             if 400 <= e.status < 500 and e.status != 429:
                 self.metrics.rejected.inc(reason="invalid")
             raise
-        events = Events(self, call, handle, request.receive)
+        events = Events(self, call, handles, request.receive)
         if call.stream:
             return SSEResponse(self, call, events)
         try:
@@ -540,13 +591,17 @@ class OpenAIServer:
             return Response(status_code=499)  # nobody reads it; uvicorn drops it
         finally:
             events.close()
-        seq = handle.seq
-        if seq.finish_reason == "error":
-            raise ApiError(500, handle.error or "the engine failed this request", type_="server_error")
-        if seq.finish_reason == "abort":
-            raise ApiError(503, "the request was aborted (server shutting down)", type_="server_error", code="aborted")
-        return JSONResponse(envelope(call, self.model_name, [choice(call, seq.text, seq.output_ids, seq.finish_reason,
-                                                                    True)], False, usage=usage(seq)))
+        for h in handles:
+            if h.seq.finish_reason == "error":
+                raise ApiError(500, h.error or "the engine failed this request", type_="server_error")
+            if h.seq.finish_reason == "abort":
+                raise ApiError(503, "the request was aborted (server shutting down)", type_="server_error",
+                               code="aborted")
+        tok = self.engine.tokenizer
+        choices = [choice(call, (call.echo or "") + h.seq.text, h.seq.output_ids, h.seq.finish_reason, True, index=i,
+                          logprobs=shape_logprobs(call, tok, h.seq.output_ids, h.seq.logprobs, h.seq.text))
+                   for i, h in enumerate(handles)]
+        return JSONResponse(envelope(call, self.model_name, choices, False, usage=usage([h.seq for h in handles])))
 
     def make_app(self) -> FastAPI:
         from specbuild import __version__
@@ -633,8 +688,8 @@ class Events:
     `Handle.listener`; a watcher on the connection's `receive` wakes it when the client goes
     away (then ClientGone is raised and the request aborted, KV blocks freed)."""
 
-    def __init__(self, server: OpenAIServer, call: Call, handle: Handle, receive) -> None:
-        self.server, self.call, self.handle = server, call, handle
+    def __init__(self, server: OpenAIServer, call: Call, handles: list[Handle], receive) -> None:
+        self.server, self.call, self.handles = server, call, handles
         self.ready = asyncio.Event()
         self.gone = False
         self.recorded = False
@@ -646,7 +701,8 @@ class Events:
             except RuntimeError:  # the loop is closed (shutting down)
                 pass
 
-        handle.listener = wake
+        for handle in handles:
+            handle.listener = wake
         self.watcher = asyncio.ensure_future(self._watch(receive))
 
     async def _watch(self, receive) -> None:
@@ -657,35 +713,43 @@ class Events:
                 self.ready.set()
                 return
 
-    def record(self) -> None:
-        """Metrics for a finished request, once; before its last bytes go out, so that a client
-        that reads /metrics after its response sees its request counted."""
-        if not self.recorded:
-            self.recorded = True
-            self.server.metrics.observe_request(self.call.endpoint, self.handle.seq.finish_reason, self.handle.seq)
+    def record(self, handle: Handle | None = None) -> None:
+        """Metrics for each finished choice, once; before its last bytes go out, so that a
+        client that reads /metrics after its response sees its request counted."""
+        if not isinstance(self.recorded, set):
+            self.recorded = set()
+        for h in [handle] if handle is not None else self.handles:
+            if id(h) not in self.recorded:
+                self.recorded.add(id(h))
+                self.server.metrics.observe_request(self.call.endpoint, h.seq.finish_reason, h.seq)
 
     def __aiter__(self):
         return self._events()
 
     async def _events(self):
+        """(choice index, event) in arrival order per choice, until every choice has finished."""
+        done: set[int] = set()
         while True:
             self.ready.clear()
-            while True:
-                event = self.handle.get_nowait()
-                if event is None:
-                    break
-                if event.finished:
-                    self.record()
-                yield event
-                if event.finished:
-                    return
+            for i, handle in enumerate(self.handles):
+                while i not in done:
+                    event = handle.get_nowait()
+                    if event is None:
+                        break
+                    if event.finished:
+                        self.record(handle)
+                        done.add(i)
+                    yield i, event
+            if len(done) == len(self.handles):
+                return
             if self.gone:
                 raise ClientGone()
             await self.ready.wait()
 
     def close(self) -> None:
         self.watcher.cancel()
-        self.server.finish(self.handle)
+        for handle in self.handles:
+            self.server.finish(handle)
         self.record()
 
 
@@ -715,21 +779,29 @@ class SSEResponse(Response):
             self.events.close()
 
     async def chunks(self):
-        call, model, handle = self.call, self.server.model_name, self.events.handle
-        if call.endpoint == "chat":
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield sse(envelope(call, model, [first], True))
-        async for event in self.events:
+        call, model, handles = self.call, self.server.model_name, self.events.handles
+        tok = self.server.engine.tokenizer
+        for i in range(len(handles)):
+            if call.endpoint == "chat":
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                yield sse(envelope(call, model, [first], True))
+            elif call.echo:
+                yield sse(envelope(call, model, [choice(call, call.echo, None, None, False, index=i)], True))
+        async for i, event in self.events:
             if event.text or (call.return_token_ids and event.token_ids):
-                yield sse(envelope(call, model, [choice(call, event.text, event.token_ids, None, False)], True))
+                lp = shape_logprobs(call, tok, event.token_ids, event.logprobs or [], event.text)
+                yield sse(envelope(call, model, [choice(call, event.text, event.token_ids, None, False, index=i,
+                                                        logprobs=lp)], True))
             if event.finished and event.finish_reason == "error":
-                yield sse(ApiError(500, handle.error or "the engine failed this request", type_="server_error").body())
+                yield sse(ApiError(500, handles[i].error or "the engine failed this request",
+                                   type_="server_error").body())
             elif event.finished:
-                seq_usage = usage(handle.seq)
                 yield sse(envelope(call, model, [choice(call, None, [] if call.return_token_ids else None,
-                                                        event.finish_reason, False)], True, usage=seq_usage))
-                if call.include_usage:
-                    yield sse(envelope(call, model, [], True, usage=seq_usage))
+                                                        event.finish_reason, False, index=i)], True,
+                                   usage=usage([handles[i].seq])))
+        if call.include_usage:
+            yield sse(envelope(call, model, [], True, usage=usage([h.seq for h in handles])))
         yield b"data: [DONE]\n\n"
 
 
@@ -794,18 +866,54 @@ class BodyGuard:
         await send({"type": "http.response.body", "body": data})
 
 
-def usage(seq) -> dict[str, Any]:
-    stats = seq.stats()
-    return {"prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["generated_tokens"],
-            "total_tokens": stats["prompt_tokens"] + stats["generated_tokens"], "drafted_tokens": stats["drafted"],
-            "accepted_tokens": stats["accepted"], "mean_accepted_tokens": stats["mean_accepted_tokens"],
-            "seed": stats["seed"]}
+def usage(seqs: list) -> dict[str, Any]:
+    """OpenAI's usage for one request's choices: the prompt counted once, completions summed;
+    specbuild's drafted/accepted summed, mean accepted tokens over all their passes."""
+    stats = [s.stats() for s in seqs]
+    prompt = stats[0]["prompt_tokens"]
+    completion = sum(st["generated_tokens"] for st in stats)
+    passes = sum(s.verify_passes for s in seqs)
+    accepted = sum(st["accepted"] for st in stats)
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "drafted_tokens": sum(st["drafted"] for st in stats), "accepted_tokens": accepted,
+           "mean_accepted_tokens": round((accepted + passes) / passes, 4) if passes else 1.0,
+           "seed": stats[0]["seed"]}
+    if len(seqs) > 1:
+        out["seeds"] = [st["seed"] for st in stats]
+    return out
+
+
+def shape_logprobs(call: Call, tokenizer, token_ids: list[int], items: list, text: str) -> dict[str, Any] | None:
+    """The engine's (logprob, [(id, logprob)...]) per token in OpenAI's shape: chat
+    {"content": [{token, logprob, bytes, top_logprobs}]}; completions {tokens, token_logprobs,
+    top_logprobs, text_offset}. A logprob of -inf (a token top-k/top-p excluded) is -9999.0,
+    as OpenAI reports such values."""
+    if call.logprobs is None:
+        return None
+
+    def piece(i: int) -> str:
+        return tokenizer.decode([i], skip_special_tokens=False)
+
+    def num(x: float) -> float:
+        return -9999.0 if x == float("-inf") else x
+
+    items = items[:len(token_ids)]
+    if call.logprobs == "chat":
+        return {"content": [{"token": piece(t), "logprob": num(lp), "bytes": list(piece(t).encode()),
+                             "top_logprobs": [{"token": piece(j), "logprob": num(v), "bytes": list(piece(j).encode())}
+                                              for j, v in top]} for t, (lp, top) in zip(token_ids, items)]}
+    offsets, at = [], len(call.echo or "")
+    for t in token_ids:
+        offsets.append(at)
+        at += len(piece(t))
+    return {"tokens": [piece(t) for t in token_ids], "token_logprobs": [num(lp) for lp, _ in items],
+            "top_logprobs": [{piece(j): num(v) for j, v in top} for _, top in items], "text_offset": offsets}
 
 
 def choice(call: Call, text: str | None, token_ids: list[int] | None, finish_reason: str | None,
-           final: bool) -> dict[str, Any]:
+           final: bool, index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
     """One choice: a message (chat, final), a delta (chat, stream) or text (completions)."""
-    out: dict[str, Any] = {"index": 0}
+    out: dict[str, Any] = {"index": index}
     if call.endpoint == "chat":
         content = {} if text is None else {"content": text}
         out["message" if final else "delta"] = {"role": "assistant", **content} if final else content
@@ -813,7 +921,7 @@ def choice(call: Call, text: str | None, token_ids: list[int] | None, finish_rea
         out["text"] = text or ""
     if call.return_token_ids and token_ids is not None:
         out["token_ids"] = list(token_ids)
-    out["logprobs"] = None
+    out["logprobs"] = logprobs
     out["finish_reason"] = finish_reason
     return out
 

@@ -4,10 +4,15 @@ GET/POST, server-sent event streams, Prometheus text parsing, and bounded waits 
 from __future__ import annotations
 
 import http.client
+import os
+import subprocess
+import sys
 import json
 import math
 import re
 import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def get(port: int, path: str) -> tuple[int, str]:
@@ -113,4 +118,42 @@ def wait_until(predicate, timeout: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+
+# ---- `specbuild serve` in a subprocess ----------------------------------------------------------
+class ServerProcess:
+    def __init__(self, bundle: str, log_path: str, *args: str) -> None:
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        # the console script's entry point (not `-m specbuild.cli`, which imports cli twice)
+        cmd = [sys.executable, "-c", "from specbuild.cli import main; main()", "serve", bundle, "--host", "127.0.0.1", "--port", "0",
+               "--threads", "1", "--log-level", "warning", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.port = self._wait_for_url(deadline=time.monotonic() + 60)
+        deadline = time.monotonic() + 10
+        while get(self.port, "/health")[0] != 200:
+            assert time.monotonic() < deadline, "/health did not answer 200"
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def _wait_for_url(self, deadline: float) -> int:
+        while time.monotonic() < deadline:
+            m = re.search(r"on http://127\.0\.0\.1:(\d+)", self.output())
+            if m:
+                return int(m.group(1))
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            time.sleep(0.05)
+        raise AssertionError(f"server printed no URL in time:\n{self.output()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.log.close()
+
 

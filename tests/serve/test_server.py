@@ -9,7 +9,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -19,48 +18,12 @@ import threading
 import time
 
 import pytest
-from http_client import get, metric, next_event, open_stream, parse_metrics, post, stream, wait_until
+from http_client import ServerProcess, get, metric, next_event, open_stream, parse_metrics, post, stream, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOLD_TOKENS = 4000  # a request that runs for seconds on the tiny model (max_seq_len 4096)
-
-
-# ---- the server subprocess ---------------------------------------------------------------
-class ServerProcess:
-    def __init__(self, bundle: str, log_path: str, *args: str) -> None:
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        # the console script's entry point (not `-m specbuild.cli`, which imports cli twice)
-        cmd = [sys.executable, "-c", "from specbuild.cli import main; main()", "serve", bundle, "--host", "127.0.0.1", "--port", "0",
-               "--threads", "1", "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
-        self.port = self._wait_for_url(deadline=time.monotonic() + 60)
-        deadline = time.monotonic() + 10
-        while get(self.port, "/health")[0] != 200:
-            assert time.monotonic() < deadline, "/health did not answer 200"
-            time.sleep(0.05)
-
-    def output(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def _wait_for_url(self, deadline: float) -> int:
-        while time.monotonic() < deadline:
-            m = re.search(r"on http://127\.0\.0\.1:(\d+)", self.output())
-            if m:
-                return int(m.group(1))
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            time.sleep(0.05)
-        raise AssertionError(f"server printed no URL in time:\n{self.output()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +170,7 @@ BAD_BODIES = [
     (b'{"prompt": "hi", "temperature": -0.5}', 400, "temperature"),
     (b'{"prompt": "hi", "top_p": 1.5}', 400, "top_p"),
     (b'{"prompt": "hi", "stream": "yes"}', 400, "stream"),
-    (b'{"prompt": "hi", "n": 3}', 400, "n"),
+    (b'{"prompt": "hi", "n": 17}', 400, "n"),
     (b'{"prompt": "hi", "gamma": 99}', 400, "gamma"),
     (b'{"prompt": "hi", "speculation": "telepathy"}', 400, "speculation"),
     (b'{"prompt": ""}', 400, "prompt"),
