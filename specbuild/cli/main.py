@@ -227,6 +227,8 @@ def sampling_options(fn):
         click.option("--seed", type=int, default=None, help="Seed; prompt i gets seed + i. Unset: drawn and reported."),
         click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends where it begins."),
         click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens."),
+        click.option("--presence-penalty", type=float, default=None, help="OpenAI's presence penalty in [-2, 2]."),
+        click.option("--frequency-penalty", type=float, default=None, help="OpenAI's frequency penalty in [-2, 2]."),
     ]):
         fn = opt(fn)
     return fn
@@ -255,10 +257,12 @@ def make_speculation(engine, speculation, gamma, gamma_min, gamma_max, tree, typ
                                   gamma_max=gamma_max, tree=tree_argument(tree), typical=typical)
 
 
-def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, index=0):
+def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, index=0,
+                  presence_penalty=None, frequency_penalty=None):
     fields = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
               "seed": None if seed is None else seed + index, "stop": tuple(stop) or None,
-              "ignore_eos": ignore_eos or None}
+              "ignore_eos": ignore_eos or None, "presence_penalty": presence_penalty,
+              "frequency_penalty": frequency_penalty}
     from specbuild.sampling.params import SamplingParams
 
     return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None}, engine.default_sampling)
@@ -276,9 +280,17 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
               help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
+@click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Structured output: the answer is JSON valid against this schema file (strict).")
+@click.option("--regex", default=None, help="Structured output: the answer matches this regular expression.")
+@click.option("--grammar", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Structured output: the answer follows this grammar file (Lark syntax, as llguidance reads it).")
+@click.option("--logprobs", type=int, default=None,
+              help="With --json: each token's logprob and the N most likely alternatives (0..20).")
 @user_errors
 def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
-             speculation, gamma, gamma_min, gamma_max, tree, typical, threads, device, backend, as_json) -> None:
+             presence_penalty, frequency_penalty, speculation, gamma, gamma_min, gamma_max, tree, typical, threads,
+             device, backend, as_json, json_schema, regex, grammar, logprobs) -> None:
     """Generate text from one or more prompts (batched)."""
     from specbuild.backends.select import open_engine
     from specbuild.engine.engine import EngineConfig
@@ -296,15 +308,30 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
     request_spec = spec if asked else None
     if spec.typical:
         click.echo("warning: --typical acceptance is LOSSY: output is not the target's distribution", err=True)
+    formats = [f for f in (json_schema and "json_schema", regex and "regex", grammar and "grammar") if f]
+    if len(formats) > 1:
+        raise click.UsageError(f"give at most one of --json-schema, --regex, --grammar (got {', '.join(formats)})")
+    response_format = None
+    if json_schema:
+        with open(json_schema, encoding="utf-8") as f:
+            response_format = {"type": "json_schema", "json_schema": {"name": os.path.basename(json_schema),
+                                                                      "schema": json.load(f), "strict": True}}
+    elif regex:
+        response_format = {"type": "regex", "regex": regex}
+    elif grammar:
+        with open(grammar, encoding="utf-8") as f:
+            response_format = {"type": "grammar", "grammar": f.read()}
     handles = []
     for i, prompt in enumerate(prompts):
-        params = make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, i)
+        params = make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, i,
+                               presence_penalty, frequency_penalty)
+        extra = dict(sampling=params, speculation=request_spec, response_format=response_format, logprobs=logprobs)
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             ids = engine.encode(engine.render_chat(messages), add_special_tokens=False)
-            handles.append(engine.submit(Request(prompt_ids=ids, sampling=params, speculation=request_spec)))
+            handles.append(engine.submit(Request(prompt_ids=ids, **extra)))
         else:
-            handles.append(engine.submit(Request(prompt=prompt, sampling=params, speculation=request_spec)))
+            handles.append(engine.submit(Request(prompt=prompt, **extra)))
     if as_json:
         engine.run_until_done()
         for h in handles:
