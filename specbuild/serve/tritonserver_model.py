@@ -57,6 +57,9 @@ class Unavailable(RuntimeError):
     """The model cannot take the request now (queue full, shutting down)."""
 
 
+MAX_FORMAT_CHARS = 64 * 1024  # as the HTTP server's limit (sampling.constraint bounds the schema itself)
+
+
 @dataclass(frozen=True)
 class Parsed:
     """A request's inputs as plain Python values (None: not given, the bundle's default)."""
@@ -67,6 +70,7 @@ class Parsed:
     end_id: int | None = None
     stream: bool = False
     perf: bool = False
+    response_format: dict[str, Any] | None = None  # structured output (sampling.constraint.ResponseFormat)
 
 
 def scalar(tensors: dict[str, np.ndarray], name: str, kinds: str) -> Any:
@@ -130,8 +134,22 @@ def parse_inputs(tensors: dict[str, np.ndarray]) -> Parsed:
     end_id = scalar(tensors, "end_id", "iu")
     stream = scalar(tensors, "stream", "b")
     perf = scalar(tensors, "return_perf_metrics", "b")
+    response_format = None
+    fmt = scalar(tensors, "response_format", "OSU")
+    if fmt is not None:
+        fmt = text_of(fmt, "response_format")
+        if len(fmt) > MAX_FORMAT_CHARS:
+            raise InputError(f"input response_format is {len(fmt)} characters; at most {MAX_FORMAT_CHARS}")
+        if fmt.strip():
+            try:
+                response_format = json.loads(fmt)
+            except ValueError as e:
+                raise InputError(f"input response_format is not JSON: {e}") from None
+            if not isinstance(response_format, dict):
+                raise InputError("input response_format must be a JSON object, e.g. {\"type\": \"json_object\"}")
     return Parsed(prompt=text_of(text, "text_input"), sampling=sampling, speculation=speculation,
-                  end_id=None if end_id is None else int(end_id), stream=bool(stream), perf=bool(perf))
+                  end_id=None if end_id is None else int(end_id), stream=bool(stream), perf=bool(perf),
+                  response_format=response_format)
 
 
 def build_request(parsed: Parsed, engine, request_id: str | None = None):
@@ -149,7 +167,8 @@ def build_request(parsed: Parsed, engine, request_id: str | None = None):
         sampling["stop_token_ids"] = (parsed.end_id,)
     params = SamplingParams.from_dict(sampling, engine.default_sampling)
     spec = SpeculationConfig.make(engine.default_speculation, **parsed.speculation) if parsed.speculation else None
-    return Request(prompt=parsed.prompt, sampling=params, speculation=spec, request_id=request_id or None)
+    return Request(prompt=parsed.prompt, sampling=params, speculation=spec, request_id=request_id or None,
+                   response_format=parsed.response_format)
 
 
 def perf_values(drafted: int, accepted: int) -> dict[str, np.ndarray]:

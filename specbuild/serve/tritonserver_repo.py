@@ -34,6 +34,7 @@ INPUTS: dict[str, tuple[str, tuple[int, ...], bool]] = {
     "seed": ("TYPE_UINT64", (1,), True),
     "speculation": ("TYPE_STRING", (1,), True),
     "gamma": ("TYPE_INT32", (1,), True),
+    "response_format": ("TYPE_STRING", (1,), True),  # structured output: OpenAI's response_format as JSON text
     "return_perf_metrics": ("TYPE_BOOL", (1,), True),
 }
 # the last three are sent only when return_perf_metrics is true

@@ -441,3 +441,34 @@ def test_metrics_endpoint(server):
               if line.startswith("specbuild_")}
     assert values["specbuild_generated_tokens_total"] >= 16 and values["specbuild_draft_tokens_total"] > 0
     assert 0 < values["specbuild_accepted_draft_tokens_total"] <= values["specbuild_draft_tokens_total"]
+
+
+def test_parse_response_format():
+    from specbuild.serve.tritonserver_model import MAX_FORMAT_CHARS, InputError, parse_inputs
+
+    base = {"text_input": np.array([b"hi"], dtype=object), "max_tokens": np.array([5], np.int32)}
+    fmt = b'{"type": "regex", "regex": "(yes|no)"}'
+    assert parse_inputs({**base, "response_format": np.array([fmt], dtype=object)}).response_format == \
+        {"type": "regex", "regex": "(yes|no)"}
+    with pytest.raises(InputError, match="response_format is not JSON"):
+        parse_inputs({**base, "response_format": np.array([b"{"], dtype=object)})
+    with pytest.raises(InputError, match=f"at most {MAX_FORMAT_CHARS}"):
+        parse_inputs({**base, "response_format": np.array([b" " * (MAX_FORMAT_CHARS + 1)], dtype=object)})
+
+
+def test_structured_output_over_triton(server, engine):
+    """response_format through the Triton model: the answer matches the regex, and is the engine's
+    constrained greedy answer while prompt lookup speculates."""
+    pytest.importorskip("llguidance")
+    from specbuild.engine.sequence import Request
+    from specbuild.sampling.params import SamplingParams
+
+    fmt = {"type": "regex", "regex": "(yes|no|maybe)[.!]"}
+    ref = engine.generate([Request(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=MAX_TOKENS),
+                                   response_format=fmt)])[0]
+    client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{server.http}")
+    result = client.infer(PLAIN, make_inputs(tritonclient_http, PROMPTS[0], MAX_TOKENS, speculation="ngram",
+                                             response_format=json.dumps(fmt)))
+    assert text_of(result) == ref["text"] and ref["text"] in ("yes.", "yes!", "no.", "no!", "maybe.", "maybe!")
+    with pytest.raises(Exception, match="response_format"):
+        client.infer(PLAIN, make_inputs(tritonclient_http, PROMPTS[0], MAX_TOKENS, response_format='{"type": "xml"}'))
