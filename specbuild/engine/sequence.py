@@ -163,6 +163,8 @@ class Sequence:
             "acceptance_by_position": [round(a / d, 4) if d else None
                                        for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)],
             "gamma": gamma_summary(self.gammas),
+            **({"grammar_mask_ms": round(self.constraint.mask_seconds * 1e3, 3), "grammar_masked_rows":
+                self.constraint.masks} if self.constraint is not None else {}),
             **self.extra_stats,
         }
 

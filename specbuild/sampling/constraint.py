@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,8 @@ class Constraint:
         self.vocab_size = backend.vocab_size
         self.matcher = matcher
         self._words = (self.vocab_size + 31) // 32
+        self.mask_seconds = 0.0  # time spent computing masks (and forced tokens) for this sequence
+        self.masks = 0  # rows masked
 
     # ---- one position -------------------------------------------------------------------
     def bitmask(self, rows: int = 1) -> np.ndarray:
@@ -193,6 +196,7 @@ class Constraint:
         verification (its refused token has probability 0 there), so its row is left
         unconstrained (all True) rather than all False, which would make its logits all -inf.
         The matcher ends where it started."""
+        t0 = time.perf_counter()
         bits = self.bitmask(len(paths))
         reachable = [True] * len(paths)
         for i, path in enumerate(paths):
@@ -206,6 +210,8 @@ class Constraint:
         for i, ok in enumerate(reachable):
             if not ok:
                 allowed[i] = True
+        self.mask_seconds += time.perf_counter() - t0
+        self.masks += len(paths)
         return allowed
 
     def forced(self, limit: int) -> list[int]:
@@ -213,7 +219,10 @@ class Constraint:
         verifies them, so a forced tokenization the model would not pick is only rejected)."""
         if limit <= 0 or self.matcher.is_stopped():
             return []
-        return [int(t) for t in self.matcher.compute_ff_tokens()[:limit]]
+        t0 = time.perf_counter()
+        out = [int(t) for t in self.matcher.compute_ff_tokens()[:limit]]
+        self.mask_seconds += time.perf_counter() - t0
+        return out
 
 
 def unpack(bits: np.ndarray, vocab_size: int) -> torch.Tensor:
