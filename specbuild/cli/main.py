@@ -275,9 +275,14 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
               help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
+@click.option("--telemetry", default=None, metavar="DB",
+              help="Record speculation telemetry into DB (SQLite file or postgresql:// DSN); use its gamma policies.")
+@click.option("--content-type", default=None,
+              help="Content type for the gamma policy (code, structured, summarization, chat, ...) [default: classified].")
 @user_errors
 def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
-             speculation, gamma, gamma_min, gamma_max, tree, typical, threads, device, backend, as_json) -> None:
+             speculation, gamma, gamma_min, gamma_max, tree, typical, threads, device, backend, as_json,
+             telemetry, content_type) -> None:
     """Generate text from one or more prompts (batched)."""
     from specbuild.backends.select import open_engine
     from specbuild.engine.engine import EngineConfig
@@ -288,6 +293,11 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
     engine = open_engine(bundle, EngineConfig(device=device, threads=threads), backend=backend)
     if follow_leader(engine, say=lambda line: click.echo(line, err=True)):  # ranks > 0: until rank 0 is done
         return
+    from specbuild.cli.telemetry import open_telemetry
+    from specbuild.speculation.policy import check_content_type
+
+    check_content_type(content_type)
+    sink = open_telemetry(engine, telemetry, "generate")
     spec = make_speculation(engine, speculation, gamma, gamma_min, gamma_max, tree, typical)
     # no speculation flag: the backend's default (the TensorRT-LLM backend may then serve a sampled
     # request without drafts where it cannot speculate losslessly, instead of refusing it)
@@ -301,13 +311,17 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             ids = engine.encode(engine.render_chat(messages), add_special_tokens=False)
-            handles.append(engine.submit(Request(prompt_ids=ids, sampling=params, speculation=request_spec)))
+            handles.append(engine.submit(Request(prompt_ids=ids, sampling=params, speculation=request_spec,
+                                                 content_type=content_type)))
         else:
-            handles.append(engine.submit(Request(prompt=prompt, sampling=params, speculation=request_spec)))
+            handles.append(engine.submit(Request(prompt=prompt, sampling=params, speculation=request_spec,
+                                                 content_type=content_type)))
     if as_json:
         engine.run_until_done()
         for h in handles:
             click.echo(json.dumps(h.result()))
+        if sink:
+            sink.close()
         engine.close()
         return
     stream = len(handles) == 1
@@ -329,6 +343,13 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
                    f"finish={r['finish_reason']}, seed={s['seed']}{spec_info}]", err=True)
         if s.get("stat_speculation_off"):
             click.echo(f"note: served without drafts: {s['stat_speculation_off']}", err=True)
+    if sink:
+        sink.close()
+        st = sink.stats()
+        from specbuild.telemetry.store import describe
+
+        click.echo(f"[telemetry: {st['telemetry_rows_written']} rows written to {describe(telemetry)}, "
+                   f"{st['telemetry_rows_dropped']} dropped]", err=True)
     engine.close()
 
 

@@ -173,7 +173,44 @@ class Engine:
             self.default_speculation, gamma_max=min(self.default_speculation.gamma_max, limits.max_draft_len))
         self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len,
                                    config.prefill_chunk, self.speculator)
+        self.policies = None  # speculation.policy.PolicyTable (set_policies) or None
         self._init_loop(threading.Lock(), t0)
+
+    # ---- telemetry and gamma policies (engine/events.py, speculation/policy.py) ---------------
+    @property
+    def model_id(self) -> str:
+        """The target's name for telemetry and policies: its source's base name (64 chars)."""
+        source = str(self.meta.roles.get("target", {}).get("source") or self.bundle_dir)
+        return os.path.basename(source.rstrip("/\\")).removesuffix(".gguf")[:64] or "target"
+
+    def set_sink(self, sink) -> None:
+        """Report sessions, steps and failure-mode events to `sink` (an events.EventSink; None: off).
+        Call before submitting requests."""
+        from specbuild.engine.events import NULL_SINK
+
+        sink = sink or NULL_SINK
+        with self._lock:
+            self.scheduler.sink = sink
+            self.speculator.set_emit(sink.on_event if sink.enabled else None)
+
+    def set_policies(self, policies) -> None:
+        """Start each new sequence from its content type's policy (a PolicyTable; None: off)."""
+        self.policies = policies if policies else None
+
+    def assign_content_type(self, request: Request, seq: Sequence) -> None:
+        """seq's content type (the request's, else the classifier's) and its gamma policy;
+        skipped (both None) when neither a sink nor policies would use them."""
+        if request.content_type is not None:
+            from specbuild.speculation.policy import check_content_type
+
+            seq.content_type, seq.content_type_source = check_content_type(request.content_type), "request"
+        elif self.policies is not None or self.scheduler.sink.enabled:
+            from specbuild.speculation.policy import classify_prompt
+
+            text = request.prompt if request.prompt is not None else self.tokenizer.decode(seq.prompt_ids[-2048:])
+            seq.content_type, seq.content_type_source = classify_prompt(text), "classifier"
+        if self.policies is not None and seq.spec is not None and seq.spec.enabled:
+            seq.gamma_policy = self.policies.lookup(seq.content_type, seq.spec.method)
 
     def _init_loop(self, lock, t0: float) -> None:
         """State of the background loop (start/_loop/stop), which TrtllmEngine borrows too."""
@@ -241,6 +278,7 @@ class Engine:
         params = request.sampling.with_seed()
         spec = self.resolve_speculation(request)
         seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
+        self.assign_content_type(request, seq)
         need = self.scheduler.block_budget(seq)
         if need > self.cache.num_blocks:
             raise RequestError(f"request needs {need} KV blocks (prompt {len(prompt_ids)} + max_tokens "
@@ -285,7 +323,8 @@ class Engine:
         gammas = [s.gammas[-1] for s in running if getattr(s, "gammas", None)]
         used, total = self._kv_blocks()
         return {"queue_depth": len(self.scheduler.waiting), "running": len(running), "kv_blocks_used": used,
-                "kv_blocks_total": total, "gamma": sum(gammas) / len(gammas) if gammas else 0.0}
+                "kv_blocks_total": total, "gamma": sum(gammas) / len(gammas) if gammas else 0.0,
+                **self.scheduler.sink.stats()}
 
     def _kv_blocks(self) -> tuple[int | None, int | None]:
         """(used, total) KV cache blocks, for stats()."""

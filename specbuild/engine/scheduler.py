@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.decoder import Decoder, ForwardBatch, ragged_mask
 from specbuild.sampling.params import sample_from, warp_probs
 from specbuild.engine.sequence import Event, Sequence
+from specbuild.engine.events import NULL_SINK, StepRecord
 
 log = logging.getLogger("specbuild.scheduler")
 
@@ -119,6 +121,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.budget_blocks = 0  # blocks promised to running sequences (never over-committed)
         self.passes = 0
+        self.sink = NULL_SINK  # telemetry (engine/events.py); Engine.set_sink attaches one
+        self._target_ms = 0.0  # the last group's target forward, for the sink's step rows
 
     # ---- admission --------------------------------------------------------------------
     def block_budget(self, seq: Sequence) -> int:
@@ -147,15 +151,20 @@ class Scheduler:
             self.running.append(seq)
             if self.speculator:
                 self.speculator.on_admit(seq)
+            if self.sink.enabled:
+                self.sink.on_session_start(seq)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def release(self, seq: Sequence) -> None:
-        if seq in self.running:
+        was_running = seq in self.running
+        if was_running:
             self.running.remove(seq)
             self.budget_blocks -= seq.extra.get("budget", 0)
         self.cache.release(seq.seq_id)
         if self.speculator:
             self.speculator.on_release(seq)
+        if was_running and self.sink.enabled:
+            self.sink.on_session_end(seq)
 
     def fail(self, seq: Sequence, message: str) -> None:
         seq.finished, seq.finish_reason = True, "error"
@@ -190,6 +199,9 @@ class Scheduler:
             if have != seq.num_cached:
                 log.warning("sequence %d: target KV holds %d tokens, expected %d; re-prefilling",
                             seq.seq_id, have, seq.num_cached)
+                if self.sink.enabled:
+                    self.sink.on_event(seq, "kv_desync", {"cache": "target", "have": have, "expected": seq.num_cached,
+                                                          "repair": "re-prefill"})
                 seq.num_cached = 0
                 seq.extra["repairs"] = seq.extra.get("repairs", 0) + 1
                 self.commit(seq, 0)
@@ -224,10 +236,12 @@ class Scheduler:
         for group in groups:
             batch = build_forward_batch(group, self.cache)
             hidden = None
+            t0 = time.perf_counter()
             if self.speculator and self.speculator.wants_hidden:
                 logits, hidden = self.model.forward(batch, self.cache, return_hidden=True)
             else:
                 logits = self.model.forward(batch, self.cache)
+            self._target_ms = (time.perf_counter() - t0) * 1e3
             self.passes += 1
             self.finish_items(group, logits, hidden)
         return len(items)
@@ -260,6 +274,8 @@ class Scheduler:
             self.commit(seq, seq.num_cached)
             before = len(seq.text)
             kept = seq.append_tokens(new_tokens)
+            if self.sink.enabled and (was_decode or it.n_draft):
+                self.record_step(seq, it, accepted, len(kept), len(items))
             if hidden_rows is not None and not seq.finished:
                 # the row whose logits chose the new last token: the last accepted node
                 # (chain: draft `accepted`; tree: that node's index); 0 when none was accepted
@@ -270,3 +286,15 @@ class Scheduler:
                 seq.handle._emit(Event(kept, seq.text[before:], seq.finished, seq.finish_reason))
             if seq.finished:
                 self.release(seq)
+
+    def record_step(self, seq: Sequence, it: WorkItem, accepted: int, emitted: int, batch_size: int) -> None:
+        """One decode pass of seq, for the telemetry sink (only called when one is attached)."""
+        method = seq.extra.get("method") if self.speculator else None
+        depths = getattr(it.draft, "depths", None) if it.n_draft else None
+        draft_ms = self.speculator.last_draft_ms.get(method, 0.0) if (self.speculator and it.n_draft) else 0.0
+        self.sink.on_step(seq, StepRecord(
+            step_num=seq.verify_passes, method=method if it.n_draft else None,
+            gamma=seq.gammas[-1] if seq.gammas else 0, drafted=it.n_draft, accepted=accepted, emitted=emitted,
+            depth=(max(depths) if depths is not None and len(depths) else it.n_draft), draft_ms=draft_ms,
+            target_ms=self._target_ms, batch_size=batch_size,
+            fallback=bool(seq.spec is not None and seq.spec.enabled and not it.n_draft)))

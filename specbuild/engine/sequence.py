@@ -26,6 +26,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculation: Any = None  # SpeculationConfig (None: the bundle's default)
     request_id: str | None = None
+    content_type: str | None = None  # code | structured | summarization | chat | ...; None: classified
 
 
 @dataclass
@@ -71,6 +72,9 @@ class Sequence:
         self.drafted_by_pos: list[int] = []
         self.gammas: list[int] = []
         self.extra: dict[str, Any] = {}  # drafter-owned state (e.g. the draft cache length)
+        self.content_type: str | None = None  # set by Engine.submit (the request's, or classified)
+        self.content_type_source: str | None = None  # request | classifier
+        self.gamma_policy = None  # speculation.policy.GammaPolicy the controller starts from, or None
 
     @property
     def all_ids(self) -> list[int]:
@@ -143,6 +147,7 @@ class Sequence:
             "acceptance_by_position": [round(a / d, 4) if d else None
                                        for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)],
             "gamma": gamma_summary(self.gammas),
+            "content_type": self.content_type,
             **{k: v for k, v in self.extra.items() if k.startswith("stat_")},
         }
 
