@@ -80,7 +80,7 @@ def classify_prompt(text: str) -> str:
         if marker in body:
             body = "\n".join(part.split("<|im_end|>")[0] for part in body.split(marker)[1:])
             break
-    if _CODE_FENCE.search(body) or len(_CODE_TOKENS.findall(body)) >= 3:
+    if _CODE_FENCE.search(body) or len(_CODE_TOKENS.findall(body)) >= 2:
         return "code"
     stripped = body.strip()
     if stripped[:1] in "{[" and stripped[-1:] in "}]":

@@ -2,7 +2,7 @@
 through psycopg 3), the same schema in both, migrated on open.
 
 A Store is one connection: use one per thread (the writer opens its own). SQL is written
-with `?` placeholders and translated for psycopg (`%s`); no statement holds a literal `?`.
+with `?` placeholders and translated for psycopg (`%s`, and `%` doubled); no statement holds a literal `?`.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Store:
 
     # ---- plumbing -----------------------------------------------------------------------------
     def _sql(self, sql: str) -> str:
-        return sql.replace("?", "%s") if self.dialect == "postgresql" else sql
+        return sql.replace("%", "%%").replace("?", "%s") if self.dialect == "postgresql" else sql
 
     def begin(self) -> None:
         if self.dialect == "sqlite":
