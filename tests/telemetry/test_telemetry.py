@@ -281,3 +281,24 @@ def test_postgresql_store_same_schema_and_report(engine, postgres):
     r = CliRunner().invoke(cli, ["telemetry", "policy", "learn", postgres, "--min-steps", "4"])
     assert r.exit_code == 0 and "stored" in r.output, r.output
     assert store.policies()
+
+
+def test_bench_writes_its_runs_to_the_store(bundle, tmp_path):
+    db = str(tmp_path / "bench.db")
+    r = CliRunner().invoke(cli, ["bench", bundle, "--per-category", "1", "--max-tokens", "8", "--repeats", "1",
+                                 "--speculation", "ngram", "--threads", "1", "--json", "--no-progress",
+                                 "--telemetry", db])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    tel = rep["telemetry"]
+    assert tel["telemetry_rows_dropped"] == 0 and tel["telemetry_rows_written"] > 0
+    store = Store(db)
+    rows = store.query("SELECT source, run_id, method, COUNT(*), SUM(generated_tokens), SUM(total_drafted) "
+                       "FROM speculation_sessions GROUP BY source, run_id, method ORDER BY method")
+    by_method = {m: (src, run, n, gen, drafted) for src, run, m, n, gen, drafted in rows}
+    assert set(by_method) == {"none", "ngram"}
+    assert all(v[0] == "bench" and v[1] == tel["run_id"] for v in by_method.values())
+    ngram = next(x for x in rep["rows"] if x["method"] == "ngram")["groups"]["overall"]
+    assert by_method["ngram"][2] == ngram["turns"] and by_method["ngram"][3] == ngram["generated_tokens"]
+    assert by_method["ngram"][4] == ngram["drafted"] > 0
+    assert report(store, run_id=tel["run_id"])["by_method"]["ngram"]["acceptance"] > 0
