@@ -302,3 +302,12 @@ def test_bench_writes_its_runs_to_the_store(bundle, tmp_path):
     assert by_method["ngram"][2] == ngram["turns"] and by_method["ngram"][3] == ngram["generated_tokens"]
     assert by_method["ngram"][4] == ngram["drafted"] > 0
     assert report(store, run_id=tel["run_id"])["by_method"]["ngram"]["acceptance"] > 0
+
+
+def test_learned_cost_line_and_break_even():
+    from specbuild.telemetry.learn import break_even, fit_cost
+
+    assert fit_cost([(0, 10, 1.0), (4, 10, 1.4)]) == pytest.approx((1.0, 0.1))
+    assert fit_cost([(3, 5, 2.0)]) is None  # one depth: no line
+    assert break_even((1.0, 0.1), 8) == pytest.approx(0.1, abs=2e-3)  # g = 1 pays once (1 + a) / 1.1 > 1
+    assert break_even((1.0, 1.0), 8) == 1.0  # a draft as dear as the target never pays
