@@ -318,7 +318,9 @@ class Engine:
         """Load figures for health checks and metrics, the same keys on every backend (None:
         this backend does not know): queue_depth (requests waiting for admission), running
         (admitted, generating), kv_blocks_used, kv_blocks_total, gamma (mean current draft
-        length over running requests that speculate; 0.0 when none). Lock-free reads."""
+        length over running requests that speculate; 0.0 when none). With a telemetry sink
+        attached (set_sink), also its counters: telemetry_rows_dropped / _written / _queued,
+        telemetry_write_errors. Lock-free reads."""
         running = list(self.scheduler.running)
         gammas = [s.gammas[-1] for s in running if getattr(s, "gammas", None)]
         used, total = self._kv_blocks()
