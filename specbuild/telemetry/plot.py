@@ -25,6 +25,7 @@ def plot_report(rep: dict, steps: tuple[str | None, list[tuple]], path: str) -> 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
@@ -32,6 +33,7 @@ def plot_report(rep: dict, steps: tuple[str | None, list[tuple]], path: str) -> 
         xs = [p["position"] for p in pos if p["acceptance"] is not None]
         ax.plot(xs, [p["acceptance"] for p in pos if p["acceptance"] is not None], marker="o", label=method)
     ax.set(title="acceptance by draft position", xlabel="position", ylabel="accepted / offered", ylim=(0, 1.02))
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     if rep["by_position"]:
         ax.legend()
     ax = axes[1]
