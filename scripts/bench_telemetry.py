@@ -43,8 +43,9 @@ def cpu_info() -> dict:
             "flags": [f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma"))], "loadavg": os.getloadavg()}
 
 
-def conversations(engine, runner, questions) -> tuple[float, int, list]:
-    """Each question alone (batch 1), all its turns. Returns (seconds, tokens, token ids)."""
+def conversations(engine, runner, questions, counts: dict | None = None) -> tuple[float, int, list]:
+    """Each question alone (batch 1), all its turns. Returns (seconds, tokens, token ids);
+    adds drafted / accepted / target_passes into `counts` (load-independent figures)."""
     render = lambda messages: engine.encode(engine.render_chat(messages), add_special_tokens=False)  # noqa: E731
     seconds, tokens, ids = 0.0, 0, []
     for q in questions:
@@ -53,6 +54,9 @@ def conversations(engine, runner, questions) -> tuple[float, int, list]:
         for t in turns[0]:
             tokens += len(t.token_ids)
             ids.append(t.token_ids)
+            if counts is not None:
+                for k in ("drafted", "accepted", "target_passes"):
+                    counts[k] = counts.get(k, 0) + t.stats.get(k, 0)
     return seconds, tokens, ids
 
 
@@ -62,13 +66,17 @@ def timed(engine, method, max_tokens, questions, repeats, modes: dict) -> dict:
     rates: dict[str, list[float]] = {m: [] for m in modes}
     outputs: dict[str, list] = {}
     extra: dict[str, list] = {m: [] for m in modes}
+    counts: dict[str, dict] = {}
     for _ in range(repeats):
         for name, (setup, teardown) in modes.items():
             setup()
-            secs, toks, ids = conversations(engine, runner, questions)
+            c: dict = {}
+            secs, toks, ids = conversations(engine, runner, questions, c)
+            counts[name] = c
             info = teardown()
             if info:
-                extra[name].append(info)
+                extra[name].append({**info, "sink_share_of_run_percent": round(100 * info.pop("sink_seconds") / secs, 3)}
+                                   if "sink_seconds" in info else info)
             rates[name].append(toks / secs)
             outputs.setdefault(name, ids)
             assert ids == outputs[name], f"{name}: output changed between repeats"
@@ -76,7 +84,7 @@ def timed(engine, method, max_tokens, questions, repeats, modes: dict) -> dict:
     same = all(o == first for o in outputs.values())
     return {"tokens_per_s_median": {m: round(statistics.median(r), 3) for m, r in rates.items()},
             "tokens_per_s_all": {m: [round(x, 3) for x in r] for m, r in rates.items()},
-            "outputs_identical": same, "extra": {m: v for m, v in extra.items() if v}}
+            "outputs_identical": same, "counts_last_repeat": counts, "extra": {m: v for m, v in extra.items() if v}}
 
 
 def main() -> None:
@@ -89,7 +97,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--warmup-tokens", type=int, default=32)
-    ap.add_argument("--slow-delay", type=float, default=0.05, help="seconds the slowed writer sleeps per batch")
+    ap.add_argument("--slow-delay", type=float, default=1.0,
+                    help="seconds the slowed writer sleeps per batch (of 4 rows, behind a queue of 16)")
     ap.add_argument("--only", default="overhead,slow,warmup")
     ap.add_argument("--out", default=None, help="directory for the databases [a temp dir]")
     args = ap.parse_args()
@@ -107,14 +116,24 @@ def main() -> None:
 
     def with_sink(name, **options):
         def setup():
-            sinks[name] = attach(engine, os.path.join(out, f"{name}.db"), source="bench", policies=False, **options)
+            sink = sinks[name] = attach(engine, os.path.join(out, f"{name}.db"), source="bench", policies=False,
+                                        **options)
+            sink.sink_seconds = 0.0
+            for hook in ("on_session_start", "on_step", "on_session_end", "on_event"):  # time the step loop's calls
+                def timed_hook(*a, _f=getattr(sink, hook)):
+                    t0 = time.perf_counter()
+                    _f(*a)
+                    sink.sink_seconds += time.perf_counter() - t0
+                setattr(sink, hook, timed_hook)
+            engine.set_sink(sink)
 
         def teardown():
             sink = sinks.pop(name)
             engine.set_sink(None)
             stats = sink.stats()  # before close: what the step loop saw
             sink.close()
-            return {**stats, "written_after_close": sink.stats()["telemetry_rows_written"]}
+            return {**stats, "written_after_close": sink.stats()["telemetry_rows_written"],
+                    "sink_seconds": sink.sink_seconds}
         return setup, teardown
 
     engine.speculator.controller  # calibrate once, outside the timings
@@ -126,7 +145,7 @@ def main() -> None:
     if "slow" in only:
         report["results"]["slow_writer"] = r = timed(
             engine, args.method, args.max_tokens, evalq, args.repeats,
-            {"off": off, "slowed": with_sink("slow", queue_size=64, batch_size=8, delay_s=args.slow_delay)})
+            {"off": off, "slowed": with_sink("slow", queue_size=16, batch_size=4, delay_s=args.slow_delay)})
         med = r["tokens_per_s_median"]
         r["cost_percent"] = round(100 * (1 - med["slowed"] / med["off"]), 2)
         r["dropped_per_repeat"] = [x["telemetry_rows_dropped"] for x in r["extra"]["slowed"]]
