@@ -8,6 +8,7 @@ Ranks (lower may not import higher):
     3 speculation                  what to draft
     4 engine                       the torch step loop
     5 backends                     the request-level interface
+    5 telemetry                    the store the engine's event sink feeds (beside backends; neither imports the other)
     6 dist, serve                  MPI and front ends (neither imports the other)
     7 cli                          click only
 
@@ -30,7 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "specbuild")
 
 RANK = {"bundle": 0, "errors": 0, "formats": 0, "model": 1, "sampling": 2, "speculation": 3,
-        "engine": 4, "backends": 5, "dist": 6, "serve": 6, "cli": 7}
+        "engine": 4, "backends": 5, "telemetry": 5, "dist": 6, "serve": 6, "cli": 7}
+PEERS = [{"dist", "serve"}, {"backends", "telemetry"}]  # same rank, neither imports the other
 # Rooms beside the chain: the highest chain rank they may import, and which side rooms.
 SIDE = {"compiler": (4, set()), "train": (4, {"compiler"}), "bench": (6, {"compiler", "train"})}
 # bench's 6 admits dist; serve (also 6) is excluded by name below.
@@ -122,7 +124,7 @@ def allowed(src_room: str, dst_room: str) -> bool:
         return RANK[dst_room] <= top
     if dst_room in SIDE:  # the chain uses no side room, except the CLI that drives them all
         return src_room == "cli"
-    if src_room in ("dist", "serve") and dst_room in ("dist", "serve"):
+    if any(src_room in peers and dst_room in peers for peers in PEERS):
         return False
     return RANK[dst_room] <= RANK[src_room]
 

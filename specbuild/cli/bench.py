@@ -45,6 +45,7 @@ class BenchConfig:
     trees: tuple[str, ...] | None = None  # Medusa rows: one per tree (None: the bundle's tree)
     verify_costs: bool = False  # also time one forward per verify width (chain of 5 and each tree)
     progress: bool = True
+    telemetry: str | None = None  # record the specbuild rows' sessions and steps into this store (path or DSN)
 
     def __post_init__(self) -> None:
         if self.split not in B.SPLITS:
@@ -125,6 +126,13 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
 
     engine = Engine(bundle_dir, EngineConfig(device=cfg.device, threads=cfg.threads, max_batch_size=cfg.batch_size))
     env = environment(torch.get_num_threads(), command)
+    sink = None
+    if cfg.telemetry:
+        import uuid
+
+        from specbuild.telemetry import attach
+
+        sink = attach(engine, cfg.telemetry, source="bench", run_id=uuid.uuid4().hex[:12])
     roles = engine.meta.roles
     methods = resolve_methods(cfg.methods, roles)
     render = lambda messages: engine.encode(engine.render_chat(messages), add_special_tokens=False)  # noqa: E731
@@ -201,6 +209,13 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
         for (record, _), rec in zip(rows, records):
             record.chunks.append(rec)
     bar.close()
+    telemetry = None
+    if sink is not None:
+        from specbuild.telemetry.store import describe
+
+        sink.close()
+        engine.set_sink(None)
+        telemetry = {"store": describe(cfg.telemetry), "run_id": sink.run_id, **sink.stats()}
     summary = B.summarize([r for r, _ in rows], gap_fn=lambda ids: B.top2_gap(engine, ids))
     floor = None
     if cfg.floor:
@@ -228,7 +243,8 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
     return {"bundle": os.path.abspath(bundle_dir), "target_format": target_format, "env": env,
             "config": {**asdict(cfg), "methods": methods}, "questions": len(chosen),
             "question_ids": [q["question_id"] for q in chosen], "rows": summary,
-            "peer_ratios": B.peer_ratios(summary), "floor": floor, "verify_costs": verify, "notes": notes}
+            "peer_ratios": B.peer_ratios(summary), "floor": floor, "verify_costs": verify, "notes": notes,
+            **({"telemetry": telemetry} if telemetry else {})}
 
 
 def measure_verify_costs(engine, trees: tuple[str, ...] | None, repeats: int) -> dict:
@@ -369,9 +385,11 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
                    "where llama-cpp-python is installed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON instead of the table.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
+@click.option("--telemetry", default=None, metavar="DB",
+              help="Record the specbuild rows' sessions and steps into DB (SQLite file or postgresql:// DSN).")
 def bench(bundle, dataset, split, per_category, max_tokens, speculation, gamma, gamma_min, gamma_max, batch_size,
           repeats, threads, device, peers, floor, floor_mib, trees, verify_costs, formats, as_json,
-          no_progress) -> None:
+          no_progress, telemetry) -> None:
     """Spec-Bench style benchmark: tokens/s, speedup over plain decoding and mean accepted
     tokens per task group, greedy outputs checked against plain decoding.
 
@@ -395,7 +413,7 @@ def bench(bundle, dataset, split, per_category, max_tokens, speculation, gamma, 
                           methods=_csv(speculation), gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                           batch_size=batch_size, repeats=repeats, threads=threads, device=device,
                           peers=_csv(peers) or (), floor=floor, floor_bytes=floor_mib << 20,
-                          trees=_csv(trees), verify_costs=verify_costs, progress=not no_progress)
+                          trees=_csv(trees), verify_costs=verify_costs, progress=not no_progress, telemetry=telemetry)
         report = run_bench(bundle, cfg, command=shlex.join(["specbuild"] + sys.argv[1:]))
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (".bench", "bench"),
     "verify": (".verify", "verify"),
     "triton-repo": (".tritonserver", "triton_repo"),
+    "telemetry": (".telemetry", "telemetry"),
 }
 
 

@@ -287,10 +287,14 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
               help="Structured output: the answer follows this grammar file (Lark syntax, as llguidance reads it).")
 @click.option("--logprobs", type=int, default=None,
               help="With --json: each token's logprob and the N most likely alternatives (0..20).")
+@click.option("--telemetry", default=None, metavar="DB",
+              help="Record speculation telemetry into DB (SQLite file or postgresql:// DSN); use its gamma policies.")
+@click.option("--content-type", default=None,
+              help="Content type for the gamma policy (code, structured, summarization, chat, ...) [default: classified].")
 @user_errors
 def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
              presence_penalty, frequency_penalty, speculation, gamma, gamma_min, gamma_max, tree, typical, threads,
-             device, backend, as_json, json_schema, regex, grammar, logprobs) -> None:
+             device, backend, as_json, json_schema, regex, grammar, logprobs, telemetry, content_type) -> None:
     """Generate text from one or more prompts (batched)."""
     from specbuild.backends.select import open_engine
     from specbuild.engine.engine import EngineConfig
@@ -301,6 +305,14 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
     engine = open_engine(bundle, EngineConfig(device=device, threads=threads), backend=backend)
     if follow_leader(engine, say=lambda line: click.echo(line, err=True)):  # ranks > 0: until rank 0 is done
         return
+    from specbuild.speculation.policy import check_content_type
+
+    check_content_type(content_type)
+    sink = None
+    if telemetry:  # (cli.telemetry.open_telemetry does this for the other commands; it imports this module)
+        from specbuild.telemetry import attach
+
+        sink = attach(engine, telemetry, source="generate")
     spec = make_speculation(engine, speculation, gamma, gamma_min, gamma_max, tree, typical)
     # no speculation flag: the backend's default (the TensorRT-LLM backend may then serve a sampled
     # request without drafts where it cannot speculate losslessly, instead of refusing it)
@@ -325,7 +337,8 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
     for i, prompt in enumerate(prompts):
         params = make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, i,
                                presence_penalty, frequency_penalty)
-        extra = dict(sampling=params, speculation=request_spec, response_format=response_format, logprobs=logprobs)
+        extra = dict(sampling=params, speculation=request_spec, response_format=response_format, logprobs=logprobs,
+                     content_type=content_type)
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             ids = engine.encode(engine.render_chat(messages), add_special_tokens=False)
@@ -336,6 +349,8 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
         engine.run_until_done()
         for h in handles:
             click.echo(json.dumps(h.result()))
+        if sink:
+            sink.close()
         engine.close()
         return
     stream = len(handles) == 1
@@ -357,6 +372,13 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
                    f"finish={r['finish_reason']}, seed={s['seed']}{spec_info}]", err=True)
         if s.get("stat_speculation_off"):
             click.echo(f"note: served without drafts: {s['stat_speculation_off']}", err=True)
+    if sink:
+        sink.close()
+        st = sink.stats()
+        from specbuild.telemetry.store import describe
+
+        click.echo(f"[telemetry: {st['telemetry_rows_written']} rows written to {describe(telemetry)}, "
+                   f"{st['telemetry_rows_dropped']} dropped]", err=True)
     engine.close()
 
 

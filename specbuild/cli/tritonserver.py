@@ -36,8 +36,10 @@ from specbuild.errors import SpecbuildError
               help="auto: TensorRT-LLM where the bundle's engines are built and it runs there, else torch.")
 @click.option("--engine-factory", default="specbuild.backends.select:open_engine", show_default=True,
               help="module:callable that builds the engine from (bundle, EngineConfig) (--backend: default only).")
+@click.option("--telemetry", default=None, metavar="DB",
+              help="The engine model records speculation telemetry into DB (SQLite file or postgresql:// DSN).")
 def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, device, kv_cache_tokens, python_env,
-                plain, plain_instances, backend, engine_factory) -> None:
+                plain, plain_instances, backend, engine_factory, telemetry) -> None:
     """Write a Triton model repository that serves BUNDLE with speculative decoding."""
     from specbuild.serve.tritonserver_repo import RepoConfig, write_repository
 
@@ -45,7 +47,7 @@ def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, dev
         config = RepoConfig(model_name=model_name, max_queue=max_queue, python_env=python_env, threads=threads,
                             max_batch_size=max_batch_size, device=device, kv_cache_tokens=kv_cache_tokens,
                             plain=plain, plain_instances=plain_instances, engine_factory=engine_factory,
-                            backend=backend)
+                            backend=backend, telemetry=telemetry)
         names = write_repository(bundle, out, config)
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

@@ -170,6 +170,7 @@ class Engine(BaseEngine):
         self._init_loop(threading.Lock())
         self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len,
                                    config.prefill_chunk, self.speculator, waiting=self.waiting, running=self.running)
+        self.policies = None  # speculation.policy.PolicyTable (set_policies) or None
         self.load_seconds = time.perf_counter() - t0
 
     @classmethod
@@ -213,6 +214,7 @@ class Engine(BaseEngine):
             else request.response_format
         if fmt is not None:
             seq.constraint = self.grammar().constraint(fmt)
+        self.assign_content_type(request, seq)
         need = self.scheduler.block_budget(seq)
         if need > self.cache.num_blocks:
             raise RequestError(f"request needs {need} KV blocks (prompt {len(prompt_ids)} + max_tokens "
@@ -248,6 +250,47 @@ class Engine(BaseEngine):
                                    f"max_draft_len is {self.meta.limits.max_draft_len} (recompile with "
                                    "--max-draft-len)")
         return spec
+
+    # ---- telemetry and gamma policies (engine/events.py, speculation/policy.py) ---------------
+    @property
+    def model_id(self) -> str:
+        """The target's name for telemetry and policies: its source's base name (64 chars)."""
+        source = str(self.meta.roles.get("target", {}).get("source") or self.bundle_dir)
+        return os.path.basename(source.rstrip("/\\")).removesuffix(".gguf")[:64] or "target"
+
+    def set_sink(self, sink) -> None:
+        """Report sessions, steps and failure-mode events to `sink` (an events.EventSink; None: off).
+        Call before submitting requests."""
+        from specbuild.engine.events import NULL_SINK
+
+        sink = sink or NULL_SINK
+        with self._lock:
+            self.scheduler.sink = sink
+            self.speculator.set_emit(sink.on_event if sink.enabled else None)
+
+    def set_policies(self, policies) -> None:
+        """Start each new sequence from its content type's policy (a PolicyTable; None: off)."""
+        self.policies = policies if policies else None
+
+    def assign_content_type(self, request: Request, seq: Sequence) -> None:
+        """seq's content type (the request's, else the classifier's) and its gamma policy;
+        skipped (both None) when neither a sink nor policies would use them."""
+        if request.content_type is not None:
+            from specbuild.speculation.policy import check_content_type
+
+            seq.content_type, seq.content_type_source = check_content_type(request.content_type), "request"
+        elif self.policies is not None or self.scheduler.sink.enabled:
+            from specbuild.speculation.policy import classify_prompt
+
+            text = request.prompt if request.prompt is not None else self.tokenizer.decode(seq.prompt_ids[-2048:])
+            seq.content_type, seq.content_type_source = classify_prompt(text), "classifier"
+        if self.policies is not None and seq.spec is not None and seq.spec.enabled:
+            seq.gamma_policy = self.policies.lookup(seq.content_type, seq.spec.method)
+
+    def stats(self) -> dict:
+        """BaseEngine's load figures; with a telemetry sink attached (set_sink), also its
+        counters: telemetry_rows_dropped / _written / _queued, telemetry_write_errors."""
+        return {**super().stats(), **self.scheduler.sink.stats()}
 
     def _kv_blocks(self) -> tuple[int | None, int | None]:
         """(used, total) KV cache blocks, for stats()."""

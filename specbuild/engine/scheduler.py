@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Collection
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from specbuild.model.decoder import Decoder, ForwardBatch, ragged_mask
 from specbuild.sampling.params import sample_from, token_logprobs, warp_probs
 from specbuild.sampling.processing import chain_paths, process_logits, tree_paths
 from specbuild.engine.sequence import Event, Sequence
+from specbuild.engine.events import NULL_SINK, StepRecord
 
 log = logging.getLogger("specbuild.scheduler")
 
@@ -133,6 +135,8 @@ class Scheduler:
         self.running: list[Sequence] = [] if running is None else running
         self.budget_blocks = 0  # blocks promised to running sequences (never over-committed)
         self.passes = 0
+        self.sink = NULL_SINK  # telemetry (engine/events.py); Engine.set_sink attaches one
+        self._target_ms = 0.0  # the last group's target forward, for the sink's step rows
 
     # ---- admission --------------------------------------------------------------------
     def block_budget(self, seq: Sequence) -> int:
@@ -161,15 +165,20 @@ class Scheduler:
             self.running.append(seq)
             if self.speculator:
                 self.speculator.on_admit(seq)
+            if self.sink.enabled:
+                self.sink.on_session_start(seq)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def release(self, seq: Sequence) -> None:
-        if seq in self.running:
+        was_running = seq in self.running
+        if was_running:
             self.running.remove(seq)
             self.budget_blocks -= seq.budget_blocks
         self.cache.release(seq.seq_id)
         if self.speculator:
             self.speculator.on_release(seq)
+        if was_running and self.sink.enabled:
+            self.sink.on_session_end(seq)
 
     def fail(self, seq: Sequence, message: str) -> None:
         seq.finished, seq.finish_reason = True, "error"
@@ -204,6 +213,9 @@ class Scheduler:
             if have != seq.num_cached:
                 log.warning("sequence %d: target KV holds %d tokens, expected %d; re-prefilling",
                             seq.seq_id, have, seq.num_cached)
+                if self.sink.enabled:
+                    self.sink.on_event(seq, "kv_desync", {"cache": "target", "have": have, "expected": seq.num_cached,
+                                                          "repair": "re-prefill"})
                 seq.num_cached = 0
                 seq.repairs += 1
                 self.commit(seq, 0)
@@ -246,10 +258,12 @@ class Scheduler:
         for group in groups:
             batch = build_forward_batch(group, self.cache)
             hidden = None
+            t0 = time.perf_counter()
             if self.speculator and self.speculator.wants_hidden:
                 logits, hidden = self.model.forward(batch, self.cache, return_hidden=True)
             else:
                 logits = self.model.forward(batch, self.cache)
+            self._target_ms = (time.perf_counter() - t0) * 1e3
             self.passes += 1
             self.finish_items(group, logits, hidden)
         return len(items)
@@ -294,6 +308,8 @@ class Scheduler:
             if seq.request.logprobs is not None:
                 lps = seq.pending_logprobs[:len(kept)]
                 seq.logprobs += lps
+            if self.sink.enabled and (was_decode or it.n_draft):
+                self.record_step(seq, it, accepted, len(kept), len(items))
             if hidden_rows is not None and not seq.finished:
                 # the row whose logits chose the new last token: the last accepted node
                 # (chain: draft `accepted`; tree: that node's index); 0 when none was accepted
@@ -304,3 +320,15 @@ class Scheduler:
                 seq.handle._emit(Event(kept, seq.text[before:], seq.finished, seq.finish_reason, lps))
             if seq.finished:
                 self.release(seq)
+
+    def record_step(self, seq: Sequence, it: WorkItem, accepted: int, emitted: int, batch_size: int) -> None:
+        """One decode pass of seq, for the telemetry sink (only called when one is attached)."""
+        method = seq.spec_state.method if self.speculator else None
+        depths = getattr(it.draft, "depths", None) if it.n_draft else None
+        draft_ms = self.speculator.last_draft_ms.get(method, 0.0) if (self.speculator and it.n_draft) else 0.0
+        self.sink.on_step(seq, StepRecord(
+            step_num=seq.verify_passes, method=method if it.n_draft else None,
+            gamma=seq.gammas[-1] if seq.gammas else 0, drafted=it.n_draft, accepted=accepted, emitted=emitted,
+            depth=(max(depths) if depths is not None and len(depths) else it.n_draft), draft_ms=draft_ms,
+            target_ms=self._target_ms, batch_size=batch_size,
+            fallback=bool(seq.spec is not None and seq.spec.enabled and not it.n_draft)))

@@ -29,6 +29,7 @@ class Request:
     request_id: str | None = None
     response_format: Any = None  # structured output: an OpenAI response_format dict or a ResponseFormat
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and the N most likely
+    content_type: str | None = None  # code | structured | summarization | chat | ...; None: classified
 
 
 @dataclass
@@ -81,6 +82,9 @@ class Sequence:
         self.repairs = 0  # times its target cache was found inconsistent and re-prefilled
         self.spec_state = SpecState()  # the speculator's and drafters' state (speculation/state.py)
         self.extra_stats: dict[str, Any] = {}  # backend-specific result stats, under their output names
+        self.content_type: str | None = None  # set by Engine.submit (the request's, or classified)
+        self.content_type_source: str | None = None  # request | classifier
+        self.gamma_policy = None  # speculation.policy.GammaPolicy the controller starts from, or None
 
     @property
     def all_ids(self) -> list[int]:
@@ -166,6 +170,7 @@ class Sequence:
             **({"grammar_mask_ms": round(self.constraint.mask_seconds * 1e3, 3), "grammar_masked_rows":
                 self.constraint.masks} if self.constraint is not None else {}),
             **self.extra_stats,
+            "content_type": self.content_type,
         }
 
 

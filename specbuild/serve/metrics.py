@@ -103,6 +103,21 @@ class Gauge(Metric):
         return [] if value is None else [f"{self.name} {format_value(float(value))}"]
 
 
+class ReadCounter(Metric):
+    """A counter kept elsewhere (no labels), read by a callback at scrape time; None: no sample."""
+
+    kind = "counter"
+
+    def __init__(self, name: str, help_text: str, read: Callable[[], float | None]) -> None:
+        assert name.endswith("_total"), name
+        super().__init__(name, help_text)
+        self.read = read
+
+    def lines(self) -> list[str]:
+        value = self.read()
+        return [] if value is None else [f"{self.name} {format_value(float(value))}"]
+
+
 class Histogram(Metric):
     """Cumulative buckets (upper bounds, seconds), a sum and a count; no labels."""
 
@@ -173,6 +188,9 @@ class ServerMetrics:
             Gauge(p + "gamma_mean", "Mean gamma per speculation step over finished requests.",
                   lambda: self.gamma_sum.get() / self.gamma_steps.get() if self.gamma_steps.get() else 0.0),
         ]
+        gauges.append(ReadCounter(p + "telemetry_rows_dropped_total", "Telemetry rows dropped because the "
+                                  "store's writer queue was full or a write failed (no sample: telemetry off).",
+                                  lambda: engine.stats().get("telemetry_rows_dropped")))
         self.all: list[Metric] = [self.requests, self.rejected, self.prompt_tokens, self.generation_tokens,
                                   self.drafted, self.accepted, self.verify_passes, self.gamma_steps,
                                   self.gamma_sum, self.ttft, self.tpot, self.e2e, *gauges]

@@ -16,7 +16,7 @@ plain   (not decoupled) a light front for unary HTTP / gRPC `infer`, which Trito
 
 Inputs and outputs (names as TensorRT-LLM's ensemble; see specbuild/serve/tritonserver_repo.py):
 text_input, max_tokens, stream, temperature, top_k, top_p, stop_words, end_id, seed,
-speculation, gamma, return_perf_metrics -> text_output (generated text only) and, with
+speculation, gamma, content_type, return_perf_metrics -> text_output (generated text only) and, with
 return_perf_metrics, acceptance_rate (accepted / drafted, 0 when nothing was drafted),
 total_accepted_draft_tokens, total_draft_tokens. A bad value gets a Triton error response
 for that request only (wrong types and shapes are refused by Triton before it gets here).
@@ -71,6 +71,7 @@ class Parsed:
     stream: bool = False
     perf: bool = False
     response_format: dict[str, Any] | None = None  # structured output (sampling.constraint.ResponseFormat)
+    content_type: str | None = None  # the gamma policy's content type (None: classified from the prompt)
 
 
 def scalar(tensors: dict[str, np.ndarray], name: str, kinds: str) -> Any:
@@ -131,6 +132,8 @@ def parse_inputs(tensors: dict[str, np.ndarray]) -> Parsed:
     gamma = scalar(tensors, "gamma", "iu")
     if gamma is not None:
         speculation["gamma"] = int(gamma)
+    content_type = scalar(tensors, "content_type", "OSU")
+    content_type = text_of(content_type, "content_type").strip() or None if content_type is not None else None
     end_id = scalar(tensors, "end_id", "iu")
     stream = scalar(tensors, "stream", "b")
     perf = scalar(tensors, "return_perf_metrics", "b")
@@ -149,7 +152,7 @@ def parse_inputs(tensors: dict[str, np.ndarray]) -> Parsed:
                 raise InputError("input response_format must be a JSON object, e.g. {\"type\": \"json_object\"}")
     return Parsed(prompt=text_of(text, "text_input"), sampling=sampling, speculation=speculation,
                   end_id=None if end_id is None else int(end_id), stream=bool(stream), perf=bool(perf),
-                  response_format=response_format)
+                  response_format=response_format, content_type=content_type)
 
 
 def build_request(parsed: Parsed, engine, request_id: str | None = None):
@@ -158,6 +161,7 @@ def build_request(parsed: Parsed, engine, request_id: str | None = None):
     from specbuild.sampling.params import SamplingParams
     from specbuild.engine.sequence import Request
     from specbuild.speculation.config import SpeculationConfig
+    from specbuild.speculation.policy import check_content_type
 
     sampling = dict(parsed.sampling)
     if parsed.end_id is not None:
@@ -168,7 +172,7 @@ def build_request(parsed: Parsed, engine, request_id: str | None = None):
     params = SamplingParams.from_dict(sampling, engine.default_sampling)
     spec = SpeculationConfig.make(engine.default_speculation, **parsed.speculation) if parsed.speculation else None
     return Request(prompt=parsed.prompt, sampling=params, speculation=spec, request_id=request_id or None,
-                   response_format=parsed.response_format)
+                   response_format=parsed.response_format, content_type=check_content_type(parsed.content_type))
 
 
 def perf_values(drafted: int, accepted: int) -> dict[str, np.ndarray]:
@@ -219,6 +223,11 @@ class EngineModel:
         self.ipc_lock = threading.Lock()
         self.active: dict[int, tuple[Any, threading.Thread]] = {}
         self.metrics = self.make_metrics(model_config.get("name", "specbuild"))
+        self.telemetry = None
+        if params.get("telemetry"):  # sessions, steps and events into this store; its gamma policies
+            from specbuild.telemetry import attach
+
+            self.telemetry = attach(self.engine, params["telemetry"], source="triton")
         self.engine.start()
         log.warning("specbuild engine loaded %s in %.1fs (%s backend, max batch %d, methods %s)", params["bundle"],
                     self.engine.load_seconds, getattr(self.engine, "backend_name", "torch"),
@@ -339,6 +348,8 @@ class EngineModel:
         for _, thread in running:
             thread.join(timeout=2)
         getattr(self.engine, "close", self.engine.stop)()  # close: TensorRT-LLM shuts its executors down
+        if self.telemetry is not None:
+            self.telemetry.close()
 
 
 class PlainModel:

@@ -35,6 +35,7 @@ INPUTS: dict[str, tuple[str, tuple[int, ...], bool]] = {
     "speculation": ("TYPE_STRING", (1,), True),
     "gamma": ("TYPE_INT32", (1,), True),
     "response_format": ("TYPE_STRING", (1,), True),  # structured output: OpenAI's response_format as JSON text
+    "content_type": ("TYPE_STRING", (1,), True),
     "return_perf_metrics": ("TYPE_BOOL", (1,), True),
 }
 # the last three are sent only when return_perf_metrics is true
@@ -76,6 +77,7 @@ class RepoConfig:
     plain_instances: int = 2
     engine_factory: str = DEFAULT_FACTORY
     backend: str = "auto"
+    telemetry: str | None = None  # telemetry store (SQLite path or postgresql:// DSN) for the engine model
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.model_name):
@@ -157,6 +159,9 @@ def write_repository(bundle_dir: str, out: str, config: RepoConfig = RepoConfig(
                      "device": config.device, "engine_factory": config.engine_factory, **common}
     if config.engine_factory == DEFAULT_FACTORY:
         engine_params["backend"] = config.backend
+    if config.telemetry:
+        is_dsn = config.telemetry.startswith(("postgresql://", "postgres://"))
+        engine_params["telemetry"] = config.telemetry if is_dsn else os.path.abspath(config.telemetry)
     for key in ("threads", "max_batch_size", "kv_cache_tokens"):
         if getattr(config, key) is not None:
             engine_params[key] = str(getattr(config, key))

@@ -7,6 +7,13 @@ machine (seconds). The controller picks g in [gamma_min, gamma_max] maximising E
 g = 0 is plain decoding (1 token per verify_cost(1)). When acceptance stays low, g = 0 is
 chosen; every `probe_every` plain steps one probe step at gamma_max re-measures acceptance
 so speculation can come back when the text turns predictable.
+
+A sequence with a gamma policy (speculation/policy.py, `seq.gamma_policy`) starts from the
+policy's gamma_default and acceptance prior instead of the global ones, moves within the
+policy's bounds, and is switched to plain decoding (speculation off, probes as above) once
+its rolling acceptance stayed below the policy's alpha_threshold for collapse_steps steps.
+Switching off and back on is reported through `emit(seq, kind, detail)` (acceptance_collapse,
+acceptance_recovered) when a sink is attached. Only how much is drafted changes: lossless.
 """
 
 from __future__ import annotations
@@ -77,6 +84,9 @@ class GammaState:
     window: int = 20
     history: dict[str, collections.deque] = field(default_factory=dict)
     plain_steps: int = 0
+    low_steps: int = 0  # consecutive recorded steps with rolling acceptance under the policy's threshold
+    collapsed: bool = False  # speculation off for this sequence (policy threshold) until a probe recovers
+    off: bool = False  # the cost model chose plain decoding last step
 
     def of(self, method: str) -> collections.deque:
         h = self.history.get(method)
@@ -94,6 +104,8 @@ class GammaController:
         self.window = window
         self.prior_alpha = prior_alpha
         self.probe_every = probe_every
+        self.emit = None  # callable(seq, kind, detail) or None: failure-mode events (telemetry)
+        self.policy_weight = 6  # pseudo-drafts a policy's prior_alpha counts for (learned priors are firmer)
 
     def state(self, seq) -> GammaState:
         st = seq.spec_state.gamma
@@ -103,10 +115,15 @@ class GammaController:
 
     def alpha(self, seq, method: str) -> float:
         """The per-token acceptance estimate of `method` on seq: the one estimator, used for
-        the depth (`next`) and, under `auto`, for choosing the method (Speculator)."""
+        the depth (`next`) and, under `auto`, for choosing the method (Speculator). A sequence
+        with a gamma policy starts from the policy's prior (learned per content type), held
+        firmer than the global one."""
         history = self.state(seq).of(method)
         drafted = sum(d for d, _ in history)
         accepted = sum(a for _, a in history)
+        policy = getattr(seq, "gamma_policy", None)
+        if policy is not None:
+            return (accepted + self.policy_weight * policy.prior_alpha) / (drafted + self.policy_weight)
         # a weak prior (2 pseudo-drafts) keeps the first steps from swinging to extremes
         return (accepted + 2 * self.prior_alpha) / (drafted + 2)
 
@@ -116,18 +133,58 @@ class GammaController:
         if not spec.dynamic:
             return spec.gamma
         st = self.state(seq)
+        policy = getattr(seq, "gamma_policy", None)
+        lo, hi = policy.bounds(spec.gamma_min, spec.gamma_max) if policy is not None else (spec.gamma_min, spec.gamma_max)
         if not st.of(method):
+            if policy is not None:
+                return policy.start(lo, hi) if hi > 0 else 0
             return max(spec.gamma, 1) if spec.gamma_max > 0 else 0
-        g = best_gamma(self.alpha(seq, method), spec.gamma_min, spec.gamma_max, costs or self.costs[method])
+        if st.collapsed:  # speculation off (policy threshold); a probe every probe_every steps
+            st.plain_steps += 1
+            if st.plain_steps >= self.probe_every:
+                st.plain_steps = 0
+                return max(1, min(policy.start(lo, hi), hi))
+            return 0
+        alpha = self.alpha(seq, method)
+        g = best_gamma(alpha, lo, hi, costs or self.costs[method])
+        if (g == 0) != st.off:
+            st.off = g == 0
+            if self.emit is not None:
+                self.emit(seq, "acceptance_collapse" if st.off else "acceptance_recovered",
+                          {"rule": "cost", "alpha": round(alpha, 4), "method": method})
         if g == 0:
             st.plain_steps += 1
             if st.plain_steps >= self.probe_every:  # probe: maybe the text became predictable
                 st.plain_steps = 0
-                return max(1, min(spec.gamma, spec.gamma_max))
+                return max(1, min(policy.start(lo, hi) if policy is not None else spec.gamma, hi))
         else:
             st.plain_steps = 0
         return g
 
     def record(self, seq, method: str, drafted: int, accepted: int) -> None:
         if drafted > 0:
-            self.state(seq).of(method).append((drafted, accepted))
+            st = self.state(seq)
+            st.of(method).append((drafted, accepted))
+            policy = getattr(seq, "gamma_policy", None)
+            if policy is not None and seq.spec.dynamic:
+                self._watch_collapse(seq, method, st, policy, drafted, accepted)
+
+    def _watch_collapse(self, seq, method: str, st: GammaState, policy, drafted: int, accepted: int) -> None:
+        """Acceptance collapse: rolling alpha under policy.alpha_threshold for collapse_steps
+        steps switches speculation off (when the bounds allow plain decoding); a probe whose
+        own acceptance reaches the threshold switches it back on."""
+        lo, _ = policy.bounds(seq.spec.gamma_min, seq.spec.gamma_max)
+        if st.collapsed:
+            if accepted / drafted >= policy.alpha_threshold:
+                st.collapsed, st.low_steps = False, 0
+                if self.emit is not None:
+                    self.emit(seq, "acceptance_recovered", {"rule": "threshold", "probe_alpha": round(accepted / drafted, 4),
+                                                            "threshold": policy.alpha_threshold})
+            return
+        alpha = self.alpha(seq, method)
+        st.low_steps = st.low_steps + 1 if alpha < policy.alpha_threshold else 0
+        if st.low_steps >= policy.collapse_steps and lo == 0:
+            st.collapsed, st.plain_steps = True, 0
+            if self.emit is not None:
+                self.emit(seq, "acceptance_collapse", {"rule": "threshold", "alpha": round(alpha, 4),
+                                                       "threshold": policy.alpha_threshold, "steps": st.low_steps})

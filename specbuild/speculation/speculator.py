@@ -74,6 +74,8 @@ class Speculator:
         self._costs = costs
         self._controller: GammaController | None = None
         self.bin_cost: BinCost | None = None
+        self.emit = None  # callable(seq, kind, detail): failure-mode events (Engine.set_sink)
+        self.last_draft_ms: dict[str, float] = {}  # method -> its last propose call, milliseconds
 
     # ---- costs, measured once on first use ---------------------------------------------------
     @property
@@ -82,6 +84,7 @@ class Speculator:
             if self._costs is None:
                 self._costs = self.calibrate()
             self._controller = GammaController(self._costs)
+            self._controller.emit = self.emit
         return self._controller
 
     def calibrate(self) -> dict[str, CostModel]:
@@ -100,6 +103,15 @@ class Speculator:
         log.info("calibrated speculation costs in %.2fs: verify %s", time.perf_counter() - t0,
                  {k: round(v * 1e3, 2) for k, v in verify.items()})
         return costs
+
+    def set_emit(self, emit) -> None:
+        """Route failure-mode events (controller, drafters) to emit(seq, kind, detail); None: off."""
+        self.emit = emit
+        if self._controller is not None:
+            self._controller.emit = emit
+        for prop in self.proposers.values():
+            if hasattr(prop, "emit"):
+                prop.emit = emit
 
     # ---- per-step hooks ------------------------------------------------------------------------
     @property
@@ -167,7 +179,18 @@ class Speculator:
             if gamma > 0:
                 by_method.setdefault(method, []).append((seq, gamma))
         for method, pairs in by_method.items():
-            drafts = self.proposers[method].propose([s for s, _ in pairs], [g for _, g in pairs])
+            t0 = time.perf_counter()
+            try:
+                drafts = self.proposers[method].propose([s for s, _ in pairs], [g for _, g in pairs])
+            except Exception as e:  # a drafter's failure costs its sequences one plain step, not the request
+                log.exception("drafter %s failed; %d sequence(s) decode plainly this step", method, len(pairs))
+                drafts = [None] * len(pairs)
+                for seq, _ in pairs:
+                    self.proposers[method].rollback(seq, seq.num_cached)
+                    if self.emit is not None:
+                        self.emit(seq, "draft_failure", {"method": method, "error": f"{type(e).__name__}: {e}"[:200],
+                                                         "fallback": "plain"})
+            self.last_draft_ms[method] = (time.perf_counter() - t0) * 1e3
             for (seq, gamma), draft in zip(pairs, drafts):
                 if draft is not None and len(draft) > 0:
                     out[seq] = draft

@@ -146,8 +146,10 @@ def server(triton_paths, bundle, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("triton_repo")
     write_repository(bundle, str(root / "repo"), RepoConfig(model_name=MODEL, python_env=triton_paths["python_env"],
-                                                            threads=1, plain_instances=2))
+                                                            threads=1, plain_instances=2,
+                                                            telemetry=str(root / "telemetry.db")))
     srv = TritonProcess(triton_paths, str(root / "repo"), str(root / "tritonserver.log"))
+    srv.telemetry = str(root / "telemetry.db")
     print(f"tritonserver ready in {srv.startup_s:.1f}s")
     yield srv
     srv.stop()
@@ -272,6 +274,7 @@ def test_repository_files(bundle, tmp_path):
     # the engine comes from open_engine, with --backend as `generate` takes it (default auto)
     assert 'key: "engine_factory" value: { string_value: "specbuild.backends.select:open_engine" }' in config
     assert 'key: "backend" value: { string_value: "auto" }' in config
+    assert '{ name: "content_type" data_type: TYPE_STRING dims: [ 1 ] optional: true }' in config
     result = CliRunner().invoke(main, ["triton-repo", bundle, "--out", str(out), "--backend", "torch"])
     assert result.exit_code == 0, result.output
     assert 'key: "backend" value: { string_value: "torch" }' in (out / MODEL / "config.pbtxt").read_text()
@@ -290,7 +293,8 @@ def test_parse_inputs_values():
     parsed = parse_inputs({"text_input": np.array([b"hi"], dtype=object), "max_tokens": np.array([5], np.int32),
                            "top_p": np.array([0.0], np.float32), "stop_words": np.array([b"", b"x"], dtype=object),
                            "speculation": np.array([b"ngram"], dtype=object), "gamma": np.array([3], np.int32),
-                           "stream": np.array([True])})
+                           "stream": np.array([True]), "content_type": np.array([b"code"], dtype=object)})
+    assert parsed.content_type == "code"
     assert parsed.prompt == "hi" and parsed.sampling == {"max_tokens": 5, "top_p": 1.0, "stop": ("x",)}
     assert parsed.speculation == {"method": "ngram", "gamma": 3} and parsed.stream and not parsed.perf
     with pytest.raises(InputError, match="max_tokens must hold exactly one element"):
@@ -472,3 +476,24 @@ def test_structured_output_over_triton(server, engine):
     assert text_of(result) == ref["text"] and ref["text"] in ("yes.", "yes!", "no.", "no!", "maybe.", "maybe!")
     with pytest.raises(Exception, match="response_format"):
         client.infer(PLAIN, make_inputs(tritonclient_http, PROMPTS[0], MAX_TOKENS, response_format='{"type": "xml"}'))
+
+
+def test_content_type_and_telemetry_store(server, engine):
+    """content_type reaches the engine's gamma policy lookup and the model's telemetry store."""
+    import sqlite3
+
+    ref = reference(engine, [PROMPTS[0]], method="ngram")
+    client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{server.http}")
+    result = client.infer(PLAIN, make_inputs(tritonclient_http, PROMPTS[0], MAX_TOKENS, speculation="ngram",
+                                             content_type="legal"))
+    assert text_of(result) == ref[0]["text"]
+    with pytest.raises(tritonclient_http.InferenceServerException, match="content_type='Bad!'"):
+        client.infer(PLAIN, make_inputs(tritonclient_http, "x", 4, content_type="Bad!"))
+    deadline, row = time.monotonic() + 30, None
+    while row is None and time.monotonic() < deadline:  # the writer commits within ~0.2 s
+        with sqlite3.connect(server.telemetry, timeout=5) as conn:
+            row = conn.execute("SELECT source, content_type_source, status, generated_tokens, total_drafted FROM "
+                               "speculation_sessions WHERE content_type = 'legal' AND status = 'completed'").fetchone()
+        time.sleep(0.1)
+    assert row is not None and row[:3] == ("triton", "request", "completed")
+    assert row[3] == len(ref[0]["token_ids"]) and row[4] == ref[0]["stats"]["drafted"] > 0

@@ -23,6 +23,7 @@ log = logging.getLogger("specbuild.draft")
 
 class DraftModelProposer:
     name = "draft"
+    emit = None  # callable(seq, kind, detail) or None: cache desync reports (Speculator.set_emit)
 
     def __init__(self, model: Decoder, num_blocks: int, target_vocab: int, block_size: int = 16,
                  vocab_map: torch.Tensor | None = None) -> None:
@@ -86,6 +87,9 @@ class DraftModelProposer:
             if seq.spec_state.draft_len > len(ids) - 1:  # cannot happen unless state broke: repair
                 log.warning("draft cache of sequence %d ahead of its text (%d > %d): re-prefilling",
                             seq.seq_id, seq.spec_state.draft_len, len(ids) - 1)
+                if self.emit is not None:
+                    self.emit(seq, "kv_desync", {"cache": "draft", "have": seq.spec_state.draft_len,
+                                                 "expected": len(ids) - 1, "repair": "re-prefill"})
                 self.rollback(seq, 0)
             rows.append((seq, ids[seq.spec_state.draft_len:]))
         live = active
