@@ -194,7 +194,10 @@ class Engine:
         from specbuild.speculation.proposers.ngram import NgramProposer
         from specbuild.speculation.speculator import Speculator
 
-        proposers = {"ngram": NgramProposer()}
+        from specbuild.speculation.proposers.recycling import RecyclingProposer
+
+        proposers = {"ngram": NgramProposer(),
+                     "recycle": RecyclingProposer(self.target_config.vocab_size, max_nodes=self.meta.limits.max_draft_len)}
         if "draft" in self.meta.roles and self.config.load_draft:
             draft_dir = os.path.join(self.bundle_dir, self.meta.roles["draft"]["path"])
             draft_config = read_model_config(draft_dir)
@@ -268,6 +271,13 @@ class Engine:
             raise RequestError(f"gamma_max={spec.gamma_max} exceeds the bundle's max_draft_len "
                                f"{self.meta.limits.max_draft_len}; recompile with --max-draft-len")
         medusa = self.speculator.proposers.get("medusa")
+        recycle = self.speculator.proposers.get("recycle")
+        if spec.method == "recycle" and hasattr(recycle, "validate_tree"):
+            tree = recycle.validate_tree(spec.tree)
+            if tree.num_drafts > self.meta.limits.max_draft_len:
+                raise RequestError(f"tree {tree.name or spec.tree!r} has {tree.num_drafts} nodes; the bundle's "
+                                   f"max_draft_len is {self.meta.limits.max_draft_len} (recompile with "
+                                   "--max-draft-len)")
         if spec.method in ("medusa", "auto") and hasattr(medusa, "validate_tree"):
             tree = medusa.validate_tree(spec.tree)
             if tree.num_drafts > self.meta.limits.max_draft_len:

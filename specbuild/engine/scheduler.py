@@ -247,6 +247,8 @@ class Scheduler:
             hidden_rows = hidden[r:r + 1 + it.n_draft] if hidden is not None else None
             r += 1 + it.n_draft
             was_decode = len(it.chunk) == 1 and seq.output_ids
+            if self.speculator is not None:  # token recycling reads the rows it verifies
+                self.speculator.observe_logits(seq, [it.chunk[-1], *(it.draft.tokens if it.n_draft else ())], rows)
             if it.n_draft:
                 accepted, new_tokens = self.speculator.verify(seq, it.draft, rows)
             else:

@@ -12,7 +12,7 @@ from typing import Any
 
 from specbuild.errors import RequestError
 
-METHODS = ("none", "ngram", "draft", "medusa", "auto")
+METHODS = ("none", "ngram", "draft", "medusa", "recycle", "auto")
 GAMMA_LIMIT = 16
 
 
@@ -20,10 +20,11 @@ GAMMA_LIMIT = 16
 class SpeculationConfig:
     """How a request speculates.
 
-    method   none | ngram (prompt lookup) | draft (draft model) | medusa (heads + tree) | auto
+    method   none | ngram (prompt lookup) | draft (draft model) | medusa (heads + tree) |
+             recycle (token recycling: a tree from the target's earlier top-k, no model) | auto
     gamma    starting draft length; with gamma_min == gamma_max it is fixed
     gamma_min, gamma_max   bounds for the per-sequence controller (0 allows plain decoding)
-    tree     Medusa token tree (preset name or JSON file); None: the bundle's tree
+    tree     Medusa / recycling token tree (preset name or JSON file); None: the default tree
     ngram_min, ngram_max   n-gram sizes that prompt lookup matches (longest first)
     typical  Medusa typical acceptance: LOSSY (output no longer the target's distribution)
     """

@@ -106,6 +106,13 @@ class Speculator:
     def observe_hidden(self, seq, hidden_row: torch.Tensor) -> None:
         self.proposers["medusa"].observe(seq, hidden_row)
 
+    def observe_logits(self, seq, tokens: list[int], rows: torch.Tensor) -> None:
+        """Token recycling's table learns from every verified row (tokens[i] is row i's
+        input token); only for requests that may draft with it (recycle, auto)."""
+        rec = self.proposers.get("recycle")
+        if rec is not None and seq.spec is not None and seq.spec.method in ("recycle", "auto"):
+            rec.observe(torch.tensor(tokens, dtype=torch.int64), rows)
+
     def max_extra_tokens(self, seq) -> int:
         return self.max_draft_len + 1
 
@@ -137,7 +144,8 @@ class Speculator:
         """The measured costs of `method` for seq; for Medusa, depth g verifies all of the
         request's tree within depth g (gamma.TreeCostModel)."""
         cm = self.controller.costs[method]
-        validate = getattr(self.proposers.get(method), "validate_tree", None) if method == "medusa" else None
+        validate = getattr(self.proposers.get(method), "validate_tree", None) if method in ("medusa", "recycle") \
+            else None
         if validate is None:  # a chain drafter (or a tree proposer that does not name its tree)
             return cm
         return TreeCostModel(cm, nodes_within_depth(validate(getattr(seq.spec, "tree", None))))
