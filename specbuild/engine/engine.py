@@ -214,6 +214,13 @@ class Engine:
 
             role = load_medusa(self.bundle_dir, self.model.w, self.config.device)
             proposers["medusa"] = MedusaProposer(role.heads, role.tree)
+        if "eagle" in self.meta.roles:
+            from specbuild.compiler.eagle_role import load_eagle
+            from specbuild.speculation.proposers.eagle import EagleProposer
+
+            head = load_eagle(self.bundle_dir, self.meta.roles["eagle"], self.model.w,
+                              self.max_seq_len + self.meta.limits.max_draft_len + 2, self.config.device)
+            proposers["eagle"] = EagleProposer(head, self.target_config.vocab_size, self.meta.limits.max_draft_len)
         return Speculator(self.model, self.cache, proposers, self.meta.limits.max_draft_len, self.max_seq_len,
                           binning=self.config.binning)
 

@@ -223,22 +223,31 @@ class Scheduler:
         groups = self.speculator.bins(items) if self.speculator else [items]
         for group in groups:
             batch = build_forward_batch(group, self.cache)
-            hidden = None
-            if self.speculator and self.speculator.wants_hidden:
+            hidden = aux = None
+            aux_rows = self.speculator.aux_rows(group) if self.speculator else None
+            if aux_rows is not None:  # an EAGLE head reads three layers' hidden states
+                out = self.model.forward(batch, self.cache, return_hidden=self.speculator.wants_hidden,
+                                         aux_layers=self.speculator.aux_layers, aux_rows=aux_rows)
+                logits, hidden, aux = out if len(out) == 3 else (out[0], None, out[1])
+            elif self.speculator and self.speculator.wants_hidden:
                 logits, hidden = self.model.forward(batch, self.cache, return_hidden=True)
             else:
                 logits = self.model.forward(batch, self.cache)
             self.passes += 1
-            self.finish_items(group, logits, hidden)
+            self.finish_items(group, logits, hidden, aux)
         return len(items)
 
-    def finish_items(self, items: list[WorkItem], logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+    def finish_items(self, items: list[WorkItem], logits: torch.Tensor, hidden: torch.Tensor | None = None,
+                     aux: torch.Tensor | None = None) -> None:
         """logits: [sum over completing items of (1 + n_draft), vocab]; hidden: the same rows'
         final-normed hidden states [rows, hidden] when a drafter reads them (Medusa)."""
         r = 0
         for it in items:
             seq = it.seq
             seq.target_passes += 1
+            if aux is not None:
+                if not it.completes:
+                    self.speculator.observe_features(seq, it, aux)
             if not it.completes:
                 seq.num_cached = it.start + len(it.chunk)
                 self.commit(seq, seq.num_cached)
@@ -253,6 +262,8 @@ class Scheduler:
                 accepted, new_tokens = self.speculator.verify(seq, it.draft, rows)
             else:
                 accepted, new_tokens = 0, [plain_next_token(seq, rows[0])]
+            if aux is not None:  # before compact: it moves the accepted nodes' K/V
+                self.speculator.observe_features(seq, it, aux, accepted)
             if was_decode or it.n_draft:
                 seq.verify_passes += 1
             # K/V valid: the chunk plus the accepted drafts; the new last token is pending

@@ -12,7 +12,7 @@ from typing import Any
 
 from specbuild.errors import RequestError
 
-METHODS = ("none", "ngram", "draft", "medusa", "recycle", "auto")
+METHODS = ("none", "ngram", "draft", "medusa", "recycle", "eagle", "auto")
 GAMMA_LIMIT = 16
 
 
@@ -21,7 +21,8 @@ class SpeculationConfig:
     """How a request speculates.
 
     method   none | ngram (prompt lookup) | draft (draft model) | medusa (heads + tree) |
-             recycle (token recycling: a tree from the target's earlier top-k, no model) | auto
+             recycle (token recycling: a tree from the target's earlier top-k, no model) |
+             eagle (EAGLE-3 head on the target's features, dynamic tree) | auto
     gamma    starting draft length; with gamma_min == gamma_max it is fixed
     gamma_min, gamma_max   bounds for the per-sequence controller (0 allows plain decoding)
     tree     Medusa / recycling token tree (preset name or JSON file); None: the default tree
