@@ -16,6 +16,11 @@ _TORCH_ROWS = {
                                   "draft's probabilities (sampled)"),
     "medusa": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
                                    "over siblings (sampled); --typical is LOSSY and opt-in"),
+    "recycle": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
+                                    "over siblings with deterministic candidates from the target's own earlier "
+                                    "top-k (sampled)"),
+    "eagle": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling over "
+                                  "siblings with the head's deterministic top-k candidates (sampled)"),
     "auto": (LOSSLESS, LOSSLESS, "as the method it picks per sequence"),
 }
 

@@ -209,6 +209,25 @@ class SpecbuildRunner:
         return [h.result() for h in handles], seconds
 
 
+def drafter_state(runner) -> dict | None:
+    """Snapshots of the learning drafters' state (token recycling's table) behind a
+    specbuild row, or None for rows without any."""
+    engine = getattr(runner, "engine", None)
+    props = getattr(getattr(engine, "speculator", None), "proposers", {}) if engine is not None else {}
+    snaps = {name: p.snapshot() for name, p in props.items() if hasattr(p, "snapshot")}
+    return snaps or None
+
+
+def restore_drafter_state(runner, state: dict | None) -> None:
+    """Put back `drafter_state`'s snapshots (None: cold start) so that each row and repeat
+    sees what its own earlier questions taught it, never another row's or its own repeat's."""
+    engine = getattr(runner, "engine", None)
+    props = getattr(getattr(engine, "speculator", None), "proposers", {}) if engine is not None else {}
+    for name, p in props.items():
+        if hasattr(p, "restore"):
+            p.restore((state or {}).get(name))
+
+
 class TransformersRunner:
     """transformers' `generate`, greedy, one prompt at a time (prompt lookup and assisted
     generation take batch 1). mode: plain | prompt_lookup | assisted."""

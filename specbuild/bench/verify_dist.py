@@ -135,5 +135,49 @@ def holm(p_values: list[float]) -> list[float]:
     return adjusted
 
 
+# Exit codes of `specbuild verify` (documented in its --help and the README).
+EXIT_PASS, EXIT_FAIL, EXIT_INCONCLUSIVE = 0, 1, 3
+MIN_ACCEPTED = 20  # accepted drafts a setting needs before its p-value says anything about acceptance
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The check's outcome. `status` per setting: pass | fail (the distribution differs:
+    Holm-adjusted p < alpha) | inconclusive (p fine, but fewer than `min_accepted` drafts
+    were accepted, so the acceptance rule was hardly exercised in that setting)."""
+
+    status: str  # pass | fail | inconclusive
+    statuses: tuple[str, ...]
+    advice: tuple[str, ...]
+
+    @property
+    def exit_code(self) -> int:
+        return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "inconclusive": EXIT_INCONCLUSIVE}[self.status]
+
+
+def verdict(results: list[VerifyResult], adjusted: list[float], alpha: float,
+            min_accepted: int = MIN_ACCEPTED, bundle: str = "BUNDLE") -> Verdict:
+    """A failing p-value anywhere fails the check; otherwise a setting whose drafter had too
+    few acceptances makes it inconclusive, named with what to run instead."""
+    statuses, advice = [], []
+    for r, p in zip(results, adjusted):
+        if p < alpha:
+            statuses.append("fail")
+        elif r.accepted < min_accepted:
+            statuses.append("inconclusive")
+            advice.append(
+                f"{r.method} at T={r.temperature:g} on {r.prompt[:40]!r}: {r.accepted} of {r.drafted} drafts "
+                f"accepted (< {min_accepted}), too few to judge the acceptance rule in this setting; "
+                + ("no drafts were proposed (use --tokens >= 3 so that a draft fits)" if r.drafted == 0 else
+                   "the drafter rarely agrees with the target on this prompt")
+                + f". Run instead: specbuild verify {bundle} "
+                f"--speculation {r.method} --temperatures {r.temperature:g} --chat (prompts in the chat template "
+                f"the drafters were trained on), or give --prompt with text the drafter continues, or more --samples")
+        else:
+            statuses.append("pass")
+    status = "fail" if "fail" in statuses else "inconclusive" if "inconclusive" in statuses else "pass"
+    return Verdict(status, tuple(statuses), tuple(advice))
+
+
 def settings(temperatures, methods, prompts) -> list[tuple]:
     return list(itertools.product(prompts, temperatures, methods))

@@ -197,11 +197,15 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
         chunks += [(g, qs[i:i + cfg.batch_size]) for i in range(0, len(qs), cfg.batch_size)]
     bar = tqdm(total=len(chunks) * cfg.repeats * len(rows), file=sys.stderr, disable=not cfg.progress,
                desc="bench", unit="run")
+    states: list = [None] * len(rows)  # per row: learning drafters' state after its earlier questions
     for group, qs in chunks:
         records = [{"group": group, "questions": qs, "turns": None, "seconds": []} for _ in rows]
         for rep in range(cfg.repeats):
-            for (record, runner), rec in zip(rows, records):  # interleaved: drift hits every row alike
+            for i, ((record, runner), rec) in enumerate(zip(rows, records)):  # interleaved: drift hits every row alike
+                B.restore_drafter_state(runner, states[i])
                 turns, seconds = B.run_conversations(runner, render, qs)
+                if rep == cfg.repeats - 1:
+                    states[i] = B.drafter_state(runner)
                 rec["turns"] = rec["turns"] or turns
                 rec["seconds"].append(seconds)
                 bar.set_postfix_str(f"{group} {record.name}", refresh=False)

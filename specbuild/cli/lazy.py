@@ -15,6 +15,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export-medusa": (".medusa", "export_medusa_cmd"),
     "train-draft": (".draft", "train_draft_cmd"),
     "export-draft": (".draft", "export_draft_cmd"),
+    "train-eagle": (".eagle", "train_eagle_cmd"),
+    "export-eagle": (".eagle", "export_eagle_cmd"),
     "serve": (".serve", "serve"),
     "bench": (".bench", "bench"),
     "verify": (".verify", "verify"),

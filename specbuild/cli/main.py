@@ -66,6 +66,7 @@ def main() -> None:
 @click.option("--target", required=True, help="Target model: a HF directory, a .gguf file or a preset (smollm2-135m).")
 @click.option("--draft", default=None, help="Draft model (same tokenizer as the target).")
 @click.option("--medusa", default=None, help="Medusa heads (FasterDecoding or TensorRT-LLM layout) for the target.")
+@click.option("--eagle", default=None, help="EAGLE-3 head directory (the layout vLLM/SGLang load; train-eagle's output).")
 @click.option("--tree", default=None, help="Medusa token tree: preset name or JSON file [default: a chain per head].")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Bundle directory to write.")
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
@@ -95,7 +96,7 @@ def main() -> None:
 @click.option("--wide-format", "wide_formats", multiple=True, type=click.Choice(["float32", "bfloat16"]),
               help="Dense copies of quantized weights built at load for wide verification [float32].")
 @user_errors
-def compile(target, draft, medusa, tree, out_dir, dtype, max_seq_len, max_batch_size, max_draft_len, backend, tp, pp,
+def compile(target, draft, medusa, eagle, tree, out_dir, dtype, max_seq_len, max_batch_size, max_draft_len, backend, tp, pp,
             trtllm_dtype, trtllm_gather_generation_logits, quantize, group_size, activations, embedding_format,
             lm_head_format, wide_formats) -> None:
     """Compile checkpoints into a speculation bundle."""
@@ -110,7 +111,7 @@ def compile(target, draft, medusa, tree, out_dir, dtype, max_seq_len, max_batch_
                              quantize=quantize, group_size=int(group_size), activations=activations,
                              embedding_format=embedding_format, lm_head_format=lm_head_format,
                              formats=tuple(wide_formats) or ("float32",))
-    compile_bundle(target, out_dir, options, draft=draft, medusa=medusa, tree=tree,
+    compile_bundle(target, out_dir, options, draft=draft, medusa=medusa, tree=tree, eagle=eagle,
                    progress=lambda m: click.echo(m, err=True))
     click.echo(f"bundle written to {out_dir} in {time.perf_counter() - t0:.1f}s", err=True)
 
@@ -236,7 +237,7 @@ def sampling_options(fn):
 
 def speculation_options(fn):
     for opt in reversed([
-        click.option("--speculation", type=click.Choice(["none", "ngram", "draft", "medusa", "auto"]), default=None,
+        click.option("--speculation", type=click.Choice(["none", "ngram", "draft", "medusa", "recycle", "eagle", "auto"]), default=None,
                      help="Drafter [bundle default]. auto picks per sequence by measured tokens/s."),
         click.option("--gamma", type=int, default=None, help="Draft length; alone it fixes the depth."),
         click.option("--gamma-min", type=int, default=None, help="Lower bound of the dynamic depth (0 allows plain)."),

@@ -35,6 +35,7 @@ import threading
 
 import click
 
+from specbuild.cli.telemetry import open_telemetry, telemetry_option
 from specbuild.errors import SpecbuildError
 
 
@@ -61,8 +62,9 @@ from specbuild.errors import SpecbuildError
               help="MineDraft: run under `mpirun -disable-auto-cleanup -n 2`; rank 1 drafts while rank 0 verifies.")
 @click.option("--draft-timeout", type=float, default=5.0, show_default=True,
               help="Seconds the verifier waits for a draft reply before it decodes without the draft rank for good.")
+@telemetry_option
 def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, kv_cache_tokens, prefill_chunk,
-          body_timeout, model_name, log_level, parallel_draft, draft_timeout) -> None:
+          body_timeout, model_name, log_level, parallel_draft, draft_timeout, telemetry) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
     from specbuild.cli.main import dist_context, fail_once
 
@@ -79,7 +81,7 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s{tag} %(levelname)s %(name)s: %(message)s")
     if ctx.role == "drafter":
         serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout)
-    transport = engine = None
+    transport = engine = sink = None
     try:
         from specbuild.backends.select import open_engine
         from specbuild.engine.engine import EngineConfig
@@ -93,6 +95,7 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
                              backend="torch" if parallel_draft else backend)
         if ctx.role == "worker":
             serve_engine_part(ctx, engine)
+        sink = open_telemetry(engine, telemetry, "serve")
         app = OpenAIServer(engine, config)
         if ctx.role == "verifier":
             transport = connect_draft_rank(ctx, engine, app, draft_timeout)
@@ -134,6 +137,8 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
     app.shutdown()
     serving.join(timeout=5)
     engine.close()  # TensorRT-LLM: shuts its executors down
+    if sink is not None:  # the writer flushes what is queued
+        sink.close()
     if transport is not None:
         transport.close()
     click.echo("stopped", err=True)

@@ -107,7 +107,7 @@ def check_same_tokenizer(target: Checkpoint, other: Checkpoint, role: str) -> No
 
 def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptions = CompileOptions(),
                    draft: str | Checkpoint | None = None, medusa: str | None = None, tree: str | None = None,
-                   speculation: dict | None = None,
+                   eagle: str | None = None, speculation: dict | None = None,
                    sampling: dict | None = None, progress=None) -> str:
     """Read the sources, write the bundle atomically (temp dir, then rename). Returns out_dir."""
     say = progress or (lambda msg: None)
@@ -161,6 +161,12 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
                 limits = dataclasses.replace(limits, max_draft_len=roles["medusa"]["tree_nodes"])
         elif tree is not None:
             raise SpecbuildError("--tree needs --medusa HEADS (the tree is drafted by Medusa heads)")
+        if eagle is not None:
+            from specbuild.compiler.eagle_role import write_eagle_role
+
+            roles["eagle"] = write_eagle_role(tmp, resolve_drafter(eagle), tgt.config, options.dtype)
+            roles["eagle"]["tokenizer_fingerprint"] = tokenizer_fingerprint(tgt.tokenizer_json)
+            say(f"wrote eagle head ({roles['eagle']['bytes'] / 1e6:.1f} MB of its own; embedding shared)")
         with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
             f.write(tgt.tokenizer_json)
         if options.backend == "tensorrt-llm":

@@ -183,7 +183,10 @@ class Engine(BaseEngine):
         from specbuild.speculation.proposers.ngram import NgramProposer
         from specbuild.speculation.speculator import Speculator
 
-        proposers = {"ngram": NgramProposer()}
+        from specbuild.speculation.proposers.recycling import RecyclingProposer
+
+        proposers = {"ngram": NgramProposer(),
+                     "recycle": RecyclingProposer(self.target_config.vocab_size, max_nodes=self.meta.limits.max_draft_len)}
         if "draft" in self.meta.roles and self.config.load_draft:
             draft_dir = os.path.join(self.bundle_dir, self.meta.roles["draft"]["path"])
             draft_config = read_model_config(draft_dir)
@@ -200,6 +203,13 @@ class Engine(BaseEngine):
 
             role = load_medusa(self.bundle_dir, self.model.w, self.config.device)
             proposers["medusa"] = MedusaProposer(role.heads, role.tree)
+        if "eagle" in self.meta.roles:
+            from specbuild.speculation.eagle_head import load_eagle
+            from specbuild.speculation.proposers.eagle import EagleProposer
+
+            head = load_eagle(self.bundle_dir, self.meta.roles["eagle"], self.model.w,
+                              self.max_seq_len + self.meta.limits.max_draft_len + 2, self.config.device)
+            proposers["eagle"] = EagleProposer(head, self.target_config.vocab_size, self.meta.limits.max_draft_len)
         return Speculator(self.model, self.cache, proposers, self.meta.limits.max_draft_len, self.max_seq_len,
                           binning=self.config.binning)
 
@@ -243,6 +253,13 @@ class Engine(BaseEngine):
             raise RequestError(f"gamma_max={spec.gamma_max} exceeds the bundle's max_draft_len "
                                f"{self.meta.limits.max_draft_len}; recompile with --max-draft-len")
         medusa = self.speculator.proposers.get("medusa")
+        recycle = self.speculator.proposers.get("recycle")
+        if spec.method == "recycle" and hasattr(recycle, "validate_tree"):
+            tree = recycle.validate_tree(spec.tree)
+            if tree.num_drafts > self.meta.limits.max_draft_len:
+                raise RequestError(f"tree {tree.name or spec.tree!r} has {tree.num_drafts} nodes; the bundle's "
+                                   f"max_draft_len is {self.meta.limits.max_draft_len} (recompile with "
+                                   "--max-draft-len)")
         if spec.method in ("medusa", "auto") and hasattr(medusa, "validate_tree"):
             tree = medusa.validate_tree(spec.tree)
             if tree.num_drafts > self.meta.limits.max_draft_len:

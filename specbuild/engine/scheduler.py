@@ -257,24 +257,33 @@ class Scheduler:
         groups = self.speculator.bins(items) if self.speculator else [items]
         for group in groups:
             batch = build_forward_batch(group, self.cache)
-            hidden = None
+            hidden = aux = None
             t0 = time.perf_counter()
-            if self.speculator and self.speculator.wants_hidden:
+            aux_rows = self.speculator.aux_rows(group) if self.speculator else None
+            if aux_rows is not None:  # an EAGLE head reads three layers' hidden states
+                out = self.model.forward(batch, self.cache, return_hidden=self.speculator.wants_hidden,
+                                         aux_layers=self.speculator.aux_layers, aux_rows=aux_rows)
+                logits, hidden, aux = out if len(out) == 3 else (out[0], None, out[1])
+            elif self.speculator and self.speculator.wants_hidden:
                 logits, hidden = self.model.forward(batch, self.cache, return_hidden=True)
             else:
                 logits = self.model.forward(batch, self.cache)
             self._target_ms = (time.perf_counter() - t0) * 1e3
             self.passes += 1
-            self.finish_items(group, logits, hidden)
+            self.finish_items(group, logits, hidden, aux)
         return len(items)
 
-    def finish_items(self, items: list[WorkItem], logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+    def finish_items(self, items: list[WorkItem], logits: torch.Tensor, hidden: torch.Tensor | None = None,
+                     aux: torch.Tensor | None = None) -> None:
         """logits: [sum over completing items of (1 + n_draft), vocab]; hidden: the same rows'
         final-normed hidden states [rows, hidden] when a drafter reads them (Medusa)."""
         r = 0
         for it in items:
             seq = it.seq
             seq.target_passes += 1
+            if aux is not None:
+                if not it.completes:
+                    self.speculator.observe_features(seq, it, aux)
             if not it.completes:
                 seq.num_cached = it.start + len(it.chunk)
                 self.commit(seq, seq.num_cached)
@@ -283,6 +292,8 @@ class Scheduler:
             hidden_rows = hidden[r:r + 1 + it.n_draft] if hidden is not None else None
             r += 1 + it.n_draft
             was_decode = len(it.chunk) == 1 and seq.output_ids
+            if self.speculator is not None:  # token recycling reads the rows it verifies
+                self.speculator.observe_logits(seq, [it.chunk[-1], *(it.draft.tokens if it.n_draft else ())], rows)
             # penalties, logit_bias and the grammar, identically for plain and verify rows
             rows = process_logits(rows, seq.params, seq.output_ids, draft_paths(it.draft if it.n_draft else None),
                                   seq.constraint)
@@ -295,6 +306,8 @@ class Scheduler:
                     else list(range(len(new_tokens)))
                 seq.pending_logprobs = token_logprobs(rows[chosen[:len(new_tokens)]], seq.params, new_tokens,
                                                       seq.request.logprobs)
+            if aux is not None:  # before compact: it moves the accepted nodes' K/V
+                self.speculator.observe_features(seq, it, aux, accepted)
             if was_decode or it.n_draft:
                 seq.verify_passes += 1
             # K/V valid: the chunk plus the accepted drafts; the new last token is pending

@@ -128,12 +128,17 @@ class Decoder:
                             dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: PagedKVCache, return_hidden: bool = False):
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache, return_hidden: bool = False,
+                aux_layers: tuple[int, ...] = (), aux_rows: torch.Tensor | None = None):
         """Run the batch. Writes K/V of the new tokens into `cache` (at write_slots).
 
         Returns logits [R, vocab] (float32) for `batch.logit_rows`; with return_hidden also
-        the final-normed hidden states [R, hidden] of those rows (for Medusa heads).
+        the final-normed hidden states [R, hidden] of those rows (for Medusa heads). With
+        `aux_layers` (EAGLE-3 heads) and `aux_rows` ([A] rows of T) it returns a last item,
+        the residual stream entering each of those layers at those rows, concatenated
+        [A, len(aux_layers) * hidden]; with no aux_layers nothing extra is computed.
         """
+        aux = [] if aux_layers and aux_rows is not None else None
         c, w = self.config, self.w
         x = embed_rows(w["embed"], batch.input_ids)  # [T, hidden]
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
@@ -144,6 +149,8 @@ class Decoder:
             row_slots = visible_columns(batch.mask)
         for i in range(c.num_layers):
             p = f"layers.{i}."
+            if aux is not None and i in aux_layers:
+                aux.append(x.index_select(0, aux_rows))
             h = rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
             qkv = linear(h, w[p + "qkv"], fmt, w.get(p + "qkv_bias"))  # [T, (H + 2KV) * D]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -164,7 +171,13 @@ class Decoder:
         logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0])).float()
         if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype in (torch.bfloat16, torch.float16):
             logits = rescore_top(logits, hidden, self.lm_head)
-        return (logits, hidden) if return_hidden else logits
+        out = (logits, hidden) if return_hidden else logits
+        if aux is not None:
+            # in aux_layers' order (a layer named twice is gathered once per mention)
+            order = sorted(set(aux_layers))
+            feats = torch.cat([aux[order.index(layer)] for layer in aux_layers], dim=-1)
+            return (*out, feats) if return_hidden else (out, feats)
+        return out
 
 
 def row_invariant_needed(weights: dict, dtype: torch.dtype) -> bool:

@@ -204,6 +204,8 @@ class CommonFields(Strict):
                           "and {type: grammar, grammar} (Lark)")
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
+    content_type: Name | None = Field(None, description="the gamma policy's content type (code, structured, "
+                                                           "summarization, chat, ...); default: classified")
     speculation: Union[Literal[METHODS], SpeculationObject] | None = Field(  # type: ignore[valid-type]
         None, description="a method name, or an object of SpeculationConfig fields")
     gamma: Gamma | None = None
@@ -491,6 +493,7 @@ class OpenAIServer:
         request.request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         request.sampling = sampling
         request.speculation = parse_speculation(body)
+        request.content_type = body.content_type
         n = body.n or 1
         if not chat and body.best_of is not None and body.best_of != n:  # type: ignore[union-attr]
             raise ApiError(400, f"best_of={body.best_of} is not supported (only best_of = n = {n}: every sample "

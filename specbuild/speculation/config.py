@@ -12,7 +12,7 @@ from typing import Any
 
 from specbuild.errors import RequestError
 
-METHODS = ("none", "ngram", "draft", "medusa", "auto", "eagle3")  # eagle3: the TensorRT-LLM LLM-API path
+METHODS = ("none", "ngram", "draft", "medusa", "recycle", "eagle", "auto", "eagle3")  # eagle3: the TensorRT-LLM LLM-API path
 GAMMA_LIMIT = 16
 
 
@@ -20,10 +20,12 @@ GAMMA_LIMIT = 16
 class SpeculationConfig:
     """How a request speculates.
 
-    method   none | ngram (prompt lookup) | draft (draft model) | medusa (heads + tree) | auto
+    method   none | ngram (prompt lookup) | draft (draft model) | medusa (heads + tree) |
+             recycle (token recycling: a tree from the target's earlier top-k, no model) |
+             eagle (EAGLE-3 head on the target's features, dynamic tree) | auto
     gamma    starting draft length; with gamma_min == gamma_max it is fixed
     gamma_min, gamma_max   bounds for the per-sequence controller (0 allows plain decoding)
-    tree     Medusa token tree: a preset name or inline paths (tuple of rank tuples), never a
+    tree     Medusa / recycling token tree: a preset name or inline paths (tuple of rank tuples), never a
              file (the CLI reads a --tree file into paths: tree.tree_argument); None: the bundle's
     ngram_min, ngram_max   n-gram sizes that prompt lookup matches (longest first)
     typical  Medusa typical acceptance: LOSSY (output no longer the target's distribution)

@@ -97,6 +97,8 @@ class Speculator:
             if hasattr(prop, "model"):
                 draft_cost = measure_verify_costs(prop.model, prop.cache, [1])[1]
             costs[name] = CostModel(verify, draft_cost)
+            if hasattr(prop, "verify_cost"):  # the EAGLE tree's node budget
+                prop.verify_cost = costs[name].verify
         w1, wn = verify[1], verify[max(widths)]
         self.bin_cost = BinCost(pass_overhead=max(w1 - (wn - w1) / max(max(widths) - 1, 1), 1e-4),
                                 token_cost=max((wn - w1) / max(max(widths) - 1, 1), 1e-6))
@@ -121,6 +123,51 @@ class Speculator:
 
     def observe_hidden(self, seq, hidden_row: torch.Tensor) -> None:
         self.proposers["medusa"].observe(seq, hidden_row)
+
+    def observe_logits(self, seq, tokens: list[int], rows: torch.Tensor) -> None:
+        """Token recycling's table learns from every verified row (tokens[i] is row i's
+        input token); only for requests that may draft with it (recycle, auto)."""
+        rec = self.proposers.get("recycle")
+        if rec is not None and seq.spec is not None and seq.spec.method in ("recycle", "auto"):
+            rec.observe(torch.tensor(tokens, dtype=torch.int64), rows)
+
+    # EAGLE-3 heads read three of the target's hidden states (model/decoder.py aux_layers)
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        prop = self.proposers.get("eagle")
+        return tuple(getattr(prop, "aux_layers", ()))
+
+    def aux_rows(self, items: list) -> torch.Tensor | None:
+        """Rows of the batch whose features the EAGLE head needs (call after the batch is
+        built): every row of items whose request may draft with it (eagle, auto); None
+        when there are none, so other requests pay nothing."""
+        if not self.aux_layers:
+            return None
+        rows: list[int] = []
+        for it in items:
+            spec = getattr(it.seq, "spec", None)
+            if spec is not None and spec.method in ("eagle", "auto"):
+                it.aux0 = len(rows)
+                rows.extend(range(it.row0, it.row0 + it.width))
+            else:
+                it.aux0 = None
+        return torch.tensor(rows, dtype=torch.int64) if rows else None
+
+    def observe_features(self, seq, it, aux: torch.Tensor, accepted: int = 0) -> None:
+        """Hand the head the features of seq's rows that are now part of its text: the
+        chunk, then the accepted drafts in path order (before `compact` moves them)."""
+        if getattr(it, "aux0", None) is None:
+            return
+        base = aux[it.aux0:it.aux0 + it.width]
+        c = len(it.chunk)
+        if it.n_draft and it.completes:
+            nodes = list(seq.spec_state.accepted_nodes) if it.draft.parents is not None \
+                else list(range(1, accepted + 1))
+            feats = torch.cat([base[:c], base[torch.tensor(nodes, dtype=torch.int64) + c - 1]]) if nodes \
+                else base[:c]
+        else:
+            feats = base[:c]
+        self.proposers["eagle"].observe(seq, it.start, feats)
 
     def max_extra_tokens(self, seq) -> int:
         return self.max_draft_len + 1
@@ -153,7 +200,8 @@ class Speculator:
         """The measured costs of `method` for seq; for Medusa, depth g verifies all of the
         request's tree within depth g (gamma.TreeCostModel)."""
         cm = self.controller.costs[method]
-        validate = getattr(self.proposers.get(method), "validate_tree", None) if method == "medusa" else None
+        validate = getattr(self.proposers.get(method), "validate_tree", None) if method in ("medusa", "recycle") \
+            else None
         if validate is None:  # a chain drafter (or a tree proposer that does not name its tree)
             return cm
         return TreeCostModel(cm, nodes_within_depth(validate(getattr(seq.spec, "tree", None))))

@@ -4,6 +4,7 @@ by the speculator, the depth controller and the drafters. Each field names its o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,4 +31,6 @@ class SpecState:
     remote_sent: int | None = None
     remote_keep: int = NO_ROLLBACK
     remote_failed: bool = False
+    # EagleProposer: the head's own K/V and features for this sequence (proposers/eagle.EagleState)
+    eagle: Any = None
     remote_drafted: bool = True  # the draft rank's cache holds drafted (uncommitted) tokens, not just the prompt

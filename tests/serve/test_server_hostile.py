@@ -73,7 +73,7 @@ def test_openapi_schema_lists_every_field(server):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
     components = schema["components"]["schemas"]
     common = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-              "user", "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "ignore_eos",
+              "user", "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "ignore_eos", "content_type",
               "return_token_ids", "speculation",
               "gamma", "gamma_min", "gamma_max", "tree", "ngram_min", "ngram_max", "typical"}
     assert set(components["CompletionRequest"]["properties"]) == common | {"prompt", "echo", "best_of", "logprobs",

@@ -311,3 +311,31 @@ def test_learned_cost_line_and_break_even():
     assert fit_cost([(3, 5, 2.0)]) is None  # one depth: no line
     assert break_even((1.0, 0.1), 8) == pytest.approx(0.1, abs=2e-3)  # g = 1 pays once (1 + a) / 1.1 > 1
     assert break_even((1.0, 1.0), 8) == 1.0  # a draft as dear as the target never pays
+
+
+def test_serve_records_sessions_and_takes_content_type(bundle, tmp_path):
+    """`serve --telemetry DB` over a real socket: a request's content_type reaches the store;
+    a bad one is a 400 naming the field."""
+    import sqlite3
+    import time
+
+    from http_client import ServerProcess, post
+
+    db = str(tmp_path / "serve.db")
+    srv = ServerProcess(bundle, str(tmp_path / "serve.log"), "--telemetry", db)
+    try:
+        status, _, body = post(srv.port, "/v1/completions", {"prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 12,
+                                                             "ignore_eos": True, "speculation": "ngram",
+                                                             "content_type": "legal"})
+        assert status == 200, body
+        status, _, bad = post(srv.port, "/v1/completions", {"prompt": "x", "max_tokens": 2, "content_type": "Bad!"})
+        assert status == 400 and "content_type" in bad["error"]["message"], bad
+        deadline, row = time.monotonic() + 30, None
+        while row is None and time.monotonic() < deadline:  # the writer commits in the background
+            with sqlite3.connect(db, timeout=5) as conn:
+                row = conn.execute("SELECT source, content_type_source, generated_tokens FROM speculation_sessions "
+                                   "WHERE content_type = 'legal' AND status = 'completed'").fetchone()
+            time.sleep(0.1)
+        assert row == ("serve", "request", 12)
+    finally:
+        srv.stop()

@@ -1,0 +1,177 @@
+"""An EAGLE-3 head: one decoder layer that reads three of the target's hidden states.
+
+Inputs at head position p: the target's residual stream entering three layers (low, mid,
+high; formats/eagle3.py) at the row of token p, concatenated [3H] and projected by `fc`
+to H -- or, when drafting deeper, the head's own output at p - 1 -- and the embedding of
+token p + 1 (the target's embedding, shared). One Llama layer over cat(embed, hidden)
+(q/k/v take 2H), the final norm, and an output layer over the draft vocabulary
+(`draft_ids`: [N] target ids); the output predicts token p + 2, probability zero outside
+the draft vocabulary. Weights use the EAGLE-3 names (formats/eagle3.py) without the
+embedding; the same functions run inference (no grad) and training (autograd).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from specbuild.model.decoder import apply_rope, rms_norm, rope_tables
+
+L = "midlayer."
+
+
+@dataclass
+class HeadConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    vocab_size: int
+    aux_layers: tuple[int, ...]
+
+    @classmethod
+    def from_eagle3(cls, config: dict, aux_layers: tuple[int, ...]) -> "HeadConfig":
+        h = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        return cls(h, int(config["intermediate_size"]), heads, int(config.get("num_key_value_heads", heads)),
+                   int(config.get("head_dim") or h // heads), float(config.get("rms_norm_eps", 1e-5)),
+                   float(config.get("rope_theta", 10000.0)), config.get("rope_scaling"), int(config["vocab_size"]),
+                   tuple(aux_layers))
+
+
+class EagleHead:
+    """Weights (EAGLE-3 names), the shared embedding [V, H], draft_ids [N] and rope tables."""
+
+    def __init__(self, config: HeadConfig, weights: dict[str, torch.Tensor], embed: torch.Tensor,
+                 draft_ids: torch.Tensor, max_pos: int) -> None:
+        self.config = config
+        self.w = weights
+        self.embed = embed
+        self.draft_ids = draft_ids.to(torch.int64)
+        dtype = weights["fc.weight"].dtype
+        rope_cfg = SimpleNamespace(head_dim=config.head_dim, rope_theta=config.rope_theta,
+                                   rope_scaling=config.rope_scaling)
+        self.cos, self.sin = rope_tables(rope_cfg, max_pos, dtype)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    @property
+    def draft_vocab(self) -> int:
+        return self.draft_ids.numel()
+
+    def project(self, feats: torch.Tensor) -> torch.Tensor:
+        """[T, 3H] target features -> [T, H]."""
+        return feats.to(self.w["fc.weight"].dtype) @ self.w["fc.weight"].T
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[ids].to(self.w["fc.weight"].dtype)
+
+    def layer(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              past_k: torch.Tensor | None, past_v: torch.Tensor | None, mask: torch.Tensor | None):
+        """emb, hidden [T, H] at `positions` [T]; past K/V [S, kv, D] (or None); mask
+        [T, S + T] bool (None: all past visible, causal among the new rows). Returns
+        (out [T, H] pre-norm, k [T, kv, D], v [T, kv, D])."""
+        c, w = self.config, self.w
+        t = emb.shape[0]
+        x = torch.cat([rms_norm(emb, w[L + "input_layernorm.weight"], c.rms_norm_eps),
+                       rms_norm(hidden, w[L + "hidden_norm.weight"], c.rms_norm_eps)], dim=-1)
+        cos, sin = self.cos[positions], self.sin[positions]
+        q = apply_rope((x @ w[L + "self_attn.q_proj.weight"].T).view(t, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope((x @ w[L + "self_attn.k_proj.weight"].T).view(t, c.num_kv_heads, c.head_dim), cos, sin)
+        v = (x @ w[L + "self_attn.v_proj.weight"].T).view(t, c.num_kv_heads, c.head_dim)
+        keys = k if past_k is None else torch.cat([past_k, k])
+        vals = v if past_v is None else torch.cat([past_v, v])
+        s = keys.shape[0]
+        if mask is None:
+            mask = torch.ones(t, s, dtype=torch.bool)
+            mask[:, s - t:] = torch.ones(t, t, dtype=torch.bool).tril()
+        group = c.num_heads // c.num_kv_heads
+        kk = keys.repeat_interleave(group, 1).transpose(0, 1)  # [heads, S, D]
+        vv = vals.repeat_interleave(group, 1).transpose(0, 1)
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask.unsqueeze(0),
+                                              scale=self.scale)  # [heads, T, D]
+        attn = attn.transpose(0, 1).reshape(t, c.num_heads * c.head_dim)
+        residual = hidden + attn @ w[L + "self_attn.o_proj.weight"].T
+        h = rms_norm(residual, w[L + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        mlp = (F.silu(h @ w[L + "mlp.gate_proj.weight"].T) * (h @ w[L + "mlp.up_proj.weight"].T)) \
+            @ w[L + "mlp.down_proj.weight"].T
+        return residual + mlp, k, v
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[T, H] pre-norm outputs -> [T, N] logits over the draft vocabulary."""
+        return rms_norm(out, self.w["norm.weight"], self.config.rms_norm_eps) @ self.w["lm_head.weight"].T
+
+    def to_target(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
+        full = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype)
+        full[:, self.draft_ids] = logits
+        return full
+
+
+def init_head_weights(target_w: dict, target_cfg, draft_ids: torch.Tensor, aux_layers: tuple[int, ...],
+                      seed: int = 0) -> dict[str, torch.Tensor]:
+    """A starting point for training: the target's layer at the high aux layer for the
+    MLP, norms and o_proj; q/k/v see [embed | hidden] (the target's projections on each
+    half, halved); fc averages the three features; lm_head the target's output rows at
+    draft_ids; norm the target's final norm."""
+    from specbuild.model.qlinear import as_dense
+
+    c = target_cfg
+    g = torch.Generator().manual_seed(seed)
+    src = f"layers.{aux_layers[-1]}."
+    w = {k: as_dense(v).float() for k, v in target_w.items() if k.startswith(src) or k in ("norm", "embed", "lm_head")}
+    h = c.hidden_size
+    qkv = w[src + "qkv"]
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], 0)
+    gate, up = w[src + "gate_up"].chunk(2, 0)
+    eye = torch.eye(h)
+    head = {
+        "fc.weight": torch.cat([eye, eye, eye], 1) / 3 + 0.01 * torch.randn(h, 3 * h, generator=g),
+        L + "hidden_norm.weight": w[src + "attn_norm"].clone(),
+        L + "input_layernorm.weight": w[src + "attn_norm"].clone(),
+        L + "self_attn.q_proj.weight": torch.cat([q, q], 1) / 2,
+        L + "self_attn.k_proj.weight": torch.cat([k, k], 1) / 2,
+        L + "self_attn.v_proj.weight": torch.cat([v, v], 1) / 2,
+        L + "self_attn.o_proj.weight": w[src + "o"].clone(),
+        L + "post_attention_layernorm.weight": w[src + "mlp_norm"].clone(),
+        L + "mlp.gate_proj.weight": gate.clone(),
+        L + "mlp.up_proj.weight": up.clone(),
+        L + "mlp.down_proj.weight": w[src + "down"].clone(),
+        "norm.weight": w["norm"].clone(),
+        "lm_head.weight": w.get("lm_head", w["embed"])[draft_ids].clone(),
+    }
+    return {k: v.contiguous() for k, v in head.items()}
+
+
+# ---- the bundle's eagle/ role, as the engine loads it (compiler/eagle_role.py writes it) -------
+ROLE = "eagle"
+WEIGHTS = "weights.safetensors"
+CONFIG = "config.json"
+
+
+def load_eagle(bundle_dir: str, role: dict, target_w: dict, max_pos: int, device: str = "cpu"):
+    """The bundle's EAGLE head (speculation.eagle_head.EagleHead) over the target's embedding."""
+    from safetensors.torch import load_file
+
+    from specbuild.formats import eagle3
+    from specbuild.model.qlinear import as_dense
+
+    role_dir = os.path.join(bundle_dir, role["path"])
+    with open(os.path.join(role_dir, CONFIG)) as f:
+        config = json.load(f)
+    w = load_file(os.path.join(role_dir, WEIGHTS), device=device)
+    draft_ids = eagle3.ids_from_d2t(w.pop("d2t"))
+    w.pop("t2d", None)
+    embed = as_dense(target_w[role["shares"]["embed"].split("/", 1)[1]])
+    head_cfg = HeadConfig.from_eagle3(config, tuple(role["aux_layers"]))
+    return EagleHead(head_cfg, {k: v.to(embed.dtype) for k, v in w.items()}, embed, draft_ids, max_pos)

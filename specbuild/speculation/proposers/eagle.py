@@ -1,0 +1,210 @@
+"""EAGLE-3 drafter: dynamic draft trees from a head that reads the target's features.
+
+Per sequence (`seq.spec_state.eagle`, an `EagleState`): the head's K/V for positions
+0 .. n-1 and the target features of positions n .. n + m - 1 not fed yet. The scheduler
+hands the features of every row the target computed for the sequence (`observe`: the
+prefill chunks, and after a verify pass the root and accepted nodes only, in path order),
+so the head's cache only ever holds positions of the accepted text; nothing to roll back
+but a re-prefill (a start below n cuts the cache).
+
+Proposing: feed the pending positions (up to L - 2, L = the text's length: position p
+pairs the feature of token p with the embedding of token p + 1), whose last output
+predicts the token after the root. Then grow a tree EAGLE-2 style: at each depth expand
+the `beam` frontier nodes with the highest path probability (product of the head's
+probabilities along the path) by their `topk` children, each new row attending to the
+head's cache, its ancestors' rows and itself; after `depth` levels keep the `budget` nodes
+with the highest path probability (prefix-closed: a child never beats its parent). The
+budget comes from the cost model: the n maximising (1 + sum of the n best path
+probabilities) / verify_cost(n + 1), so a chain (budget = depth, beam 1) wins when wide
+verification is expensive. Candidates are deterministic given the head (probs None), so
+greedy tree verification and the recursive rejection over siblings stay lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specbuild.speculation.eagle_head import EagleHead
+from specbuild.speculation.proposers.base import Draft
+
+
+
+@dataclass
+class EagleState:
+    k: torch.Tensor | None = None  # [n, kv, D]
+    v: torch.Tensor | None = None
+    n: int = 0  # head positions cached
+    pending: list = field(default_factory=list)  # features [3H] of positions n, n + 1, ...
+    broken: bool = False  # a gap in the features (e.g. never observed): no drafts
+
+    def cut(self, length: int) -> None:
+        self.n = min(self.n, length)
+        if self.k is not None:
+            self.k, self.v = self.k[:self.n], self.v[:self.n]
+
+
+class EagleProposer:
+    name = "eagle"
+
+    def __init__(self, head: EagleHead, target_vocab: int, max_nodes: int, topk: int = 4, beam: int = 4) -> None:
+        self.head = head
+        self.target_vocab = target_vocab
+        self.max_nodes = max_nodes
+        self.topk, self.beam = topk, beam
+        self.verify_cost = None  # callable width -> seconds, set by the engine once costs are measured
+        self.stat_budgets: list[int] = []
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.head.config.aux_layers
+
+    # ---- features from the target --------------------------------------------------------
+    def observe(self, seq, start: int, feats: torch.Tensor) -> None:
+        """Features [m, 3H] of positions start .. start + m - 1 of seq's accepted text."""
+        st = seq.spec_state.eagle
+        if st is None:
+            st = seq.spec_state.eagle = EagleState()
+        known = st.n + len(st.pending)
+        if start < st.n:
+            st.cut(start)
+            st.pending = []
+        elif start <= known:
+            st.pending = st.pending[:start - st.n]
+        else:
+            st.broken = True
+            return
+        if start == 0:
+            st.broken = False
+        st.pending.extend(feats.unbind(0))
+
+    # ---- drafting ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _feed(self, seq, st: EagleState) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Feed positions st.n .. L - 2; returns (logits [N], out [H]) of the last one."""
+        ids = seq.all_ids
+        last = len(ids) - 2
+        m = last + 1 - st.n
+        if m <= 0 or len(st.pending) < m:
+            return None
+        feats = torch.stack(st.pending[:m])
+        st.pending = st.pending[m:]
+        pos = torch.arange(st.n, last + 1)
+        emb = self.head.embed_tokens(torch.tensor(ids[st.n + 1:last + 2]))
+        out, k, v = self.head.layer(emb, self.head.project(feats), pos, st.k, st.v, None)
+        st.k = k if st.k is None else torch.cat([st.k, k])
+        st.v = v if st.v is None else torch.cat([st.v, v])
+        st.n = last + 1
+        return self.head.logits(out[-1:])[0], out[-1]
+
+    def budget(self, scores: list[float], cap: int) -> int:
+        """Node count maximising (1 + sum of the best path probabilities) / verify cost."""
+        best_n, best_rate = 1, -1.0
+        total = 1.0
+        for n, s in enumerate(sorted(scores, reverse=True)[:cap], start=1):
+            total += s
+            cost = self.verify_cost(n + 1) if self.verify_cost is not None else float(n + 1) ** 0.5
+            rate = total / cost
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return best_n
+
+    @torch.inference_mode()
+    def draft(self, seq, depth: int, first: tuple[torch.Tensor, torch.Tensor], st: EagleState) -> Draft | None:
+        head = self.head
+        root_logits, root_out = first
+        # nodes: token, parent (0 = root), depth, path log-prob, head output at the row that fed it
+        tokens, parents, depths, scores = [0], [-1], [0], [0.0]
+        outs: list[torch.Tensor | None] = [root_out]
+        logps = {0: root_logits.float().log_softmax(-1)}
+        row_k, row_v = [], []  # draft rows' K/V (node i >= 1 -> index i - 1, when computed)
+        frontier = [0]
+        computed: dict[int, int] = {}  # node -> index of its row among the draft rows
+        base_pos = len(seq.all_ids) - 1  # head position of a depth-1 node's row
+        for d in range(1, depth + 1):
+            new = []
+            for node in frontier:
+                lp = logps[node]
+                top = lp.topk(min(self.topk, lp.numel()))
+                for val, idx in zip(top.values.tolist(), top.indices.tolist()):
+                    tokens.append(int(head.draft_ids[idx]))
+                    parents.append(node)
+                    depths.append(d)
+                    scores.append(scores[node] + val)
+                    outs.append(None)
+                    new.append(len(tokens) - 1)
+            if d == depth:
+                break
+            frontier = sorted(new, key=lambda i: -scores[i])[:self.beam]
+            # run the head on the frontier: hidden = the parent's output, embed = the node's token
+            hid = torch.stack([outs[parents[i]] for i in frontier])
+            emb = head.embed_tokens(torch.tensor([tokens[i] for i in frontier]))
+            pos = torch.full((len(frontier),), base_pos + d - 1, dtype=torch.int64)
+            past_rows = sum(r.shape[0] for r in row_k)
+            mask = torch.zeros(len(frontier), st.n + past_rows + len(frontier), dtype=torch.bool)
+            mask[:, :st.n] = True
+            for r, i in enumerate(frontier):
+                a = parents[i]
+                while a > 0:
+                    ri = computed.get(a)
+                    if ri is not None:
+                        mask[r, st.n + ri] = True
+                    a = parents[a]
+                mask[r, st.n + past_rows + r] = True
+            pk = torch.cat([st.k, *row_k]) if row_k else st.k
+            pv = torch.cat([st.v, *row_v]) if row_v else st.v
+            out, k, v = head.layer(emb, hid, pos, pk, pv, mask)
+            for r, i in enumerate(frontier):
+                computed[i] = past_rows + r
+                outs[i] = out[r]
+            row_k.append(k)
+            row_v.append(v)
+            lg = head.logits(out).float().log_softmax(-1)
+            for r, i in enumerate(frontier):
+                logps[i] = lg[r]
+        cand = list(range(1, len(tokens)))
+        probs = [float(torch.tensor(scores[i]).exp()) for i in cand]
+        n = self.budget(probs, min(self.max_nodes, len(cand)))
+        self.stat_budgets.append(n)
+        keep = sorted(sorted(cand, key=lambda i: (-scores[i], depths[i]))[:n])
+        keep_set = set(keep)
+        # prefix-closed by construction (a child's path probability never exceeds its parent's);
+        # ties broken by depth keep the parent first
+        assert all(parents[i] == 0 or parents[i] in keep_set for i in keep)
+        index = {0: 0}
+        out_tokens, out_parents, out_depths = [], [-1], []
+        for i in keep:
+            index[i] = len(index)
+            out_tokens.append(tokens[i])
+            out_parents.append(index[parents[i]])
+            out_depths.append(depths[i])
+        m = len(out_parents)
+        mask = torch.zeros(m, m, dtype=torch.bool)
+        mask[0, 0] = True
+        for j in range(1, m):
+            mask[j] = mask[out_parents[j]]
+            mask[j, j] = True
+        return Draft(out_tokens, None, tuple(out_parents), out_depths, mask, method=self.name)
+
+    def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
+        out: list[Draft | None] = []
+        for seq, gamma in zip(seqs, gammas):
+            st: EagleState | None = seq.spec_state.eagle
+            if gamma <= 0 or st is None or st.broken:
+                out.append(None)
+                continue
+            first = self._feed(seq, st)
+            out.append(None if first is None else self.draft(seq, gamma, first, st))
+        return out
+
+    def rollback(self, seq, length: int) -> None:
+        """The head caches only accepted positions (< length - 1); a shorter target cache
+        (a re-prefill) cuts it, and the features are observed again."""
+        st = seq.spec_state.eagle
+        if st is not None and length < st.n + 1:
+            st.cut(max(length - 1, 0))
+            st.pending = []
+
+    def release(self, seq) -> None:
+        seq.spec_state.eagle = None

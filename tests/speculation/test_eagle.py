@@ -1,0 +1,201 @@
+"""EAGLE-3 heads: the decoder's aux features, the checkpoint layout (round trip byte for
+byte and an independent reading of the safetensors bytes), train-eagle on a tiny target,
+greedy equality with drafts proposed and accepted, the sampled distribution (chi-square)
+with a broken variant that fails, and the dynamic tree's node budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from specbuild.bench.verify_dist import check
+from specbuild.compiler.compile import CompileOptions, compile_bundle
+from specbuild.compiler.eagle_role import export_eagle
+from specbuild.engine.engine import Engine, EngineConfig
+from specbuild.engine.sequence import Request
+from specbuild.errors import CheckpointError
+from specbuild.formats import eagle3
+from specbuild.model.decoder import ForwardBatch
+from specbuild.sampling.params import SamplingParams
+from specbuild.speculation import speculator as speculator_mod
+from specbuild.speculation.config import SpeculationConfig
+from specbuild.train.eagle import EagleTrainConfig, target_features, train_eagle
+from tiny import make_tiny_hf
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("eagle")
+    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
+    bundle = compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float32", max_draft_len=10))
+    data = root / "data.jsonl"
+    with open(data, "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": " ".join(f"word{(i * 7 + j) % 23}" for j in range(12))}) + "\n")
+    head = str(root / "head")
+    report = train_eagle(bundle, str(data), head, EagleTrainConfig(
+        draft_vocab=200, max_prompts=12, eval_prompts=3, max_answer_tokens=24, ignore_eos=True, steps=150, lr=3e-3),
+        progress=False, log=lambda m: None)
+    with_head = compile_bundle(target, str(root / "bundle_eagle"), CompileOptions(dtype="float32", max_draft_len=10),
+                               eagle=head)
+    held = [json.loads(line)["prompt_ids"] for line in open(os.path.join(head, "answers_eval.jsonl"))]
+    return {"root": root, "target": target, "bundle": bundle, "head": head, "report": report,
+            "with_head": with_head, "prompts": held}
+
+
+def test_decoder_hands_out_aux_features_only_when_asked(trained):
+    engine = Engine(trained["bundle"], EngineConfig())
+    ids = [5, 6, 7, 8, 9, 10]
+    n = len(ids)
+    cache = engine.cache
+    cache.add(-5)
+    try:
+        cache.reserve(-5, n)
+        slots = cache.slots(-5, 0, n)
+        batch = ForwardBatch(torch.tensor(ids), torch.arange(n), slots, slots, torch.ones(n, n, dtype=torch.bool).tril(),
+                             torch.tensor([n - 1]))
+        plain = engine.model.forward(batch, cache)
+        assert isinstance(plain, torch.Tensor)  # no aux_layers: the return is unchanged
+        logits, feats = engine.model.forward(batch, cache, aux_layers=(0, 1, 0), aux_rows=torch.tensor([1, 4]))
+    finally:
+        cache.release(-5)
+    h = engine.target_config.hidden_size
+    assert torch.equal(logits, plain) and feats.shape == (2, 3 * h)
+    emb = engine.model.w["embed"][torch.tensor([6, 9])]
+    assert torch.allclose(feats[:, :h], emb) and torch.allclose(feats[:, 2 * h:], emb)  # layer 0 input = embedding
+    # the features of a row do not depend on later rows (chunked prefill sees the same)
+    full, _ = target_features(engine.model, cache, ids, (1, 1, 1))
+    part, _ = target_features(engine.model, cache, ids[:4], (1, 1, 1))
+    assert torch.allclose(full[:4], part, atol=1e-5)
+
+
+def read_safetensors_by_hand(path: str) -> dict[str, np.ndarray]:
+    """An independent reader of the file format: 8-byte little-endian header size, a JSON
+    header {name: {dtype, shape, data_offsets}}, then the raw little-endian bytes."""
+    dtypes = {"F32": np.float32, "I64": np.int64, "BOOL": np.bool_, "F16": np.float16}
+    with open(path, "rb") as f:
+        raw = f.read()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    header.pop("__metadata__", None)
+    out = {}
+    for name, info in header.items():
+        a, b = info["data_offsets"]
+        out[name] = np.frombuffer(raw[8 + size + a:8 + size + b], dtype=dtypes[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def test_checkpoint_layout_round_trip_and_independent_reading(trained, tmp_path):
+    head = trained["head"]
+    config, tensors = eagle3.read_eagle3(head)
+    eagle3.write_eagle3(str(tmp_path / "again"), config, tensors)
+    for name in (eagle3.CONFIG, eagle3.WEIGHTS):
+        assert open(os.path.join(head, name), "rb").read() == open(tmp_path / "again" / name, "rb").read(), name
+    # export-eagle from the compiled bundle gives the same bytes back
+    export_eagle(trained["with_head"], str(tmp_path / "exported"))
+    for name in (eagle3.CONFIG, eagle3.WEIGHTS):
+        assert open(os.path.join(head, name), "rb").read() == open(tmp_path / "exported" / name, "rb").read(), name
+    # independent reading: the names, shapes and maps the loaders expect
+    raw = read_safetensors_by_hand(os.path.join(head, eagle3.WEIGHTS))
+    cfg = json.load(open(os.path.join(head, eagle3.CONFIG)))
+    h, v, n = cfg["hidden_size"], cfg["vocab_size"], cfg["draft_vocab_size"]
+    heads, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(trained["report"]["aux_layers"])
+    expect = {"fc.weight": (h, 3 * h), "midlayer.self_attn.q_proj.weight": (heads * d, 2 * h),
+              "midlayer.self_attn.k_proj.weight": (kv * d, 2 * h), "midlayer.self_attn.v_proj.weight": (kv * d, 2 * h),
+              "midlayer.self_attn.o_proj.weight": (h, heads * d), "midlayer.hidden_norm.weight": (h,),
+              "midlayer.input_layernorm.weight": (h,), "midlayer.post_attention_layernorm.weight": (h,),
+              "midlayer.mlp.gate_proj.weight": (cfg["intermediate_size"], h),
+              "midlayer.mlp.up_proj.weight": (cfg["intermediate_size"], h),
+              "midlayer.mlp.down_proj.weight": (h, cfg["intermediate_size"]), "norm.weight": (h,),
+              "lm_head.weight": (n, h), "d2t": (n,), "t2d": (v,)}
+    assert {k: tuple(a.shape) for k, a in raw.items()} == expect
+    assert raw["d2t"].dtype == np.int64 and raw["t2d"].dtype == np.bool_
+    target_ids = np.arange(n) + raw["d2t"]  # vLLM: targets = arange(draft_vocab) + d2t
+    assert (np.flatnonzero(raw["t2d"]) == np.sort(target_ids)).all()
+    for k, a in raw.items():
+        assert np.array_equal(a, tensors[k].numpy()), k
+
+
+def test_compile_refuses_a_head_for_another_target(trained, tmp_path):
+    config, tensors = eagle3.read_eagle3(trained["head"])
+    bad = dict(config, hidden_size=config["hidden_size"] * 2, target_hidden_size=config["hidden_size"] * 2)
+    tensors = dict(tensors, **{"fc.weight": torch.zeros(bad["hidden_size"], 3 * bad["hidden_size"])})
+    eagle3.write_eagle3(str(tmp_path / "bad"), bad, tensors)
+    with pytest.raises(CheckpointError, match="hidden size"):
+        compile_bundle(trained["target"], str(tmp_path / "b"), CompileOptions(dtype="float32"), eagle=str(tmp_path / "bad"))
+    shutil.copytree(trained["head"], tmp_path / "nofc")
+    t = dict(eagle3.read_eagle3(str(tmp_path / "nofc"))[1])
+    del t["fc.weight"]
+    eagle3.write_eagle3(str(tmp_path / "nofc"), config, t)
+    with pytest.raises(CheckpointError, match="fc.weight"):
+        eagle3.read_eagle3(str(tmp_path / "nofc"))
+
+
+def test_training_reports_acceptance_by_position(trained):
+    rep = trained["report"]
+    before, after = rep["eval_before"], rep["eval_after"]
+    assert len(after["acceptance_by_position"]) == EagleTrainConfig().ttt_steps + 2
+    assert after["acceptance_by_position"][0] > before["acceptance_by_position"][0]
+    assert after["expected_accepted_per_pass"] > 1.2
+
+
+def run(engine, method, prompts, max_tokens=24, **sampling):
+    return engine.generate([Request(prompt_ids=p, speculation=SpeculationConfig.make(None, method=method),
+                                    sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
+                            for p in prompts])
+
+
+def test_greedy_eagle_equals_plain_and_accepts(trained):
+    engine = Engine(trained["with_head"], EngineConfig(max_batch_size=4))
+    prompts = trained["prompts"] + [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21]]
+    plain = run(engine, "none", prompts)
+    spec = run(engine, "eagle", prompts)
+    assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    drafted = sum(r["stats"]["drafted"] for r in spec)
+    accepted = sum(r["stats"]["accepted"] for r in spec)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    auto = run(engine, "auto", prompts)
+    assert [r["token_ids"] for r in auto] == [r["token_ids"] for r in plain]
+    assert engine.cache.free_blocks == engine.cache.num_blocks
+
+
+def test_sampled_eagle_trees_match_exact_distribution(trained):
+    engine = Engine(trained["with_head"], EngineConfig(max_batch_size=8))
+    r = check(engine, trained["prompts"][0], 1.0, 3, SpeculationConfig.make(None, method="eagle", gamma=3), 600)
+    assert r.drafted > 0 and r.accepted > 0 and r.accepted < r.drafted, r
+    assert r.p_value > 0.001, r
+
+
+def test_the_check_rejects_a_broken_rule_on_eagle_trees(trained, monkeypatch):
+    import specbuild.sampling.acceptance as acc
+
+    def broken(parents, node_tokens, target_probs, uniforms):
+        good = acc.verify_tree_sampled(parents, node_tokens, target_probs, uniforms)
+        node = good.accepted_nodes[-1] if good.accepted_nodes else 0
+        row = target_probs[node].double()
+        tok = int(torch.searchsorted(row.cumsum(0), uniforms[-1].double() * row.sum()).clamp(max=row.numel() - 1))
+        return acc.TreeResult(good.accepted_nodes, tok, good.tokens[:-1] + (tok,))
+
+    monkeypatch.setattr(speculator_mod, "verify_tree_sampled", broken)
+    engine = Engine(trained["with_head"], EngineConfig(max_batch_size=8))
+    r = check(engine, trained["prompts"][0], 1.0, 3, SpeculationConfig.make(None, method="eagle", gamma=3), 600)
+    assert r.drafted > 0 and r.accepted < r.drafted
+    assert r.p_value < 1e-4, r
+
+
+def test_node_budget_follows_the_verify_cost(trained):
+    engine = Engine(trained["with_head"], EngineConfig())
+    prop = engine.speculator.proposers["eagle"]
+    scores = [0.9, 0.8, 0.5, 0.3, 0.2, 0.1]
+    prop.verify_cost = lambda width: 1.0 + 0.01 * width  # wide passes nearly free: take many nodes
+    assert prop.budget(scores, 6) == 6
+    prop.verify_cost = lambda width: float(width)  # cost grows with width: a short chain
+    assert prop.budget(scores, 6) == 1
