@@ -27,6 +27,7 @@ DEFAULT_FORMATS: dict[str, dict] = {
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"quantize": "int8", "lm_head_format": "int8"},
     "int4": {"quantize": "int4", "lm_head_format": "int8"},
+    "int8-a8": {"quantize": "int8", "lm_head_format": "int8", "activations": "int8"},  # per-row int8 inputs too
     "int4-bf16": {"dtype": "bfloat16", "quantize": "int4", "lm_head_format": "int8"},  # bfloat16 hidden states
     "int4-head4": {"quantize": "int4", "lm_head_format": "int4"},  # the lm_head in int4 too
 }

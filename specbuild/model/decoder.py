@@ -185,6 +185,8 @@ def row_invariant_needed(weights: dict, dtype: torch.dtype) -> bool:
     at ~1e-6 in the logits."""
     if dtype in (torch.bfloat16, torch.float16):
         return True
+    if any(getattr(v, "quantizes_inputs", False) for v in weights.values()):  # int8 activations round far more
+        return True
     return any(not isinstance(v, torch.Tensor) and getattr(v, "act_dtype", torch.float32) in
                (torch.bfloat16, torch.float16) for v in weights.values())
 
