@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from specbuild.model.timing import copy_bandwidth, forward_costs, scratch_sequence  # noqa: F401 (forward_costs: cli/bench)
+
 # name -> CompileOptions fields. float32 from a GGUF holds the GGUF's own values exactly.
 DEFAULT_FORMATS: dict[str, dict] = {
     "float32": {},
@@ -47,22 +49,16 @@ def sequence_logits(model, cache, ids: list[int], chunk: int = 128) -> torch.Ten
     chunks (so the format plan sees widths up to `chunk`), without request state."""
     from specbuild.model.decoder import ForwardBatch
 
-    seq_id, n, out = -11, len(ids), []
-    cache.add(seq_id)
-    try:
-        cache.reserve(seq_id, n)
-        slots = cache.slots(seq_id, 0, n).to(cache.device)
+    n, out, dev = len(ids), [], cache.device
+    with scratch_sequence(cache, n) as slots:
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             w = end - start
             mask = torch.ones(w, end, dtype=torch.bool)
             mask[:, start:] = torch.ones(w, w, dtype=torch.bool).tril()
-            batch = ForwardBatch(torch.tensor(ids[start:end], device=cache.device),
-                                 torch.arange(start, end, device=cache.device), slots[start:end], slots[:end],
-                                 mask.to(cache.device), torch.arange(w, device=cache.device))
+            batch = ForwardBatch(torch.tensor(ids[start:end], device=dev), torch.arange(start, end, device=dev),
+                                 slots[start:end], slots[:end], mask.to(dev), torch.arange(w, device=dev))
             out.append(model.forward(batch, cache))
-    finally:
-        cache.release(seq_id)
     return torch.cat(out)
 
 
@@ -95,53 +91,6 @@ def agreement(engine, prompts: list[list[int]], baseline: list[list[int]], mine:
             "outputs": len(baseline), "mean_matching_prefix": statistics.mean(prefix) if prefix else 0.0}
 
 
-def forward_costs(model, cache, widths, context: int = 64, repeats: int = 7) -> dict[int, dict]:
-    """One forward of w new rows after `context` cached ones (a verify pass of width w; w = 1
-    is a decode step), per width: median wall ms, min wall ms, median CPU ms of this process.
-    CPU time is what a shared machine cannot inflate by descheduling us (1 thread)."""
-    from specbuild.model.decoder import ForwardBatch
-
-    seq_id, n_max = -13, context + max(widths)
-    cache.add(seq_id)
-    try:
-        cache.reserve(seq_id, n_max)
-        slots = cache.slots(seq_id, 0, n_max).to(cache.device)
-        out = {}
-        for w in widths:
-            n = context + w
-            mask = torch.ones(w, n, dtype=torch.bool)
-            mask[:, context:] = torch.ones(w, w, dtype=torch.bool).tril()
-            batch = ForwardBatch(torch.arange(w, device=cache.device) + 100, torch.arange(context, n, device=cache.device),
-                                 slots[context:n], slots[:n], None if w == 1 else mask.to(cache.device),
-                                 torch.arange(w, device=cache.device))
-            model.forward(batch, cache)
-            walls, cpus = [], []
-            for _ in range(repeats):
-                t0, c0 = time.perf_counter(), time.process_time()
-                model.forward(batch, cache)
-                walls.append((time.perf_counter() - t0) * 1e3)
-                cpus.append((time.process_time() - c0) * 1e3)
-            out[w] = {"wall_ms": statistics.median(walls), "min_ms": min(walls), "cpu_ms": statistics.median(cpus)}
-        return out
-    finally:
-        cache.release(seq_id)
-
-
-def copy_gb_per_s(nbytes: int = 128 << 20, repeats: int = 7) -> float:
-    """Best of `repeats` copies into a preallocated buffer; counts read + write bytes."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-    return 2 * nbytes / best / 1e9
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def decode_step_ms(engine, prompt: list[int], tokens: int, repeats: int) -> list[float]:
     """Per-token milliseconds of plain greedy decoding at batch 1 (prefill excluded)."""
     from specbuild.sampling.params import SamplingParams
@@ -164,7 +113,7 @@ def measure_format(name: str, bundle: str, threads: int, texts: dict, widths, de
                  "plans": {g: p.describe() for g, p in engine.model.plans.items()}}
     steps = decode_step_ms(engine, texts["prompts"][0], decode_tokens, repeats)
     costs = forward_costs(engine.model, engine.cache, sorted(set(widths)), repeats=max(7, repeats))
-    gbps = copy_gb_per_s()
+    gbps = copy_bandwidth(128 << 20, repeats=7)["gb_per_s"]
     wb = weight_bytes(engine.model.w, engine.target_config.tie_word_embeddings)
     floor = wb / (gbps * 1e9) * 1e3
     one = costs[min(costs)]
