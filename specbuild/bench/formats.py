@@ -33,7 +33,7 @@ DEFAULT_FORMATS: dict[str, dict] = {
     "int4-bf16": {"dtype": "bfloat16", "quantize": "int4", "lm_head_format": "int8"},  # bfloat16 hidden states
     "int4-head4": {"quantize": "int4", "lm_head_format": "int4"},  # the lm_head in int4 too
 }
-WIDTHS = (1, 2, 3, 5, 9)
+WIDTHS = (1, 2, 3, 5, 9, 17)  # a decode step, chains of 1-8 drafts, a 16-node tree
 
 
 def eval_texts(n: int) -> list[str]:
@@ -129,6 +129,7 @@ def measure_format(name: str, bundle: str, threads: int, texts: dict, widths, de
     key = "cpu_ms" if threads == 1 else "min_ms"
     row["verify_basis"] = key
     row["verify_w5_over_w1"] = round(costs[5][key] / costs[1][key], 2) if {1, 5} <= set(costs) else None
+    row["verify_w17_over_w1"] = round(costs[17][key] / costs[1][key], 2) if {1, 17} <= set(costs) else None
     row["perplexity"] = round(perplexity(engine.model, engine.cache, texts["ppl_ids"]), 4)
     mine = greedy(engine, texts["prompts"], texts["gen_tokens"])
     row["greedy"] = mine
@@ -237,7 +238,7 @@ def format_report(report: dict) -> str:
     widths = report["widths"]
     head = (f"{'format':9s} {'MB/step':>7s} {'floor':>6s} {'step':>6s} {'cpu':>6s} {'xfloor':>6s} {'cpu/fl':>6s} {'decode':>6s} "
             f"{'tok/s':>6s} " + " ".join(f"{'w' + str(w):>6s}" for w in widths)
-            + f" {'w5/w1':>5s} {'ppl':>7s} {'dppl%':>6s} {'top1':>5s} {'exact':>5s}")
+            + f" {'w5/w1':>5s} {'w17/1':>5s} {'ppl':>7s} {'dppl%':>6s} {'top1':>5s} {'exact':>5s}")
     lines = [f"weight formats on {os.path.basename(report['source'])}: {report['threads']} thread(s), torch "
              f"{report['torch']}, load average {report['load_average'][0]:.1f}; ms; step = best wall time of repeats, "
              "cpu = median CPU time, decode = engine's plain greedy ms/token (median), wN = forward of N rows "
@@ -250,7 +251,8 @@ def format_report(report: dict) -> str:
             f"{r['step_over_floor']:6.2f} {r['cpu_over_floor']:6.2f} {r['decode_ms']:6.2f} {r['tokens_per_s']:6.1f} "
             + " ".join(f"{r['verify_cpu_ms' if r['verify_basis'] == 'cpu_ms' else 'verify_ms'].get(w, float('nan')):6.2f}"
                        for w in widths)
-            + f" {r['verify_w5_over_w1'] or float('nan'):5.2f} {r['perplexity']:7.3f} {r['perplexity_change_pct']:6.2f} {acc}")
+            + f" {r['verify_w5_over_w1'] or float('nan'):5.2f} {r.get('verify_w17_over_w1') or float('nan'):5.2f}"
+            + f" {r['perplexity']:7.3f} {r['perplexity_change_pct']:6.2f} {acc}")
     peer = report.get("llama_cpp")
     if peer:
         lines.append(f"{'llama.cpp':9s} {'':7s} {'':6s} {'':6s} {'':6s} {'':6s} {'':6s} {peer['step_ms']:6.2f} "
