@@ -78,6 +78,15 @@ def forward_costs(model, cache: PagedKVCache, widths, context: int = 64, repeats
     return out
 
 
+def warm_up(model, cache: PagedKVCache, widths, context: int = 16) -> None:
+    """One untimed forward per width, so kernels' first-call set-up (oneDNN primitives,
+    packed layouts, allocator pools) happens at load and not in the first request."""
+    widths = sorted(set(widths))
+    with scratch_sequence(cache, context + max(widths)) as slots:
+        for w in widths:
+            model.forward(verify_batch(slots, context, w), cache)
+
+
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: str = "cpu") -> dict:
     """Memory bandwidth from copying an nbytes float32 tensor into a preallocated one (a
     fresh clone would time page faults, not memory), well above the CPU caches: the best of

@@ -74,7 +74,7 @@ class Speculator:
         bundle and kept in the cost cache (model/timing.cached_costs: keyed by CPU, flags,
         torch version, threads and the models' fingerprints), so a fresh process reads them
         instead of timing ~20 forwards. The engine calibrates at load, before any request."""
-        from specbuild.model.timing import cached_costs, forward_costs, machine_key, model_fingerprint
+        from specbuild.model.timing import cached_costs, forward_costs, machine_key, model_fingerprint, warm_up
 
         t0 = time.perf_counter()
         widths = sorted({1, 2, 3, 5, self.max_draft_len + 1})
@@ -90,6 +90,10 @@ class Speculator:
                "machine": machine_key(self.target.device), "target": model_fingerprint(self.target),
                "drafters": {name: model_fingerprint(prop.model) for name, prop in drafters.items()}}
         measured, cached = cached_costs(key, measure)
+        if cached:  # no forwards ran: set the kernels up now, not in the first request
+            warm_up(self.target, self.cache, widths)
+            for prop in drafters.values():
+                warm_up(prop.model, prop.cache, [1])
         verify = {int(w): float(c) for w, c in measured["verify"].items()}
         costs = MeasuredCosts(verify, self)
         costs.update({name: CostModel(verify, float(measured["draft"].get(name, 0.0))) for name in self.proposers})
