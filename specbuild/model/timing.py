@@ -54,12 +54,23 @@ def verify_batch(slots: torch.Tensor, context: int, width: int, token: int = 100
                         slots[context:n], slots[:n], mask, torch.arange(width, device=dev))
 
 
+def fit_context(model, cache: PagedKVCache, context: int, width: int) -> int:
+    """`context`, shortened where the model's positions (its rope table) or the cache's blocks
+    cannot hold context + width tokens (a bundle compiled with a short max_seq_len)."""
+    positions = getattr(model, "cos", None)
+    room = positions.shape[0] if positions is not None else context + width
+    room = min(room, cache.num_blocks * cache.block_size)
+    return max(0, min(context, room - width))
+
+
 def forward_costs(model, cache: PagedKVCache, widths, context: int = 64, repeats: int = 7) -> dict[int, dict]:
     """One forward of w new rows after `context` cached ones (a verify pass of width w; w = 1
     is a decode step), per width, after one untimed warm-up: median wall ms (`wall_ms`), best
     wall ms (`min_ms`: what other load on a shared machine can only make worse) and median
-    CPU ms of this process (`cpu_ms`: with one thread, what descheduling cannot inflate)."""
+    CPU ms of this process (`cpu_ms`: with one thread, what descheduling cannot inflate).
+    A model or cache too small for `context` gets a shorter one (fit_context)."""
     widths = sorted(set(widths))
+    context = fit_context(model, cache, context, max(widths))
     sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
     out = {}
     with scratch_sequence(cache, context + max(widths)) as slots:
@@ -82,6 +93,7 @@ def warm_up(model, cache: PagedKVCache, widths, context: int = 16) -> None:
     """One untimed forward per width, so kernels' first-call set-up (oneDNN primitives,
     packed layouts, allocator pools) happens at load and not in the first request."""
     widths = sorted(set(widths))
+    context = fit_context(model, cache, context, max(widths))
     with scratch_sequence(cache, context + max(widths)) as slots:
         for w in widths:
             model.forward(verify_batch(slots, context, w), cache)
