@@ -88,7 +88,10 @@ def test_constant_groups_quantize_exactly():
 
 
 def test_dense_copies_give_the_primary_numbers():
-    impl, _ = int4_linear(80, 128, 32)
+    rounded = QLinear(int4_linear(80, 128, 32)[0], torch.float32)  # bfloat16 inputs and outputs
+    rounded.add_copy("float32")
+    assert not rounded.exact["float32"] and usable_formats([rounded]) == ["int4"]  # ulp flips between widths
+    impl, _ = int4_linear(80, 128, 32, act=torch.float32)
     q = QLinear(impl, torch.float32)
     q.add_copy("float32")
     q.add_copy("bfloat16")
@@ -150,7 +153,7 @@ def test_unaligned_weights_are_copied_before_the_kernels():
 
 
 def test_measured_plan_uses_only_exact_copies():
-    impl, _ = int4_linear(64, 128, 32)
+    impl, _ = int4_linear(64, 128, 32, act=torch.float32)
     q = QLinear(impl, torch.float32)
     assert measure_plan([q], [1, 4]) is None  # one format: nothing to choose
     q.add_copy("bfloat16")
