@@ -21,6 +21,11 @@ import sys
 # 2-core machine spinning threads make every op wait for a descheduled peer (measured here:
 # SmolLM2 8 tokens in 18 s spinning vs 0.9 s passive). Subprocesses inherit it.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # see specbuild/__init__.py
+# measured speculation costs (model/timing.cached_costs) go to a per-run folder, not ~/.cache
+if "SPECBUILD_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["SPECBUILD_CACHE_DIR"] = tempfile.mkdtemp(prefix="specbuild-test-cache-")
 
 import pytest  # noqa: E402
 

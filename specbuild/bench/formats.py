@@ -21,16 +21,19 @@ from typing import Callable
 
 import torch
 
+from specbuild.model.timing import copy_bandwidth, forward_costs, scratch_sequence  # noqa: F401 (forward_costs: cli/bench)
+
 # name -> CompileOptions fields. float32 from a GGUF holds the GGUF's own values exactly.
 DEFAULT_FORMATS: dict[str, dict] = {
     "float32": {},
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"quantize": "int8", "lm_head_format": "int8"},
     "int4": {"quantize": "int4", "lm_head_format": "int8"},
+    "int8-a8": {"quantize": "int8", "lm_head_format": "int8", "activations": "int8"},  # per-row int8 inputs too
     "int4-bf16": {"dtype": "bfloat16", "quantize": "int4", "lm_head_format": "int8"},  # bfloat16 hidden states
     "int4-head4": {"quantize": "int4", "lm_head_format": "int4"},  # the lm_head in int4 too
 }
-WIDTHS = (1, 2, 3, 5, 9)
+WIDTHS = (1, 2, 3, 5, 9, 17)  # a decode step, chains of 1-8 drafts, a 16-node tree
 
 
 def eval_texts(n: int) -> list[str]:
@@ -46,22 +49,16 @@ def sequence_logits(model, cache, ids: list[int], chunk: int = 128) -> torch.Ten
     chunks (so the format plan sees widths up to `chunk`), without request state."""
     from specbuild.model.decoder import ForwardBatch
 
-    seq_id, n, out = -11, len(ids), []
-    cache.add(seq_id)
-    try:
-        cache.reserve(seq_id, n)
-        slots = cache.slots(seq_id, 0, n).to(cache.device)
+    n, out, dev = len(ids), [], cache.device
+    with scratch_sequence(cache, n) as slots:
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             w = end - start
             mask = torch.ones(w, end, dtype=torch.bool)
             mask[:, start:] = torch.ones(w, w, dtype=torch.bool).tril()
-            batch = ForwardBatch(torch.tensor(ids[start:end], device=cache.device),
-                                 torch.arange(start, end, device=cache.device), slots[start:end], slots[:end],
-                                 mask.to(cache.device), torch.arange(w, device=cache.device))
+            batch = ForwardBatch(torch.tensor(ids[start:end], device=dev), torch.arange(start, end, device=dev),
+                                 slots[start:end], slots[:end], mask.to(dev), torch.arange(w, device=dev))
             out.append(model.forward(batch, cache))
-    finally:
-        cache.release(seq_id)
     return torch.cat(out)
 
 
@@ -94,53 +91,6 @@ def agreement(engine, prompts: list[list[int]], baseline: list[list[int]], mine:
             "outputs": len(baseline), "mean_matching_prefix": statistics.mean(prefix) if prefix else 0.0}
 
 
-def forward_costs(model, cache, widths, context: int = 64, repeats: int = 7) -> dict[int, dict]:
-    """One forward of w new rows after `context` cached ones (a verify pass of width w; w = 1
-    is a decode step), per width: median wall ms, min wall ms, median CPU ms of this process.
-    CPU time is what a shared machine cannot inflate by descheduling us (1 thread)."""
-    from specbuild.model.decoder import ForwardBatch
-
-    seq_id, n_max = -13, context + max(widths)
-    cache.add(seq_id)
-    try:
-        cache.reserve(seq_id, n_max)
-        slots = cache.slots(seq_id, 0, n_max).to(cache.device)
-        out = {}
-        for w in widths:
-            n = context + w
-            mask = torch.ones(w, n, dtype=torch.bool)
-            mask[:, context:] = torch.ones(w, w, dtype=torch.bool).tril()
-            batch = ForwardBatch(torch.arange(w, device=cache.device) + 100, torch.arange(context, n, device=cache.device),
-                                 slots[context:n], slots[:n], None if w == 1 else mask.to(cache.device),
-                                 torch.arange(w, device=cache.device))
-            model.forward(batch, cache)
-            walls, cpus = [], []
-            for _ in range(repeats):
-                t0, c0 = time.perf_counter(), time.process_time()
-                model.forward(batch, cache)
-                walls.append((time.perf_counter() - t0) * 1e3)
-                cpus.append((time.process_time() - c0) * 1e3)
-            out[w] = {"wall_ms": statistics.median(walls), "min_ms": min(walls), "cpu_ms": statistics.median(cpus)}
-        return out
-    finally:
-        cache.release(seq_id)
-
-
-def copy_gb_per_s(nbytes: int = 128 << 20, repeats: int = 7) -> float:
-    """Best of `repeats` copies into a preallocated buffer; counts read + write bytes."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-    return 2 * nbytes / best / 1e9
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def decode_step_ms(engine, prompt: list[int], tokens: int, repeats: int) -> list[float]:
     """Per-token milliseconds of plain greedy decoding at batch 1 (prefill excluded)."""
     from specbuild.sampling.params import SamplingParams
@@ -163,7 +113,7 @@ def measure_format(name: str, bundle: str, threads: int, texts: dict, widths, de
                  "plans": {g: p.describe() for g, p in engine.model.plans.items()}}
     steps = decode_step_ms(engine, texts["prompts"][0], decode_tokens, repeats)
     costs = forward_costs(engine.model, engine.cache, sorted(set(widths)), repeats=max(7, repeats))
-    gbps = copy_gb_per_s()
+    gbps = copy_bandwidth(128 << 20, repeats=7)["gb_per_s"]
     wb = weight_bytes(engine.model.w, engine.target_config.tie_word_embeddings)
     floor = wb / (gbps * 1e9) * 1e3
     one = costs[min(costs)]
@@ -179,6 +129,7 @@ def measure_format(name: str, bundle: str, threads: int, texts: dict, widths, de
     key = "cpu_ms" if threads == 1 else "min_ms"
     row["verify_basis"] = key
     row["verify_w5_over_w1"] = round(costs[5][key] / costs[1][key], 2) if {1, 5} <= set(costs) else None
+    row["verify_w17_over_w1"] = round(costs[17][key] / costs[1][key], 2) if {1, 17} <= set(costs) else None
     row["perplexity"] = round(perplexity(engine.model, engine.cache, texts["ppl_ids"]), 4)
     mine = greedy(engine, texts["prompts"], texts["gen_tokens"])
     row["greedy"] = mine
@@ -287,7 +238,7 @@ def format_report(report: dict) -> str:
     widths = report["widths"]
     head = (f"{'format':9s} {'MB/step':>7s} {'floor':>6s} {'step':>6s} {'cpu':>6s} {'xfloor':>6s} {'cpu/fl':>6s} {'decode':>6s} "
             f"{'tok/s':>6s} " + " ".join(f"{'w' + str(w):>6s}" for w in widths)
-            + f" {'w5/w1':>5s} {'ppl':>7s} {'dppl%':>6s} {'top1':>5s} {'exact':>5s}")
+            + f" {'w5/w1':>5s} {'w17/1':>5s} {'ppl':>7s} {'dppl%':>6s} {'top1':>5s} {'exact':>5s}")
     lines = [f"weight formats on {os.path.basename(report['source'])}: {report['threads']} thread(s), torch "
              f"{report['torch']}, load average {report['load_average'][0]:.1f}; ms; step = best wall time of repeats, "
              "cpu = median CPU time, decode = engine's plain greedy ms/token (median), wN = forward of N rows "
@@ -300,7 +251,8 @@ def format_report(report: dict) -> str:
             f"{r['step_over_floor']:6.2f} {r['cpu_over_floor']:6.2f} {r['decode_ms']:6.2f} {r['tokens_per_s']:6.1f} "
             + " ".join(f"{r['verify_cpu_ms' if r['verify_basis'] == 'cpu_ms' else 'verify_ms'].get(w, float('nan')):6.2f}"
                        for w in widths)
-            + f" {r['verify_w5_over_w1'] or float('nan'):5.2f} {r['perplexity']:7.3f} {r['perplexity_change_pct']:6.2f} {acc}")
+            + f" {r['verify_w5_over_w1'] or float('nan'):5.2f} {r.get('verify_w17_over_w1') or float('nan'):5.2f}"
+            + f" {r['perplexity']:7.3f} {r['perplexity_change_pct']:6.2f} {acc}")
     peer = report.get("llama_cpp")
     if peer:
         lines.append(f"{'llama.cpp':9s} {'':7s} {'':6s} {'':6s} {'':6s} {'':6s} {'':6s} {peer['step_ms']:6.2f} "

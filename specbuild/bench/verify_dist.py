@@ -31,17 +31,14 @@ DEFAULT_PROMPTS = (
 @torch.inference_mode()
 def last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     """Target logits [vocab] after `ids`, by a throwaway full forward (no request state)."""
-    cache, seq_id, n = engine.cache, -7, len(ids)
-    cache.add(seq_id)
-    try:
-        cache.reserve(seq_id, n)
-        slots = cache.slots(seq_id, 0, n).to(cache.device)
+    from specbuild.model.timing import scratch_sequence
+
+    cache, n = engine.cache, len(ids)
+    with scratch_sequence(cache, n) as slots:
         mask = torch.ones(n, n, dtype=torch.bool).tril().to(cache.device)
         batch = ForwardBatch(torch.tensor(ids, device=cache.device), torch.arange(n, device=cache.device),
                              slots, slots, mask, torch.tensor([n - 1], device=cache.device))
         return engine.model.forward(batch, cache)[0]
-    finally:
-        cache.release(seq_id)
 
 
 def exact_joint(engine: Engine, prompt_ids: list[int], params: SamplingParams, n_tokens: int) -> dict:

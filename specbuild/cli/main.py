@@ -86,8 +86,9 @@ def main() -> None:
               help="Weight-only quantization of the layers' linear weights (a GGUF's Q4_1 is carried into int4).")
 @click.option("--group-size", default=32, show_default=True, type=click.Choice(["32", "64", "128"]),
               help="Inputs per int4 scale/zero (32 carries GGUF Q4_1 blocks as they are).")
-@click.option("--activations", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32"]),
-              help="Dtype quantized weights multiply in (float32: Q4_1 exact, but torch's CPU kernels are slow).")
+@click.option("--activations", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32", "int8"]),
+              help="Dtype quantized weights multiply in (float32: Q4_1 exact, but torch's CPU kernels are slow; "
+                   "int8: with --quantize int8, each input row rounded to int8 with its own scale, W8A8).")
 @click.option("--embedding-format", default="dense", show_default=True,
               type=click.Choice(["dense", "float32", "bfloat16", "float16", "int8", "int4"]),
               help="Embedding storage (dense = --dtype); tied embeddings follow --lm-head-format.")

@@ -121,7 +121,7 @@ def convert_tensor(w: torch.Tensor, fmt: str, act: str, group_size: int,
                    raw: tuple[str, torch.Tensor] | None = None) -> Quantized:
     """w: the source's float32 values [N, K]; raw: (GGUF type, rows' bytes) when the source
     was quantized. Returns the tensor in format `fmt` with its report."""
-    act_dtype = ACT_DTYPES[act]
+    act_dtype = torch.float32 if act == "int8" else ACT_DTYPES[act]  # int8 activations: float32 scales
     w = w.float()
     source_type = raw[0] if raw is not None else None
     if fmt == "int4":
@@ -197,8 +197,17 @@ def check_quant_options(options) -> None:
         raise SpecbuildError(f"--quantize {options.quantize!r} is not one of none, int8, int4")
     if options.group_size not in GROUP_SIZES:
         raise SpecbuildError(f"--group-size {options.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
-    if options.activations not in ("bfloat16", "float32"):
-        raise SpecbuildError(f"activations {options.activations!r} is not one of bfloat16, float32")
+    if options.activations not in ("bfloat16", "float32", "int8"):
+        raise SpecbuildError(f"activations {options.activations!r} is not one of bfloat16, float32, int8")
+    if options.activations == "int8":
+        # W8A8 runs through torch._int_mm (int8 x int8 -> int32); torch has no x86 kernel for int4
+        # weights with int8 inputs (_dyn_quant_matmul_4bit is KleidiAI, ARM only)
+        if options.quantize != "int8":
+            raise SpecbuildError(f"--activations int8 needs --quantize int8 (int8 weights), got --quantize "
+                                 f"{options.quantize!r}")
+        for flag, value in (("--embedding-format", options.embedding_format), ("--lm-head-format", options.lm_head_format)):
+            if value == "int4":
+                raise SpecbuildError(f"--activations int8 runs int8 weights only; {flag} int4 is not one of them")
     for flag, value in (("--embedding-format", options.embedding_format), ("--lm-head-format", options.lm_head_format)):
         if value not in LINEAR_FORMATS:
             raise SpecbuildError(f"{flag} {value!r} is not one of {', '.join(LINEAR_FORMATS)}")
@@ -252,7 +261,8 @@ def quantize_role(ckpt, weights: dict[str, torch.Tensor], dtype: str, options) -
         conversions[e["conversion"]] = conversions.get(e["conversion"], 0) + 1
     quantized = any(f in ("int8", "int4") for f in convert.values())
     return {"version": 1, "quantize": options.quantize, "group_size": options.group_size,
-            "activations": options.activations, "formats": list(options.formats) if quantized else [],
+            "activations": options.activations,
+            "formats": list(options.formats) if quantized and options.activations != "int8" else [],
             "bytes_by_format": by_format, "conversions": conversions, "tensors": entries}
 
 

@@ -161,6 +161,7 @@ class Engine(BaseEngine):
         self.default_sampling = SamplingParams.from_dict(
             {k: v for k, v in self.meta.default_sampling.items()})
         self.speculator = self.make_speculator()
+        _ = self.speculator.controller  # cost calibration now (cached per machine + bundle), never in a request
         self.default_speculation = SpeculationConfig.make(
             None, **{k: v for k, v in self.meta.default_speculation.items()})
         if self.default_speculation.method not in self.methods + list(self.meta.roles):

@@ -93,3 +93,105 @@ def paged_attention_reference(
         scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
     weights = torch.softmax(scores, dim=-1)
     return torch.einsum("hts,shd->thd", weights, v).to(q.dtype)
+
+
+INVARIANT_CHUNK = 128  # keys per partial product in paged_attention_invariant (positions from each sequence's start)
+
+
+def sequence_spans(mask: torch.Tensor | None, rows: int, cols: int) -> list[tuple[int, int, int, int]]:
+    """(row0, row1, col0, col1) per sequence of a ragged batch's [T, S] mask: the rows that
+    share a first visible column (every row of a sequence sees its first key, no row sees
+    another sequence's keys) and the columns from there to the last one any of them sees."""
+    if mask is None:
+        return [(0, rows, 0, cols)]
+    first = mask.int().argmax(1).tolist()
+    last = (cols - 1 - mask.flip(1).int().argmax(1)).tolist()
+    spans, r0 = [], 0
+    for r in range(1, rows + 1):
+        if r == rows or first[r] != first[r0]:
+            spans.append((r0, r, first[r0], max(last[r0:r]) + 1))
+            r0 = r
+    return spans
+
+
+class InvariantPlan:
+    """What paged_attention_invariant needs of one forward's mask, worked out once for all
+    layers: per sequence, its rows, the key slots in chunks (shared [1, sp] or per row
+    [n, sp]) and the weight-zero keys [n, 1, nc, 1, chunk] (None: none)."""
+
+    def __init__(self, mask: torch.Tensor | None, read_slots: torch.Tensor, rows: int) -> None:
+        c = INVARIANT_CHUNK
+        self.parts = []
+        for r0, r1, c0, c1 in sequence_spans(mask, rows, read_slots.shape[0]):
+            n, cols = r1 - r0, read_slots[c0:c1]
+            sub = None if mask is None else mask[r0:r1, c0:c1]
+            slots, visible = cols.unsqueeze(0), sub
+            if sub is not None:
+                counts = sub.sum(1)
+                ends = (counts - 1).unsqueeze(1)
+                prefix = sub.gather(1, ends).squeeze(1) & (sub.cumsum(1).gather(1, ends).squeeze(1) == counts)
+                if not bool(prefix.all()):
+                    # tree nodes off the first branch: each row's visible keys gathered in
+                    # position order, as the decode step after accepting that branch has them
+                    width = int(counts.max())
+                    idx = torch.arange(c1 - c0, device=cols.device)
+                    order = torch.where(sub, idx, c1 - c0).sort(1).values[:, :width]
+                    slots = cols[order.clamp_max(c1 - c0 - 1)]  # [n, width]
+                    visible = idx[:width].unsqueeze(0) < counts.unsqueeze(1)
+            b, s_len = slots.shape
+            nc = -(-s_len // c)
+            sp = nc * c
+            if sp != s_len:
+                slots = torch.cat([slots, slots[:, :1].expand(b, sp - s_len)], 1)
+            hidden = None
+            if visible is not None or sp != s_len:
+                hidden = torch.ones(n, sp, dtype=torch.bool, device=cols.device)
+                hidden[:, :s_len] = False if visible is None else ~visible
+                hidden = hidden.view(n, 1, nc, 1, c)
+            self.parts.append((r0, r1, slots.reshape(-1), b, nc, hidden))
+
+
+def paged_attention_invariant(
+    q: torch.Tensor,  # [T, heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    plan: InvariantPlan,  # of the forward's read_slots and mask
+    scale: float,
+) -> torch.Tensor:  # [T, heads, head_dim]
+    """Row-invariant attention, one batched call per sequence: a row's output is bit for bit
+    what that row gets alone (a decode step over exactly its visible keys), whatever other
+    rows (drafts, tree nodes, other sequences) share the forward, so speculative output
+    equals plain output when activations are rounded (half precision, int8).
+
+    Every reduction has an order that does not depend on the other rows, in float32: keys
+    are taken in chunks of INVARIANT_CHUNK counted from the sequence's first key (the last
+    chunk padded with weight-zero keys; tree rows get their own keys gathered in position
+    order), and every matrix product is a batch of products of one fixed shape ([group,
+    head_dim] x [head_dim, chunk], [group, chunk] x [chunk, head_dim]), which the batched
+    kernel computes alike however many there are (its order is the shape's, not the
+    batch's: a one-shape batch gives each product the same bits, checked in tests/model;
+    a single product of more rows does not). The max is exact in any order; hidden keys
+    get exp(-inf) = 0.0; sums within a chunk run over a contiguous axis of fixed length,
+    and chunk partials are added one after another in position order (a cumulative sum,
+    read at the end), so all-zero chunks add exact zeros."""
+    t, heads, d = q.shape
+    kv = k_cache.shape[1]
+    g, c = heads // kv, INVARIANT_CHUNK
+    out = q.new_empty(t, heads, d)
+    for r0, r1, slots, b, nc, hidden in plan.parts:
+        n = r1 - r0
+        k = k_cache.index_select(0, slots).float().view(b, nc, c, kv, d).permute(0, 3, 1, 4, 2).contiguous()
+        v = v_cache.index_select(0, slots).float().view(b, nc, c, kv, d).permute(0, 3, 1, 2, 4).contiguous()
+        qh = q[r0:r1].float().contiguous().view(n, kv, 1, g, d)
+        s = torch.matmul(qh, k).mul_(scale)  # [n, kv, nc, g, c]
+        if hidden is not None:
+            s.masked_fill_(hidden, float("-inf"))
+        p = s.sub_(s.amax(dim=(2, 4), keepdim=True)).exp_()
+        total = p.sum(-1)  # [n, kv, nc, g]
+        o = torch.matmul(p, v)  # [n, kv, nc, g, d]
+        if nc > 1:
+            total, o = total.cumsum(2)[:, :, -1], o.cumsum(2)[:, :, -1]
+        else:
+            total, o = total[:, :, 0], o[:, :, 0]
+        out[r0:r1] = (o / total.unsqueeze(-1)).reshape(n, heads, d).to(q.dtype)
+    return out

@@ -28,32 +28,21 @@ log = logging.getLogger("specbuild.speculator")
 GRAMMAR = "grammar"  # Draft.method of the tokens a structured-output grammar forces
 
 
-def measure_verify_costs(model: Decoder, cache: PagedKVCache, widths: list[int], context: int = 64,
-                         repeats: int = 3) -> dict[int, float]:
-    """Median seconds of one target forward of `w` new tokens after `context` cached ones."""
-    seq_id = -1
-    cache.add(seq_id)
-    try:
-        cache.reserve(seq_id, context + max(widths))
-        slots = cache.slots(seq_id, 0, context + max(widths))
-        out = {}
-        for w in widths:
-            n = context + w
-            mask = torch.ones(w, n, dtype=torch.bool)
-            mask[:, context:] = torch.ones(w, w, dtype=torch.bool).tril()
-            batch = ForwardBatch(torch.zeros(w, dtype=torch.int64, device=cache.device),
-                                 torch.arange(context, n, device=cache.device), slots[context:n].to(cache.device),
-                                 slots[:n].to(cache.device), None if w == 1 else mask.to(cache.device),
-                                 torch.arange(w, device=cache.device))
-            times = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                model.forward(batch, cache)
-                times.append(time.perf_counter() - t0)
-            out[w] = sorted(times[1:])[len(times[1:]) // 2]
-        return out
-    finally:
-        cache.release(seq_id)
+class MeasuredCosts(dict):
+    """method -> CostModel; a drafter added after calibration (at load) gets the measured
+    verify costs and its own step measured on first use."""
+
+    def __init__(self, verify: dict[int, float], speculator: "Speculator") -> None:
+        super().__init__()
+        self.verify, self.speculator = verify, speculator
+
+    def __missing__(self, method: str) -> CostModel:
+        from specbuild.model.timing import forward_costs
+
+        prop = self.speculator.proposers[method]
+        draft = forward_costs(prop.model, prop.cache, [1], repeats=3)[1]["wall_ms"] / 1e3 if hasattr(prop, "model") else 0.0
+        self[method] = CostModel(self.verify, draft)
+        return self[method]
 
 
 @functools.lru_cache(maxsize=256)
@@ -88,22 +77,41 @@ class Speculator:
         return self._controller
 
     def calibrate(self) -> dict[str, CostModel]:
+        """Verify cost by width (and each drafter model's step), measured once per machine and
+        bundle and kept in the cost cache (model/timing.cached_costs: keyed by CPU, flags,
+        torch version, threads and the models' fingerprints), so a fresh process reads them
+        instead of timing ~20 forwards. The engine calibrates at load, before any request."""
+        from specbuild.model.timing import cached_costs, forward_costs, machine_key, model_fingerprint, warm_up
+
         t0 = time.perf_counter()
         widths = sorted({1, 2, 3, 5, self.max_draft_len + 1})
-        verify = measure_verify_costs(self.target, self.cache, widths)
-        costs = {}
+        drafters = {name: prop for name, prop in self.proposers.items() if hasattr(prop, "model")}
+
+        def measure() -> dict:
+            verify = forward_costs(self.target, self.cache, widths, repeats=3)
+            drafts = {name: forward_costs(prop.model, prop.cache, [1], repeats=3)[1]["wall_ms"] / 1e3
+                      for name, prop in drafters.items()}
+            return {"verify": {str(w): c["wall_ms"] / 1e3 for w, c in verify.items()}, "draft": drafts}
+
+        key = {"what": "speculation costs v1 (median seconds, 64 cached tokens)", "widths": widths,
+               "machine": machine_key(self.target.device), "target": model_fingerprint(self.target),
+               "drafters": {name: model_fingerprint(prop.model) for name, prop in drafters.items()}}
+        measured, cached = cached_costs(key, measure)
+        if cached:  # no forwards ran: set the kernels up now, not in the first request
+            warm_up(self.target, self.cache, widths)
+            for prop in drafters.values():
+                warm_up(prop.model, prop.cache, [1])
+        verify = {int(w): float(c) for w, c in measured["verify"].items()}
+        costs = MeasuredCosts(verify, self)
+        costs.update({name: CostModel(verify, float(measured["draft"].get(name, 0.0))) for name in self.proposers})
         for name, prop in self.proposers.items():
-            draft_cost = 0.0
-            if hasattr(prop, "model"):
-                draft_cost = measure_verify_costs(prop.model, prop.cache, [1])[1]
-            costs[name] = CostModel(verify, draft_cost)
             if hasattr(prop, "verify_cost"):  # the EAGLE tree's node budget
                 prop.verify_cost = costs[name].verify
         w1, wn = verify[1], verify[max(widths)]
         self.bin_cost = BinCost(pass_overhead=max(w1 - (wn - w1) / max(max(widths) - 1, 1), 1e-4),
                                 token_cost=max((wn - w1) / max(max(widths) - 1, 1), 1e-6))
-        log.info("calibrated speculation costs in %.2fs: verify %s", time.perf_counter() - t0,
-                 {k: round(v * 1e3, 2) for k, v in verify.items()})
+        log.info("speculation costs %s in %.2fs: verify %s", "read from the cache" if cached else "calibrated",
+                 time.perf_counter() - t0, {k: round(v * 1e3, 2) for k, v in verify.items()})
         return costs
 
     def set_emit(self, emit) -> None:

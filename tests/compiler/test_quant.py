@@ -82,6 +82,10 @@ def test_tensor_formats_and_option_errors():
                 {"activations": "float16"}):
         with pytest.raises(SpecbuildError, match=str(list(bad.values())[0]).strip("(),'")):
             CompileOptions(**bad)
+    with pytest.raises(SpecbuildError, match="--activations int8 needs --quantize int8"):
+        CompileOptions(quantize="int4", activations="int8")
+    with pytest.raises(SpecbuildError, match="--lm-head-format int4"):
+        CompileOptions(quantize="int8", lm_head_format="int4", activations="int8")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +97,8 @@ def tiny_src(tmp_path_factory) -> str:
 def bundles(tiny_src, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("qb")
     opts = {"float32": {}, "int8": {"quantize": "int8", "lm_head_format": "int8"},
-            "int4": {"quantize": "int4", "lm_head_format": "int8"}}
+            "int4": {"quantize": "int4", "lm_head_format": "int8"},
+            "int8-a8": {"quantize": "int8", "lm_head_format": "int8", "activations": "int8"}}
     return {n: compile_bundle(tiny_src, str(root / n), CompileOptions(max_seq_len=256, **o)) for n, o in opts.items()}
 
 
@@ -150,11 +155,15 @@ def test_greedy_agreement_between_formats(bundles):
     assert agree["int8"] >= agree["int4"]
 
 
-@pytest.mark.parametrize("plan", [None, ((1, 1 << 30), ("int4", "float32"))])
-def test_speculative_greedy_equals_plain_on_a_quantized_bundle(bundles, plan):
+@pytest.mark.parametrize("name,plan", [("int4", None), ("int4", ((1, 1 << 30), ("int4", "float32"))),
+                                       ("int8-a8", None)])
+def test_speculative_greedy_equals_plain_on_a_quantized_bundle(bundles, name, plan):
     """Same bundle, plain vs prompt-lookup speculation; with a forced plan the verify passes
-    run in the float32 copy and the plain steps in int4 (the copies give the same numbers)."""
-    engine = Engine(bundles["int4"], EngineConfig(max_batch_size=4))
+    run in the float32 copy and the plain steps in int4 (the copies give the same numbers);
+    int8-a8 rounds every linear's input rows to int8 (row-invariant attention keeps it exact)."""
+    engine = Engine(bundles[name], EngineConfig(max_batch_size=4))
+    if name == "int8-a8":
+        assert engine.model.row_invariant and engine.model.lm_head.quantizes_inputs and not engine.model.plans
     if plan is not None:
         engine.model.plans = {"layers": FormatPlan(*plan)}
     prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21, 22, 20, 21, 22, 20], list(range(30, 60)) + list(range(30, 40))]

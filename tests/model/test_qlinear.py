@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specbuild.compiler.quantize import quantize_int4, quantize_int8
-from specbuild.model.qlinear import DenseFormat, FormatPlan, fit_line, Int4Format, Int8Format, QLinear, as_dense, dequantize_int4, embed_rows, linear, measure_plan, pack_nibbles, self_check, to_kn_layout, unpack_nibbles, usable_formats, weight_nbytes
+from specbuild.model.qlinear import DenseFormat, FormatPlan, fit_line, Int4Format, Int8DynFormat, Int8Format, QLinear, as_dense, dequantize_int4, embed_rows, linear, measure_plan, pack_nibbles, self_check, to_kn_layout, unpack_nibbles, usable_formats, weight_nbytes
 
 SHAPES = [(64, 64), (40, 96), (200, 160), (24, 256), (7, 64)]  # N, K: N not a multiple of 16 included
 
@@ -88,7 +88,10 @@ def test_constant_groups_quantize_exactly():
 
 
 def test_dense_copies_give_the_primary_numbers():
-    impl, _ = int4_linear(80, 128, 32)
+    rounded = QLinear(int4_linear(80, 128, 32)[0], torch.float32)  # bfloat16 inputs and outputs
+    rounded.add_copy("float32")
+    assert not rounded.exact["float32"] and usable_formats([rounded]) == ["int4"]  # ulp flips between widths
+    impl, _ = int4_linear(80, 128, 32, act=torch.float32)
     q = QLinear(impl, torch.float32)
     q.add_copy("float32")
     q.add_copy("bfloat16")
@@ -150,7 +153,7 @@ def test_unaligned_weights_are_copied_before_the_kernels():
 
 
 def test_measured_plan_uses_only_exact_copies():
-    impl, _ = int4_linear(64, 128, 32)
+    impl, _ = int4_linear(64, 128, 32, act=torch.float32)
     q = QLinear(impl, torch.float32)
     assert measure_plan([q], [1, 4]) is None  # one format: nothing to choose
     q.add_copy("bfloat16")
@@ -226,3 +229,25 @@ def test_lm_head_rescoring_with_no_rows():
     q.rescore_top = 8
     out = q(torch.zeros(0, 64))
     assert out.shape == (0, 40)
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (576, 1536), (1024, 576)])
+def test_int8_dynamic_activations_are_per_row_and_bit_identical_in_any_batch(n, k):
+    """W8A8 (per-row int8 inputs, torch._int_mm): a row's output is the same bits alone or
+    inside a batch of 5 or 17 (the other rows, even one 1000x larger, change nothing), and
+    equals the int64 reference exactly."""
+    g = torch.Generator().manual_seed(n + k)
+    fmt = Int8DynFormat(*quantize_int8(torch.randn(n, k, generator=g) * 0.05, torch.float32))
+    q = QLinear(fmt, torch.float32)
+    assert q.quantizes_inputs and q.primary == "int8-a8" and q.act_dtype == torch.float32
+    for rows in (5, 17):
+        x = torch.randn(rows, k, generator=g)
+        x[-1] *= 1000.0  # a per-tensor scale would squash every other row
+        batch = q(x)
+        assert torch.equal(batch, fmt.reference(x))
+        for i in range(rows):
+            assert torch.equal(batch[i:i + 1], q(x[i:i + 1])), (rows, i)
+    x = torch.randn(3, k, generator=g)
+    dense = F.linear(x, fmt.dense())
+    assert rel_err(q(x), dense) < 2e-2  # input rounding to 8 bits: small, not zero
+    assert torch.equal(q(torch.zeros(2, k)), torch.zeros(2, n))  # an all-zero row has no scale to divide by

@@ -244,3 +244,38 @@ def test_tree_cost_model_charges_every_node_within_the_depth():
     assert tree.verify(9) == base.verify(11)  # deeper than the tree: the whole tree
     # the chain model would take the whole depth at this acceptance; the tree's width says no
     assert best_gamma(0.5, 0, 3, base) == 2 and best_gamma(0.5, 0, 3, tree) == 1
+
+
+def test_cost_calibration_is_cached_per_machine_and_bundle_and_done_at_load(tmp_path, monkeypatch):
+    """The speculator's verify costs are measured at engine load (no request pays for them),
+    kept under $SPECBUILD_CACHE_DIR keyed by machine and model fingerprint, and a second
+    engine on the same bundle reads them back (its only forwards: one untimed warm-up per
+    width, so kernels are set up before the first request, not timed again); another
+    bundle (other weights) gets its own entry."""
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
+    from specbuild.model.decoder import Decoder
+    from specbuild.model.timing import cache_dir, model_fingerprint
+    from tiny import make_tiny_hf
+
+    monkeypatch.setenv("SPECBUILD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECBUILD_COST_CACHE", raising=False)
+    assert cache_dir() == str(tmp_path / "cache")
+    bundles = [compile_bundle(make_tiny_hf(str(tmp_path / f"hf{s}"), seed=s), str(tmp_path / f"b{s}"),
+                              CompileOptions(max_seq_len=128)) for s in (1, 2)]
+    calls = []
+    real = Decoder.forward
+    monkeypatch.setattr(Decoder, "forward", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    first = Engine(bundles[0], EngineConfig(max_batch_size=1))
+    assert first.speculator._controller is not None and len(calls) >= 5  # measured at load
+    files = list((tmp_path / "cache").glob("costs-*.json"))
+    assert len(files) == 1
+    calls.clear()
+    second = Engine(bundles[0], EngineConfig(max_batch_size=1))
+    assert len(calls) == 5 and second.speculator.controller.costs["ngram"].verify_cost == \
+        first.speculator.controller.costs["ngram"].verify_cost
+    other = Engine(bundles[1], EngineConfig(max_batch_size=1))
+    assert model_fingerprint(other.model) != model_fingerprint(first.model) and calls
+    assert len(list((tmp_path / "cache").glob("costs-*.json"))) == 2
+    out = second.generate([Request(prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6], speculation=SpeculationConfig.make(
+        None, method="ngram", gamma=3), sampling=SamplingParams(max_tokens=12, ignore_eos=True))])[0]
+    assert out["stats"]["drafted"] > 0 and out["stats"]["accepted"] > 0

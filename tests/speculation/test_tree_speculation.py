@@ -262,3 +262,29 @@ def test_a_request_tree_is_a_preset_or_inline_paths_never_a_file(medusa_bundle, 
     assert [r["token_ids"] for r in inline] == [r["token_ids"] for r in plain]
     assert sum(r["stats"]["drafted"] for r in inline) > 0
     assert sum(r["stats"]["accepted"] for r in inline) > 0
+
+
+@pytest.fixture(scope="module")
+def engine_bf16(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree_bf16")
+    target = make_tiny_hf(str(root / "t"), scale=4.0, seed=3)
+    bundle = compile_bundle(target, str(root / "b"), CompileOptions(dtype="bfloat16", max_draft_len=16))
+    eng = Engine(bundle, EngineConfig(max_batch_size=4))
+    trees = {"default": TreeSpec.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
+             "chain": TreeSpec.chain(4), "mc10": load_tree("mc_sim_7b_top10")}
+    eng.speculator.proposers["medusa"] = NoisyTreeProposer(eng, trees)
+    return eng
+
+
+def test_bfloat16_tree_speculation_equals_plain_with_batched_invariant_attention(engine_bf16):
+    """bfloat16 hidden states: attention runs one batched row-invariant call per sequence
+    (tree nodes off the first branch gather their own keys), and tree and chain speculation,
+    batched with other sequences, give plain decoding's tokens exactly."""
+    assert engine_bf16.model.row_invariant and engine_bf16.model.dtype == torch.bfloat16
+    plain = run(engine_bf16, method="none")
+    for trees in (["default"] * 3, ["default", "chain", "mc10"]):
+        spec = run(engine_bf16, trees=trees)
+        assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain], trees
+        assert sum(r["stats"]["drafted"] for r in spec) > 0 and sum(r["stats"]["accepted"] for r in spec) > 0
+    chain = run(engine_bf16, method="ngram")
+    assert [r["token_ids"] for r in chain] == [r["token_ids"] for r in plain]
