@@ -17,7 +17,7 @@ import torch
 from specbuild.speculation.binning import BinCost, plan
 from specbuild.speculation.gamma import CostModel, GammaController, TreeCostModel, best_gamma, expected_tokens
 from specbuild.model.kv_cache import PagedKVCache
-from specbuild.model.decoder import Decoder, ForwardBatch
+from specbuild.model.decoder import Decoder
 from specbuild.sampling.params import warp_probs
 from specbuild.speculation.proposers.base import Draft
 from specbuild.sampling.acceptance import verify_chain_greedy, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled, verify_tree_typical
