@@ -113,7 +113,12 @@ class BaseEngine:
         gammas = [s.gammas[-1] for s in running if getattr(s, "gammas", None)]
         used, total = self._kv_blocks()
         return {"queue_depth": len(self.waiting), "running": len(running), "kv_blocks_used": used,
-                "kv_blocks_total": total, "gamma": sum(gammas) / len(gammas) if gammas else 0.0}
+                "kv_blocks_total": total, "gamma": sum(gammas) / len(gammas) if gammas else 0.0,
+                **self._extra_stats()}
+
+    def _extra_stats(self) -> dict:
+        """Backend-specific load figures added to stats() (the torch engine: its telemetry sink's)."""
+        return {}
 
     def _kv_blocks(self) -> tuple[int | None, int | None]:
         """(used, total) KV cache blocks, for stats(); (None, None) when the backend owns its cache."""

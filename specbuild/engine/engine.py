@@ -305,10 +305,10 @@ class Engine(BaseEngine):
         if self.policies is not None and seq.spec is not None and seq.spec.enabled:
             seq.gamma_policy = self.policies.lookup(seq.content_type, seq.spec.method)
 
-    def stats(self) -> dict:
-        """BaseEngine's load figures; with a telemetry sink attached (set_sink), also its
-        counters: telemetry_rows_dropped / _written / _queued, telemetry_write_errors."""
-        return {**super().stats(), **self.scheduler.sink.stats()}
+    def _extra_stats(self) -> dict:
+        """With a telemetry sink attached (set_sink), its counters in stats():
+        telemetry_rows_dropped / _written / _queued, telemetry_write_errors."""
+        return self.scheduler.sink.stats()
 
     def _kv_blocks(self) -> tuple[int | None, int | None]:
         """(used, total) KV cache blocks, for stats()."""
