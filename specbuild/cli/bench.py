@@ -378,11 +378,13 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
                    "where llama-cpp-python is installed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON instead of the table.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
+@click.option("--plot", "plot", type=click.Path(dir_okay=False), default=None,
+              help="Also draw each row's speedup by task group into this PNG file.")
 @click.option("--telemetry", default=None, metavar="DB",
               help="Record the specbuild rows' sessions and steps into DB (SQLite file or postgresql:// DSN).")
 def bench(bundle, dataset, split, per_category, max_tokens, speculation, gamma, gamma_min, gamma_max, batch_size,
           repeats, threads, device, peers, floor, floor_mib, trees, verify_costs, formats, as_json,
-          no_progress, telemetry) -> None:
+          no_progress, plot, telemetry) -> None:
     """Spec-Bench style benchmark: tokens/s, speedup over plain decoding and mean accepted
     tokens per task group, greedy outputs checked against plain decoding.
 
@@ -412,3 +414,7 @@ def bench(bundle, dataset, split, per_category, max_tokens, speculation, gamma, 
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     click.echo(json.dumps(report, indent=2) if as_json else B.format_table(report))
+    if plot:
+        from specbuild.bench.plot import plot_speedups
+
+        click.echo(f"plot written to {plot_speedups(report, plot)}", err=True)

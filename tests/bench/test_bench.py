@@ -285,3 +285,18 @@ def test_llama_cpp_peer_row_on_the_default_model(smollm2_bundle, tmp_path):
     assert peer["generated_tokens"] > 0 and peer["tokens_per_s"] > 0 and peer["speedup"] == 1.0
     assert "GGUF as is" in rows["llama.cpp plain"]["format"]
     assert report["peer_ratios"]["none/llama.cpp"] > 0
+
+
+def test_bench_plot_draws_the_speedups(bench_bundle, tmp_path):
+    from PIL import Image
+
+    from specbuild.cli.main import main
+
+    png = tmp_path / "speedup.png"
+    result = CliRunner().invoke(main, ["bench", bench_bundle, "--per-category", "1", "--max-tokens", "6",
+                                       "--repeats", "1", "--speculation", "ngram", "--threads", "1", "--no-progress",
+                                       "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    with Image.open(png) as img:
+        assert img.format == "PNG" and img.size[0] >= 600 and img.size[1] >= 400
+        assert len(set(img.convert("RGB").getdata())) > 10  # bars, not a blank canvas
