@@ -346,7 +346,37 @@ class _Flight:
     responses: int = 0
 
 
-class TrtllmEngine(BaseEngine):
+def refuse_torch_only(request: Request, params: SamplingParams) -> None:
+    """What only the torch backend serves (structured output, logprobs, OpenAI's penalties):
+    a RequestError naming them, for both TensorRT-LLM paths."""
+    unsupported = [name for name, on in (("response_format", request.response_format is not None),
+                                         ("logprobs", request.logprobs is not None),
+                                         ("presence_penalty/frequency_penalty/logit_bias", params.adjusts)) if on]
+    if unsupported:
+        raise RequestError(f"{', '.join(unsupported)}: not supported on the tensorrt-llm backend in this version; "
+                           "serve the bundle with --backend torch for them")
+
+
+class ExecutorEngine(BaseEngine):
+    """A BaseEngine whose executor owns each request: abort() drops it from the queue and has
+    the subclass's `_release(seq)` cancel what the executor holds."""
+
+    def _release(self, seq: Sequence) -> None:
+        raise NotImplementedError
+
+    def abort(self, handle: Handle) -> None:
+        """Stop a request; its executor requests are cancelled (thread-safe)."""
+        with self._lock:
+            seq = handle.seq
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            self._release(seq)
+            if not seq.finished:
+                seq.finished, seq.finish_reason = True, "abort"
+                handle._emit(Event([], "", True, "abort"))
+
+
+class TrtllmEngine(ExecutorEngine):
     """A bundle's TensorRT-LLM engines behind the request-level backend interface.
 
     The request queue, text helpers, background loop and load figures are `BaseEngine`'s,
@@ -495,28 +525,12 @@ class TrtllmEngine(BaseEngine):
             raise SpecbuildError(f"rank {self.rank} is not the leader: only rank 0 takes requests")
         prompt_ids = validated_prompt_ids(request, self.encode, self.target_config.vocab_size, self.max_seq_len)
         params = request.sampling.with_seed()
-        unsupported = [name for name, on in (("response_format", request.response_format is not None),
-                                             ("logprobs", request.logprobs is not None),
-                                             ("presence_penalty/frequency_penalty/logit_bias", params.adjusts)) if on]
-        if unsupported:
-            raise RequestError(f"{', '.join(unsupported)}: not supported on the tensorrt-llm backend in this version; "
-                               "serve the bundle with --backend torch for them")
+        refuse_torch_only(request, params)
         spec, note = self.resolve_speculation(request, params)
         seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
         if note:
             seq.extra_stats["stat_speculation_off"] = note
         return seq
-
-    def abort(self, handle: Handle) -> None:
-        """Stop a request; its executor requests are cancelled (thread-safe)."""
-        with self._lock:
-            seq = handle.seq
-            if seq in self.waiting:
-                self.waiting.remove(seq)
-            self._release(seq)
-            if not seq.finished:
-                seq.finished, seq.finish_reason = True, "abort"
-                handle._emit(Event([], "", True, "abort"))
 
     def _release(self, seq: Sequence) -> None:
         for key, flight in list(self._flights.items()):

@@ -46,9 +46,10 @@ from typing import Any
 
 from specbuild.backends.guarantees import guarantees
 from specbuild.bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
-from specbuild.engine.base import BaseEngine, validated_prompt_ids
+from specbuild.backends.tensorrt_llm import ExecutorEngine, refuse_torch_only
+from specbuild.engine.base import validated_prompt_ids
 from specbuild.engine.engine import EngineConfig
-from specbuild.engine.sequence import Event, Handle, Request, Sequence
+from specbuild.engine.sequence import Event, Request, Sequence
 from specbuild.errors import BundleError, RequestError, SpecbuildError
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
@@ -150,7 +151,7 @@ def make_drafter(pkg, max_draft_len: int, ngram_min: int, ngram_max: int):
     return SpecbuildDrafter()
 
 
-class TrtllmApiEngine(BaseEngine):
+class TrtllmApiEngine(ExecutorEngine):
     """A bundle served by TensorRT-LLM's LLM API behind the request-level backend interface.
 
     Each running request has one streaming `generate_async` result, read by a thread of its own
@@ -273,24 +274,9 @@ class TrtllmApiEngine(BaseEngine):
         """Validate a request (BaseEngine.submit queues it). RequestError: nothing queued."""
         prompt_ids = validated_prompt_ids(request, self.encode, self.target_config.vocab_size, self.max_seq_len)
         params = request.sampling.with_seed()
-        unsupported = [name for name, on in (("response_format", request.response_format is not None),
-                                             ("logprobs", request.logprobs is not None),
-                                             ("presence_penalty/frequency_penalty/logit_bias", params.adjusts)) if on]
-        if unsupported:
-            raise RequestError(f"{', '.join(unsupported)}: not supported on the tensorrt-llm backend in this version; "
-                               "serve the bundle with --backend torch for them")
+        refuse_torch_only(request, params)
         spec = self.resolve_speculation(request, params)
         return Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
-
-    def abort(self, handle: Handle) -> None:
-        with self._lock:
-            seq = handle.seq
-            if seq in self.waiting:
-                self.waiting.remove(seq)
-            self._release(seq)
-            if not seq.finished:
-                seq.finished, seq.finish_reason = True, "abort"
-                handle._emit(Event([], "", True, "abort"))
 
     def _release(self, seq: Sequence) -> None:
         self._backlog.pop(id(seq), None)
