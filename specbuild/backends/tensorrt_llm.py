@@ -375,6 +375,32 @@ class ExecutorEngine(BaseEngine):
                 seq.finished, seq.finish_reason = True, "abort"
                 handle._emit(Event([], "", True, "abort"))
 
+    def _record_verification(self, seq: Sequence, drafted: int, accepted: int, positions: int) -> None:
+        """Acceptance stats of one verification (same fields as the torch scheduler's)."""
+        seq.verify_passes += 1
+        seq.drafted += drafted
+        seq.accepted += accepted
+        if positions:
+            seq.gammas.append(positions)
+        while len(seq.drafted_by_pos) < positions:
+            seq.drafted_by_pos.append(0)
+            seq.accepted_by_pos.append(0)
+        for i in range(positions):
+            seq.drafted_by_pos[i] += 1
+            seq.accepted_by_pos[i] += int(i < accepted)
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        seq.finished, seq.finish_reason = True, "error"
+        if seq.handle:
+            seq.handle.error = message
+            seq.handle._emit(Event([], "", True, "error"))
+
+    def _fail_running(self, message: str) -> None:
+        """Release and fail every running request (the shared loop calls it, lock held)."""
+        for seq in list(self.running):
+            self._release(seq)
+            self._fail(seq, message)
+
 
 class TrtllmEngine(ExecutorEngine):
     """A bundle's TensorRT-LLM engines behind the request-level backend interface.
@@ -652,11 +678,11 @@ class TrtllmEngine(ExecutorEngine):
             return 1
         seq.target_passes += 1
         if flight.kind == "verify":
-            self._record(seq, len(flight.draft), accepted_prefix(flight.draft, tokens), len(flight.draft))
+            self._record_verification(seq, len(flight.draft), accepted_prefix(flight.draft, tokens), len(flight.draft))
         elif flight.responses > 0:  # the first streaming answer is the prompt's (context) iteration
             nodes = self.tree["num_drafts"] if self.mode == "medusa" else 0
             depth = self.tree["max_depth"] if self.mode == "medusa" else 0
-            self._record(seq, nodes, max(len(tokens) - 1, 0), depth)
+            self._record_verification(seq, nodes, max(len(tokens) - 1, 0), depth)
         flight.responses += 1
         before = len(seq.text)
         kept = seq.append_tokens(tokens) if tokens else []
@@ -671,20 +697,6 @@ class TrtllmEngine(ExecutorEngine):
             self._release(seq)
         return 1
 
-    def _record(self, seq: Sequence, drafted: int, accepted: int, positions: int) -> None:
-        """Acceptance stats of one verification (same fields as the torch scheduler's)."""
-        seq.verify_passes += 1
-        seq.drafted += drafted
-        seq.accepted += accepted
-        if positions:
-            seq.gammas.append(positions)
-        while len(seq.drafted_by_pos) < positions:
-            seq.drafted_by_pos.append(0)
-            seq.accepted_by_pos.append(0)
-        for i in range(positions):
-            seq.drafted_by_pos[i] += 1
-            seq.accepted_by_pos[i] += int(i < accepted)
-
     def _perf_stats(self, seq: Sequence, result) -> None:
         spec = getattr(getattr(result, "request_perf_metrics", None), "speculative_decoding", None)
         if spec is not None and getattr(spec, "total_draft_tokens", 0):
@@ -692,17 +704,6 @@ class TrtllmEngine(ExecutorEngine):
             seq.extra_stats["stat_trtllm_total_accepted_draft_tokens"] = int(spec.total_accepted_draft_tokens)
             seq.extra_stats["stat_trtllm_acceptance_rate"] = round(float(spec.acceptance_rate), 4)
 
-    def _fail(self, seq: Sequence, message: str) -> None:
-        seq.finished, seq.finish_reason = True, "error"
-        if seq.handle:
-            seq.handle.error = message
-            seq.handle._emit(Event([], "", True, "error"))
-
-    def _fail_running(self, message: str) -> None:
-        """Release and fail every running request (the shared loop calls it, lock held)."""
-        for seq in list(self.running):
-            self._release(seq)
-            self._fail(seq, message)
 
     def close(self) -> None:
         """Stop the loop and shut the executors down (the leader's shutdown releases the workers)."""

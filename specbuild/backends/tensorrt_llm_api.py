@@ -347,10 +347,7 @@ class TrtllmApiEngine(ExecutorEngine):
             return 0  # aborted or stopped by specbuild: what its cancelled result still said
         if error:
             self._release(seq)
-            seq.finished, seq.finish_reason = True, "error"
-            if seq.handle:
-                seq.handle.error = error
-                seq.handle._emit(Event([], "", True, "error"))
+            self._fail(seq, error)
             return 1
         seq.target_passes += 1
         iteration = self._iterations.get(id(seq), 0)
@@ -372,35 +369,7 @@ class TrtllmApiEngine(ExecutorEngine):
         max_draft_len (an upper bound of what was drafted: the LLM API reports no per-request draft
         counts, and the drafter may run in TensorRT-LLM's worker process, out of specbuild's sight)."""
         drafted = self.max_draft_len
-        accepted = min(max(produced - 1, 0), drafted)
-        seq.verify_passes += 1
-        seq.drafted += drafted
-        seq.accepted += accepted
-        if drafted:
-            seq.gammas.append(drafted)
-        while len(seq.drafted_by_pos) < drafted:
-            seq.drafted_by_pos.append(0)
-            seq.accepted_by_pos.append(0)
-        for i in range(drafted):
-            seq.drafted_by_pos[i] += 1
-            seq.accepted_by_pos[i] += int(i < accepted)
-
-    def _fail_running(self, message: str) -> None:
-        for seq in list(self.running):
-            self._release(seq)
-            if not seq.finished:
-                seq.finished, seq.finish_reason = True, "error"
-                if seq.handle is not None:
-                    seq.handle.error = message
-                    seq.handle._emit(Event([], "", True, "error"))
-
-    def _fail_running(self, message: str) -> None:
-        for seq in list(self.running):
-            self._release(seq)
-            seq.finished, seq.finish_reason = True, "error"
-            if seq.handle:
-                seq.handle.error = message
-                seq.handle._emit(Event([], "", True, "error"))
+        self._record_verification(seq, drafted, min(max(produced - 1, 0), drafted), drafted)
 
     def close(self) -> None:
         self.stop()
