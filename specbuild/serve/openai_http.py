@@ -380,6 +380,8 @@ class Call:
     created: int
     n: int = 1
     echo: str | None = None  # completions echo: the prompt text to put before each answer
+    echo_ids: list[int] | None = None  # with echo + logprobs: the prompt's tokens and their logprobs
+    echo_logprobs: list | None = None
     logprobs: str | None = None  # "chat" | "completions": how to shape them; None: not asked for
 
     def requests(self) -> list[Request]:
@@ -510,14 +512,21 @@ class OpenAIServer:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         elif not chat and body.logprobs is not None:  # type: ignore[union-attr]
             request.logprobs, logprobs = body.logprobs, "completions"  # type: ignore[union-attr]
-        echo = None
+        echo = echo_ids = echo_lps = None
         if not chat and body.echo:  # type: ignore[union-attr]
-            if logprobs:
-                raise ApiError(400, "echo with logprobs is not supported (the prompt's logprobs are not computed: "
-                                    "prefill keeps only the last row's logits)", param="echo")
             echo = request.prompt if request.prompt is not None else self.engine.tokenizer.decode(request.prompt_ids)
+            if logprobs:  # the prompt's own logprobs (OpenAI: the first token's is null)
+                if not hasattr(self.engine, "prompt_logprobs"):
+                    raise ApiError(400, "echo with logprobs is not supported on this backend (torch only)", param="echo")
+                echo_ids = request.prompt_ids if request.prompt_ids is not None else self.engine.encode(request.prompt)
+                request.prompt, request.prompt_ids = None, list(echo_ids)
+                try:
+                    echo_lps = self.engine.prompt_logprobs(echo_ids, sampling, request.logprobs or 0)
+                except RequestError as e:
+                    raise request_error(e, "prompt") from None
         return Call(endpoint, request, stream, bool(options and options.include_usage), bool(body.return_token_ids),
-                    request.request_id, int(time.time()), n=n, echo=echo, logprobs=logprobs)
+                    request.request_id, int(time.time()), n=n, echo=echo, logprobs=logprobs, echo_ids=echo_ids,
+                    echo_logprobs=echo_lps)
 
     def submit(self, call: Call) -> list[Handle]:
         """Queue the request's choices, or raise ApiError (429 when the queue is full, 400 when
@@ -602,7 +611,8 @@ class OpenAIServer:
                                code="aborted")
         tok = self.engine.tokenizer
         choices = [choice(call, (call.echo or "") + h.seq.text, h.seq.output_ids, h.seq.finish_reason, True, index=i,
-                          logprobs=shape_logprobs(call, tok, h.seq.output_ids, h.seq.logprobs, h.seq.text))
+                          logprobs=join_logprobs(echo_logprobs(call, tok),
+                                                 shape_logprobs(call, tok, h.seq.output_ids, h.seq.logprobs, h.seq.text)))
                    for i, h in enumerate(handles)]
         return JSONResponse(envelope(call, self.model_name, choices, False, usage=usage([h.seq for h in handles])))
 
@@ -790,7 +800,8 @@ class SSEResponse(Response):
                          "finish_reason": None}
                 yield sse(envelope(call, model, [first], True))
             elif call.echo:
-                yield sse(envelope(call, model, [choice(call, call.echo, None, None, False, index=i)], True))
+                yield sse(envelope(call, model, [choice(call, call.echo, None, None, False, index=i,
+                                                        logprobs=echo_logprobs(call, tok))], True))
         async for i, event in self.events:
             if event.text or (call.return_token_ids and event.token_ids):
                 lp = shape_logprobs(call, tok, event.token_ids, event.logprobs or [], event.text)
@@ -884,6 +895,32 @@ def usage(seqs: list) -> dict[str, Any]:
     if len(seqs) > 1:
         out["seeds"] = [st["seed"] for st in stats]
     return out
+
+
+def echo_logprobs(call: Call, tokenizer) -> dict[str, Any] | None:
+    """The echoed prompt's part of a completions logprobs object (the first token's is null)."""
+    if call.echo_ids is None:
+        return None
+    ids, items = call.echo_ids, call.echo_logprobs or []
+
+    def piece(i: int) -> str:
+        return tokenizer.decode([i], skip_special_tokens=False)
+
+    offsets, at = [], 0
+    for t in ids:
+        offsets.append(at)
+        at += len(piece(t))
+    return {"tokens": [piece(t) for t in ids],
+            "token_logprobs": [None] + [-9999.0 if lp == float("-inf") else lp for lp, _ in items],
+            "top_logprobs": [None] + [{piece(j): (-9999.0 if v == float("-inf") else v) for j, v in top}
+                                      for _, top in items], "text_offset": offsets}
+
+
+def join_logprobs(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A completions logprobs object for echo + answer: the lists concatenated."""
+    if head is None or tail is None:
+        return tail if head is None else head
+    return {k: head[k] + tail[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def shape_logprobs(call: Call, tokenizer, token_ids: list[int], items: list, text: str) -> dict[str, Any] | None:

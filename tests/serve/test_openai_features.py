@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from http_client import ServerProcess, post
 from tiny import make_tiny_hf, perturbed_copy
 
@@ -120,13 +121,24 @@ def test_penalties_and_bias_reach_the_engine(client, engine):
     assert plain["token_ids"] != ref["token_ids"]
 
 
-def test_echo(server):
+def test_echo(server, engine):
     status, _, body = post(server.port, "/v1/completions", {"prompt": "abc", "max_tokens": 3, "echo": True,
                                                             "ignore_eos": True})
     assert status == 200 and body["choices"][0]["text"].startswith("abc")
-    status, _, body = post(server.port, "/v1/completions", {"prompt": "abc", "max_tokens": 3, "echo": True,
-                                                            "logprobs": 1})
-    assert status == 400 and body["error"]["param"] == "echo"
+    # echo + logprobs: the prompt's own logprobs first (the first token's is null), then the answer's
+    prompt = PROMPT[:6]
+    status, _, body = post(server.port, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "echo": True,
+                                                            "logprobs": 2, "ignore_eos": True})
+    assert status == 200, body
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(prompt) + 4
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    from specbuild.bench.verify_dist import last_logits  # an independent reading: one forward per prefix
+
+    for i in range(1, len(prompt)):
+        want = float(torch.log_softmax(last_logits(engine, prompt[:i]).double(), -1)[prompt[i]])
+        assert lp["token_logprobs"][i] == pytest.approx(want, abs=1e-6), i
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
 
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft"])
