@@ -221,6 +221,9 @@ class Engine(BaseEngine):
         spec = self.resolve_speculation(request)
         seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
         check_logprobs(request)
+        source = request.shares_prompt_with
+        if source is not None and getattr(source, "seq", None) is not None and source.seq.prompt_ids == prompt_ids:
+            seq.prefill_source = source.seq
         fmt = ResponseFormat.parse(request.response_format) if isinstance(request.response_format, dict) \
             else request.response_format
         if fmt is not None:

@@ -228,6 +228,7 @@ class Scheduler:
         self.check_lengths()
         items, budget = [], self.prefill_chunk
         running = [s for s in self.running if id(s) not in exclude] if exclude else list(self.running)
+        self.share_prefills(running)
         decoding = [s for s in running if s.num_cached >= len(s.all_ids) - 1]
         drafts = self.speculator.propose(decoding) if (self.speculator and decoding) else {}
         for seq in running:
@@ -236,11 +237,34 @@ class Scheduler:
                 items.append(WorkItem(seq, pending, drafts.get(seq), seq.num_cached, completes=True))
         for seq in running:
             pending = seq.all_ids[seq.num_cached:]
-            if len(pending) > 1 and seq not in drafts and budget > 0:
+            if len(pending) > 1 and seq not in drafts and budget > 0 and seq.prefill_source is None:
                 chunk = pending[:budget]
                 budget -= len(chunk)
                 items.append(WorkItem(seq, chunk, None, seq.num_cached, completes=len(chunk) == len(pending)))
         return items
+
+    def share_prefills(self, running: list[Sequence]) -> None:
+        """Sequences that share another's prompt (`n` > 1 choices: prefill_source) take its
+        prompt's K/V once it has them, instead of prefilling again: the blocks are copied and
+        only the last prompt token is run as the sequence's first decode step. Until then they
+        wait (no prefill chunk of their own); if the source is gone first, they prefill."""
+        for seq in running:
+            src = seq.prefill_source
+            if src is None:
+                continue
+            n = len(seq.prompt_ids) - 1
+            if n <= 0 or seq.num_cached or src.finished or src.seq_id not in self.cache.seqs or src not in self.running:
+                seq.prefill_source = None  # prefill as usual
+                continue
+            if src.num_cached < n:
+                continue  # wait: the source is still prefilling
+            self.cache.reserve(seq.seq_id, n)
+            dev = self.cache.device
+            self.cache.copy_slots(self.cache.slots(src.seq_id, 0, n).to(dev), self.cache.slots(seq.seq_id, 0, n).to(dev))
+            seq.num_cached = n
+            self.commit(seq, n)
+            seq.prefill_source = None
+            seq.extra_stats["stat_shared_prefill_tokens"] = n
 
     def step(self, exclude: Collection[int] = (), admit: bool = True) -> int:
         """One batched step. Returns the number of sequences that advanced.

@@ -29,6 +29,7 @@ class Request:
     request_id: str | None = None
     response_format: Any = None  # structured output: an OpenAI response_format dict or a ResponseFormat
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and the N most likely
+    shares_prompt_with: Any = None  # a Handle with the same prompt (n > 1 choices): its prefill is reused
     content_type: str | None = None  # code | structured | summarization | chat | ...; None: classified
 
 
@@ -54,6 +55,7 @@ class Sequence:
         self.output_ids: list[int] = []
         self.params = params  # seeded
         self.spec = spec
+        self.prefill_source = None  # a running Sequence whose prompt K/V this one copies (engine/scheduler.py)
         self.constraint = None  # sampling.constraint.Constraint when the request asks for structured output
         self.logprobs: list = []  # per output token, when request.logprobs is set
         self.pending_logprobs: list = []  # the last step's, aligned with the tokens it chose

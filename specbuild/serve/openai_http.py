@@ -543,7 +543,9 @@ class OpenAIServer:
                                code="queue_full", headers={"Retry-After": str(self.config.retry_after_s)})
             handles: list[Handle] = []
             try:
-                for request in call.requests():
+                for i, request in enumerate(call.requests()):
+                    if i and handles:  # choices 1..n-1 reuse choice 0's prefill (torch backend)
+                        request.shares_prompt_with = handles[0]
                     handles.append(self.engine.submit(request))
             except RequestError as e:
                 for h in handles:

@@ -166,3 +166,30 @@ def test_sampled_constrained_speculation_matches_the_exact_distribution(engine):
     assert chisquare(observed, expected(exact)).pvalue > 1e-4
     wrong = exact_two_chars(engine, prompt, allowed, 0.5)  # the test has the power to see a wrong distribution
     assert chisquare(observed, expected(wrong)).pvalue < 1e-4
+
+
+@pytest.mark.parametrize("method", ["none", "draft"])
+def test_choices_share_the_prompts_prefill(engine, method):
+    """n > 1: choices 1.. copy choice 0's prompt K/V instead of prefilling again, and give
+    exactly what they give when each prefills alone: seeded sampled plain decoding, and greedy
+    speculation. (Sampled speculation stays exact in distribution, but a shared choice drafts
+    on its first step, which a prefilling one cannot, so its random stream is consumed in
+    another order.)"""
+    prompt = list(range(30, 90)) * 2  # 120 tokens
+    spec = SpeculationConfig.make(None, method=method, gamma=None if method == "none" else 3)
+    temperature = 1.0 if method == "none" else 0.0
+
+    def req(seed, share=None):
+        return Request(prompt_ids=prompt, speculation=spec, shares_prompt_with=share,
+                       sampling=SamplingParams(temperature=temperature, seed=seed, max_tokens=16, ignore_eos=True))
+
+    alone = engine.generate([req(7 + i) for i in range(3)])
+    first = engine.submit(req(7))
+    others = [engine.submit(req(7 + i, share=first)) for i in (1, 2)]
+    engine.run_until_done()
+    shared = [h.result() for h in [first, *others]]
+    assert [r["token_ids"] for r in shared] == [r["token_ids"] for r in alone]
+    assert "stat_shared_prefill_tokens" not in shared[0]["stats"]
+    assert all(r["stats"]["stat_shared_prefill_tokens"] == len(prompt) - 1 for r in shared[1:])
+    if method == "draft":
+        assert sum(r["stats"]["accepted"] for r in shared) > 0
