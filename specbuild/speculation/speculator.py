@@ -248,11 +248,28 @@ class Speculator:
                                                          "fallback": "plain"})
             self.last_draft_ms[method] = (time.perf_counter() - t0) * 1e3
             for (seq, gamma), draft in zip(pairs, drafts):
+                draft = self.within_grammar(seq, draft)
                 if draft is not None and len(draft) > 0:
                     out[seq] = draft
                 else:
                     self.controller.record(seq, method, 0, 0)
         return out
+
+    def within_grammar(self, seq, draft: Draft | None) -> Draft | None:
+        """A chain draft cut at its first token the request's grammar refuses (that token and
+        what follows would be rejected anyway: the target's row there gives them probability
+        0). Trees are left whole: verification never reaches their refused nodes."""
+        if draft is None or seq.constraint is None or draft.parents is not None or not len(draft):
+            return draft
+        _, valid = seq.constraint.masks_along(draft.tokens)
+        if valid == len(draft):
+            return draft
+        if valid == 0:
+            return None
+        draft.tokens = draft.tokens[:valid]
+        if draft.probs is not None:
+            draft.probs = draft.probs[:valid]
+        return draft
 
     def forced_draft(self, seq) -> Draft | None:
         """The tokens a structured-output grammar forces from here, as a one-hot chain draft
