@@ -286,26 +286,31 @@ TEST_STUB_ENV = "SPECBUILD_TEST_TRTLLM_BINDINGS"
 TEST_STUB_MARK = "SPECBUILD_TEST_STUB"  # the stand-in must say it is one (guard against a mistaken value)
 
 
-def stand_in_bindings():
-    """The test stand-in named by $SPECBUILD_TEST_TRTLLM_BINDINGS, or None when it is unset.
+def load_stand_in(env: str, default_factory: str, what: str):
+    """The test stand-in named by $env ("module:factory"), or None when it is unset.
 
     Guarded: the factory's result must carry `SPECBUILD_TEST_STUB = True`, else SpecbuildError;
     every use logs a warning, so a stray variable cannot pass unnoticed."""
-    spec = os.environ.get(TEST_STUB_ENV)
+    spec = os.environ.get(env)
     if not spec:
         return None
     import importlib
 
     module, _, factory = spec.partition(":")
     try:
-        bindings = getattr(importlib.import_module(module), factory or "bindings")()
+        stub = getattr(importlib.import_module(module), factory or default_factory)()
     except (ImportError, AttributeError) as e:
-        raise SpecbuildError(f"{TEST_STUB_ENV}={spec!r}: {e}; it is for specbuild's tests only: unset it") from None
-    if getattr(bindings, TEST_STUB_MARK, False) is not True:
-        raise SpecbuildError(f"{TEST_STUB_ENV}={spec!r} is not a specbuild test stub (no {TEST_STUB_MARK} = True); "
+        raise SpecbuildError(f"{env}={spec!r}: {e}; it is for specbuild's tests only: unset it") from None
+    if getattr(stub, TEST_STUB_MARK, False) is not True:
+        raise SpecbuildError(f"{env}={spec!r} is not a specbuild test stub (no {TEST_STUB_MARK} = True); "
                              "it is for specbuild's tests only: unset it")
-    log.warning("TensorRT-LLM is replaced by the TEST STUB %s (%s is set)", spec, TEST_STUB_ENV)
-    return bindings
+    log.warning("%s is replaced by the TEST STUB %s (%s is set)", what, spec, env)
+    return stub
+
+
+def stand_in_bindings():
+    """The executor bindings' stand-in ($SPECBUILD_TEST_TRTLLM_BINDINGS), or None."""
+    return load_stand_in(TEST_STUB_ENV, "bindings", "TensorRT-LLM")
 
 
 def tensorrt_llm_importable() -> tuple[bool, str]:

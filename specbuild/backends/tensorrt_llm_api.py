@@ -46,11 +46,11 @@ from typing import Any
 
 from specbuild.backends.guarantees import guarantees
 from specbuild.bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
-from specbuild.backends.tensorrt_llm import ExecutorEngine, refuse_torch_only
+from specbuild.backends.tensorrt_llm import ExecutorEngine, load_stand_in, refuse_torch_only
 from specbuild.engine.base import validated_prompt_ids
 from specbuild.engine.engine import EngineConfig
 from specbuild.engine.sequence import Event, Request, Sequence
-from specbuild.errors import BundleError, RequestError, SpecbuildError
+from specbuild.errors import BundleError, RequestError
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
 
@@ -63,19 +63,7 @@ TEST_STUB_ENV = "SPECBUILD_TEST_TRTLLM_LLMAPI"
 
 
 def _stand_in():
-    spec = os.environ.get(TEST_STUB_ENV)
-    if not spec:
-        return None
-    module, _, factory = spec.partition(":")
-    try:
-        pkg = getattr(importlib.import_module(module), factory or "package")()
-    except (ImportError, AttributeError) as e:
-        raise SpecbuildError(f"{TEST_STUB_ENV}={spec!r}: {e}; it is for specbuild's tests only: unset it") from None
-    if getattr(pkg, "SPECBUILD_TEST_STUB", False) is not True:
-        raise SpecbuildError(f"{TEST_STUB_ENV}={spec!r} is not a specbuild test stub; it is for specbuild's tests "
-                             "only: unset it")
-    log.warning("TensorRT-LLM's LLM API is replaced by the TEST STUB %s (%s is set)", spec, TEST_STUB_ENV)
-    return pkg
+    return load_stand_in(TEST_STUB_ENV, "package", "TensorRT-LLM's LLM API")
 
 
 def llmapi_package():
