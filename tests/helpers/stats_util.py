@@ -100,3 +100,17 @@ def holm(pvalues: Sequence[float]) -> list[float]:
         running = max(running, min(1.0, (m - rank) * p[idx]))
         adjusted[idx] = running
     return adjusted.tolist()
+
+
+def broken_tree_rule(parents, node_tokens, target_probs, uniforms):
+    """A wrong tree verifier for power checks: after the accepted path it recovers from the
+    target's distribution instead of the residual (so sampled output is no longer exact)."""
+    import torch
+
+    import specbuild.sampling.acceptance as acc
+
+    good = acc.verify_tree_sampled(parents, node_tokens, target_probs, uniforms)
+    node = good.accepted_nodes[-1] if good.accepted_nodes else 0
+    row = target_probs[node].double()
+    tok = int(torch.searchsorted(row.cumsum(0), uniforms[-1].double() * row.sum()).clamp(max=row.numel() - 1))
+    return acc.TreeResult(good.accepted_nodes, tok, good.tokens[:-1] + (tok,))

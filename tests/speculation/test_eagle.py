@@ -12,6 +12,7 @@ import struct
 
 import numpy as np
 import pytest
+from stats_util import broken_tree_rule
 import torch
 
 from specbuild.bench.verify_dist import check
@@ -175,16 +176,7 @@ def test_sampled_eagle_trees_match_exact_distribution(trained):
 
 
 def test_the_check_rejects_a_broken_rule_on_eagle_trees(trained, monkeypatch):
-    import specbuild.sampling.acceptance as acc
-
-    def broken(parents, node_tokens, target_probs, uniforms):
-        good = acc.verify_tree_sampled(parents, node_tokens, target_probs, uniforms)
-        node = good.accepted_nodes[-1] if good.accepted_nodes else 0
-        row = target_probs[node].double()
-        tok = int(torch.searchsorted(row.cumsum(0), uniforms[-1].double() * row.sum()).clamp(max=row.numel() - 1))
-        return acc.TreeResult(good.accepted_nodes, tok, good.tokens[:-1] + (tok,))
-
-    monkeypatch.setattr(speculator_mod, "verify_tree_sampled", broken)
+    monkeypatch.setattr(speculator_mod, "verify_tree_sampled", broken_tree_rule)
     engine = Engine(trained["with_head"], EngineConfig(max_batch_size=8))
     r = check(engine, trained["prompts"][0], 1.0, 3, SpeculationConfig.make(None, method="eagle", gamma=3), 600)
     assert r.drafted > 0 and r.accepted < r.drafted

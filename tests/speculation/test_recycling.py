@@ -5,6 +5,7 @@ and a broken variant that the same check rejects."""
 from __future__ import annotations
 
 import pytest
+from stats_util import broken_tree_rule
 import torch
 
 from specbuild.bench.verify_dist import check
@@ -107,16 +108,7 @@ def test_sampled_recycling_matches_exact_distribution(bundle, tree):
 
 def test_the_check_rejects_a_broken_tree_rule(bundle, monkeypatch):
     """Recovery from the target instead of the residual must fail the same check."""
-    import specbuild.sampling.acceptance as acc
-
-    def broken(parents, node_tokens, target_probs, uniforms):
-        good = acc.verify_tree_sampled(parents, node_tokens, target_probs, uniforms)
-        node = good.accepted_nodes[-1] if good.accepted_nodes else 0
-        row = target_probs[node].double()
-        tok = int(torch.searchsorted(row.cumsum(0), uniforms[-1].double() * row.sum()).clamp(max=row.numel() - 1))
-        return acc.TreeResult(good.accepted_nodes, tok, good.tokens[:-1] + (tok,))
-
-    monkeypatch.setattr(speculator_mod, "verify_tree_sampled", broken)
+    monkeypatch.setattr(speculator_mod, "verify_tree_sampled", broken_tree_rule)
     engine = Engine(bundle, EngineConfig(max_batch_size=8))
     _warm(engine)
     r = check(engine, PROMPTS[0], 1.0, 3, SpeculationConfig.make(None, method="recycle", gamma=3, tree="chain_3"), 600)
