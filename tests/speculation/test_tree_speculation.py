@@ -66,16 +66,20 @@ class NoisyTreeProposer:
         pass
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tree")
+def tree_engine(root, dtype: str) -> Engine:
+    """A tiny target in `dtype` whose Medusa slot is the noisy tree proposer (three trees)."""
     target = make_tiny_hf(str(root / "t"), scale=4.0, seed=3)
-    bundle = compile_bundle(target, str(root / "b"), CompileOptions(dtype="float64", max_draft_len=16))
+    bundle = compile_bundle(target, str(root / "b"), CompileOptions(dtype=dtype, max_draft_len=16))
     eng = Engine(bundle, EngineConfig(max_batch_size=4))
     trees = {"default": TreeSpec.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
              "chain": TreeSpec.chain(4), "mc10": load_tree("mc_sim_7b_top10")}
     eng.speculator.proposers["medusa"] = NoisyTreeProposer(eng, trees)
     return eng
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return tree_engine(tmp_path_factory.mktemp("tree"), "float64")
 
 
 def run(engine, tree=None, method="medusa", prompts=PROMPTS, max_tokens=30, trees=None, **sampling):
@@ -266,14 +270,7 @@ def test_a_request_tree_is_a_preset_or_inline_paths_never_a_file(medusa_bundle, 
 
 @pytest.fixture(scope="module")
 def engine_bf16(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tree_bf16")
-    target = make_tiny_hf(str(root / "t"), scale=4.0, seed=3)
-    bundle = compile_bundle(target, str(root / "b"), CompileOptions(dtype="bfloat16", max_draft_len=16))
-    eng = Engine(bundle, EngineConfig(max_batch_size=4))
-    trees = {"default": TreeSpec.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
-             "chain": TreeSpec.chain(4), "mc10": load_tree("mc_sim_7b_top10")}
-    eng.speculator.proposers["medusa"] = NoisyTreeProposer(eng, trees)
-    return eng
+    return tree_engine(tmp_path_factory.mktemp("tree_bf16"), "bfloat16")
 
 
 def test_bfloat16_tree_speculation_equals_plain_with_batched_invariant_attention(engine_bf16):
