@@ -43,8 +43,9 @@ class EngineConfig:
     prefill_chunk: int = 256
     binning: str = "ragged"  # ragged (one flattened pass) | padded | bins (planned micro-batches)
     load_draft: bool = True  # False: the draft model runs elsewhere (MineDraft's draft rank)
-    # auto: on CPU the target's float linears are stored transposed (qlinear.to_kn_layout:
-    # the same speed at one row, ~1.35x faster at 5-11 rows, so verification is cheaper);
+    # auto: on CPU each dtype's float linears are stored in the layout measured cheaper at
+    # load (qlinear.choose_layouts: float32 transposed, ~1.35x faster at 5-11 rows on the
+    # machines measured; bfloat16 as rows, oneDNN's transposed kernel 1.6x slower there);
     # rows: as the bundle stores them
     weight_layouts: str = "auto"
 
@@ -77,6 +78,20 @@ def load_weights(role_dir: str, device: str) -> dict:
         with open(quant_path) as f:
             weights = build_qlinears(weights, json.load(f))
     return weights
+
+
+def measured_layouts(weights: dict) -> dict:
+    """qlinear.choose_layouts with its costs measured once per machine, thread count and set of
+    linear shapes (model/timing.cached_costs), so every process on a machine stores a model's
+    weights alike (a float32 layout changes the last bits of results)."""
+    from specbuild.model.qlinear import choose_layouts, layout_costs
+    from specbuild.model.timing import cached_costs, machine_key
+
+    shapes = sorted({(tuple(t.shape), str(t.dtype)) for n, t in weights.items() if isinstance(t, torch.Tensor)
+                     and t.dim() == 2 and n.startswith("layers.0.")})
+    key = {"what": "weight layouts", **machine_key("cpu"), "layer0": [[list(s), d] for s, d in shapes]}
+    costs, _ = cached_costs(key, lambda: layout_costs(weights))
+    return choose_layouts(weights, costs)
 
 
 def attach_format_plans(model: Decoder, max_draft_len: int) -> None:
@@ -147,10 +162,10 @@ class Engine(BaseEngine):
         target_dir = os.path.join(bundle_dir, self.meta.roles["target"]["path"])
         self.target_config = read_model_config(target_dir)
         weights = load_weights(target_dir, config.device)
+        self.layouts: dict = {}
         if config.weight_layouts == "auto" and torch.device(config.device).type == "cpu":
-            from specbuild.model.qlinear import to_kn_layout
-
-            to_kn_layout(weights)
+            self.layouts = measured_layouts(weights)
+            log.info("weight layouts (ms, widths 1 + 5, two layers): %s", self.layouts)
         self.model = Decoder(self.target_config, weights, self.max_seq_len + limits.max_draft_len + 2,
                              device=config.device)
         attach_format_plans(self.model, limits.max_draft_len)

@@ -18,6 +18,7 @@ from typing import Iterator
 
 import torch
 
+from specbuild.model.costcache import cache_dir, cached_costs, machine_key  # noqa: F401 (re-exported)
 from specbuild.model.kv_cache import PagedKVCache
 
 SCRATCH_SEQ_ID = -1  # throwaway sequences count down from here (engine sequences are >= 0)
@@ -122,39 +123,6 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, device: str = "cpu
 
 
 # ---- measured costs, cached per machine and model ------------------------------------------
-def cache_dir() -> str:
-    """Where measured costs are kept: $SPECBUILD_CACHE_DIR, else $XDG_CACHE_HOME/specbuild,
-    else ~/.cache/specbuild."""
-    import os
-
-    return os.environ.get("SPECBUILD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "specbuild")
-
-
-def machine_key(device: torch.device | str = "cpu") -> dict:
-    """What a pass's cost depends on besides the model: the CPU (model name and a digest of its
-    flags), the GPU when there is one, torch's version and its thread count."""
-    import hashlib
-    import platform
-
-    model, flags = platform.processor() or platform.machine(), ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
-                    model = value.strip()
-                elif key.strip() in ("flags", "Features") and not flags:
-                    flags = value.strip()
-    except OSError:
-        pass
-    out = {"cpu": model, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16], "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "device": str(device)}
-    if torch.device(device).type == "cuda":
-        out["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return out
-
-
 def model_fingerprint(model) -> str:
     """A digest of a Decoder's config, every weight's name, layout and format, and a sample of
     its values (the first and last 64 of each stored tensor): a different bundle or format
@@ -174,34 +142,3 @@ def model_fingerprint(model) -> str:
             for piece in (flat[:64], flat[-64:]):
                 h.update(piece.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def cached_costs(key: dict, measure) -> tuple[dict, bool]:
-    """measure() once per key (JSON-serialisable), kept under cache_dir(); returns (costs,
-    whether they came from the cache). $SPECBUILD_COST_CACHE=off measures every time; an
-    unreadable or unwritable cache only costs a measurement."""
-    import hashlib
-    import json
-    import os
-
-    if os.environ.get("SPECBUILD_COST_CACHE", "").lower() in ("off", "0", "no"):
-        return measure(), False
-    blob = json.dumps(key, sort_keys=True)
-    path = os.path.join(cache_dir(), f"costs-{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json")
-    try:
-        with open(path) as f:
-            entry = json.load(f)
-        if entry.get("key") == json.loads(blob):
-            return entry["costs"], True
-    except (OSError, ValueError, KeyError, AttributeError):
-        pass
-    costs = measure()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"key": json.loads(blob), "costs": costs}, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return costs, False
