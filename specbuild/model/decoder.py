@@ -23,7 +23,7 @@ from specbuild.bundle import ModelConfig
 from specbuild.model.attention import (InvariantPlan, paged_attention, paged_attention_invariant, paged_attention_rows,
                                        visible_columns)
 from specbuild.model.kv_cache import PagedKVCache
-from specbuild.model.qlinear import as_dense, embed_rows, linear, weight_nbytes
+from specbuild.model.qlinear import QLinear, as_dense, embed_rows, linear, rows_policy, weight_nbytes, width_classes
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -62,9 +62,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, hidden]. Normalises in float32 like HF, then scales in the weight dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # F.rms_norm: the same bits as x * rsqrt(mean(x^2) + eps) in float32 (checked in tests),
+    # in one op instead of five (each eager op costs ~1.5 us here, 60 per step)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 @dataclass
@@ -117,6 +117,10 @@ class Decoder:
         # row-invariant attention (attention.paged_attention_invariant) when activations are
         # rounded somewhere (half precision, int8): see row_invariant_needed
         self.row_invariant = row_invariant_needed(self.w, self.dtype)
+        # (min, max) rows per call of each half-precision linear so that every row gets the bits
+        # it gets alone (measured here: kernels switch with the row count; row_policies)
+        self.rows_per_call: dict[str, tuple[int, int]] = row_policies(self.w, config.num_layers) \
+            if self.row_invariant else {}
 
     def format_for(self, group: str, width: int) -> str | None:
         """The format QLinear weights of `group` run in for a forward of `width` rows."""
@@ -159,10 +163,13 @@ class Decoder:
             if aux is not None and i in aux_layers:
                 aux.append(x.index_select(0, aux_rows))
             h = rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
-            qkv = linear(h, w[p + "qkv"], fmt, w.get(p + "qkv_bias"))  # [T, (H + 2KV) * D]
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(t, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+            bound = self.rows_per_call.get
+            qkv = linear(h, w[p + "qkv"], fmt, w.get(p + "qkv_bias"), bound(p + "qkv"))  # [T, (H + 2KV) * D]
+            # q and k side by side in qkv: one rope call for both (elementwise: the same bits)
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim),
+                            cos, sin)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:]
             cache.k[i].index_copy_(0, batch.write_slots, k)
             cache.v[i].index_copy_(0, batch.write_slots, v.view(t, c.num_kv_heads, c.head_dim))
             if plan is not None:
@@ -171,13 +178,14 @@ class Decoder:
                 attn = paged_attention_rows(q, cache.k[i], cache.v[i], batch.read_slots, row_cols, self.scale)
             else:
                 attn = paged_attention(q, cache.k[i], cache.v[i], batch.read_slots, batch.mask, self.scale)
-            x = x + linear(attn.reshape(t, self.q_size), w[p + "o"], fmt)
+            x = x + linear(attn.reshape(t, self.q_size), w[p + "o"], fmt, None, bound(p + "o"))
             h = rms_norm(x, w[p + "mlp_norm"], c.rms_norm_eps)
-            gate, up = linear(h, w[p + "gate_up"], fmt).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, w[p + "down"], fmt)
+            gate, up = linear(h, w[p + "gate_up"], fmt, None, bound(p + "gate_up")).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, w[p + "down"], fmt, None, bound(p + "down"))
         rows = x.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != t else x
         hidden = rms_norm(rows, w["norm"], c.rms_norm_eps)
-        logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0])).float()
+        logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0]), None,
+                        self.rows_per_call.get("lm_head")).float()
         if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype in (torch.bfloat16, torch.float16):
             logits = rescore_top(logits, hidden, self.lm_head)
         out = (logits, hidden) if return_hidden else logits
@@ -202,6 +210,39 @@ def row_invariant_needed(weights: dict, dtype: torch.dtype) -> bool:
         return True
     return any(not isinstance(v, torch.Tensor) and getattr(v, "act_dtype", torch.float32) in
                (torch.bfloat16, torch.float16) for v in weights.values())
+
+
+def row_policies(weights: dict, num_layers: int) -> dict[str, tuple[int, int]]:
+    """Per half-precision linear (a plain tensor, or a QLinear whose primary format is a dense
+    half-precision one) the (min, max) rows per call under which its kernel gives every row
+    the same bits (qlinear.width_classes / rows_policy; probed once per distinct shape,
+    layout and dtype, and kept per machine in the cost cache). "lm_head" stands for the
+    output layer (the embedding when tied). Int8 and int4 kernels need none: measured
+    invariant at every width."""
+    from specbuild.model.costcache import cached_costs, machine_key
+
+    names = [f"layers.{i}.{n}" for i in range(num_layers) for n in ("qkv", "o", "gate_up", "down")]
+    names.append("lm_head" if "lm_head" in weights else "embed")
+    probed: dict[tuple, tuple[int, int]] = {}
+    out: dict[str, tuple[int, int]] = {}
+    for name in names:
+        t = weights.get(name)
+        if isinstance(t, QLinear):
+            impl = t.formats[t.primary]
+            t = impl.weight if impl.kind == "dense" else None
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        transposed = not t.is_contiguous()
+        bias = name + "_bias" in weights
+        key = (tuple(t.shape), transposed, str(t.dtype), bias, str(t.device))
+        if key not in probed:
+            ck = {"what": "row classes", **machine_key(t.device), "weight": list(key)}
+            classes, _ = cached_costs(ck, lambda: width_classes(tuple(t.shape), transposed, t.dtype, t.device, bias))
+            probed[key] = rows_policy(classes)
+        # even a kernel invariant at every probed width is cut at the widest probed (a prefill
+        # chunk of 256 rows runs as 4 calls of 64: nearly the same cost in half precision)
+        out["lm_head" if name == "embed" else name] = probed[key]
+    return out
 
 
 def rescore_top(logits: torch.Tensor, hidden: torch.Tensor, lm_head: torch.Tensor, top: int = 64) -> torch.Tensor:

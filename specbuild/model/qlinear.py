@@ -289,9 +289,18 @@ class QLinear:
         return self
 
 
-def linear(x: torch.Tensor, weight, fmt: str | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, fmt: str | None = None, bias: torch.Tensor | None = None,
+           rows: tuple[int, int] | None = None) -> torch.Tensor:
     """The decoder's one linear dispatch. x: [T, K]; weight: a tensor [N, K] (F.linear,
-    unchanged) or a QLinear (run through `fmt`). Returns [T, N]."""
+    unchanged) or a QLinear (run through `fmt`). Returns [T, N]. `rows`: (min, max) rows per
+    call (rows_policy): fewer rows are padded with copies of the last, more are cut."""
+    if rows is not None:
+        t, (lo, hi) = x.shape[0], rows
+        if t > hi:
+            return torch.cat([linear(x[i:i + hi], weight, fmt, bias, rows) for i in range(0, t, hi)])
+        if 0 < t < lo:
+            padded = torch.cat([x, x[-1:].expand(lo - t, x.shape[1])])
+            return linear(padded, weight, fmt, bias)[:t]
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
     out = weight(x, fmt)
@@ -488,19 +497,140 @@ def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = 
 LINEAR_SUFFIXES = (".qkv", ".o", ".gate_up", ".down")
 
 
-def to_kn_layout(weights: dict) -> int:
+def _plain_linears(weights: dict) -> list[str]:
+    """Names of the plain float linears a layout choice may move: the layers', the lm_head
+    and the embedding (the lm_head when tied)."""
+    return [name for name, t in weights.items()
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.is_floating_point() and
+            (name in ("embed", "lm_head") or (name.startswith("layers.") and name.endswith(LINEAR_SUFFIXES)))]
+
+
+def to_kn_layout(weights: dict, dtypes: set | None = None) -> int:
     """Store every plain float linear of a runtime weight dict (the layers', the lm_head and
     the embedding, which is the lm_head when tied) transposed: [K, N] contiguous, kept as
     its [N, K] view, so every user still sees the same shape and values and F.linear runs
-    the kernel that is cheaper for several rows (see DenseFormat). In place; returns the
-    number of tensors moved."""
+    the other kernel (see DenseFormat). Only tensors of `dtypes` when given. In place;
+    returns the number of tensors moved."""
     count = 0
-    for name, t in list(weights.items()):
-        if isinstance(t, torch.Tensor) and t.dim() == 2 and t.is_floating_point() and t.is_contiguous() and (
-                name in ("embed", "lm_head") or (name.startswith("layers.") and name.endswith(LINEAR_SUFFIXES))):
+    for name in _plain_linears(weights):
+        t = weights[name]
+        if t.is_contiguous() and (dtypes is None or t.dtype in dtypes):
             weights[name] = aligned(t.t()).t()
             count += 1
     return count
+
+
+LAYOUT_WIDTHS = (1, 5)  # a decode step and a typical verify pass weigh equally in the choice
+
+
+def layout_costs(weights: dict, sample_layers: int = 2, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Per dtype of the plain layer linears: milliseconds to run the first `sample_layers`
+    layers' linears once at each of LAYOUT_WIDTHS, stored as rows ([N, K], "nk") and
+    transposed ([K, N], "kn"): the best of `repeats` rounds, layouts interleaved."""
+    import time
+
+    names = [n for n in _plain_linears(weights) if n.startswith("layers.") and int(n.split(".")[1]) < sample_layers]
+    out: dict[str, dict[str, float]] = {}
+    for dtype in sorted({weights[n].dtype for n in names}, key=str):
+        group = [weights[n] for n in names if weights[n].dtype == dtype]
+        layouts = {"nk": [aligned(t) for t in group], "kn": [aligned(t.t()).t() for t in group]}
+        best = {k: float("inf") for k in layouts}
+        for w in LAYOUT_WIDTHS:
+            xs = [torch.randn(w, t.shape[1], dtype=dtype, device=t.device) for t in group]
+            t_w = {k: float("inf") for k in layouts}
+            for r in range(repeats + 1):
+                for k, ws in layouts.items():
+                    t0 = time.perf_counter()
+                    for x, t in zip(xs, ws):
+                        F.linear(x, t)
+                    if r:  # the first round warms up each kernel
+                        t_w[k] = min(t_w[k], time.perf_counter() - t0)
+            for k in layouts:
+                best[k] = (0.0 if best[k] == float("inf") else best[k]) + t_w[k] * 1e3
+        out[str(dtype).removeprefix("torch.")] = {k: round(v, 4) for k, v in best.items()}
+    return out
+
+
+def choose_layouts(weights: dict, costs: dict[str, dict[str, float]] | None = None) -> dict:
+    """Store each dtype's plain linears in the layout measured cheaper on this machine
+    (layout_costs, or `costs` given): transposed where "kn" costs less than "nk" (float32 on
+    the machines measured so far), as they are otherwise (bfloat16 through oneDNN: measured on
+    a 2-core EPYC with AVX-512 BF16, SmolLM2-135M's linears, one thread, one row 18.6 ms as
+    rows and 29.3 transposed). In place; returns {dtype: {"nk", "kn", "chosen"}}."""
+    costs = costs if costs is not None else layout_costs(weights)
+    chosen = {}
+    for name, c in costs.items():
+        chosen[name] = {**c, "chosen": "kn" if c["kn"] < c["nk"] else "nk"}
+    kn = {ACT_DTYPES.get(n, getattr(torch, n, None)) for n, c in chosen.items() if c["chosen"] == "kn"}
+    if kn:
+        to_kn_layout(weights, kn)
+    return chosen
+
+
+# ---- row invariance --------------------------------------------------------------------------
+INVARIANT_PROBE_ROWS = 64
+
+
+def _probe_pair(shape: tuple, transposed: bool, dtype: torch.dtype, device, cancel: bool, rows: int, seed: int):
+    """A probe weight of `shape` stored like the real one ([K, N] contiguous when
+    `transposed`) and probe inputs [rows, K]. cancel=True: weight rows [u, u] against inputs
+    [v, -v], whose exact products are 0, so what is left is rounding that depends on the
+    summation order and survives a half-precision output (random values hide most order
+    differences under the output's rounding: measured, ~1 output in 5,000)."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(seed)
+    if cancel and k % 2 == 0:
+        u, v = torch.randn(n, k // 2, generator=gen), torch.randn(rows, k // 2, generator=gen)
+        w, x = torch.cat([u, u], 1), torch.cat([v, -v], 1)
+    else:
+        w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
+    w = w.to(device=device, dtype=dtype)
+    w = aligned(w.t()).t() if transposed else aligned(w)
+    return w, x.to(device=device, dtype=dtype)
+
+
+def width_classes(shape: tuple, transposed: bool, dtype: torch.dtype, device="cpu", bias: bool = False,
+                  max_rows: int = INVARIANT_PROBE_ROWS, rows: int = 32) -> list[int]:
+    """For each width m in 1..max_rows, the smallest width whose F.linear results equal m's
+    on the first `rows` probe rows (run in calls of m rows), on two probes (cancelling and
+    random, see _probe_pair): widths in one class give a row the same bits. Kernel libraries
+    switch kernels, and so summation orders, with the row count: oneDNN's bfloat16 matmul
+    with torch 2.13 on a 2-core EPYC (AVX-512 BF16) runs one row differently from 2 or more
+    when K = 1536 (SmolLM2's down projection), not when K = 576; float32 splits 1 / 2-3 /
+    4+ rows."""
+    outs = []
+    for cancel in (True, False):
+        w, x = _probe_pair(shape, transposed, dtype, device, cancel, max(rows, max_rows), 1)
+        b = torch.randn(shape[0]).to(device=device, dtype=dtype) if bias else None
+        per = []
+        for m in range(1, max_rows + 1):
+            n = max(rows, m)
+            per.append(torch.cat([F.linear(x[i:i + m], w, b) for i in range(0, n, m)])[:rows])
+        outs.append(per)
+    classes: list[int] = []
+    for m in range(max_rows):
+        same = next(j for j in range(m + 1) if all(torch.equal(o[j], o[m]) for o in outs))
+        classes.append(same + 1)
+    return classes
+
+
+def rows_policy(classes: list[int]) -> tuple[int, int]:
+    """(min_rows, max_rows) for a weight whose widths 1..len(classes) fall into `classes`
+    (width_classes): every call padded to at least min_rows and cut into pieces of at most
+    max_rows rows sees one kernel, so a row's bits never depend on the others. Chunking at
+    the width-1 class's reach when that covers verify passes (17 rows), else padding up to
+    where the widest class starts (one row padded to two costs little where the cost is
+    flat in the width, as bfloat16's is)."""
+    top = len(classes)
+    if all(c == classes[0] for c in classes):
+        return 1, top
+    reach = next((m for m in range(top) if classes[m] != classes[0]), top)  # widths 1..reach share width 1's
+    start = top
+    while start > 1 and classes[start - 2] == classes[-1]:
+        start -= 1  # widths start..top share the widest one's
+    if reach >= 17 or start * 2 > top:
+        return 1, reach
+    return start, top
 
 
 def attach_plans(decoder, widths: list[int], sample_layers: int = 4, allow_inexact: bool = False) -> dict:

@@ -298,3 +298,22 @@ def test_row_invariance_is_on_exactly_for_half_precision_activations():
     assert row_invariant_needed({k: v.bfloat16() for k, v in w32.items()}, torch.bfloat16)
     q = QLinear(Int8Format(*quantize_int8(torch.randn(8, 16)), torch.bfloat16), torch.float32)
     assert row_invariant_needed({**w32, "layers.0.o": q}, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rms_norm_keeps_the_bits_of_the_spelled_out_formula(dtype):
+    """decoder.rms_norm runs F.rms_norm (one op): it must give exactly what the five-op
+    float32 formula (HF's: normalise in float32, cast, then scale) gives, at any width."""
+    from specbuild.model.decoder import rms_norm
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(576, generator=g).to(dtype)
+    for t in (1, 5, 17):
+        x = (torch.randn(t, 576, generator=g) * 3).to(dtype)
+        xf = x.float() if dtype != torch.float64 else x
+        spelled = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        got = rms_norm(x, w, 1e-5)
+        if dtype == torch.float64:  # rms_norm normalises in float32 (as before): close, not equal
+            assert torch.allclose(got, spelled, atol=1e-5)
+        else:
+            assert torch.equal(got, spelled), (dtype, t)

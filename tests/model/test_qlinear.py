@@ -251,3 +251,64 @@ def test_int8_dynamic_activations_are_per_row_and_bit_identical_in_any_batch(n, 
     dense = F.linear(x, fmt.dense())
     assert rel_err(q(x), dense) < 2e-2  # input rounding to 8 bits: small, not zero
     assert torch.equal(q(torch.zeros(2, k)), torch.zeros(2, n))  # an all-zero row has no scale to divide by
+
+
+# ---- row-count invariance of half-precision linears (width_classes / rows_policy) ----------
+def test_rows_policy_pads_or_chunks_to_stay_inside_one_kernel():
+    from specbuild.model.qlinear import rows_policy
+
+    assert rows_policy([1] * 64) == (1, 64)  # one kernel for every width
+    assert rows_policy([1] + [2] * 63) == (2, 64)  # one row alone differs: pad single rows to two
+    assert rows_policy([1] * 20 + [21] * 44) == (1, 20)  # widths 1-20 agree: cut wider calls at 20
+    assert rows_policy([1, 2, 2] + [4] * 61) == (4, 64)  # float32's 1 / 2-3 / 4+ split: pad to 4
+    assert rows_policy([1, 2] + [3] * 30 + [33] * 32) == (1, 1)  # no wide class: one row per call
+
+
+@pytest.mark.parametrize("shape", [(64, 1536), (96, 576)])
+def test_linear_under_its_measured_policy_gives_each_row_its_alone_bits(shape):
+    """Whatever kernels this machine's oneDNN switches between (one row vs several at K = 1536
+    on the development machine), a bfloat16 linear run under the measured (min, max) rows per
+    call gives every row of a 1..70-row call the bits that row gets in a one-row forward
+    under the same policy, on inputs whose exact products cancel (so any change of summation
+    order shows through the bfloat16 rounding)."""
+    from specbuild.model.qlinear import _probe_pair, rows_policy, width_classes
+
+    policy = rows_policy(width_classes(shape, False, torch.bfloat16))
+    w, x = _probe_pair(shape, False, torch.bfloat16, "cpu", True, 70, seed=5)
+    alone = torch.cat([linear(x[i:i + 1], w, rows=policy) for i in range(70)])
+    for t in (2, 3, 5, 9, 15, 17, 33, 64, 70):
+        assert torch.equal(linear(x[:t], w, rows=policy), alone[:t]), (shape, policy, t)
+    w2, x2 = _probe_pair(shape, False, torch.bfloat16, "cpu", False, 40, seed=6)  # plain random values too
+    alone2 = torch.cat([linear(x2[i:i + 1], w2, rows=policy) for i in range(40)])
+    assert torch.equal(linear(x2, w2, rows=policy), alone2)
+
+
+def test_cancelling_probe_sees_summation_order_that_random_values_hide():
+    """The probe's point: on cancelling inputs, two summation orders of the same products give
+    different bits (float32 sums of a different association), where rounding to bfloat16
+    hides most differences on random values. Checked without any kernel switch: one sum in
+    two association orders."""
+    from specbuild.model.qlinear import _probe_pair
+
+    w, x = _probe_pair((8, 1536), False, torch.float32, "cpu", True, 4, seed=1)
+    prod = x[:, None, :] * w[None, :, :]  # exact products, float32
+    a = prod.sum(-1)  # one order
+    b = prod.view(4, 8, 3, 512).sum(-1).sum(-1)  # blocks of 512, then their sum
+    assert not torch.equal(a.bfloat16(), b.bfloat16())  # the order shows in bfloat16
+    assert a.abs().max() < 1e-3 * prod.abs().sum(-1).max()  # what is left is rounding, not signal
+
+
+def test_layouts_are_chosen_by_measurement_per_dtype():
+    from specbuild.model.qlinear import choose_layouts
+
+    g = torch.Generator().manual_seed(2)
+    w = {"layers.0.qkv": torch.randn(48, 16, generator=g), "layers.0.down": torch.randn(16, 40, generator=g).bfloat16(),
+         "norm": torch.randn(16, generator=g)}
+    before = {k: v.clone() for k, v in w.items()}
+    chosen = choose_layouts(w, {"float32": {"nk": 2.0, "kn": 1.0}, "bfloat16": {"nk": 1.0, "kn": 3.0}})
+    assert chosen["float32"]["chosen"] == "kn" and chosen["bfloat16"]["chosen"] == "nk"
+    assert not w["layers.0.qkv"].is_contiguous() and w["layers.0.qkv"].t().is_contiguous()  # float32 moved
+    assert w["layers.0.down"].is_contiguous()  # bfloat16 kept as rows
+    assert all(torch.equal(w[k], before[k]) for k in w)
+    measured = choose_layouts(dict(before))  # a real measurement picks one of the two per dtype
+    assert {c["chosen"] for c in measured.values()} <= {"nk", "kn"} and set(measured) == {"float32", "bfloat16"}
