@@ -114,6 +114,26 @@ def sequence_spans(mask: torch.Tensor | None, rows: int, cols: int) -> list[tupl
     return spans
 
 
+SHARED_LOOP_ROWS = 16  # rows from which shared keys go through shared_matmul (measured below)
+
+
+def shared_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.matmul(a, b) for a [n, kv, 1 or nc, g, x] and b [1, kv, nc, x, y] (keys or values
+    that all n rows share), without the n copies of b that matmul's broadcast materialises:
+    one bmm per (kv head, key chunk), its b operand a stride-0 expand. The products are the
+    same [g, x] x [x, y] ones in a one-shape batch, so every row gets matmul's bits (checked
+    in tests/model). Measured on 2 cores, one thread, 256 rows over 1,024 keys (8 chunks, 3 kv
+    heads): 7.2 ms instead of 101 ms for the scores of one layer; 24 small calls lose to one
+    matmul below ~16 rows."""
+    n, kv, _, g, x = a.shape
+    nc, y = b.shape[2], b.shape[-1]
+    out = a.new_empty(n, kv, nc, g, y)
+    for h in range(kv):
+        for j in range(nc):
+            out[:, h, j] = torch.bmm(a[:, h, 0 if a.shape[2] == 1 else j], b[0, h, j].expand(n, x, y))
+    return out
+
+
 class InvariantPlan:
     """What paged_attention_invariant needs of one forward's mask, worked out once for all
     layers: per sequence, its rows, the key slots in chunks (shared [1, sp] or per row
@@ -183,12 +203,13 @@ def paged_attention_invariant(
         k = k_cache.index_select(0, slots).float().view(b, nc, c, kv, d).permute(0, 3, 1, 4, 2).contiguous()
         v = v_cache.index_select(0, slots).float().view(b, nc, c, kv, d).permute(0, 3, 1, 2, 4).contiguous()
         qh = q[r0:r1].float().contiguous().view(n, kv, 1, g, d)
-        s = torch.matmul(qh, k).mul_(scale)  # [n, kv, nc, g, c]
+        mm = shared_matmul if b == 1 and n >= SHARED_LOOP_ROWS else torch.matmul
+        s = mm(qh, k).mul_(scale)  # [n, kv, nc, g, c]
         if hidden is not None:
             s.masked_fill_(hidden, float("-inf"))
         p = s.sub_(s.amax(dim=(2, 4), keepdim=True)).exp_()
         total = p.sum(-1)  # [n, kv, nc, g]
-        o = torch.matmul(p, v)  # [n, kv, nc, g, d]
+        o = mm(p, v)  # [n, kv, nc, g, d]
         if nc > 1:
             total, o = total.cumsum(2)[:, :, -1], o.cumsum(2)[:, :, -1]
         else:

@@ -317,3 +317,41 @@ def test_rms_norm_keeps_the_bits_of_the_spelled_out_formula(dtype):
             assert torch.allclose(got, spelled, atol=1e-5)
         else:
             assert torch.equal(got, spelled), (dtype, t)
+
+
+def test_shared_key_products_keep_matmuls_bits_without_its_copies():
+    """attention.shared_matmul (wide prefill and verify chunks over shared keys) gives bit for
+    bit what torch.matmul's broadcast gives, for the score and the value products."""
+    from specbuild.model.attention import shared_matmul
+
+    g = torch.Generator().manual_seed(9)
+    for n, nc in ((16, 1), (40, 3), (70, 2)):
+        q = torch.randn(n, 3, 1, 3, 64, generator=g)
+        k = torch.randn(1, 3, nc, 64, 128, generator=g)
+        assert torch.equal(shared_matmul(q, k), torch.matmul(q, k))
+        p = torch.rand(n, 3, nc, 3, 128, generator=g)
+        v = torch.randn(1, 3, nc, 128, 64, generator=g)
+        assert torch.equal(shared_matmul(p, v), torch.matmul(p, v))
+
+
+@pytest.mark.parametrize("t", [20, 45])
+def test_wide_invariant_attention_rows_equal_their_decode_step(t):
+    """A prefill-wide chunk (through shared_matmul) still gives every row the bits of its one-row
+    decode step, across a key-chunk boundary, in bfloat16."""
+    from specbuild.model.attention import INVARIANT_CHUNK, InvariantPlan, paged_attention_invariant
+
+    g = torch.Generator().manual_seed(12)
+    heads, kv, d, ctx = 6, 2, 16, INVARIANT_CHUNK - 10
+    slots = ctx + t + 8
+    k_cache = torch.randn(slots, kv, d, generator=g).bfloat16()
+    v_cache = torch.randn(slots, kv, d, generator=g).bfloat16()
+    read = torch.randperm(slots, generator=g)[:ctx + t]
+    q = torch.randn(t, heads, d, generator=g).bfloat16()
+    mask = torch.zeros(t, ctx + t, dtype=torch.bool)
+    mask[:, :ctx] = True
+    mask[:, ctx:] = torch.ones(t, t, dtype=torch.bool).tril()
+    out = paged_attention_invariant(q, k_cache, v_cache, InvariantPlan(mask, read, t), 0.25)
+    for i in range(t):
+        visible = read[mask[i].nonzero().squeeze(1)]
+        alone = paged_attention_invariant(q[i:i + 1], k_cache, v_cache, InvariantPlan(None, visible, 1), 0.25)
+        assert torch.equal(out[i:i + 1], alone), i
