@@ -150,6 +150,12 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
                          f"with max_tokens={cfg.max_tokens}")
     target = roles["target"]
     fmt = target.get("dtype", str(engine.model.dtype).replace("torch.", ""))
+    from specbuild.bench.formats import read_quant
+
+    quant = read_quant(os.path.join(bundle_dir, target["path"]))
+    if quant and quant.get("quantize") not in (None, "none"):  # e.g. int4/bf16: weights / what they multiply in
+        act = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int8": "a8"}.get(quant.get("activations"), "?")
+        fmt = f"{quant['quantize']}/{act}"
     target_format = f"{fmt}, from {os.path.basename(target.get('source', '')) or '?'} ({target.get('source_format', '?')})"
     from specbuild.speculation.tree import tree_argument
 
