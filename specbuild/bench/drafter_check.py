@@ -49,6 +49,15 @@ def measure(engine, method: str, prompts: list[list[int]], max_tokens: int, **sp
             "tokens_per_target_pass": round(tokens / max(passes, 1), 4), "outputs": outputs}
 
 
+def fixed_eagle_budget(engine) -> None:
+    """The EAGLE tree's node budget follows the measured verify cost per width, i.e. the
+    CPU's speed; for a figure that depends only on rounding, the check replaces it with the
+    proposer's fixed stand-in (cost ~ sqrt(rows))."""
+    prop = engine.speculator.proposers.get("eagle")
+    if prop is not None:
+        prop.verify_cost = None
+
+
 def record(engine, method: str, prompts: int, max_tokens: int, **spec) -> dict:
     """The acceptance.json body for `method` on the first `prompts` eval prompts."""
     chosen = eval_prompts(engine, prompts)
@@ -65,7 +74,7 @@ def record(engine, method: str, prompts: int, max_tokens: int, **spec) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle")
-    ap.add_argument("--method", required=True, choices=["draft", "medusa", "ngram"])
+    ap.add_argument("--method", required=True, choices=["draft", "medusa", "ngram", "eagle"])
     ap.add_argument("--gamma", type=int, default=None, help="fixed draft length (gamma = gamma_min = gamma_max)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -74,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from specbuild.engine.engine import Engine
 
     engine = Engine(args.bundle)
+    fixed_eagle_budget(engine)
     spec = {} if args.gamma is None else {"gamma": args.gamma, "gamma_min": args.gamma, "gamma_max": args.gamma}
     body = record(engine, args.method, args.prompts, args.max_tokens, **spec)
     text = json.dumps(body, indent=2)
