@@ -355,3 +355,14 @@ def test_wide_invariant_attention_rows_equal_their_decode_step(t):
         visible = read[mask[i].nonzero().squeeze(1)]
         alone = paged_attention_invariant(q[i:i + 1], k_cache, v_cache, InvariantPlan(None, visible, 1), 0.25)
         assert torch.equal(out[i:i + 1], alone), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_signed_rope_keeps_apply_ropes_bits(dtype):
+    from specbuild.model.decoder import apply_rope, rope_signed, signed_sin
+
+    g = torch.Generator().manual_seed(8)
+    for t in (1, 5, 17):
+        x = torch.randn(t, 12, 64, generator=g).to(dtype)
+        cos, sin = torch.randn(t, 64, generator=g).to(dtype), torch.randn(t, 64, generator=g).to(dtype)
+        assert torch.equal(rope_signed(x, cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)), apply_rope(x, cos, sin))
