@@ -8,9 +8,9 @@ bash scripts/setup.sh
 BUNDLE=${BUNDLE:-bundles/smollm2-135m-spec}
 if [ ! -f "$BUNDLE/bundle.json" ]; then
   # the default model with the drafters trained for it (shipped in the package, see
-  # specbuild/data/drafters/*/MODEL_CARD.md): a distilled draft model and Medusa heads
+  # specbuild/data/drafters/*/MODEL_CARD.md): a distilled draft model, Medusa heads and an EAGLE-3 head
   .venv/bin/specbuild compile --target smollm2-135m --draft smollm2-135m-draft \
-    --medusa smollm2-135m-medusa --out "$BUNDLE"
+    --medusa smollm2-135m-medusa --eagle smollm2-135m-eagle --out "$BUNDLE"
 fi
 .venv/bin/specbuild inspect "$BUNDLE"
 # prompt lookup: the fastest lossless method on this CPU in the benchmark below (README)

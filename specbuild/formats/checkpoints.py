@@ -35,6 +35,7 @@ PRESETS: dict[str, dict[str, str]] = {
 DRAFTER_PRESETS: dict[str, str] = {
     "smollm2-135m-draft": "data/drafters/smollm2-135m-draft",
     "smollm2-135m-medusa": "data/drafters/smollm2-135m-medusa",
+    "smollm2-135m-eagle": "data/drafters/smollm2-135m-eagle",
 }
 
 
