@@ -191,3 +191,13 @@ def test_node_budget_follows_the_verify_cost(trained):
     assert prop.budget(scores, 6) == 6
     prop.verify_cost = lambda width: float(width)  # cost grows with width: a short chain
     assert prop.budget(scores, 6) == 1
+
+
+def test_eagle_drafts_are_charged_their_measured_cost(trained):
+    """The cost model charges an EAGLE draft level what it costs (measured at load next to
+    the verify costs), not zero: a free draft made the depth controller and `auto` draft
+    with the head where it did not pay."""
+    engine = Engine(trained["with_head"], EngineConfig())
+    costs = engine.speculator.controller.costs
+    assert costs["eagle"].draft_cost > 0
+    assert costs["ngram"].draft_cost == 0.0  # a table lookup is not timed as a model
