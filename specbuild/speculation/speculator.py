@@ -92,14 +92,13 @@ class Speculator:
             verify = forward_costs(self.target, self.cache, widths, repeats=3)
             drafts = {name: forward_costs(prop.model, prop.cache, [1], repeats=3)[1]["wall_ms"] / 1e3
                       for name, prop in drafters.items()}
-            drafts.update({name: prop.level_cost() for name, prop in levels.items()})  # EAGLE: per depth
+            drafts.update({name: prop.level_cost() for name, prop in levels.items()})  # EAGLE, Medusa: per depth
             return {"verify": {str(w): c["wall_ms"] / 1e3 for w, c in verify.items()}, "draft": drafts}
 
         key = {"what": "speculation costs v1 (median seconds, 64 cached tokens)", "widths": widths,
                "machine": machine_key(self.target.device), "target": model_fingerprint(self.target),
                "drafters": {name: model_fingerprint(prop.model) for name, prop in drafters.items()},
-               "levels": {name: [prop.head.config.hidden_size, prop.head.draft_vocab, prop.beam, prop.topk,
-                                 str(prop.head.w["fc.weight"].dtype)] for name, prop in levels.items()}}
+               "levels": {name: prop.cost_key() for name, prop in levels.items()}}
         measured, cached = cached_costs(key, measure)
         if cached:  # no forwards ran: set the kernels up now, not in the first request
             warm_up(self.target, self.cache, widths)

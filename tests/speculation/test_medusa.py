@@ -373,3 +373,15 @@ def test_trained_heads_draft_what_the_target_says(tiny_bundle, tmp_path):
         accepted += len(result.accepted_nodes)
         assert list(result.tokens[:-1]) == rec["answer_ids"][1:1 + len(result.accepted_nodes)]
     assert drafted == 12 and accepted >= 18, accepted
+
+
+def test_medusa_depths_are_charged_their_measured_cost(bundle_copy):
+    """Each Medusa depth runs one head and the full-vocabulary output layer it shares with the
+    target; the cost model charges it (measured at load), not zero."""
+    from specbuild.engine.engine import Engine, EngineConfig
+
+    add_medusa(bundle_copy, parse_heads(fd_heads(3, 1), "three"), "chain_3")
+    engine = Engine(bundle_copy, EngineConfig())
+    costs = engine.speculator.controller.costs
+    assert "medusa" in engine.speculator.proposers and costs["medusa"].draft_cost > 0
+    assert costs["ngram"].draft_cost == 0.0

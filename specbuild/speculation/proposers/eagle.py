@@ -60,6 +60,11 @@ class EagleProposer:
     def aux_layers(self) -> tuple[int, ...]:
         return self.head.config.aux_layers
 
+    def cost_key(self) -> list:
+        """What level_cost depends on besides the machine (the cost cache's key)."""
+        h = self.head
+        return ["eagle", h.config.hidden_size, h.draft_vocab, self.beam, self.topk, str(h.w["fc.weight"].dtype)]
+
     @torch.inference_mode()
     def level_cost(self, context: int = 64, repeats: int = 5) -> float:
         """Seconds one draft level costs (the best of `repeats`): the head on `beam` frontier

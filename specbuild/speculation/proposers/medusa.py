@@ -68,6 +68,28 @@ class MedusaProposer:
         self.default_tree = self.validate_tree(default_tree)
 
     # ---- trees --------------------------------------------------------------------------
+    def cost_key(self) -> list:
+        """What level_cost depends on besides the machine (the cost cache's key)."""
+        h = self.heads
+        return ["medusa", h.num_heads, h.num_layers, h.hidden_size, h.vocab_size, str(h.dtype)]
+
+    @torch.inference_mode()
+    def level_cost(self, repeats: int = 5) -> float:
+        """Seconds one depth of a Medusa draft costs (the best of `repeats`): one head on one
+        row, its block and the output layer it shares with the target (a full-vocabulary
+        matmul, about the target's own lm_head), and the top-k. Charged per depth by the cost
+        model; it was charged 0, so deep trees looked cheaper than they are."""
+        import time
+
+        hidden = torch.zeros(1, self.heads.hidden_size, dtype=self.heads.dtype, device=self.heads.device)
+        best = float("inf")
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            self.heads.forward(hidden, 1).topk(4, dim=-1)
+            if r:
+                best = min(best, time.perf_counter() - t0)
+        return best
+
     def validate_tree(self, tree: str | TreeSpec | None) -> TreeSpec:
         """Resolve a request's tree (None: the bundle's) and check it against the heads.
         Raises RequestError naming the tree, its depth and the head count."""
