@@ -65,8 +65,6 @@ from specbuild.speculation.tree import MAX_DEPTH, MAX_INLINE_NODES, MAX_RANK, Tr
 
 log = logging.getLogger("specbuild.server")
 
-SPEC_FIELDS = ("gamma", "gamma_min", "gamma_max", "tree", "ngram_min", "ngram_max", "typical")
-SPEC_OBJECT_FIELDS = ("method",) + SPEC_FIELDS
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # accepted OpenAI fields this server does not implement: only their neutral value is allowed
 NEUTRAL = {"suffix": ""}
@@ -168,22 +166,28 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=LIMIT_TOKEN_ID)]], Field
 PromptText = Annotated[str, Field(max_length=LIMIT_PROMPT_CHARS)]
 
 
-class SpeculationObject(Strict):
-    method: Literal[METHODS] | None = None  # type: ignore[valid-type]
+class SpeculationFields(Strict):
+    """The SpeculationConfig fields a body may give, in a `speculation` object or at the top
+    level (both spellings are accepted)."""
+
     gamma: Gamma | None = None
     gamma_min: Gamma | None = None
     gamma_max: Gamma | None = None
     tree: Tree | None = None
     ngram_min: NgramSize | None = None
     ngram_max: NgramSize | None = None
-    typical: bool | None = None
+    typical: bool | None = Field(None, description="Medusa typical acceptance: LOSSY (opt-in)")
+
+
+class SpeculationObject(SpeculationFields):
+    method: Literal[METHODS] | None = None  # type: ignore[valid-type]
 
 
 class StreamOptions(Strict):
     include_usage: bool | None = None
 
 
-class CommonFields(Strict):
+class CommonFields(SpeculationFields):
     model: Name | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -208,13 +212,6 @@ class CommonFields(Strict):
                                                            "summarization, chat, ...); default: classified")
     speculation: Union[Literal[METHODS], SpeculationObject] | None = Field(  # type: ignore[valid-type]
         None, description="a method name, or an object of SpeculationConfig fields")
-    gamma: Gamma | None = None
-    gamma_min: Gamma | None = None
-    gamma_max: Gamma | None = None
-    tree: Tree | None = None
-    ngram_min: NgramSize | None = None
-    ngram_max: NgramSize | None = None
-    typical: bool | None = Field(None, description="Medusa typical acceptance: LOSSY (opt-in)")
 
 
 class CompletionRequest(CommonFields):
@@ -332,7 +329,7 @@ def parse_speculation(body: CommonFields) -> dict[str, Any] | None:
         spec["method"] = given
     elif isinstance(given, SpeculationObject):
         spec.update(given.model_dump(exclude_none=True))
-    for name in SPEC_FIELDS:
+    for name in SpeculationFields.model_fields:
         value = getattr(body, name)
         if value is not None:
             if name in spec:
