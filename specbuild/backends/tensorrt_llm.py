@@ -387,18 +387,10 @@ class ExecutorEngine(BaseEngine):
         seq.accepted += accepted
         if positions:
             seq.gammas.append(positions)
-        while len(seq.drafted_by_pos) < positions:
-            seq.drafted_by_pos.append(0)
-            seq.accepted_by_pos.append(0)
-        for i in range(positions):
-            seq.drafted_by_pos[i] += 1
-            seq.accepted_by_pos[i] += int(i < accepted)
+        seq.count_by_position([1] * positions, accepted)
 
     def _fail(self, seq: Sequence, message: str) -> None:
-        seq.finished, seq.finish_reason = True, "error"
-        if seq.handle:
-            seq.handle.error = message
-            seq.handle._emit(Event([], "", True, "error"))
+        seq.fail(message)
 
     def _fail_running(self, message: str) -> None:
         """Release and fail every running request (the shared loop calls it, lock held)."""

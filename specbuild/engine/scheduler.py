@@ -181,10 +181,7 @@ class Scheduler:
             self.sink.on_session_end(seq)
 
     def fail(self, seq: Sequence, message: str) -> None:
-        seq.finished, seq.finish_reason = True, "error"
-        if seq.handle:
-            seq.handle.error = message
-            seq.handle._emit(Event([], "", True, "error"))
+        seq.fail(message)
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.waiting:

@@ -140,6 +140,23 @@ class Sequence:
         self.t_last = now
         return kept
 
+    def fail(self, message: str) -> None:
+        """End the request with an error its handle reports (finish reason "error")."""
+        self.finished, self.finish_reason = True, "error"
+        if self.handle:
+            self.handle.error = message
+            self.handle._emit(Event([], "", True, "error"))
+
+    def count_by_position(self, counts: list[int], accepted: int) -> None:
+        """Acceptance by draft position: counts[i] drafts (a tree's nodes) at position i, the
+        first `accepted` positions accepted."""
+        for i, c in enumerate(counts):
+            if len(self.drafted_by_pos) <= i:
+                self.drafted_by_pos.append(0)
+                self.accepted_by_pos.append(0)
+            self.drafted_by_pos[i] += c
+            self.accepted_by_pos[i] += int(i < accepted)
+
     def _finish(self, reason: str) -> None:
         self.finished = True
         self.finish_reason = reason

@@ -335,18 +335,12 @@ class Speculator:
         """Acceptance statistics: drafted tokens (tree: nodes), accepted, and by position."""
         seq.drafted += k
         seq.accepted += a
-        counts = depth_counts or [1] * k
-        for i, c in enumerate(counts):
-            if len(seq.drafted_by_pos) <= i:
-                seq.drafted_by_pos.append(0)
-                seq.accepted_by_pos.append(0)
-            seq.drafted_by_pos[i] += c
-            seq.accepted_by_pos[i] += int(i < a)
+        seq.count_by_position(depth_counts or [1] * k, a)
         if draft.method == GRAMMAR:  # free drafts say nothing about the drafters' acceptance
             return
         method = seq.spec_state.method or draft.method
         # a tree's "drafted" for the depth controller is its depth, not its node count
-        depth = len(counts) if depth_counts else k
+        depth = len(depth_counts) if depth_counts else k
         self.controller.record(seq, method, depth, a)
 
     def compact(self, seq, item, cache: PagedKVCache, accepted: int) -> None:
