@@ -17,7 +17,7 @@ from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.sequence import Request
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
-from tiny import make_tiny_hf, perturbed_copy
+from tiny import draft_pair_bundle, make_tiny_hf, perturbed_copy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,10 +43,7 @@ def bundle(tmp_path_factory) -> str:
     from safetensors.torch import load_file
 
     root = tmp_path_factory.mktemp("minedraft_medusa")
-    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
-    draft = perturbed_copy(target, str(root / "draft"), noise=0.08)
-    out = compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float64", max_seq_len=512,
-                                                                      max_batch_size=8), draft=draft)
+    out = draft_pair_bundle(root, max_seq_len=512, max_batch_size=8)
     lm_head = load_file(f"{out}/target/weights.safetensors")["lm_head"].float()
     add_medusa(out, parse_heads(shared_heads(lm_head), "shared"), "chain_2")
     return out

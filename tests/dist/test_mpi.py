@@ -32,7 +32,7 @@ from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
 from specbuild.speculation.config import SpeculationConfig
 from http_client import get, metric, next_event, open_stream, post, stream, wait_until
-from tiny import make_tiny_hf, perturbed_copy
+from tiny import draft_pair_bundle, make_tiny_hf, perturbed_copy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,11 +55,7 @@ def need_mpi() -> None:
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("minedraft")
-    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
-    draft = perturbed_copy(target, str(root / "draft"), noise=0.08)
-    return compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float64", max_seq_len=4096,
-                                                                       max_batch_size=8), draft=draft)
+    return draft_pair_bundle(tmp_path_factory.mktemp("minedraft"), max_seq_len=4096, max_batch_size=8)
 
 
 @pytest.fixture(scope="module")

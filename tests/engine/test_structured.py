@@ -16,10 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 from scipy.stats import chisquare
-from tiny import make_tiny_hf, perturbed_copy
+from tiny import draft_pair_bundle
 
 from specbuild.bench.structured import validates
-from specbuild.compiler.compile import CompileOptions, compile_bundle
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.sequence import Request
 from specbuild.errors import RequestError
@@ -40,10 +39,7 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [40, 41, 42], [7, 7, 7, 7, 7], list(range(3
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("structured")
-    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
-    draft = perturbed_copy(target, str(root / "draft"), noise=0.05)
-    return compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float64", max_seq_len=512), draft=draft)
+    return draft_pair_bundle(tmp_path_factory.mktemp("structured"), noise=0.05, max_seq_len=512)
 
 
 @pytest.fixture(scope="module")

@@ -111,3 +111,15 @@ def perturbed_copy(src: str, dst: str, noise: float, seed: int = 1) -> str:
     save_file(tensors, path, metadata={"format": "pt"})
     return dst
 
+
+
+def draft_pair_bundle(root, noise: float = 0.08, **options) -> str:
+    """The drafter tests' standard bundle: a tiny random Llama target (scale 4, seed 3) and a
+    draft that is that target plus `noise` (perturbed_copy), compiled in float64 (`options`:
+    more CompileOptions fields) under `root`/bundle."""
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
+
+    root = str(root)
+    target = make_tiny_hf(os.path.join(root, "target"), scale=4.0, seed=3)
+    draft = perturbed_copy(target, os.path.join(root, "draft"), noise=noise)
+    return compile_bundle(target, os.path.join(root, "bundle"), CompileOptions(dtype="float64", **options), draft=draft)

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from http_client import ServerProcess, post
-from tiny import make_tiny_hf, perturbed_copy
+from tiny import draft_pair_bundle
 
 from specbuild.bench.structured import validates
 from specbuild.engine.engine import Engine, EngineConfig
@@ -30,13 +30,7 @@ PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5]
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> str:
-    from specbuild.compiler.compile import CompileOptions, compile_bundle
-
-    root = tmp_path_factory.mktemp("oai")
-    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
-    draft = perturbed_copy(target, str(root / "draft"), noise=0.05)
-    return compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float64", max_seq_len=1024,
-                                                                       max_batch_size=8), draft=draft)
+    return draft_pair_bundle(tmp_path_factory.mktemp("oai"), noise=0.05, max_seq_len=1024, max_batch_size=8)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from specbuild.compiler.compile import CompileOptions, compile_bundle
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.events import NullSink
 from specbuild.engine.sequence import Request
@@ -14,7 +13,7 @@ from specbuild.errors import RequestError
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
 from specbuild.speculation.policy import GammaPolicy, PolicyTable, check_content_type, classify_prompt, request_content_type
-from tiny import make_tiny_hf, perturbed_copy
+from tiny import draft_pair_bundle
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 90)) + list(range(30, 40))]
 
@@ -40,10 +39,7 @@ class ListSink(NullSink):
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("policy")
-    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
-    draft = perturbed_copy(target, str(root / "draft"), noise=0.08)
-    return compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float64"), draft=draft)
+    return draft_pair_bundle(tmp_path_factory.mktemp("policy"))
 
 
 @pytest.fixture(scope="module")

@@ -20,17 +20,14 @@ from specbuild.engine.sequence import Request
 from specbuild.speculation.config import SpeculationConfig
 from specbuild.speculation import speculator as speculator_mod
 from specbuild.bench.verify_dist import check, holm
-from tiny import make_tiny_hf, perturbed_copy
+from tiny import draft_pair_bundle, make_tiny_hf
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 90)) + list(range(30, 40))]
 
 
 @pytest.fixture(scope="module")
 def spec_bundle(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("spec")
-    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
-    draft = perturbed_copy(target, str(root / "draft"), noise=0.08)
-    return compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float64"), draft=draft)
+    return draft_pair_bundle(tmp_path_factory.mktemp("spec"))
 
 
 def run(engine, method, gamma=None, prompts=PROMPTS, max_tokens=40, **sampling):
@@ -252,7 +249,7 @@ def test_cost_calibration_is_cached_per_machine_and_bundle_and_done_at_load(tmp_
     engine on the same bundle reads them back (its only forwards: one untimed warm-up per
     width, so kernels are set up before the first request, not timed again); another
     bundle (other weights) gets its own entry."""
-    from specbuild.compiler.compile import CompileOptions, compile_bundle
+    from specbuild.compiler.compile import compile_bundle
     from specbuild.model.decoder import Decoder
     from specbuild.model.timing import cache_dir, model_fingerprint
     from tiny import make_tiny_hf

@@ -15,7 +15,6 @@ import pytest
 from click.testing import CliRunner
 
 from specbuild.cli.main import main as cli
-from specbuild.compiler.compile import CompileOptions, compile_bundle
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.sequence import Request
 from specbuild.sampling.params import SamplingParams
@@ -25,17 +24,14 @@ from specbuild.telemetry.report import report
 from specbuild.telemetry.schema import SCHEMA_VERSION
 from specbuild.telemetry.store import Store, TelemetryError
 from specbuild.telemetry.writer import TelemetrySink
-from tiny import make_tiny_hf, perturbed_copy
+from tiny import draft_pair_bundle
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 90)) + list(range(30, 40))]
 
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("telemetry")
-    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
-    draft = perturbed_copy(target, str(root / "draft"), noise=0.08)
-    return compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float64"), draft=draft)
+    return draft_pair_bundle(tmp_path_factory.mktemp("telemetry"))
 
 
 @pytest.fixture(scope="module")
