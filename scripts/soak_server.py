@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests", "helpers"))  # tiny models, the HTTP client and server helpers
+from http_client import ServerProcess, get  # noqa: E402
 METHODS = ("none", "ngram", "draft", "medusa", "auto")
 BAD_BODIES = [
     b"{not json", b"[1, 2]", b'{"prompt": "hi", "max_tokens": "ten"}', b'{"prompt": "hi", "frobnicate": 1}',
@@ -55,7 +57,6 @@ CHAT_BAD = {b'{"messages": [{"role": "wizard", "content": "hi"}]}'}
 # ---- the bundle and the server ---------------------------------------------------------------
 def build_bundle(root: str, say=print) -> str:
     """Tiny float64 target + perturbed draft + briefly trained Medusa heads (seconds)."""
-    sys.path.insert(0, os.path.join(REPO, "tests", "helpers"))
     from tiny import make_tiny_hf, perturbed_copy
 
     from specbuild.compiler.compile import CompileOptions, compile_bundle
@@ -79,32 +80,15 @@ def build_bundle(root: str, say=print) -> str:
                           tree="mc_sim_7b_top10")
 
 
-class Server:
-    """`specbuild serve` in a subprocess; the URL is read from its stdout."""
+class Server(ServerProcess):
+    """`specbuild serve` in a subprocess (tests/helpers/http_client.ServerProcess), with
+    PYTHONPATH=`pythonpath` when given (an older tree), and a graceful stop."""
 
     def __init__(self, bundle: str, log_path: str, pythonpath: str | None = None, extra: tuple[str, ...] = ()):
         env = dict(os.environ)
         env["PYTHONPATH"] = pythonpath or env.get("PYTHONPATH", REPO)
         env.setdefault("GOMP_SPINCOUNT", "10000")
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        cmd = [sys.executable, "-c", "from specbuild.cli import main; main()", "serve", bundle, "--host", "127.0.0.1",
-               "--port", "0", "--threads", "1", "--log-level", "warning", "--max-batch-size", "8", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        deadline = time.monotonic() + 120
-        while True:
-            m = re.search(r"on http://127\.0\.0\.1:(\d+)", open(log_path).read())
-            if m:
-                self.port = int(m.group(1))
-                break
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server did not start:\n{open(log_path).read()}")
-            time.sleep(0.05)
-        while get(self.port, "/health")[0] != 200:
-            if time.monotonic() > deadline:
-                raise RuntimeError("/health did not answer 200")
-            time.sleep(0.05)
+        super().__init__(bundle, log_path, "--max-batch-size", "8", *extra, env=env, timeout=120)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -115,18 +99,6 @@ class Server:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.log.close()
-
-
-def get(port: int, path: str) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
-    except OSError:
-        return 0, ""
-    finally:
-        conn.close()
 
 
 def requests_total(port: int) -> float:
