@@ -71,9 +71,9 @@ def load_weights(role_dir: str, device: str) -> dict:
     # every tensor in fresh 64-byte-aligned memory: safetensors places them at the file's offsets
     # (all at 24 mod 64 in a specbuild bundle), and oneDNN's bfloat16 matmul on misaligned weights
     # took 27 ms a step instead of 24.5 (SmolLM2-135M, one thread, measured)
-    from specbuild.model.qlinear import aligned
+    from specbuild.model.qlinear import ensure_aligned
 
-    weights = {k: v if v.data_ptr() % 64 == 0 else aligned(v) for k, v in load_file(path, device=device).items()}
+    weights = {k: ensure_aligned(v) for k, v in load_file(path, device=device).items()}
     quant_path = os.path.join(role_dir, "quant.json")
     if os.path.isfile(quant_path):
         import json

@@ -174,12 +174,12 @@ class Decoder:
             plan = InvariantPlan(batch.mask, batch.read_slots, t)
         elif self.row_invariant and batch.mask is not None:
             row_cols = visible_columns(batch.mask)
+        bound = self.rows_per_call.get  # (min, max) rows per call of half-precision linears, or None
         for i in range(c.num_layers):
             p = f"layers.{i}."
             if aux is not None and i in aux_layers:
                 aux.append(x.index_select(0, aux_rows))
             h = rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
-            bound = self.rows_per_call.get
             qkv = linear(h, w[p + "qkv"], fmt, w.get(p + "qkv_bias"), bound(p + "qkv"))  # [T, (H + 2KV) * D]
             # q and k side by side in qkv: one rope call for both (elementwise: the same bits)
             qk = rope_signed(qkv[:, :self.q_size + self.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim),
@@ -200,8 +200,7 @@ class Decoder:
             x = x + linear(F.silu(gate) * up, w[p + "down"], fmt, None, bound(p + "down"))
         rows = x.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != t else x
         hidden = rms_norm(rows, w["norm"], c.rms_norm_eps)
-        logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0]), None,
-                        self.rows_per_call.get("lm_head")).float()
+        logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0]), None, bound("lm_head")).float()
         if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype in (torch.bfloat16, torch.float16):
             logits = rescore_top(logits, hidden, self.lm_head)
         out = (logits, hidden) if return_hidden else logits

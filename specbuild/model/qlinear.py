@@ -59,6 +59,12 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
 
 
+def ensure_aligned(t: torch.Tensor) -> torch.Tensor:
+    """t itself when it is contiguous and 64-byte aligned, else an aligned copy (safetensors
+    places tensors at their file offsets; oneDNN and torch's int8 kernel want aligned ones)."""
+    return t if t.is_contiguous() and t.data_ptr() % 64 == 0 else aligned(t)
+
+
 # ---- formats ---------------------------------------------------------------------------------
 class DenseFormat:
     """weight: [N, K] in its storage dtype; inputs and outputs rounded to act_dtype.
@@ -74,7 +80,7 @@ class DenseFormat:
         if kn:
             self.weight = aligned(weight.t()).t()
         else:  # already contiguous and aligned (e.g. a tensor the decoder holds): no copy
-            self.weight = weight if weight.is_contiguous() and weight.data_ptr() % 64 == 0 else aligned(weight)
+            self.weight = ensure_aligned(weight)
         self.act_dtype = act_dtype
         self.name = str(weight.dtype).removeprefix("torch.") + (".kn" if kn else "")
 
@@ -99,8 +105,8 @@ class Int8Format:
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, act_dtype: torch.dtype) -> None:
         # fresh (aligned) memory: safetensors maps tensors at any offset, and the kernel
         # crashes on unaligned weights (seen with torch 2.13 at 4 rows)
-        self.qweight = aligned(qweight.to(torch.int8))
-        self.scales = aligned(scales.to(act_dtype))
+        self.qweight = ensure_aligned(qweight.to(torch.int8))
+        self.scales = ensure_aligned(scales.to(act_dtype))
         self.act_dtype = act_dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] act -> [T, N] act
@@ -534,7 +540,7 @@ def layout_costs(weights: dict, sample_layers: int = 2, repeats: int = 5) -> dic
     for dtype in sorted({weights[n].dtype for n in names}, key=str):
         group = [weights[n] for n in names if weights[n].dtype == dtype]
         layouts = {"nk": [aligned(t) for t in group], "kn": [aligned(t.t()).t() for t in group]}
-        best = {k: float("inf") for k in layouts}
+        total = {k: 0.0 for k in layouts}
         for w in LAYOUT_WIDTHS:
             xs = [torch.randn(w, t.shape[1], dtype=dtype, device=t.device) for t in group]
             t_w = {k: float("inf") for k in layouts}
@@ -546,8 +552,8 @@ def layout_costs(weights: dict, sample_layers: int = 2, repeats: int = 5) -> dic
                     if r:  # the first round warms up each kernel
                         t_w[k] = min(t_w[k], time.perf_counter() - t0)
             for k in layouts:
-                best[k] = (0.0 if best[k] == float("inf") else best[k]) + t_w[k] * 1e3
-        out[str(dtype).removeprefix("torch.")] = {k: round(v, 4) for k, v in best.items()}
+                total[k] += t_w[k] * 1e3
+        out[str(dtype).removeprefix("torch.")] = {k: round(v, 4) for k, v in total.items()}
     return out
 
 
@@ -561,7 +567,7 @@ def choose_layouts(weights: dict, costs: dict[str, dict[str, float]] | None = No
     chosen = {}
     for name, c in costs.items():
         chosen[name] = {**c, "chosen": "kn" if c["kn"] < c["nk"] else "nk"}
-    kn = {ACT_DTYPES.get(n, getattr(torch, n, None)) for n, c in chosen.items() if c["chosen"] == "kn"}
+    kn = {getattr(torch, n) for n, c in chosen.items() if c["chosen"] == "kn"}
     if kn:
         to_kn_layout(weights, kn)
     return chosen

@@ -90,6 +90,18 @@ def forward_costs(model, cache: PagedKVCache, widths, context: int = 64, repeats
     return out
 
 
+def best_seconds(fn, repeats: int = 5) -> float:
+    """One untimed call of fn() (kernel set-up), then the best of `repeats` timed calls, in
+    seconds (other load on a shared machine can only make a call slower)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def warm_up(model, cache: PagedKVCache, widths, context: int = 16) -> None:
     """One untimed forward per width, so kernels' first-call set-up (oneDNN primitives,
     packed layouts, allocator pools) happens at load and not in the first request."""

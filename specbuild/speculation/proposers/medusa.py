@@ -79,16 +79,10 @@ class MedusaProposer:
         row, its block and the output layer it shares with the target (a full-vocabulary
         matmul, about the target's own lm_head), and the top-k. Charged per depth by the cost
         model; it was charged 0, so deep trees looked cheaper than they are."""
-        import time
+        from specbuild.model.timing import best_seconds
 
         hidden = torch.zeros(1, self.heads.hidden_size, dtype=self.heads.dtype, device=self.heads.device)
-        best = float("inf")
-        for r in range(repeats + 1):
-            t0 = time.perf_counter()
-            self.heads.forward(hidden, 1).topk(4, dim=-1)
-            if r:
-                best = min(best, time.perf_counter() - t0)
-        return best
+        return best_seconds(lambda: self.heads.forward(hidden, 1).topk(4, dim=-1), repeats)
 
     def validate_tree(self, tree: str | TreeSpec | None) -> TreeSpec:
         """Resolve a request's tree (None: the bundle's) and check it against the heads.
