@@ -33,6 +33,7 @@ DEFAULT_FORMATS: dict[str, dict] = {
     "int4-bf16": {"dtype": "bfloat16", "quantize": "int4", "lm_head_format": "int8"},  # bfloat16 hidden states
     "int4-head4": {"quantize": "int4", "lm_head_format": "int4"},  # the lm_head in int4 too
 }
+COMPILED = "+compile"  # a format name with this suffix: the same bundle, its layer stack compiled
 WIDTHS = (1, 2, 3, 5, 9, 17)  # a decode step, chains of 1-8 drafts, a 16-node tree
 
 
@@ -107,9 +108,9 @@ def measure_format(name: str, bundle: str, threads: int, texts: dict, widths, de
     from specbuild.model.decoder import weight_bytes
 
     t0 = time.perf_counter()
-    engine = Engine(bundle, EngineConfig(threads=threads, max_batch_size=1))
+    engine = Engine(bundle, EngineConfig(threads=threads, max_batch_size=1, compile=name.endswith(COMPILED)))
     load_s = time.perf_counter() - t0
-    row: dict = {"format": name, "load_s": round(load_s, 2),
+    row: dict = {"format": name, "load_s": round(load_s, 2), "compile_s": engine.compile_seconds,
                  "plans": {g: p.describe() for g, p in engine.model.plans.items()}}
     steps = decode_step_ms(engine, texts["prompts"][0], decode_tokens, repeats)
     costs = forward_costs(engine.model, engine.cache, sorted(set(widths)), repeats=max(7, repeats))
@@ -179,9 +180,13 @@ def run_formats_bench(source: str, formats: dict[str, dict] | None = None, threa
     path = resolve_source(source)
     bundles = {}
     for name, opts in formats.items():
+        base = name.removesuffix(COMPILED)
+        if base != name and base in bundles:  # "int4" and "int4+compile": one bundle
+            bundles[name] = bundles[base]
+            continue
         say(f"compiling {name} {opts}")
-        bundles[name] = compile_bundle(path, os.path.join(work, name),
-                                       CompileOptions(**{"max_seq_len": 1024, **opts}))
+        bundles[name] = bundles[base] = compile_bundle(path, os.path.join(work, base),
+                                                       CompileOptions(**{"max_seq_len": 1024, **opts}))
     probe = Engine(bundles[next(iter(bundles))], EngineConfig(max_batch_size=1))
     texts_raw = eval_texts(max(ppl_texts, prompts))
     ppl_ids = probe.encode("\n\n".join(texts_raw[:ppl_texts]))[:ppl_tokens]

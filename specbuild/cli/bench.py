@@ -46,6 +46,7 @@ class BenchConfig:
     verify_costs: bool = False  # also time one forward per verify width (chain of 5 and each tree)
     progress: bool = True
     telemetry: str | None = None  # record the specbuild rows' sessions and steps into this store (path or DSN)
+    compile: bool = False  # the target's layer stack compiled (EngineConfig.compile)
 
     def __post_init__(self) -> None:
         if self.split not in B.SPLITS:
@@ -124,7 +125,8 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
 
     from specbuild.engine.engine import Engine, EngineConfig
 
-    engine = Engine(bundle_dir, EngineConfig(device=cfg.device, threads=cfg.threads, max_batch_size=cfg.batch_size))
+    engine = Engine(bundle_dir, EngineConfig(device=cfg.device, threads=cfg.threads, max_batch_size=cfg.batch_size,
+                                             compile=cfg.compile))
     env = environment(torch.get_num_threads(), command)
     sink = None
     if cfg.telemetry:
@@ -322,12 +324,12 @@ def run_formats(bundle_dir: str, names: tuple[str, ...], threads: int, repeats: 
     import torch
 
     from specbuild.bundle import read_meta
-    from specbuild.bench.formats import DEFAULT_FORMATS, run_formats_bench
+    from specbuild.bench.formats import COMPILED, DEFAULT_FORMATS, run_formats_bench
 
-    unknown = [n for n in names if n not in DEFAULT_FORMATS]
+    unknown = [n for n in names if n.removesuffix(COMPILED) not in DEFAULT_FORMATS]
     if not names or unknown:
         raise ValueError(f"--formats {','.join(unknown or names) or '(empty)'}: each must be one of "
-                         f"{', '.join(DEFAULT_FORMATS)}")
+                         f"{', '.join(DEFAULT_FORMATS)}, optionally with {COMPILED} (its layer stack compiled)")
     source = read_meta(bundle_dir).roles["target"].get("source")
     if not source:
         raise ValueError(f"bundle {bundle_dir!r} does not record its target's source; run "
@@ -335,7 +337,7 @@ def run_formats(bundle_dir: str, names: tuple[str, ...], threads: int, repeats: 
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return run_formats_bench(source, {n: DEFAULT_FORMATS[n] for n in names}, threads=threads, repeats=repeats,
+        return run_formats_bench(source, {n: DEFAULT_FORMATS[n.removesuffix(COMPILED)] for n in names}, threads=threads, repeats=repeats,
                                  progress=(lambda m: click.echo(m, err=True)) if progress else None)
     finally:
         torch.set_num_threads(threads_before)
@@ -382,6 +384,9 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
                    "(comma-separated, e.g. float32,bfloat16,int8,int4) and report each one's step against its "
                    "memory floor, verify cost by width, perplexity and greedy agreement (llama.cpp as a peer row "
                    "where llama-cpp-python is installed).")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Run the target's layer stack compiled (torch.compile; every row, the baseline too). "
+                   "With --formats: add +compile to a format's name instead (e.g. int4,int4+compile).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON instead of the table.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @click.option("--plot", "plot", type=click.Path(dir_okay=False), default=None,
@@ -389,7 +394,7 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
 @click.option("--telemetry", default=None, metavar="DB",
               help="Record the specbuild rows' sessions and steps into DB (SQLite file or postgresql:// DSN).")
 def bench(bundle, dataset, split, per_category, max_tokens, speculation, gamma, gamma_min, gamma_max, batch_size,
-          repeats, threads, device, peers, floor, floor_mib, trees, verify_costs, formats, as_json,
+          repeats, threads, device, peers, floor, floor_mib, trees, verify_costs, formats, compile_, as_json,
           no_progress, plot, telemetry) -> None:
     """Spec-Bench style benchmark: tokens/s, speedup over plain decoding and mean accepted
     tokens per task group, greedy outputs checked against plain decoding.
@@ -414,7 +419,8 @@ def bench(bundle, dataset, split, per_category, max_tokens, speculation, gamma, 
                           methods=_csv(speculation), gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                           batch_size=batch_size, repeats=repeats, threads=threads, device=device,
                           peers=_csv(peers) or (), floor=floor, floor_bytes=floor_mib << 20,
-                          trees=_csv(trees), verify_costs=verify_costs, progress=not no_progress, telemetry=telemetry)
+                          trees=_csv(trees), verify_costs=verify_costs, progress=not no_progress, telemetry=telemetry,
+                          compile=compile_)
         report = run_bench(bundle, cfg, command=shlex.join(["specbuild"] + sys.argv[1:]))
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

@@ -281,6 +281,8 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N (torch backend).")
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
               help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Torch backend: run the target's layer stack compiled (torch.compile; a compile at load, cached).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Structured output: the answer is JSON valid against this schema file (strict).")
@@ -296,7 +298,7 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
 @user_errors
 def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
              presence_penalty, frequency_penalty, speculation, gamma, gamma_min, gamma_max, tree, typical, threads,
-             device, backend, as_json, json_schema, regex, grammar, logprobs, telemetry, content_type) -> None:
+             device, backend, compile_, as_json, json_schema, regex, grammar, logprobs, telemetry, content_type) -> None:
     """Generate text from one or more prompts (batched)."""
     from specbuild.backends.select import open_engine
     from specbuild.engine.engine import EngineConfig
@@ -304,7 +306,7 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
     from specbuild.engine.sequence import Request
 
     dist_context(bundle, backend, "generate")  # under `mpirun -n tp*pp`: TensorRT-LLM leader mode
-    engine = open_engine(bundle, EngineConfig(device=device, threads=threads), backend=backend)
+    engine = open_engine(bundle, EngineConfig(device=device, threads=threads, compile=compile_), backend=backend)
     if follow_leader(engine, say=lambda line: click.echo(line, err=True)):  # ranks > 0: until rank 0 is done
         return
     from specbuild.speculation.policy import check_content_type

@@ -50,6 +50,8 @@ from specbuild.errors import SpecbuildError
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N (torch backend).")
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
               help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Torch backend: run the target's layer stack compiled (torch.compile; a compile at load, cached).")
 @click.option("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens [enough for a full batch].")
 @click.option("--prefill-chunk", type=int, default=256, show_default=True,
               help="Most prompt tokens per step, so long prompts do not stall running requests.")
@@ -63,7 +65,7 @@ from specbuild.errors import SpecbuildError
 @click.option("--draft-timeout", type=float, default=5.0, show_default=True,
               help="Seconds the verifier waits for a draft reply before it decodes without the draft rank for good.")
 @telemetry_option
-def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, kv_cache_tokens, prefill_chunk,
+def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, compile_, kv_cache_tokens, prefill_chunk,
           body_timeout, model_name, log_level, parallel_draft, draft_timeout, telemetry) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
     from specbuild.cli.main import dist_context, fail_once
@@ -91,7 +93,7 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
                              body_timeout_s=body_timeout)
         engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
                                                   kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
-                                                  load_draft=ctx.role != "verifier"),
+                                                  load_draft=ctx.role != "verifier", compile=compile_),
                              backend="torch" if parallel_draft else backend)
         if ctx.role == "worker":
             serve_engine_part(ctx, engine)

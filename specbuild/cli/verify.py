@@ -26,10 +26,11 @@ from specbuild.cli.main import user_errors
               help="Accepted drafts a setting needs; below it the setting is inconclusive, not passed.")
 @click.option("--seed", default=1234, show_default=True, type=int)
 @click.option("--threads", type=int, default=None)
+@click.option("--compile", "compile_", is_flag=True, help="Run the target's layer stack compiled (torch.compile).")
 @click.option("--json", "as_json", is_flag=True)
 @user_errors
 def verify(bundle, methods, samples, temperatures, top_k, n_tokens, gamma, prompts, chat, alpha, min_accepted, seed,
-           threads, as_json):
+           threads, compile_, as_json):
     """Chi-square test of speculative sampling against the target's exact distribution.
 
     For each prompt, temperature and method: enumerate the exact joint distribution of the
@@ -55,7 +56,7 @@ def verify(bundle, methods, samples, temperatures, top_k, n_tokens, gamma, promp
         raise ValueError(f"--samples {samples} is below 50")
     if min_accepted < 1:
         raise ValueError(f"--min-accepted {min_accepted} is below 1")
-    engine = Engine(bundle, EngineConfig(threads=threads))
+    engine = Engine(bundle, EngineConfig(threads=threads, compile=compile_))
     wanted = methods.split(",") if methods else [m for m in engine.methods if m not in ("none", "auto")]
     temps = [float(t) for t in temperatures.split(",")]
     texts = list(prompts or DEFAULT_PROMPTS)

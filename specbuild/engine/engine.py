@@ -48,6 +48,10 @@ class EngineConfig:
     # machines measured; bfloat16 as rows, oneDNN's transposed kernel 1.6x slower there);
     # rows: as the bundle stores them
     weight_layouts: str = "auto"
+    # run the target's layer stack compiled (torch.compile; model/compiled.py): fused glue, the
+    # same kernels; every forward then runs compiled, so speculation stays lossless. Costs a
+    # compile at load (cached on disk by inductor after the first)
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.weight_layouts not in ("auto", "rows"):
@@ -56,6 +60,10 @@ class EngineConfig:
             raise ValueError(f"binning={self.binning!r} is not one of ragged, padded, bins")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size={self.block_size} is not one of 8, 16, 32, 64, 128")
+        if self.compile and torch.device(self.device).type != "cpu":
+            raise ValueError(f"compile=True runs on CPU only (device={self.device!r}): its row-invariance is "
+                             "checked there (tests/model/test_compiled.py); on a GPU use the eager torch backend "
+                             "or TensorRT-LLM")
         if not 16 <= self.prefill_chunk <= 8192:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} is out of range [16, 8192]")
 
@@ -181,6 +189,14 @@ class Engine(BaseEngine):
         self.default_sampling = SamplingParams.from_dict(
             {k: v for k, v in self.meta.default_sampling.items()})
         self.speculator = self.make_speculator()
+        self.compile_seconds = None
+        if config.compile:
+            from specbuild.model.compiled import warm_up
+
+            self.model.compile()
+            aux = [()] + ([tuple(self.speculator.aux_layers)] if getattr(self.speculator, "aux_layers", None) else [])
+            self.compile_seconds = warm_up(self.model, self.cache, aux)
+            log.info("compiled the layer stack in %.1fs", self.compile_seconds)
         _ = self.speculator.controller  # cost calibration now (cached per machine + bundle), never in a request
         self.default_speculation = SpeculationConfig.make(
             None, **{k: v for k, v in self.meta.default_speculation.items()})

@@ -93,6 +93,26 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [R] int64, rows of T whose logits are wanted
 
 
+def sub_batch(batch: ForwardBatch, r0: int, r1: int) -> ForwardBatch:
+    """Rows r0..r1-1 of a forward (their K/V still written, every key they see still read);
+    its logit rows are not kept (compiled_rows takes hidden states, not logits)."""
+    mask = None if batch.mask is None else batch.mask[r0:r1]
+    return ForwardBatch(batch.input_ids[r0:r1], batch.positions[r0:r1], batch.write_slots[r0:r1],
+                        batch.read_slots, mask, batch.logit_rows[:0])
+
+
+def pad_batch(batch: ForwardBatch, rows: int) -> ForwardBatch:
+    """The forward with its last row repeated up to `rows` rows (a copy computes the last
+    row's bits and writes them to the last row's slot again)."""
+    t = batch.input_ids.shape[0]
+    idx = torch.cat([torch.arange(t), torch.full((rows - t,), t - 1)])
+    mask = batch.mask
+    if mask is None:  # one row that sees every read slot
+        mask = torch.ones(t, batch.read_slots.shape[0], dtype=torch.bool, device=batch.read_slots.device)
+    return ForwardBatch(batch.input_ids[idx], batch.positions[idx], batch.write_slots[idx], batch.read_slots,
+                        mask[idx], batch.logit_rows[:0])
+
+
 def ragged_mask(blocks: list[tuple], rows: int, cols: int) -> torch.Tensor | None:
     """The attention mask [rows, cols] bool of a flattened ragged batch.
 
@@ -136,6 +156,13 @@ class Decoder:
         # it gets alone (measured here: kernels switch with the row count; row_policies)
         self.rows_per_call: dict[str, tuple[int, int]] = row_policies(self.w, config.num_layers) \
             if self.row_invariant else {}
+        self.compiled = None  # compiled.CompiledStack once compile() is called
+
+    def compile(self) -> None:
+        """Run the layer stack compiled (model/compiled.py) from now on, in every forward."""
+        from specbuild.model.compiled import CompiledStack
+
+        self.compiled = CompiledStack(self)
 
     def format_for(self, group: str, width: int) -> str | None:
         """The format QLinear weights of `group` run in for a forward of `width` rows."""
@@ -158,27 +185,72 @@ class Decoder:
         the residual stream entering each of those layers at those rows, concatenated
         [A, len(aux_layers) * hidden]; with no aux_layers nothing extra is computed.
         """
-        aux = [] if aux_layers and aux_rows is not None else None
         c, w = self.config, self.w
-        x = embed_rows(w["embed"], batch.input_ids)  # [T, hidden]
-        cos_u = self.cos[batch.positions].unsqueeze(1)  # [T, 1, D]
-        sin_u = self.sin_signed[batch.positions].unsqueeze(1)
-        t = x.shape[0]
+        t = batch.input_ids.shape[0]
         fmt = self.format_for("layers", t)
-        # row-invariant attention (prefill too: its K/V must not depend on the batch): half-precision
-        # hidden states in one batched call per sequence, float32 ones row by row (measured on 2
-        # cores, SmolLM2 shapes, 30 layers: float32 rows 0.6 / 2.8 / 10.9 ms at widths 1 / 5 / 17,
-        # batched 1.8 / 4.0 / 9.5; bfloat16 rows 1.8 / 9.7 / 35.6, batched 1.9 / 4.0 / 9.7)
-        plan = row_cols = None
-        if self.row_invariant and self.dtype in (torch.bfloat16, torch.float16):
-            plan = InvariantPlan(batch.mask, batch.read_slots, t)
-        elif self.row_invariant and batch.mask is not None:
-            row_cols = visible_columns(batch.mask)
-        bound = self.rows_per_call.get  # (min, max) rows per call of half-precision linears, or None
+        aux_layers = tuple(aux_layers) if aux_layers and aux_rows is not None else ()
+        if self.compiled is not None:
+            x, aux = self.compiled_rows(batch, cache, fmt, aux_layers)
+        else:
+            x = embed_rows(w["embed"], batch.input_ids)  # [T, hidden]
+            cos_u = self.cos[batch.positions].unsqueeze(1)  # [T, 1, D]
+            sin_u = self.sin_signed[batch.positions].unsqueeze(1)
+            x, aux = self.layer_stack(x, cos_u, sin_u, batch.write_slots, cache.k, cache.v, fmt,
+                                      Attend(self, batch, t), aux_layers)
+        if aux_layers:
+            aux = [a.index_select(0, aux_rows) for a in aux]
+        rows = x.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != t else x
+        hidden = rms_norm(rows, w["norm"], c.rms_norm_eps)
+        logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0]), None,
+                        self.rows_per_call.get("lm_head")).float()
+        if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype in (torch.bfloat16, torch.float16):
+            logits = rescore_top(logits, hidden, self.lm_head)
+        out = (logits, hidden) if return_hidden else logits
+        if aux_layers:
+            # in aux_layers' order (a layer named twice is gathered once per mention)
+            order = sorted(set(aux_layers))
+            feats = torch.cat([aux[order.index(layer)] for layer in aux_layers], dim=-1)
+            return (*out, feats) if return_hidden else (out, feats)
+        return out
+
+
+    def compiled_rows(self, batch: ForwardBatch, cache: PagedKVCache, fmt: str | None, aux_layers: tuple[int, ...]):
+        """The layer stack through the compiled graph (compile()), its rows per call bounded
+        at the forward's level: the graph's linears take any width, so the half-precision
+        kernels' row policy (rows_per_call) is kept by padding a narrow forward with copies
+        of its last row (the same token, position, slot and mask row: the same bits written
+        to the same slot) and cutting a wide one into consecutive pieces (each row still
+        sees exactly its keys: row-invariant attention makes the pieces' rows the rows of
+        the whole). Returns (x [T, hidden], aux as layer_stack)."""
+        lo, hi = self.compiled.rows
+        t = batch.input_ids.shape[0]
+        if t > hi:
+            parts = [self.compiled_rows(sub_batch(batch, r, min(r + hi, t)), cache, fmt, aux_layers)
+                     for r in range(0, t, hi)]
+            return torch.cat([p[0] for p in parts]), [torch.cat(a) for a in zip(*[p[1] for p in parts])]
+        if t < lo:
+            x, aux = self.compiled_rows(pad_batch(batch, lo), cache, fmt, aux_layers)
+            return x[:t], [a[:t] for a in aux]
+        x = embed_rows(self.w["embed"], batch.input_ids)
+        cos_u = self.cos[batch.positions].unsqueeze(1)
+        sin_u = self.sin_signed[batch.positions].unsqueeze(1)
+        return self.compiled.run(x, cos_u, sin_u, batch.write_slots, cache, fmt, Attend(self, batch, t), aux_layers)
+
+    def layer_stack(self, x: torch.Tensor, cos_u: torch.Tensor, sin_u: torch.Tensor, write_slots: torch.Tensor,
+                    ks, vs, fmt: str | None, attend, aux_layers: tuple[int, ...] = (), bounded: bool = True):
+        """The decoder layers over hidden states x [T, hidden]: K/V of the new rows written into
+        the per-layer caches ks[i], vs[i] at write_slots, attention through attend(i, q, k, v).
+        Returns (x, the residual entering each of sorted(set(aux_layers)) for every row).
+        bounded=False: the linears take every width in one call (compiled_rows bounds them)."""
+        c, w = self.config, self.w
+        t = x.shape[0]
+        aux = []
+        # (min, max) rows per call of half-precision linears, or None
+        bound = self.rows_per_call.get if bounded else (lambda name: None)
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            if aux is not None and i in aux_layers:
-                aux.append(x.index_select(0, aux_rows))
+            if i in aux_layers:
+                aux.append(x)
             h = rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
             qkv = linear(h, w[p + "qkv"], fmt, w.get(p + "qkv_bias"), bound(p + "qkv"))  # [T, (H + 2KV) * D]
             # q and k side by side in qkv: one rope call for both (elementwise: the same bits)
@@ -186,30 +258,39 @@ class Decoder:
                              cos_u, sin_u)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:]
-            cache.k[i].index_copy_(0, batch.write_slots, k)
-            cache.v[i].index_copy_(0, batch.write_slots, v.view(t, c.num_kv_heads, c.head_dim))
-            if plan is not None:
-                attn = paged_attention_invariant(q, cache.k[i], cache.v[i], plan, self.scale)
-            elif row_cols is not None:
-                attn = paged_attention_rows(q, cache.k[i], cache.v[i], batch.read_slots, row_cols, self.scale)
-            else:
-                attn = paged_attention(q, cache.k[i], cache.v[i], batch.read_slots, batch.mask, self.scale)
+            ks[i].index_copy_(0, write_slots, k)
+            vs[i].index_copy_(0, write_slots, v.view(t, c.num_kv_heads, c.head_dim))
+            attn = attend(i, q, ks[i], vs[i])
             x = x + linear(attn.reshape(t, self.q_size), w[p + "o"], fmt, None, bound(p + "o"))
             h = rms_norm(x, w[p + "mlp_norm"], c.rms_norm_eps)
             gate, up = linear(h, w[p + "gate_up"], fmt, None, bound(p + "gate_up")).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, w[p + "down"], fmt, None, bound(p + "down"))
-        rows = x.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != t else x
-        hidden = rms_norm(rows, w["norm"], c.rms_norm_eps)
-        logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0]), None, bound("lm_head")).float()
-        if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype in (torch.bfloat16, torch.float16):
-            logits = rescore_top(logits, hidden, self.lm_head)
-        out = (logits, hidden) if return_hidden else logits
-        if aux is not None:
-            # in aux_layers' order (a layer named twice is gathered once per mention)
-            order = sorted(set(aux_layers))
-            feats = torch.cat([aux[order.index(layer)] for layer in aux_layers], dim=-1)
-            return (*out, feats) if return_hidden else (out, feats)
-        return out
+        return x, aux
+
+
+class Attend:
+    """One forward's attention over the paged cache, worked out once for all layers from its
+    mask: row-invariant when activations are rounded (see Decoder.__init__), else plain SDPA.
+    Called per layer as attend(i, q, k_cache, v_cache)."""
+
+    def __init__(self, model: "Decoder", batch: ForwardBatch, t: int) -> None:
+        self.read_slots, self.mask, self.scale = batch.read_slots, batch.mask, model.scale
+        self.plan = self.row_cols = None
+        # row-invariant attention (prefill too: its K/V must not depend on the batch): half-precision
+        # hidden states in one batched call per sequence, float32 ones row by row (measured on 2
+        # cores, SmolLM2 shapes, 30 layers: float32 rows 0.6 / 2.8 / 10.9 ms at widths 1 / 5 / 17,
+        # batched 1.8 / 4.0 / 9.5; bfloat16 rows 1.8 / 9.7 / 35.6, batched 1.9 / 4.0 / 9.7)
+        if model.row_invariant and model.dtype in (torch.bfloat16, torch.float16):
+            self.plan = InvariantPlan(batch.mask, batch.read_slots, t)
+        elif model.row_invariant and batch.mask is not None:
+            self.row_cols = visible_columns(batch.mask)
+
+    def __call__(self, i: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if self.plan is not None:
+            return paged_attention_invariant(q, k_cache, v_cache, self.plan, self.scale)
+        if self.row_cols is not None:
+            return paged_attention_rows(q, k_cache, v_cache, self.read_slots, self.row_cols, self.scale)
+        return paged_attention(q, k_cache, v_cache, self.read_slots, self.mask, self.scale)
 
 
 def row_invariant_needed(weights: dict, dtype: torch.dtype) -> bool:

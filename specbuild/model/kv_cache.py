@@ -39,9 +39,11 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         slots = num_blocks * block_size
-        # zeros, not empty: never let garbage (NaN) reach a masked attention row
-        self.k = torch.zeros(num_layers, slots, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(num_layers, slots, kv_heads, head_dim, dtype=dtype, device=device)
+        # zeros, not empty: never let garbage (NaN) reach a masked attention row. One tensor per
+        # layer (its own storage, not views of one): a compiled layer stack writes them in place
+        # as separate graph inputs (views of one base would make it copy the whole base back)
+        self.k = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.seqs: dict[int, SeqBlocks] = {}
         self.device = torch.device(device)
@@ -107,8 +109,13 @@ class PagedKVCache:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move K/V rows (all layers) from slots src [n] to slots dst [n] (tree compaction)."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        for k, v in zip(self.k, self.v):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` [n] in every layer: ([layers, n, kv_heads, head_dim], same)."""
+        return torch.stack([k[slots] for k in self.k]), torch.stack([v[slots] for v in self.v])
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

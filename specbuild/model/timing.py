@@ -141,7 +141,8 @@ def model_fingerprint(model) -> str:
     gives another fingerprint without reading every byte."""
     import hashlib
 
-    h = hashlib.sha256(repr((model.config, str(model.dtype))).encode())
+    # a compiled layer stack costs another amount than the eager one (model/compiled.py)
+    h = hashlib.sha256(repr((model.config, str(model.dtype), getattr(model, "compiled", None) is not None)).encode())
     for name in sorted(model.w):
         t = model.w[name]
         parts = [t] if isinstance(t, torch.Tensor) else [

@@ -134,12 +134,14 @@ def test_random_churn_keeps_the_pool_whole():
 
 def test_copy_slots_moves_all_layers():
     cache = make_cache()
-    cache.k.normal_()
-    cache.v.normal_()
+    for t in (*cache.k, *cache.v):
+        t.normal_()
     src, dst = torch.tensor([5, 9]), torch.tensor([0, 1])
-    k_src, v_src = cache.k[:, src].clone(), cache.v[:, src].clone()
+    k_src, v_src = cache.rows(src)
     cache.copy_slots(src, dst)
-    assert torch.equal(cache.k[:, dst], k_src) and torch.equal(cache.v[:, dst], v_src)
+    k_dst, v_dst = cache.rows(dst)
+    assert torch.equal(k_dst, k_src) and torch.equal(v_dst, v_src)
+    assert len(cache.k) > 1 and not torch.equal(k_src[0], k_src[1])  # every layer moved, not one
 
 
 def test_kv_bytes_per_token():
