@@ -38,10 +38,10 @@ def prompts(n: int) -> list[tuple[str, str]]:
     return out
 
 
-def run_one(bundle: str, prompt: str, method: str, max_tokens: int, threads: int) -> dict:
+def run_one(bundle: str, prompt: str, method: str, max_tokens: int, threads: int, compiled: bool = False) -> dict:
     cmd = [os.path.join(os.path.dirname(sys.executable), "specbuild"), "generate", bundle, "--chat", "--json",
            "--prompt", prompt, "--speculation", method, "--max-tokens", str(max_tokens), "--temperature", "0",
-           "--threads", str(threads)]
+           "--threads", str(threads)] + (["--compile"] if compiled else [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0
@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--methods", default="none,ngram,auto")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="every process runs the layer stack compiled")
     ap.add_argument("--json", action="store_true", help="print the full report as JSON")
     args = ap.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -68,14 +69,14 @@ def main() -> None:
     chosen = prompts(args.prompts)
     for i, (group, text) in enumerate(chosen):
         for m in methods:
-            rec = run_one(args.bundle, text, m, args.max_tokens, args.threads)
+            rec = run_one(args.bundle, text, m, args.max_tokens, args.threads, args.compile)
             rec["group"] = group
             rows[m].append(rec)
             print(f"[{i + 1}/{len(chosen)}] {group:15s} {m:8s} tpot {rec['stats']['tpot_ms']:7.2f} ms  "
                   f"ttft {rec['stats']['ttft_ms']:7.1f} ms  accepted/pass {rec['stats'].get('mean_accepted_tokens', 1):.2f}",
                   file=sys.stderr, flush=True)
     base = rows["none"]
-    report = {"bundle": args.bundle, "threads": args.threads, "max_tokens": args.max_tokens, "prompts": len(chosen),
+    report = {"bundle": args.bundle, "compile": args.compile, "threads": args.threads, "max_tokens": args.max_tokens, "prompts": len(chosen),
               "load_average": os.getloadavg(), "methods": {}}
     for m in methods:
         rs = rows[m]
@@ -97,7 +98,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"batch 1, one fresh `specbuild generate` process per prompt and method: {args.bundle}, {len(chosen)} "
+    print(f"batch 1, one fresh `specbuild generate{' --compile' if args.compile else ''}` process per prompt and "
+          f"method: {args.bundle}, {len(chosen)} "
           f"prompts, {args.max_tokens} tokens max, {args.threads} thread(s), load average {report['load_average'][0]:.1f}")
     print(f"{'method':8s} {'TPOT ms':>8s} {'TTFT ms':>8s} {'tok/s':>7s} {'decode x':>9s} {'min x':>6s} {'acc/pass':>8s} "
           f"{'greedy=':>7s} {'proc s':>6s}")

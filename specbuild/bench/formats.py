@@ -97,8 +97,11 @@ def decode_step_ms(engine, prompt: list[int], tokens: int, repeats: int) -> list
     from specbuild.sampling.params import SamplingParams
     from specbuild.engine.sequence import Request
 
+    from specbuild.speculation.config import SpeculationConfig
+
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    return [engine.generate([Request(prompt_ids=prompt, sampling=params)])[0]["stats"]["tpot_ms"]
+    plain = SpeculationConfig.make(None, method="none")  # whatever the bundle's default speculation is
+    return [engine.generate([Request(prompt_ids=prompt, sampling=params, speculation=plain)])[0]["stats"]["tpot_ms"]
             for _ in range(repeats)]
 
 

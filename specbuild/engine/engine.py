@@ -196,7 +196,12 @@ class Engine(BaseEngine):
             self.model.compile()
             aux = [()] + ([tuple(self.speculator.aux_layers)] if getattr(self.speculator, "aux_layers", None) else [])
             self.compile_seconds = warm_up(self.model, self.cache, aux)
-            log.info("compiled the layer stack in %.1fs", self.compile_seconds)
+            # draft models too (their proposals only decide speed; the target's pass decides tokens)
+            for prop in self.speculator.proposers.values():
+                if isinstance(getattr(prop, "model", None), Decoder) and prop.model.compiled is None:
+                    prop.model.compile()
+                    self.compile_seconds += warm_up(prop.model, prop.cache)
+            log.info("compiled the layer stacks in %.1fs", self.compile_seconds)
         _ = self.speculator.controller  # cost calibration now (cached per machine + bundle), never in a request
         self.default_speculation = SpeculationConfig.make(
             None, **{k: v for k, v in self.meta.default_speculation.items()})
