@@ -191,7 +191,7 @@ class Engine(BaseEngine):
         self.speculator = self.make_speculator()
         self.compile_seconds = None
         if config.compile:
-            from specbuild.model.compiled import warm_up
+            from specbuild.model.timing import warm_up_compiled as warm_up
 
             self.model.compile()
             aux = [()] + ([tuple(self.speculator.aux_layers)] if getattr(self.speculator, "aux_layers", None) else [])

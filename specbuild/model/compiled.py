@@ -202,25 +202,6 @@ class DirectCall:
         return self.compiled(*inputs)[0]
 
 
-def warm_up(model, cache, aux_layer_sets=((),)) -> float:
-    """Compile every graph a forward can take, at load (a compile inside a request would cost
-    it tens of seconds): a one-row decode step, a two-row verify pass, each with and without
-    the aux layers an EAGLE head reads. Returns the seconds it took."""
-    import time
-
-    from specbuild.model.timing import fit_context, scratch_sequence, verify_batch
-
-    t0 = time.perf_counter()
-    context = fit_context(model, cache, 8, 2)
-    with scratch_sequence(cache, context + 2) as slots:
-        for aux in aux_layer_sets:
-            for width in (1, 2):
-                batch = verify_batch(slots, context, width)
-                rows = torch.arange(width, device=slots.device) if aux else None
-                model.forward(batch, cache, aux_layers=tuple(aux), aux_rows=rows)
-    return time.perf_counter() - t0
-
-
 def stack_rows(rows_per_call: dict[str, tuple[int, int]]) -> tuple[int, int]:
     """One (min, max) rows per forward that keeps every layer linear's own policy (decoder.
     row_policies): the largest minimum and the smallest maximum. (1, no limit) without any."""

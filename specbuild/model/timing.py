@@ -55,6 +55,22 @@ def verify_batch(slots: torch.Tensor, context: int, width: int, token: int = 100
                         slots[context:n], slots[:n], mask, torch.arange(width, device=dev))
 
 
+def warm_up_compiled(model, cache, aux_layer_sets=((),)) -> float:
+    """Compile every graph a forward of a compiling Decoder (model/compiled.py) can take, at
+    load (a compile inside a request would cost it tens of seconds): a one-row decode step,
+    a two-row verify pass, each with and without the aux layers an EAGLE head reads.
+    Returns the seconds it took."""
+    t0 = time.perf_counter()
+    context = fit_context(model, cache, 8, 2)
+    with scratch_sequence(cache, context + 2) as slots:
+        for aux in aux_layer_sets:
+            for width in (1, 2):
+                batch = verify_batch(slots, context, width)
+                rows = torch.arange(width, device=slots.device) if aux else None
+                model.forward(batch, cache, aux_layers=tuple(aux), aux_rows=rows)
+    return time.perf_counter() - t0
+
+
 def fit_context(model, cache: PagedKVCache, context: int, width: int) -> int:
     """`context`, shortened where the model's positions (its rope table) or the cache's blocks
     cannot hold context + width tokens (a bundle compiled with a short max_seq_len)."""

@@ -112,7 +112,7 @@ def test_compiled_greedy_speculation_equals_plain_decoding(engines, name):
         out = generate(engine, method)
         assert [r["token_ids"] for r in out] == plain, (name, method)
         assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0, method
-    # every graph was compiled at load (compiled.warm_up): none inside these requests
+    # every graph was compiled at load (timing.warm_up_compiled): none inside these requests
     assert counters["stats"]["unique_graphs"] == graphs
     assert engine.cache.free_blocks == engine.cache.num_blocks
 
