@@ -48,6 +48,12 @@ def _(q, k_cache, v_cache, layer):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+# a one-row step over one run of more keys than this reads them as a view of the cache
+# through the op (attention.gather_rows: the same bits) rather than gathering them in the
+# graph: the copy costs more than the op's ~20 us a layer from here (measured, 2 threads)
+INLINE_MAX_KEYS = 256
+
+
 def _op_attend(i: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     return paged_attention_op(q.contiguous(), k_cache, v_cache, i)
 
@@ -88,7 +94,8 @@ class CompiledStack:
         # no mask and the plain SDPA path (a one-row decode step in float32 hidden states): SDPA
         # inline in a one-row graph; otherwise the width is dynamic (unbacked: one graph for all
         # widths) and attention the eager row-invariant op
-        inline = attend.mask is None and attend.plan is None and attend.row_cols is None
+        inline = attend.mask is None and attend.plan is None and attend.row_cols is None and (
+            attend.read_range is None or attend.read_slots.shape[0] <= INLINE_MAX_KEYS)
         # the index tensors come as views at an offset (slices of a slot list) or not, made in
         # inference mode or not: dynamo guards on both, so fresh copies (one small op each,
         # made here in the forward's inference mode) keep every call on the graphs compiled

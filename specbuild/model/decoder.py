@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from specbuild.bundle import ModelConfig
-from specbuild.model.attention import (InvariantPlan, paged_attention, paged_attention_invariant, paged_attention_rows,
-                                       visible_columns)
+from specbuild.model.attention import (InvariantPlan, contiguous_range, paged_attention, paged_attention_invariant,
+                                       paged_attention_rows, visible_columns)
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.qlinear import QLinear, as_dense, embed_rows, linear, rows_policy, weight_nbytes, width_classes
 
@@ -275,7 +275,7 @@ class Attend:
 
     def __init__(self, model: "Decoder", batch: ForwardBatch, t: int) -> None:
         self.read_slots, self.mask, self.scale = batch.read_slots, batch.mask, model.scale
-        self.plan = self.row_cols = None
+        self.plan = self.row_cols = self.read_range = None
         # row-invariant attention (prefill too: its K/V must not depend on the batch): half-precision
         # hidden states in one batched call per sequence, float32 ones row by row (measured on 2
         # cores, SmolLM2 shapes, 30 layers: float32 rows 0.6 / 2.8 / 10.9 ms at widths 1 / 5 / 17,
@@ -284,13 +284,16 @@ class Attend:
             self.plan = InvariantPlan(batch.mask, batch.read_slots, t)
         elif model.row_invariant and batch.mask is not None:
             self.row_cols = visible_columns(batch.mask)
+        if self.plan is None:  # the keys as a view of the cache when they are one run of slots
+            self.read_range = contiguous_range(batch.read_slots)
 
     def __call__(self, i: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         if self.plan is not None:
             return paged_attention_invariant(q, k_cache, v_cache, self.plan, self.scale)
         if self.row_cols is not None:
-            return paged_attention_rows(q, k_cache, v_cache, self.read_slots, self.row_cols, self.scale)
-        return paged_attention(q, k_cache, v_cache, self.read_slots, self.mask, self.scale)
+            return paged_attention_rows(q, k_cache, v_cache, self.read_slots, self.row_cols, self.scale,
+                                        self.read_range)
+        return paged_attention(q, k_cache, v_cache, self.read_slots, self.mask, self.scale, self.read_range)
 
 
 def row_invariant_needed(weights: dict, dtype: torch.dtype) -> bool:

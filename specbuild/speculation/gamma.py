@@ -138,6 +138,11 @@ class GammaController:
         if not st.of(method):
             if policy is not None:
                 return policy.start(lo, hi) if hi > 0 else 0
+            if spec.method == "auto" and hi > 0:
+                # auto's first try of a drafter: the depth its prior acceptance pays for on the
+                # measured costs (where a wide pass costs 2.4x a step, as int4's does, a failed
+                # first try at gamma 4 cost a whole step more than one at 2)
+                return best_gamma(self.alpha(seq, method), max(lo, 1), hi, costs or self.costs[method])
             return max(spec.gamma, 1) if spec.gamma_max > 0 else 0
         if st.collapsed:  # speculation off (policy threshold); a probe every probe_every steps
             st.plain_steps += 1

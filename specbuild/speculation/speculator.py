@@ -139,7 +139,8 @@ class Speculator:
         """Token recycling's table learns from every verified row (tokens[i] is row i's
         input token); only for requests that may draft with it (recycle, auto)."""
         rec = self.proposers.get("recycle")
-        if rec is not None and seq.spec is not None and seq.spec.method in ("recycle", "auto"):
+        if rec is not None and seq.spec is not None and (seq.spec.method == "recycle" or (
+                seq.spec.method == "auto" and not seq.spec_state.auto_plain)):
             rec.observe(torch.tensor(tokens, dtype=torch.int64), rows)
 
     # EAGLE-3 heads read three of the target's hidden states (model/decoder.py aux_layers)
@@ -157,7 +158,7 @@ class Speculator:
         rows: list[int] = []
         for it in items:
             spec = getattr(it.seq, "spec", None)
-            if spec is not None and spec.method in ("eagle", "auto"):
+            if spec is not None and (spec.method == "eagle" or (spec.method == "auto" and not it.seq.spec_state.auto_plain)):
                 it.aux0 = len(rows)
                 rows.extend(range(it.row0, it.row0 + it.width))
             else:
@@ -196,6 +197,8 @@ class Speculator:
             return None
         if method != "auto":
             return method
+        if seq.spec_state.auto_plain:
+            return None
         best, best_rate = None, 0.0
         for name in self.proposers:
             cm = self.cost_model(seq, name)
@@ -205,7 +208,10 @@ class Speculator:
             if rate > best_rate:
                 best, best_rate = name, rate
         plain_rate = 1.0 / self.controller.costs[next(iter(self.proposers))].verify(1)
-        return best if best_rate > plain_rate else None
+        if best_rate > plain_rate:
+            return best
+        seq.spec_state.auto_plain = True  # final: see SpecState.auto_plain
+        return None
 
     def cost_model(self, seq, method: str):
         """The measured costs of `method` for seq; for Medusa, depth g verifies all of the

@@ -19,6 +19,11 @@ class SpecState:
     # of the last tree step (node indices, root excluded) until `compact` moves its K/V
     method: str | None = None
     accepted_nodes: tuple[int, ...] = ()
+    # Speculator under `auto`: every drafter's rate fell below plain decoding's. Its inputs
+    # (a drafter's acceptance changes only when it drafts) are fixed from then on, so the
+    # choice is final, and the drafters' per-step bookkeeping (recycling's table, EAGLE's
+    # features) is skipped for the sequence
+    auto_plain: bool = False
     # GammaController: recent (drafted, accepted) per method; the one acceptance estimate
     gamma: GammaState | None = None
     # DraftModelProposer: tokens of this sequence held in the draft model's cache

@@ -49,8 +49,9 @@ def prefill(engine, seq_id: int, ids: torch.Tensor, n: int, total: int) -> None:
                                       torch.tensor([n - 1])), cache)
 
 
+@pytest.mark.parametrize("p", [21, 300])  # 300 keys: the one-row step reads a cache view through the op
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_compiled_rows_equal_the_compiled_decode_step(engines, name):
+def test_compiled_rows_equal_the_compiled_decode_step(engines, name, p):
     """A chain verify pass of W rows, alone and beside another sequence's rows, gives each row
     exactly the logits that decoding those tokens one by one gives (the contract that keeps
     greedy speculation equal to plain decoding)."""
@@ -58,8 +59,8 @@ def test_compiled_rows_equal_the_compiled_decode_step(engines, name):
     model, cache = engine.model, engine.cache
     assert model.compiled is not None
     torch.manual_seed(0)
-    ids = torch.randint(1, 300, (40,))
-    p, w = 21, 6
+    ids = torch.randint(1, 300, (p + 20,))
+    w = 6
     prefill(engine, 901, ids, p, p + w)
     steps = []
     for j in range(w):

@@ -366,3 +366,23 @@ def test_signed_rope_keeps_apply_ropes_bits(dtype):
         x = torch.randn(t, 12, 64, generator=g).to(dtype)
         cos, sin = torch.randn(t, 64, generator=g).to(dtype), torch.randn(t, 64, generator=g).to(dtype)
         assert torch.equal(rope_signed(x, cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)), apply_rope(x, cos, sin))
+
+
+def test_contiguous_slots_are_read_as_a_view_with_the_same_bits():
+    from specbuild.model.attention import contiguous_range, gather_rows, paged_attention, paged_attention_rows
+
+    assert contiguous_range(torch.arange(5, 12)) == (5, 12)
+    assert contiguous_range(torch.tensor([5, 6, 8])) is None
+    assert contiguous_range(torch.tensor([7, 6, 5])) is None  # a descending run is not a view
+    assert contiguous_range(torch.tensor([3])) == (3, 4) and contiguous_range(torch.tensor([], dtype=torch.long)) is None
+    torch.manual_seed(0)
+    k, v = torch.randn(64, 2, 16), torch.randn(64, 2, 16)
+    slots = torch.arange(10, 50)
+    rng = contiguous_range(slots)
+    view = gather_rows(k, slots, rng)
+    assert view.data_ptr() == k[10].data_ptr() and torch.equal(view, k.index_select(0, slots))
+    q = torch.randn(3, 4, 16)
+    mask = torch.ones(3, 40, dtype=torch.bool).tril(37)
+    assert torch.equal(paged_attention(q, k, v, slots, mask, 0.25, rng), paged_attention(q, k, v, slots, mask, 0.25))
+    cols = [38, 39, 40]
+    assert torch.equal(paged_attention_rows(q, k, v, slots, cols, 0.25, rng), paged_attention_rows(q, k, v, slots, cols, 0.25))

@@ -57,7 +57,25 @@ def test_auto_chooses_by_the_controllers_estimate():
     assert spec.choose_method(seq) == "ngram"
     for _ in range(20):
         spec.controller.record(seq, "ngram", 4, 0)
+    assert not seq.spec_state.auto_plain
     assert spec.choose_method(seq) is None  # neither pays: plain decoding
+    # final: an estimate changes only when its drafter drafts, so auto stops weighing them
+    assert seq.spec_state.auto_plain
+    for _ in range(20):  # (even were one to change, the sequence stays plain)
+        spec.controller.record(seq, "ngram", 4, 4)
+    assert spec.choose_method(seq) is None
+
+
+def test_a_settled_auto_sequence_skips_the_drafters_bookkeeping():
+    observed = []
+    rec = types.SimpleNamespace(observe=lambda tokens, rows: observed.append(tokens))
+    spec = Speculator(None, None, {"recycle": rec}, max_draft_len=4, max_seq_len=64,
+                      costs={"recycle": CostModel({1: 1.0, 5: 1.1})})
+    seq = fake_seq()
+    spec.observe_logits(seq, [1, 2], None)
+    seq.spec_state.auto_plain = True
+    spec.observe_logits(seq, [3, 4], None)
+    assert [t.tolist() for t in observed] == [[1, 2]]
 
 
 def test_remaining_room_counts_max_tokens_and_context(tiny_bundle):
@@ -69,3 +87,18 @@ def test_remaining_room_counts_max_tokens_and_context(tiny_bundle):
     engine.run_until_done()
     assert short.seq.remaining == 0 and near.seq.remaining == 0
     assert len(near.result()["token_ids"]) == 3 and near.result()["finish_reason"] == "length"
+
+
+def test_auto_first_tries_a_drafter_at_the_depth_its_prior_pays_for():
+    # a wide pass costs much more than a step (int4-like): the first try is short
+    def seq(method):  # the dynamic depth, bounds 1..4
+        return types.SimpleNamespace(spec_state=SpecState(), spec=SpeculationConfig.make(
+            None, method=method, gamma=4, gamma_min=1, gamma_max=4))
+
+    assert seq("auto").spec.dynamic
+    steep = {"ngram": CostModel({1: 1.0, 2: 1.2, 3: 1.4, 5: 2.4})}
+    ctl = GammaController(steep)
+    assert ctl.next(seq("auto"), "ngram") == 2
+    assert ctl.next(seq("ngram"), "ngram") == 4  # a named method starts from its gamma, as before
+    flat = {"ngram": CostModel({1: 1.0, 2: 1.01, 3: 1.02, 5: 1.04})}
+    assert GammaController(flat).next(seq("auto"), "ngram") == 4
