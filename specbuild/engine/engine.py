@@ -193,14 +193,20 @@ class Engine(BaseEngine):
         if config.compile:
             from specbuild.model.timing import warm_up_compiled as warm_up
 
-            self.model.compile()
-            aux = [()] + ([tuple(self.speculator.aux_layers)] if getattr(self.speculator, "aux_layers", None) else [])
-            self.compile_seconds = warm_up(self.model, self.cache, aux)
-            # draft models too (their proposals only decide speed; the target's pass decides tokens)
-            for prop in self.speculator.proposers.values():
-                if isinstance(getattr(prop, "model", None), Decoder) and prop.model.compiled is None:
-                    prop.model.compile()
-                    self.compile_seconds += warm_up(prop.model, prop.cache)
+            try:
+                self.model.compile()
+                aux = [()] + ([tuple(self.speculator.aux_layers)] if getattr(self.speculator, "aux_layers", None)
+                              else [])
+                self.compile_seconds = warm_up(self.model, self.cache, aux)
+                # draft models too (their proposals only decide speed; the target's pass decides tokens)
+                for prop in self.speculator.proposers.values():
+                    if isinstance(getattr(prop, "model", None), Decoder) and prop.model.compiled is None:
+                        prop.model.compile()
+                        self.compile_seconds += warm_up(prop.model, prop.cache)
+            except Exception as e:  # noqa: BLE001 - inductor's failures (no C++ compiler, ...) vary widely
+                raise BundleError(f"compile=True: torch.compile of the layer stack failed here ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:300] if str(e) else ''}); inductor's CPU backend needs a "
+                                  "C++ compiler (g++); run without --compile") from e
             log.info("compiled the layer stacks in %.1fs", self.compile_seconds)
         _ = self.speculator.controller  # cost calibration now (cached per machine + bundle), never in a request
         self.default_speculation = SpeculationConfig.make(

@@ -153,3 +153,15 @@ def test_compile_flag_in_the_cli_help():
 def test_compile_is_refused_off_cpu():
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(device="cuda", compile=True)
+
+
+def test_a_failed_compile_is_one_clear_error(engines, monkeypatch):
+    import specbuild.model.compiled as compiled
+    from specbuild.errors import BundleError
+
+    def broken(self):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(compiled.CompiledStack, "__init__", broken)
+    with pytest.raises(BundleError, match="needs a C\\+\\+ compiler.*without --compile"):
+        Engine(engines["float32"].bundle_dir, EngineConfig(max_batch_size=1, compile=True))
