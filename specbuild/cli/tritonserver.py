@@ -25,6 +25,8 @@ from specbuild.errors import SpecbuildError
 @click.option("--threads", type=int, default=None, help="Torch CPU threads in the model instance.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
 @click.option("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens [enough for a full batch].")
+@click.option("--compile", "compile_", is_flag=True,
+              help="The engine model runs the target's layer stack compiled (torch.compile; CPU).")
 @click.option("--python-env", type=click.Path(), default=None,
               help="Environment (with bin/activate) the backend stub runs in (EXECUTION_ENV_PATH); "
                    "scripts/get_tritonserver.py prints one.")
@@ -38,7 +40,7 @@ from specbuild.errors import SpecbuildError
               help="module:callable that builds the engine from (bundle, EngineConfig) (--backend: default only).")
 @click.option("--telemetry", default=None, metavar="DB",
               help="The engine model records speculation telemetry into DB (SQLite file or postgresql:// DSN).")
-def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, device, kv_cache_tokens, python_env,
+def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, device, kv_cache_tokens, compile_, python_env,
                 plain, plain_instances, backend, engine_factory, telemetry) -> None:
     """Write a Triton model repository that serves BUNDLE with speculative decoding."""
     from specbuild.serve.tritonserver_repo import RepoConfig, write_repository
@@ -47,7 +49,7 @@ def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, dev
         config = RepoConfig(model_name=model_name, max_queue=max_queue, python_env=python_env, threads=threads,
                             max_batch_size=max_batch_size, device=device, kv_cache_tokens=kv_cache_tokens,
                             plain=plain, plain_instances=plain_instances, engine_factory=engine_factory,
-                            backend=backend, telemetry=telemetry)
+                            backend=backend, telemetry=telemetry, compile=compile_)
         names = write_repository(bundle, out, config)
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

@@ -216,7 +216,9 @@ class EngineModel:
         factory = getattr(importlib.import_module(module), attr)
         ints = {k: int(params[k]) for k in ("threads", "max_batch_size", "kv_cache_tokens") if params.get(k)}
         backend = {"backend": params["backend"]} if params.get("backend") else {}  # open_engine's choice
-        self.engine = factory(params["bundle"], EngineConfig(device=params.get("device") or "cpu", **ints), **backend)
+        flags = {"compile": True} if params.get("compile") == "1" else {}
+        self.engine = factory(params["bundle"], EngineConfig(device=params.get("device") or "cpu", **ints, **flags),
+                              **backend)
         self.max_queue = int(params.get("max_queue") or 64)
         self.closing = False
         self.lock = threading.Lock()

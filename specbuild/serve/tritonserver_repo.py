@@ -73,6 +73,7 @@ class RepoConfig:
     max_batch_size: int | None = None
     device: str = "cpu"
     kv_cache_tokens: int | None = None
+    compile: bool = False  # the engine model runs the layer stack compiled (EngineConfig.compile)
     plain: bool = True
     plain_instances: int = 2
     engine_factory: str = DEFAULT_FACTORY
@@ -165,6 +166,8 @@ def write_repository(bundle_dir: str, out: str, config: RepoConfig = RepoConfig(
     for key in ("threads", "max_batch_size", "kv_cache_tokens"):
         if getattr(config, key) is not None:
             engine_params[key] = str(getattr(config, key))
+    if config.compile:
+        engine_params["compile"] = "1"
     os.makedirs(out, exist_ok=True)
     names = [config.model_name]
     write_model(out, config.model_name, config_pbtxt(config.model_name, True, 1, engine_params))

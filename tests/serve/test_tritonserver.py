@@ -278,6 +278,9 @@ def test_repository_files(bundle, tmp_path):
     result = CliRunner().invoke(main, ["triton-repo", bundle, "--out", str(out), "--backend", "torch"])
     assert result.exit_code == 0, result.output
     assert 'key: "backend" value: { string_value: "torch" }' in (out / MODEL / "config.pbtxt").read_text()
+    assert 'key: "compile"' not in (out / MODEL / "config.pbtxt").read_text()
+    result = CliRunner().invoke(main, ["triton-repo", bundle, "--out", str(out), "--compile"])
+    assert result.exit_code == 0 and 'key: "compile" value: { string_value: "1" }' in (out / MODEL / "config.pbtxt").read_text()
     bad = CliRunner().invoke(main, ["triton-repo", bundle, "--out", str(out), "--backend", "tensorrt-llm",
                                     "--engine-factory", "specbuild.engine.engine:Engine"])
     assert bad.exit_code == 2 and "applies to the default engine factory" in bad.output
