@@ -302,7 +302,7 @@ class Engine(BaseEngine):
         with self._lock, scratch_sequence(self.cache, n) as slots:  # a full pool raises RequestError
             mask = torch.ones(n, n, dtype=torch.bool).tril().to(dev)
             batch = ForwardBatch(torch.tensor(prompt_ids, device=dev), torch.arange(n, device=dev), slots, slots,
-                                 mask, torch.arange(n - 1, device=dev))
+                                 mask, torch.arange(n - 1, device=dev), torch.ones(n, dtype=torch.bool, device=dev))
             logits = self.model.forward(batch, self.cache)
         return token_logprobs(logits.float().cpu(), params, list(prompt_ids[1:]), top_n)
 

@@ -58,7 +58,7 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
     The mask lets each row see its own sequence's past (all of it) and its own new rows
     under that item's new-token mask (causal, or the tree's ancestor mask for tree drafts).
     """
-    ids, pos, wslots, rslots, logit_rows = [], [], [], [], []
+    ids, pos, wslots, rslots, logit_rows, prompt = [], [], [], [], [], []
     blocks = []
     t = s = 0
     for k, it in enumerate(items):
@@ -71,6 +71,11 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
                                torch.arange(it.pad) + it.width])
         ids.append(torch.tensor(tokens, dtype=torch.int64))
         pos.append(it.start + depth)
+        # prompt rows: the chunk's rows at positions inside the prompt (a prefill chunk; never a
+        # draft or a pad row, which follow the chunk)
+        in_prompt = torch.zeros(n, dtype=torch.bool)
+        in_prompt[:max(0, min(len(it.chunk), len(it.seq.prompt_ids) - it.start))] = True
+        prompt.append(in_prompt)
         cache.reserve(it.seq.seq_id, it.start + n)
         all_slots = cache.slots(it.seq.seq_id, 0, it.start + n)
         wslots.append(all_slots[it.start:])
@@ -97,6 +102,7 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
         read_slots=torch.cat(rslots).to(dev),
         mask=None if mask is None else mask.to(dev),
         logit_rows=(torch.cat(logit_rows) if logit_rows else torch.zeros(0, dtype=torch.int64)).to(dev),
+        prompt_rows=torch.cat(prompt).to(dev),
     )
 
 

@@ -101,7 +101,8 @@ class CompiledStack:
         # no mask and the plain SDPA path (a one-row decode step in float32 hidden states): SDPA
         # inline in a one-row graph; otherwise the width is dynamic (unbacked: one graph for all
         # widths) and attention the eager row-invariant op
-        inline = attend.mask is None and attend.plan is None and attend.row_cols is None and (
+        inline = attend.mask is None and attend.plan is None and attend.row_cols is None and \
+            attend.prompt_plan is None and (
             attend.read_range is None or attend.read_slots.shape[0] <= INLINE_MAX_KEYS)
         # the index tensors come as views at an offset (slices of a slot list) or not, made in
         # inference mode or not: dynamo guards on both, so fresh copies (one small op each,

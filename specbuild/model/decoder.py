@@ -91,14 +91,18 @@ class ForwardBatch:
     read_slots: torch.Tensor  # [S] int64, the K/V rows attention may read
     mask: torch.Tensor | None  # [T, S] bool, True = may attend; None = everything visible
     logit_rows: torch.Tensor  # [R] int64, rows of T whose logits are wanted
+    # [T] bool, True where the row is a prompt token (a prefill row; the scheduler sets it):
+    # bundles that compute float32 attention row by row take such rows batched (Attend)
+    prompt_rows: torch.Tensor | None = None
 
 
 def sub_batch(batch: ForwardBatch, r0: int, r1: int) -> ForwardBatch:
     """Rows r0..r1-1 of a forward (their K/V still written, every key they see still read);
     its logit rows are not kept (compiled_rows takes hidden states, not logits)."""
     mask = None if batch.mask is None else batch.mask[r0:r1]
+    prompt = None if batch.prompt_rows is None else batch.prompt_rows[r0:r1]
     return ForwardBatch(batch.input_ids[r0:r1], batch.positions[r0:r1], batch.write_slots[r0:r1],
-                        batch.read_slots, mask, batch.logit_rows[:0])
+                        batch.read_slots, mask, batch.logit_rows[:0], prompt)
 
 
 def pad_batch(batch: ForwardBatch, rows: int) -> ForwardBatch:
@@ -109,8 +113,9 @@ def pad_batch(batch: ForwardBatch, rows: int) -> ForwardBatch:
     mask = batch.mask
     if mask is None:  # one row that sees every read slot
         mask = torch.ones(t, batch.read_slots.shape[0], dtype=torch.bool, device=batch.read_slots.device)
+    prompt = None if batch.prompt_rows is None else batch.prompt_rows[idx]
     return ForwardBatch(batch.input_ids[idx], batch.positions[idx], batch.write_slots[idx], batch.read_slots,
-                        mask[idx], batch.logit_rows[:0])
+                        mask[idx], batch.logit_rows[:0], prompt)
 
 
 def ragged_mask(blocks: list[tuple], rows: int, cols: int) -> torch.Tensor | None:
@@ -280,8 +285,21 @@ class Attend:
         # hidden states in one batched call per sequence, float32 ones row by row (measured on 2
         # cores, SmolLM2 shapes, 30 layers: float32 rows 0.6 / 2.8 / 10.9 ms at widths 1 / 5 / 17,
         # batched 1.8 / 4.0 / 9.5; bfloat16 rows 1.8 / 9.7 / 35.6, batched 1.9 / 4.0 / 9.7)
+        self.prompt_plan = None  # (prompt row ids, other row ids, InvariantPlan of the prompt rows)
         if model.row_invariant and model.dtype in (torch.bfloat16, torch.float16):
             self.plan = InvariantPlan(batch.mask, batch.read_slots, t)
+        elif model.row_invariant and batch.prompt_rows is not None and bool(batch.prompt_rows.any()):
+            # float32 hidden states, rounded kernel inputs: prompt rows batched and row-invariant
+            # (the decode step never recomputes them, so only they must agree among themselves,
+            # whatever the chunking), generated and draft rows one SDPA call each as below
+            # (measured: a 256-row int4 prefill chunk after 512 keys spent 344 ms in 7,680
+            # per-row SDPA calls)
+            pre = batch.prompt_rows.nonzero().squeeze(1)
+            rest = (~batch.prompt_rows).nonzero().squeeze(1)
+            sub = None if batch.mask is None else batch.mask.index_select(0, pre)
+            self.prompt_plan = (pre, rest, InvariantPlan(sub, batch.read_slots, pre.shape[0]))
+            if rest.numel():
+                self.row_cols = visible_columns(batch.mask.index_select(0, rest))
         elif model.row_invariant and batch.mask is not None:
             self.row_cols = visible_columns(batch.mask)
         if self.plan is None:  # the keys as a view of the cache when they are one run of slots
@@ -290,6 +308,14 @@ class Attend:
     def __call__(self, i: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         if self.plan is not None:
             return paged_attention_invariant(q, k_cache, v_cache, self.plan, self.scale)
+        if self.prompt_plan is not None:
+            pre, rest, plan = self.prompt_plan
+            out = q.new_empty(q.shape)
+            out[pre] = paged_attention_invariant(q.index_select(0, pre), k_cache, v_cache, plan, self.scale)
+            if rest.numel():
+                out[rest] = paged_attention_rows(q.index_select(0, rest), k_cache, v_cache, self.read_slots,
+                                                 self.row_cols, self.scale, self.read_range)
+            return out
         if self.row_cols is not None:
             return paged_attention_rows(q, k_cache, v_cache, self.read_slots, self.row_cols, self.scale,
                                         self.read_range)

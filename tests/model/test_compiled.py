@@ -165,3 +165,55 @@ def test_a_failed_compile_is_one_clear_error(engines, monkeypatch):
     monkeypatch.setattr(compiled.CompiledStack, "__init__", broken)
     with pytest.raises(BundleError, match="needs a C\\+\\+ compiler.*without --compile"):
         Engine(engines["float32"].bundle_dir, EngineConfig(max_batch_size=1, compile=True))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_prompt_rows_are_invariant_to_chunking_and_neighbours(engines, compiled):
+    """int4 (float32 hidden states, bfloat16 kernel inputs) takes prompt rows batched
+    (decoder.Attend's prompt_plan): a prompt's K/V and last logits are the same bits in one
+    chunk, in chunks of 7, and beside another sequence's decode row."""
+    engine = engines["int4"] if compiled else Engine(engines["int4"].bundle_dir, EngineConfig(max_batch_size=4))
+    model, cache = engine.model, engine.cache
+    assert model.row_invariant and model.dtype == torch.float32
+    torch.manual_seed(1)
+    n = 40
+    ids = torch.randint(1, 300, (n,))
+
+    def run(seq_id, chunk, partner=False):
+        cache.add(seq_id)
+        cache.reserve(seq_id, n)
+        slots = cache.slots(seq_id, 0, n)
+        last = None
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            m = torch.zeros(b - a, b, dtype=torch.bool)
+            m[:, :a] = True
+            m[:, a:] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+            batch = ForwardBatch(ids[a:b], torch.arange(a, b), slots[a:b], slots[:b], m, torch.tensor([b - a - 1]),
+                                 torch.ones(b - a, dtype=torch.bool))
+            if partner:  # one decode row of another sequence (3 cached tokens) in the same forward
+                cache.add(seq_id + 1)
+                cache.reserve(seq_id + 1, 4)
+                o = cache.slots(seq_id + 1, 0, 4)
+                big = torch.zeros(b - a + 1, b + 4, dtype=torch.bool)
+                big[:b - a, :b] = m
+                big[b - a, b:] = True
+                batch = ForwardBatch(torch.cat([ids[a:b], ids[:1]]), torch.cat([torch.arange(a, b), torch.tensor([3])]),
+                                     torch.cat([slots[a:b], o[3:]]), torch.cat([slots[:b], o]), big,
+                                     torch.tensor([b - a - 1]), torch.cat([torch.ones(b - a, dtype=torch.bool),
+                                                                           torch.zeros(1, dtype=torch.bool)]))
+            last = model.forward(batch, cache)[0]
+        return cache.rows(slots), last
+
+    from specbuild.model.decoder import Attend
+
+    probe = ForwardBatch(ids[:3], torch.arange(3), torch.arange(3), torch.arange(3),
+                         torch.ones(3, 3, dtype=torch.bool).tril(), torch.tensor([2]), torch.ones(3, dtype=torch.bool))
+    assert Attend(model, probe, 3).prompt_plan is not None  # the batched path, not one SDPA call per row
+    (k1, v1), l1 = run(801, n)
+    (k2, v2), l2 = run(803, 7)
+    (k3, v3), l3 = run(805, n, partner=True)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(l1, l2)
+    assert torch.equal(k1, k3) and torch.equal(v1, v3) and torch.equal(l1, l3)
+    for sid in list(cache.seqs):
+        cache.release(sid)
