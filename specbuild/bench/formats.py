@@ -94,9 +94,8 @@ def agreement(engine, prompts: list[list[int]], baseline: list[list[int]], mine:
 
 def decode_step_ms(engine, prompt: list[int], tokens: int, repeats: int) -> list[float]:
     """Per-token milliseconds of plain greedy decoding at batch 1 (prefill excluded)."""
-    from specbuild.sampling.params import SamplingParams
     from specbuild.engine.sequence import Request
-
+    from specbuild.sampling.params import SamplingParams
     from specbuild.speculation.config import SpeculationConfig
 
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)

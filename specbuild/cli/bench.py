@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import click
 
+from specbuild.cli.main import compile_option
 from specbuild.bench import specbench as B
 
 # 48 questions (one of each MT-bench category): with none + ngram, 128 tokens and 3 repeats about
@@ -384,9 +385,8 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
                    "(comma-separated, e.g. float32,bfloat16,int8,int4) and report each one's step against its "
                    "memory floor, verify cost by width, perplexity and greedy agreement (llama.cpp as a peer row "
                    "where llama-cpp-python is installed).")
-@click.option("--compile", "compile_", is_flag=True,
-              help="Run the target's layer stack compiled (torch.compile; every row, the baseline too). "
-                   "With --formats: add +compile to a format's name instead (e.g. int4,int4+compile).")
+@compile_option(" Every row, the baseline too; with --formats add +compile to a format's name instead "
+                "(e.g. int4,int4+compile).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON instead of the table.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @click.option("--plot", "plot", type=click.Path(dir_okay=False), default=None,

@@ -33,6 +33,13 @@ def user_errors(fn):
     return wrapper
 
 
+def compile_option(extra: str = ""):
+    """`--compile` (EngineConfig.compile) as every command that opens an engine takes it."""
+    return click.option("--compile", "compile_", is_flag=True,
+                        help="Torch backend, CPU: run the layer stack compiled (torch.compile; a compile at load, "
+                             "cached on disk)." + extra)
+
+
 def fail_once(e: Exception) -> None:
     """A start-up refusal that every MPI rank reaches alike: rank 0 prints it (one line, not
     one per rank) and every rank exits 2."""
@@ -281,8 +288,7 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N (torch backend).")
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
               help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch.")
-@click.option("--compile", "compile_", is_flag=True,
-              help="Torch backend: run the target's layer stack compiled (torch.compile; a compile at load, cached).")
+@compile_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Structured output: the answer is JSON valid against this schema file (strict).")

@@ -35,6 +35,7 @@ import threading
 
 import click
 
+from specbuild.cli.main import compile_option
 from specbuild.cli.telemetry import open_telemetry, telemetry_option
 from specbuild.errors import SpecbuildError
 
@@ -50,8 +51,7 @@ from specbuild.errors import SpecbuildError
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N (torch backend).")
 @click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
               help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch.")
-@click.option("--compile", "compile_", is_flag=True,
-              help="Torch backend: run the target's layer stack compiled (torch.compile; a compile at load, cached).")
+@compile_option()
 @click.option("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens [enough for a full batch].")
 @click.option("--prefill-chunk", type=int, default=256, show_default=True,
               help="Most prompt tokens per step, so long prompts do not stall running requests.")

@@ -13,6 +13,7 @@ import sys
 import click
 
 from specbuild.errors import SpecbuildError
+from specbuild.cli.main import compile_option
 
 
 @click.command()
@@ -25,8 +26,7 @@ from specbuild.errors import SpecbuildError
 @click.option("--threads", type=int, default=None, help="Torch CPU threads in the model instance.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
 @click.option("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens [enough for a full batch].")
-@click.option("--compile", "compile_", is_flag=True,
-              help="The engine model runs the target's layer stack compiled (torch.compile; CPU).")
+@compile_option()
 @click.option("--python-env", type=click.Path(), default=None,
               help="Environment (with bin/activate) the backend stub runs in (EXECUTION_ENV_PATH); "
                    "scripts/get_tritonserver.py prints one.")

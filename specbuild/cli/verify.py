@@ -6,7 +6,7 @@ import json
 
 import click
 
-from specbuild.cli.main import user_errors
+from specbuild.cli.main import compile_option, user_errors
 
 
 @click.command()
@@ -26,7 +26,7 @@ from specbuild.cli.main import user_errors
               help="Accepted drafts a setting needs; below it the setting is inconclusive, not passed.")
 @click.option("--seed", default=1234, show_default=True, type=int)
 @click.option("--threads", type=int, default=None)
-@click.option("--compile", "compile_", is_flag=True, help="Run the target's layer stack compiled (torch.compile).")
+@compile_option()
 @click.option("--json", "as_json", is_flag=True)
 @user_errors
 def verify(bundle, methods, samples, temperatures, top_k, n_tokens, gamma, prompts, chat, alpha, min_accepted, seed,

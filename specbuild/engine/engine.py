@@ -191,18 +191,18 @@ class Engine(BaseEngine):
         self.speculator = self.make_speculator()
         self.compile_seconds = None
         if config.compile:
-            from specbuild.model.timing import warm_up_compiled as warm_up
+            from specbuild.model.timing import warm_up_compiled
 
             try:
                 self.model.compile()
                 aux = [()] + ([tuple(self.speculator.aux_layers)] if getattr(self.speculator, "aux_layers", None)
                               else [])
-                self.compile_seconds = warm_up(self.model, self.cache, aux)
+                self.compile_seconds = warm_up_compiled(self.model, self.cache, aux)
                 # draft models too (their proposals only decide speed; the target's pass decides tokens)
                 for prop in self.speculator.proposers.values():
                     if isinstance(getattr(prop, "model", None), Decoder) and prop.model.compiled is None:
                         prop.model.compile()
-                        self.compile_seconds += warm_up(prop.model, prop.cache)
+                        self.compile_seconds += warm_up_compiled(prop.model, prop.cache)
             except Exception as e:  # noqa: BLE001 - inductor's failures (no C++ compiler, ...) vary widely
                 raise BundleError(f"compile=True: torch.compile of the layer stack failed here ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:300] if str(e) else ''}); inductor's CPU backend needs a "

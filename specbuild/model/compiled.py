@@ -170,7 +170,10 @@ class DirectCall:
     what dynamo's call returned; otherwise calls go through dynamo."""
 
     def __init__(self, compiled, plan: list) -> None:
-        self.compiled, self.plan = compiled, plan
+        self.compiled = compiled
+        # the weights placed once; per call only the call's own tensors and sizes are filled in
+        self.template = [v if kind == "const" else None for kind, v in plan]
+        self.fill = [(i, kind, v) for i, (kind, v) in enumerate(plan) if kind != "const"]
 
     @classmethod
     def checked(cls, capture: dict, args: tuple, expect: torch.Tensor) -> "DirectCall | None":
@@ -204,16 +207,14 @@ class DirectCall:
     def __call__(self, args: tuple) -> torch.Tensor:
         x, cos_u, sin_u, write_slots, read_slots, ks, vs = args[:7]
         own = (x, cos_u, sin_u, write_slots, read_slots)
-        inputs = []
-        for kind, v in self.plan:
-            if kind == "const":
-                inputs.append(v)
-            elif kind == "arg":
-                inputs.append(own[v] if isinstance(v, int) else (ks if v[0] == "k" else vs)[v[1]])
+        inputs = list(self.template)  # a fresh copy each call: the template stays as built
+        for i, kind, v in self.fill:
+            if kind == "arg":
+                inputs[i] = own[v] if isinstance(v, int) else (ks if v[0] == "k" else vs)[v[1]]
             elif kind == "rows":
-                inputs.append(x.shape[0])
+                inputs[i] = x.shape[0]
             else:
-                inputs.append(read_slots.shape[0])
+                inputs[i] = read_slots.shape[0]
         return self.compiled(*inputs)[0]
 
 

@@ -197,10 +197,7 @@ class Decoder:
         if self.compiled is not None:
             x, aux = self.compiled_rows(batch, cache, fmt, aux_layers)
         else:
-            x = embed_rows(w["embed"], batch.input_ids)  # [T, hidden]
-            cos_u = self.cos[batch.positions].unsqueeze(1)  # [T, 1, D]
-            sin_u = self.sin_signed[batch.positions].unsqueeze(1)
-            x, aux = self.layer_stack(x, cos_u, sin_u, batch.write_slots, cache.k, cache.v, fmt,
+            x, aux = self.layer_stack(*self.stack_inputs(batch), batch.write_slots, cache.k, cache.v, fmt,
                                       Attend(self, batch, t), aux_layers)
         if aux_layers:
             aux = [a.index_select(0, aux_rows) for a in aux]
@@ -217,7 +214,6 @@ class Decoder:
             feats = torch.cat([aux[order.index(layer)] for layer in aux_layers], dim=-1)
             return (*out, feats) if return_hidden else (out, feats)
         return out
-
 
     def compiled_rows(self, batch: ForwardBatch, cache: PagedKVCache, fmt: str | None, aux_layers: tuple[int, ...]):
         """The layer stack through the compiled graph (compile()), its rows per call bounded
@@ -236,10 +232,14 @@ class Decoder:
         if t < lo:
             x, aux = self.compiled_rows(pad_batch(batch, lo), cache, fmt, aux_layers)
             return x[:t], [a[:t] for a in aux]
-        x = embed_rows(self.w["embed"], batch.input_ids)
-        cos_u = self.cos[batch.positions].unsqueeze(1)
-        sin_u = self.sin_signed[batch.positions].unsqueeze(1)
-        return self.compiled.run(x, cos_u, sin_u, batch.write_slots, cache, fmt, Attend(self, batch, t), aux_layers)
+        return self.compiled.run(*self.stack_inputs(batch), batch.write_slots, cache, fmt, Attend(self, batch, t),
+                                 aux_layers)
+
+    def stack_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer stack's inputs: embeddings [T, hidden] and the rope tables [T, 1, D] (cos,
+        signed sin) at the batch's positions."""
+        return (embed_rows(self.w["embed"], batch.input_ids), self.cos[batch.positions].unsqueeze(1),
+                self.sin_signed[batch.positions].unsqueeze(1))
 
     def layer_stack(self, x: torch.Tensor, cos_u: torch.Tensor, sin_u: torch.Tensor, write_slots: torch.Tensor,
                     ks, vs, fmt: str | None, attend, aux_layers: tuple[int, ...] = (), bounded: bool = True):
@@ -285,7 +285,8 @@ class Attend:
         # hidden states in one batched call per sequence, float32 ones row by row (measured on 2
         # cores, SmolLM2 shapes, 30 layers: float32 rows 0.6 / 2.8 / 10.9 ms at widths 1 / 5 / 17,
         # batched 1.8 / 4.0 / 9.5; bfloat16 rows 1.8 / 9.7 / 35.6, batched 1.9 / 4.0 / 9.7)
-        self.prompt_plan = None  # (prompt row ids, other row ids, InvariantPlan of the prompt rows)
+        # (prompt row ids, other row ids, InvariantPlan of the prompt rows); ids None: all rows
+        self.prompt_plan = None
         if model.row_invariant and model.dtype in (torch.bfloat16, torch.float16):
             self.plan = InvariantPlan(batch.mask, batch.read_slots, t)
         elif model.row_invariant and batch.prompt_rows is not None and bool(batch.prompt_rows.any()):
@@ -294,11 +295,13 @@ class Attend:
             # whatever the chunking), generated and draft rows one SDPA call each as below
             # (measured: a 256-row int4 prefill chunk after 512 keys spent 344 ms in 7,680
             # per-row SDPA calls)
-            pre = batch.prompt_rows.nonzero().squeeze(1)
-            rest = (~batch.prompt_rows).nonzero().squeeze(1)
-            sub = None if batch.mask is None else batch.mask.index_select(0, pre)
-            self.prompt_plan = (pre, rest, InvariantPlan(sub, batch.read_slots, pre.shape[0]))
-            if rest.numel():
+            if bool(batch.prompt_rows.all()):  # a pure prefill forward: nothing to split
+                self.prompt_plan = (None, None, InvariantPlan(batch.mask, batch.read_slots, t))
+            else:
+                pre = batch.prompt_rows.nonzero().squeeze(1)
+                rest = (~batch.prompt_rows).nonzero().squeeze(1)
+                self.prompt_plan = (pre, rest, InvariantPlan(batch.mask.index_select(0, pre), batch.read_slots,
+                                                             pre.shape[0]))
                 self.row_cols = visible_columns(batch.mask.index_select(0, rest))
         elif model.row_invariant and batch.mask is not None:
             self.row_cols = visible_columns(batch.mask)
@@ -310,11 +313,12 @@ class Attend:
             return paged_attention_invariant(q, k_cache, v_cache, self.plan, self.scale)
         if self.prompt_plan is not None:
             pre, rest, plan = self.prompt_plan
+            if pre is None:  # every row a prompt row
+                return paged_attention_invariant(q, k_cache, v_cache, plan, self.scale)
             out = q.new_empty(q.shape)
             out[pre] = paged_attention_invariant(q.index_select(0, pre), k_cache, v_cache, plan, self.scale)
-            if rest.numel():
-                out[rest] = paged_attention_rows(q.index_select(0, rest), k_cache, v_cache, self.read_slots,
-                                                 self.row_cols, self.scale, self.read_range)
+            out[rest] = paged_attention_rows(q.index_select(0, rest), k_cache, v_cache, self.read_slots,
+                                             self.row_cols, self.scale, self.read_range)
             return out
         if self.row_cols is not None:
             return paged_attention_rows(q, k_cache, v_cache, self.read_slots, self.row_cols, self.scale,
