@@ -21,6 +21,8 @@ _TORCH_ROWS = {
                                     "top-k (sampled)"),
     "eagle": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling over "
                                   "siblings with the head's deterministic top-k candidates (sampled)"),
+    "suffix": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
+                                   "over siblings with deterministic candidates from text already seen (sampled)"),
     "auto": (LOSSLESS, LOSSLESS, "as the method it picks per sequence"),
 }
 

@@ -232,9 +232,11 @@ class Engine(BaseEngine):
         from specbuild.speculation.speculator import Speculator
 
         from specbuild.speculation.proposers.recycling import RecyclingProposer
+        from specbuild.speculation.proposers.suffix import SuffixProposer
 
         proposers = {"ngram": NgramProposer(),
-                     "recycle": RecyclingProposer(self.target_config.vocab_size, max_nodes=self.meta.limits.max_draft_len)}
+                     "recycle": RecyclingProposer(self.target_config.vocab_size, max_nodes=self.meta.limits.max_draft_len),
+                     "suffix": SuffixProposer(max(1, self.meta.limits.max_draft_len))}
         if "draft" in self.meta.roles and self.config.load_draft:
             draft_dir = os.path.join(self.bundle_dir, self.meta.roles["draft"]["path"])
             draft_config = read_model_config(draft_dir)

@@ -1,0 +1,418 @@
+"""Suffix decoding: a training-free tree drafter over text the system has already seen.
+
+After SuffixDecoding (Oliaro et al., NeurIPS 2025; Snowflake's Arctic Inference; vLLM's
+`suffix` method): the end of the request's text is matched against (1) the request's own
+prompt and output so far and (2) a global store of earlier requests' outputs (optionally
+their prompts), scoped by a key (the request's content type, the telemetry policy's key,
+when asked). Every earlier occurrence of the longest match votes for what followed it; the
+draft is a token TREE of the most frequent continuations, best-first by empirical
+probability (the share of occurrences that continue along the path), with a node budget
+that grows with the match length (`factor * match + offset`, at most the bundle's verify
+width) and a depth of at most the controller's gamma.
+
+Drafts are a deterministic function of the text and the store (one-hot, `probs` None), so
+the tree verifier's greedy argmax walk and its recursive rejection over siblings
+(sampling/acceptance.py) keep the output lossless, as for token recycling. Because the
+store is shared, a seeded sampled request's exact tokens may depend on earlier requests
+(its distribution does not).
+
+The structure (written here, not taken from a library): Arctic Inference's suffix tree is
+C++ inside a vLLM plugin, shipped on PyPI as a source archive only; `pip install` builds it
+in isolation against its own pinned torch, protobuf and gRPC tools (a multi-GB build
+environment on a CPU machine), and its store is capped by request count, not size. Here a
+store is an append-only arena of token ids (documents separated by negative ids) with two
+position indexes, by last token and by last 4-gram; that is an implicit suffix trie of
+unbounded depth: the occurrences of a suffix are the index's hits whose backward match
+(one vectorised numpy compare of at most MATCH_WINDOW tokens) reaches its length, and the
+subtree below the match is built from the hits' continuations only when drafting.
+Appending a token costs two dict appends; a draft costs one index read, one compare over
+at most MAX_SCAN hits and a small trie over at most MAX_HITS continuations (docs/suffix.md
+has the measured cost per step, against Arctic's C++ tree built by hand).
+
+Memory: the global store keeps at most `max_tokens` live tokens; adding a request evicts
+whole earlier requests, least recently used first (a request is used when its text
+contributes to a draft). Evicted text is blanked in the arena (its stale index entries then
+never match) and the arena is rebuilt once dead slots outnumber live ones, so it holds at
+most ~2x `max_tokens` slots. `stats()` reports the sizes (served in `/metrics`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from specbuild.speculation.proposers.base import Draft
+
+SEP = -1  # between documents, and past the arena's end
+DEAD = -2  # an evicted document's slots
+KEY = 4  # the longer index's n-gram length
+MATCH_WINDOW = 32  # longest match measured (tokens)
+MAX_SCAN = 1024  # most recent index hits compared per draft
+MAX_HITS = 64  # most recent occurrences of the longest match whose continuations vote
+SCOPES = ("global", "content_type")
+
+
+class TokenIndex:
+    """Token ids in one arena (documents separated by SEP) with hit lists by last token and
+    by last KEY-gram: `by1[t]` / `by4[(a, b, c, d)]` hold end positions e (arena[e-1] is the
+    last token of the occurrence; its continuation starts at e)."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.buf = np.full(max(16, capacity), SEP, dtype=np.int64)
+        self.n = 0  # slots used (tokens and separators)
+        self.by1: dict[int, list[int]] = {}
+        self.by4: dict[tuple[int, ...], list[int]] = {}
+        self._tail: list[int] = []  # last KEY - 1 tokens of the current document
+
+    def _grow(self, need: int) -> None:
+        if need + MATCH_WINDOW + 1 > self.buf.shape[0]:
+            new = np.full(max(2 * self.buf.shape[0], need + MATCH_WINDOW + 1), SEP, dtype=np.int64)
+            new[:self.n] = self.buf[:self.n]
+            self.buf = new
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens to the current (last) document."""
+        if not tokens:
+            return
+        self._grow(self.n + len(tokens))
+        self.buf[self.n:self.n + len(tokens)] = tokens
+        by1, by4, tail = self.by1, self.by4, self._tail
+        e = self.n
+        for t in tokens:
+            e += 1
+            by1.setdefault(t, []).append(e)
+            tail.append(t)
+            if len(tail) >= KEY:
+                if len(tail) > KEY:
+                    del tail[0]
+                by4.setdefault(tuple(tail), []).append(e)
+        self.n = e
+
+    def end_document(self) -> None:
+        """Close the current document (a separator follows it)."""
+        self._grow(self.n + 1)
+        self.buf[self.n] = SEP
+        self.n += 1
+        self._tail = []
+
+    def match(self, ctx: np.ndarray) -> tuple[int, np.ndarray]:
+        """The longest suffix of ctx ([L] int64, L >= 1) that occurs here followed by at least
+        one token: (its length, the end positions of its most recent occurrences, at most
+        MAX_HITS, oldest first); (0, []) when even the last token never occurred."""
+        length = ctx.shape[0]
+        hits = self.by4.get(tuple(ctx[-KEY:].tolist())) if length >= KEY else None
+        if hits and hits[-1] >= self.n:  # the text's own end (a request's local text) is no occurrence
+            hits = hits[-MAX_SCAN - 1:-1]
+        if not hits:
+            hits = self.by1.get(int(ctx[-1]))
+            if hits and hits[-1] >= self.n:
+                hits = hits[-MAX_SCAN - 1:-1]
+            if not hits:
+                return 0, np.empty(0, dtype=np.int64)
+        cand = np.asarray(hits[-MAX_SCAN:], dtype=np.int64)
+        w = min(MATCH_WINDOW, length)
+        back = np.arange(w)
+        idx = cand[:, None] - 1 - back[None, :]  # [h, w] arena slots, backwards from each hit
+        eq = (self.buf[np.maximum(idx, 0)] == ctx[length - 1 - back][None, :]) & (idx >= 0)
+        mlen = np.cumprod(eq, axis=1).sum(axis=1)
+        # a continuation must exist: not the arena's end, a separator or an evicted slot
+        mlen[self.buf[np.minimum(cand, self.buf.shape[0] - 1)] < 0] = 0
+        m = int(mlen.max())
+        if m == 0:
+            return 0, np.empty(0, dtype=np.int64)
+        return m, cand[mlen == m][-MAX_HITS:]
+
+    def continuations(self, ends: np.ndarray, depth: int) -> np.ndarray:
+        """[h, depth] tokens that followed each end position (negative past a document's end)."""
+        idx = np.minimum(ends[:, None] + np.arange(depth)[None, :], self.buf.shape[0] - 1)
+        return self.buf[idx]
+
+
+class LocalText:
+    """One request's prompt and output so far, indexed as it grows."""
+
+    def __init__(self) -> None:
+        self.index = TokenIndex()
+        self.seen_prompt = 0
+        self.seen_output = 0
+
+    def sync(self, seq) -> np.ndarray:
+        """Catch up with seq's text (appends only: committed tokens never change); returns it."""
+        if self.seen_prompt < len(seq.prompt_ids):
+            self.index.extend([int(t) for t in seq.prompt_ids[self.seen_prompt:]])
+            self.seen_prompt = len(seq.prompt_ids)
+        out = seq.output_ids
+        if self.seen_output < len(out):
+            self.index.extend([int(t) for t in out[self.seen_output:]])
+            self.seen_output = len(out)
+        return self.index.buf[:self.index.n]
+
+
+class _Doc:
+    __slots__ = ("scope", "start", "end")
+
+    def __init__(self, scope: str, start: int, end: int) -> None:
+        self.scope, self.start, self.end = scope, start, end
+
+
+class GlobalStore:
+    """Earlier requests' text by scope, at most `max_tokens` live tokens, LRU by request."""
+
+    def __init__(self, max_tokens: int) -> None:
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"suffix store max_tokens={max_tokens!r} must be an integer >= 0")
+        self.max_tokens = max_tokens
+        self.indexes: dict[str, TokenIndex] = {}
+        self.docs: OrderedDict[int, _Doc] = OrderedDict()  # LRU order, oldest first
+        self._starts: dict[str, list[int]] = {}  # scope -> sorted doc starts
+        self._by_start: dict[tuple[str, int], int] = {}  # (scope, start) -> doc id
+        self.live_tokens = 0
+        self.dead_slots: dict[str, int] = {}
+        self.evictions = 0
+        self.compactions = 0
+        self._next = 0
+        self.lock = threading.Lock()  # stats() may be read from a metrics thread
+
+    def add(self, tokens: list[int], scope: str = "") -> int | None:
+        """Store one request's text; returns its id (None when empty or over the whole cap:
+        then only its last max_tokens tokens would fit, and a cut request is kept whole or not at all)."""
+        n = len(tokens)
+        if n == 0 or n > self.max_tokens:
+            return None
+        with self.lock:
+            while self.live_tokens + n > self.max_tokens and self.docs:
+                self._evict(next(iter(self.docs)))
+            index = self.indexes.get(scope)
+            if index is None:
+                index = self.indexes[scope] = TokenIndex()
+                self._starts[scope] = []
+                self.dead_slots[scope] = 0
+            doc_id, self._next = self._next, self._next + 1
+            start = index.n
+            index.extend([int(t) for t in tokens])
+            index.end_document()
+            self.docs[doc_id] = _Doc(scope, start, start + n)
+            self._starts[scope].append(start)
+            self._by_start[(scope, start)] = doc_id
+            self.live_tokens += n
+            return doc_id
+
+    def _evict(self, doc_id: int) -> None:
+        doc = self.docs.pop(doc_id)
+        index = self.indexes[doc.scope]
+        index.buf[doc.start:doc.end] = DEAD  # stale hits there never match again
+        starts = self._starts[doc.scope]
+        del starts[bisect.bisect_left(starts, doc.start)]
+        del self._by_start[(doc.scope, doc.start)]
+        self.live_tokens -= doc.end - doc.start
+        self.dead_slots[doc.scope] += doc.end - doc.start + 1
+        self.evictions += 1
+        live = index.n - self.dead_slots[doc.scope]
+        if self.dead_slots[doc.scope] > max(live, 1024):
+            self._compact(doc.scope)
+
+    def _compact(self, scope: str) -> None:
+        """Rebuild a scope's arena and indexes from its live documents (order kept)."""
+        old = self.indexes[scope]
+        fresh = TokenIndex(2 * (old.n - self.dead_slots[scope]) + 16)
+        ids = [i for i, d in self.docs.items() if d.scope == scope]
+        for doc_id in sorted(ids, key=lambda i: self.docs[i].start):
+            doc = self.docs[doc_id]
+            del self._by_start[(scope, doc.start)]
+            start = fresh.n
+            fresh.extend(old.buf[doc.start:doc.end].tolist())
+            fresh.end_document()
+            doc.start, doc.end = start, start + (doc.end - doc.start)
+            self._by_start[(scope, start)] = doc_id
+        self._starts[scope] = sorted(self.docs[i].start for i in ids)
+        self.indexes[scope] = fresh
+        self.dead_slots[scope] = 0
+        self.compactions += 1
+
+    def touch(self, scope: str, ends: np.ndarray) -> None:
+        """The documents holding these end positions were used: most recently used now."""
+        starts = self._starts.get(scope)
+        if not starts:
+            return
+        for e in set(ends.tolist()):
+            i = bisect.bisect_right(starts, e - 1) - 1
+            if i >= 0:
+                doc_id = self._by_start.get((scope, starts[i]))
+                if doc_id is not None:
+                    self.docs.move_to_end(doc_id)
+
+    def copy(self) -> "GlobalStore":
+        with self.lock:
+            out = GlobalStore(self.max_tokens)
+            for scope, ix in self.indexes.items():
+                c = out.indexes[scope] = TokenIndex(1)
+                c.buf, c.n, c._tail = ix.buf.copy(), ix.n, list(ix._tail)
+                c.by1 = {k: v[:] for k, v in ix.by1.items()}
+                c.by4 = {k: v[:] for k, v in ix.by4.items()}
+            out.docs = OrderedDict((i, _Doc(d.scope, d.start, d.end)) for i, d in self.docs.items())
+            out._starts = {k: v[:] for k, v in self._starts.items()}
+            out._by_start = dict(self._by_start)
+            out.live_tokens, out.dead_slots = self.live_tokens, dict(self.dead_slots)
+            out.evictions, out.compactions, out._next = self.evictions, self.compactions, self._next
+            return out
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            slots = sum(ix.n for ix in self.indexes.values())
+            entries = sum(sum(len(v) for v in ix.by1.values()) + sum(len(v) for v in ix.by4.values())
+                          for ix in self.indexes.values())
+            return {"requests": len(self.docs), "tokens": self.live_tokens, "max_tokens": self.max_tokens,
+                    "arena_slots": slots, "index_entries": entries, "scopes": len(self.indexes),
+                    "evictions": self.evictions, "compactions": self.compactions}
+
+
+def build_tree(rows: np.ndarray, budget: int, min_prob: float) -> tuple[list[int], list[int], list[int]]:
+    """The best-first tree over continuation rows [h, d] (negative ids end a row): at most
+    `budget` nodes, each with path probability (share of rows through it) >= min_prob,
+    parents before children. Returns (tokens, parents (-1 / 0 = root / node index + 1 ...),
+    depths) of nodes 1..n (parents index the root as 0)."""
+    uniq, counts = np.unique(rows, axis=0, return_counts=True)
+    total = float(counts.sum())
+    # trie over the distinct rows: key (trie parent, token) -> trie node
+    kids: dict[int, dict[int, int]] = {0: {}}
+    tok_of, cnt, dep = [0], [0], [0]
+    for row, c in zip(uniq.tolist(), counts.tolist()):
+        node = 0
+        for t in row:
+            if t < 0:
+                break
+            nxt = kids[node].get(t)
+            if nxt is None:
+                nxt = len(tok_of)
+                kids[node][t] = nxt
+                kids[nxt] = {}
+                tok_of.append(t)
+                cnt.append(0)
+                dep.append(dep[node] + 1)
+            cnt[nxt] += c
+            node = nxt
+    tokens: list[int] = []
+    parents: list[int] = [-1]
+    depths: list[int] = []
+    out_of = {0: 0}  # trie node -> draft node
+    heap = [(-cnt[k] / total, k, 0) for k in kids[0].values()]
+    heapq.heapify(heap)
+    while heap and len(tokens) < budget:
+        negp, k, parent_trie = heapq.heappop(heap)
+        if -negp < min_prob:
+            break
+        out_of[k] = len(tokens) + 1
+        tokens.append(tok_of[k])
+        parents.append(out_of[parent_trie])
+        depths.append(dep[k])
+        for kid in kids[k].values():
+            heapq.heappush(heap, (-cnt[kid] / total, kid, k))
+    return tokens, parents, depths
+
+
+class SuffixProposer:
+    """Proposer protocol (base.py). Per-sequence text in `self.local`; earlier requests in
+    `self.store` (added when a request is released with output)."""
+
+    name = "suffix"
+
+    def __init__(self, max_nodes: int = 8, max_tokens: int = 200_000, scope: str = "global",
+                 include_prompts: bool = False, factor: float = 1.0, offset: float = 0.0,
+                 min_prob: float = 0.1) -> None:
+        if scope not in SCOPES:
+            raise ValueError(f"suffix scope={scope!r} is not one of {', '.join(SCOPES)}")
+        if not 1 <= max_nodes <= 64:
+            raise ValueError(f"suffix max_nodes={max_nodes} is out of range [1, 64]")
+        if not (factor > 0 and offset >= 0 and 0.0 <= min_prob < 1.0):
+            raise ValueError(f"suffix factor={factor} (> 0), offset={offset} (>= 0), min_prob={min_prob} "
+                             "([0, 1)) out of range")
+        self.max_nodes = max_nodes
+        self.store = GlobalStore(max_tokens)
+        self.scope = scope
+        self.include_prompts = include_prompts
+        self.factor, self.offset, self.min_prob = factor, offset, min_prob
+        self.local: dict[int, LocalText] = {}
+        self.drafts = 0  # drafts proposed; and by where their longest match was
+        self.from_local = 0
+        self.from_global = 0
+
+    def scope_of(self, seq) -> str:
+        return (getattr(seq, "content_type", None) or "") if self.scope == "content_type" else ""
+
+    def draft_for(self, seq, gamma: int) -> Draft | None:
+        local = self.local.get(seq.seq_id)
+        if local is None:
+            local = self.local[seq.seq_id] = LocalText()
+        ctx = local.sync(seq)
+        if gamma <= 0 or ctx.shape[0] == 0:
+            return None
+        m_l, ends_l = local.index.match(ctx)
+        scope = self.scope_of(seq)
+        gindex = self.store.indexes.get(scope)
+        m_g, ends_g = gindex.match(ctx) if gindex is not None else (0, ends_l[:0])
+        m = max(m_l, m_g)
+        if m == 0:
+            return None
+        budget = max(1, min(self.max_nodes, int(self.factor * m + self.offset)))
+        depth = max(1, min(gamma, budget))
+        parts = []
+        if m_l == m:
+            parts.append(local.index.continuations(ends_l, depth))
+        if m_g == m:
+            parts.append(gindex.continuations(ends_g, depth))
+            self.store.touch(scope, ends_g)
+        tokens, parents, depths = build_tree(np.concatenate(parts) if len(parts) > 1 else parts[0], budget,
+                                             self.min_prob)
+        if not tokens:
+            return None
+        self.drafts += 1
+        self.from_local += int(m_l == m)
+        self.from_global += int(m_g == m)
+        return tree_draft(tokens, parents, depths, self.name)
+
+    # ---- the protocol ----------------------------------------------------------------
+    def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
+        return [self.draft_for(seq, gamma) for seq, gamma in zip(seqs, gammas)]
+
+    def rollback(self, seq, length: int) -> None:  # the local text holds committed tokens only
+        pass
+
+    def release(self, seq) -> None:
+        """The request's output (and prompt, with include_prompts) joins the global store."""
+        self.local.pop(seq.seq_id, None)
+        if getattr(seq, "finish_reason", None) not in ("stop", "length"):
+            return  # failed or aborted: keep nothing of it
+        spec = getattr(seq, "spec", None)
+        if spec is None or not (spec.method == self.name or (spec.method == "auto" and not seq.spec_state.auto_plain)):
+            return  # like recycling's table: learns from the requests that may draft with it
+        tokens = (list(seq.prompt_ids) if self.include_prompts else []) + list(seq.output_ids)
+        self.store.add(tokens, self.scope_of(seq))
+
+    def snapshot(self) -> "GlobalStore":
+        """A copy of the global store (benchmarks restore it so repeats start alike)."""
+        return self.store.copy()
+
+    def restore(self, snap: "GlobalStore | None") -> None:
+        """Put back a snapshot; None empties the store (a cold start)."""
+        self.store = snap.copy() if snap is not None else GlobalStore(self.store.max_tokens)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.store.stats(), "local_requests": len(self.local), "drafts": self.drafts,
+                "drafts_from_local": self.from_local, "drafts_from_global": self.from_global}
+
+
+def tree_draft(tokens: list[int], parents: list[int], depths: list[int], method: str) -> Draft:
+    """A Draft of nodes 1..n (parents[0] = -1 for the root; parents before children)."""
+    import torch
+
+    n = len(tokens) + 1
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[0, 0] = True
+    for i in range(1, n):
+        mask[i] = mask[parents[i]]
+        mask[i, i] = True
+    return Draft(list(tokens), None, tuple(parents), list(depths), mask, method=method)

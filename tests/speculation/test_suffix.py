@@ -1,0 +1,233 @@
+"""Suffix decoding (speculation/proposers/suffix.py): the index and its matches, the trees it
+drafts, the global store's cap and LRU eviction, greedy equality with plain decoding (tiny
+models and SmolLM2) with drafts proposed and accepted, a batch sharing the store, the sampled
+distribution (chi-square) and a broken variant the same check rejects."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from stats_util import broken_tree_rule
+
+from specbuild.bench.verify_dist import check
+from specbuild.compiler.compile import CompileOptions, compile_bundle
+from specbuild.engine.engine import Engine, EngineConfig
+from specbuild.engine.sequence import Request
+from specbuild.sampling.params import SamplingParams
+from specbuild.speculation import speculator as speculator_mod
+from specbuild.speculation.config import SpeculationConfig
+from specbuild.speculation.proposers.suffix import GlobalStore, SuffixProposer, TokenIndex, build_tree
+from tiny import make_tiny_hf
+
+# a repeated phrase (local matches), a short prompt, a long ramp
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 70))]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("suffix")
+    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
+    return compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float64", max_draft_len=10))
+
+
+def run(engine, method, prompts=PROMPTS, max_tokens=40, gamma=None, **sampling):
+    spec = SpeculationConfig.make(None, method=method, gamma=gamma)
+    reqs = [Request(prompt_ids=p, speculation=spec,
+                    sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)) for p in prompts]
+    return engine.generate(reqs)
+
+
+class FakeSeq:
+    _ids = iter(range(10_000, 1 << 30))
+
+    def __init__(self, prompt, output=(), content_type=None, finish_reason="stop"):
+        self.seq_id = next(self._ids)
+        self.prompt_ids, self.output_ids = list(prompt), list(output)
+        self.content_type, self.finish_reason = content_type, finish_reason
+        self.spec = SpeculationConfig.make(None, method="suffix")
+
+
+# ---- the index ------------------------------------------------------------------------------
+def test_match_finds_the_longest_earlier_suffix_and_its_occurrences():
+    ix = TokenIndex()
+    text = [1, 2, 3, 4, 5, 9, 2, 3, 4, 5, 7, 3, 4, 5, 8, 2, 3, 4, 5]
+    ix.extend(text)
+    ctx = ix.buf[:ix.n]
+    m, ends = ix.match(ctx)
+    # "2 3 4 5" occurred twice before the end (followed by 9 and by 7); the end itself never counts
+    assert m == 4 and ends.tolist() == [5, 10]
+    assert ix.continuations(ends, 2).tolist() == [[9, 2], [7, 3]]
+    # a short match (< 4 tokens) through the unigram index
+    m, ends = ix.match(np.array([42, 4, 5], dtype=np.int64))
+    assert m == 2 and ends.tolist() == [5, 10, 14, 19][:3]
+    assert ix.match(np.array([99], dtype=np.int64))[0] == 0
+
+
+def test_documents_do_not_run_into_each_other():
+    ix = TokenIndex()
+    ix.extend([1, 2, 3])
+    ix.end_document()
+    ix.extend([7, 1, 2, 3])
+    ix.end_document()
+    # "1 2 3" ends both documents: no continuation, no match
+    assert ix.match(np.array([1, 2, 3], dtype=np.int64))[0] == 0
+    m, ends = ix.match(np.array([5, 7], dtype=np.int64))
+    assert m == 1 and ix.continuations(ends, 5).tolist() == [[1, 2, 3, -1, -1]]
+
+
+def test_tree_is_best_first_by_share_within_budget_and_min_prob():
+    rows = np.array([[1, 2, 3], [1, 2, 4], [1, 2, 3], [5, 6, -1], [1, 7, -1]])
+    tokens, parents, depths = build_tree(rows, budget=5, min_prob=0.1)
+    # 1 (4/5), 2 (3/5), 3 (2/5), then 5, 4, 7 (1/5 each); the budget cuts after five nodes
+    assert tokens[:3] == [1, 2, 3] and parents[:4] == [-1, 0, 1, 2] and depths[:3] == [1, 2, 3]
+    assert len(tokens) == 5 and set(tokens[3:]) <= {4, 5, 7}
+    for i, p in enumerate(parents[1:], start=1):
+        assert p < i  # parents before children
+    tokens, _, _ = build_tree(rows, budget=10, min_prob=0.3)
+    assert tokens == [1, 2, 3]
+
+
+def test_the_budget_grows_with_the_match_length():
+    prop = SuffixProposer(max_nodes=8)
+    short = prop.draft_for(FakeSeq([9, 1, 2, 3, 4, 5, 6, 7, 8, 1]), 8)  # match "1": one node
+    long = prop.draft_for(FakeSeq([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5]), 8)  # match of 5
+    assert short.tokens == [2] and short.parents == (-1, 0)
+    assert long.tokens == [6, 7, 8, 9, 1] and long.depths == [1, 2, 3, 4, 5]
+    assert prop.draft_for(FakeSeq([1, 2, 3]), 8) is None  # nothing seen before
+
+
+# ---- the global store -----------------------------------------------------------------------
+def test_released_requests_feed_other_requests_and_scopes_keep_apart():
+    prop = SuffixProposer(max_nodes=8, scope="content_type")
+    done = FakeSeq([100, 101], [40, 41, 42, 43, 44, 45, 46], content_type="code")
+    prop.draft_for(done, 4)
+    prop.release(done)
+    assert done.seq_id not in prop.local
+    asks = FakeSeq([7, 40, 41, 42], content_type="code")
+    d = prop.draft_for(asks, 8)
+    assert d.tokens == [43, 44, 45] and prop.from_global == 1
+    assert prop.draft_for(FakeSeq([7, 40, 41, 42], content_type="chat"), 8) is None
+    aborted = FakeSeq([1], [60, 61, 62], content_type="code", finish_reason="abort")
+    prop.release(aborted)
+    assert prop.store.stats()["requests"] == 1  # nothing kept of an aborted request
+    # prompts join only when asked
+    with_prompts = SuffixProposer(include_prompts=True)
+    with_prompts.release(FakeSeq([70, 71, 72], [73]))
+    assert with_prompts.draft_for(FakeSeq([70, 71]), 4).tokens == [72, 73]
+
+
+def test_the_cap_holds_and_eviction_is_lru_by_whole_request():
+    store = GlobalStore(max_tokens=100)
+    a = store.add(list(range(1000, 1040)))
+    b = store.add(list(range(2000, 2040)))
+    ix = store.indexes[""]
+    m, ends = ix.match(np.array([1010, 1011, 1012, 1013], dtype=np.int64))
+    assert m == 4
+    store.touch("", ends)  # a used: b is now the least recently used
+    c = store.add(list(range(3000, 3040)))
+    assert list(store.docs) == [a, c] and b not in store.docs and store.live_tokens == 80 and store.evictions == 1
+    assert ix.match(np.array([2010, 2011, 2012, 2013], dtype=np.int64))[0] == 0  # b's text is gone
+    assert ix.match(np.array([1010, 1011, 1012, 1013], dtype=np.int64))[0] == 4
+    assert store.add(list(range(101))) is None  # larger than the whole cap: not kept
+    for i in range(200):  # churn: live tokens stay capped and the arena is rebuilt
+        store.add([5000 + i] * 30 + list(range(i, i + 10)))
+        s = store.stats()
+        assert s["tokens"] <= 100 and s["arena_slots"] <= 2 * 100 + 1024 + 64
+    assert s["compactions"] >= 1 and s["requests"] == 2
+    last = [5000 + 199] * 30 + list(range(199, 209))
+    m, ends = store.indexes[""].match(np.array(last[25:35], dtype=np.int64))
+    assert m == 10 and store.indexes[""].continuations(ends, 3).tolist() == [last[35:38]]
+
+
+def test_bad_settings_are_refused_with_the_value():
+    with pytest.raises(ValueError, match="scope='tenant'"):
+        SuffixProposer(scope="tenant")
+    with pytest.raises(ValueError, match="max_tokens=-1"):
+        GlobalStore(-1)
+
+
+# ---- in the engine --------------------------------------------------------------------------
+def test_greedy_suffix_equals_plain_and_accepts(bundle):
+    engine = Engine(bundle, EngineConfig(max_batch_size=4))
+    assert "suffix" in engine.methods
+    plain = run(engine, "none")
+    spec = run(engine, "suffix")
+    for r, p in zip(spec, plain):
+        assert r["token_ids"] == p["token_ids"]
+    drafted = sum(r["stats"]["drafted"] for r in spec)
+    accepted = sum(r["stats"]["accepted"] for r in spec)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    assert engine.cache.free_blocks == engine.cache.num_blocks
+    prop = engine.speculator.proposers["suffix"]
+    # the suffix requests' outputs are stored, the plain ones' are not
+    assert prop.local == {} and prop.store.stats()["requests"] == len(PROMPTS)
+    snap = prop.snapshot()
+    prop.restore(None)
+    assert prop.store.stats()["requests"] == 0
+    prop.restore(snap)
+    assert prop.store.stats()["tokens"] == sum(len(r["token_ids"]) for r in spec)
+
+
+def test_a_batch_shares_the_store_and_repeats_accept_more(bundle):
+    """Concurrent sequences: the same prompts again, in one batch, find the first round's
+    outputs in the global store; greedy output is unchanged and more is accepted."""
+    engine = Engine(bundle, EngineConfig(max_batch_size=8))
+    plain = run(engine, "none", prompts=PROMPTS * 2)
+    first = run(engine, "suffix", prompts=PROMPTS * 2)
+    second = run(engine, "suffix", prompts=PROMPTS * 2)
+    for a, b, p in zip(first, second, plain):
+        assert a["token_ids"] == p["token_ids"] and b["token_ids"] == p["token_ids"]
+    prop = engine.speculator.proposers["suffix"]
+    assert prop.from_global > 0
+    acc1 = sum(r["stats"]["accepted"] for r in first)
+    acc2 = sum(r["stats"]["accepted"] for r in second)
+    assert acc2 > acc1, (acc1, acc2)
+    passes2 = sum(r["stats"]["target_passes"] for r in second)
+    passes1 = sum(r["stats"]["target_passes"] for r in first)
+    assert passes2 < passes1
+
+
+def test_auto_may_pick_suffix_losslessly(bundle):
+    engine = Engine(bundle, EngineConfig(max_batch_size=4))
+    plain = run(engine, "none")
+    auto = run(engine, "auto")
+    assert [r["token_ids"] for r in auto] == [r["token_ids"] for r in plain]
+
+
+def _warm(engine):
+    """Fill the store the way serving does: earlier requests on the check prompt."""
+    run(engine, "suffix", prompts=[PROMPTS[0]] * 2, max_tokens=30)
+
+
+def test_sampled_suffix_matches_exact_distribution(bundle):
+    engine = Engine(bundle, EngineConfig(max_batch_size=8))
+    _warm(engine)
+    spec = SpeculationConfig.make(None, method="suffix", gamma=3)
+    r = check(engine, PROMPTS[0], 1.0, 3, spec, 600)
+    assert r.drafted > 0 and r.accepted > 0 and r.accepted < r.drafted, r
+    assert r.p_value > 0.001, r
+
+
+def test_the_check_rejects_a_broken_tree_rule(bundle, monkeypatch):
+    """Recovery from the target instead of the residual must fail the same check."""
+    monkeypatch.setattr(speculator_mod, "verify_tree_sampled", broken_tree_rule)
+    engine = Engine(bundle, EngineConfig(max_batch_size=8))
+    _warm(engine)
+    r = check(engine, PROMPTS[0], 1.0, 3, SpeculationConfig.make(None, method="suffix", gamma=3), 600)
+    assert r.drafted > 0 and r.accepted < r.drafted
+    assert r.p_value < 1e-4, r
+
+
+def test_smollm2_greedy_suffix_equals_plain(smollm2_bundle):
+    engine = Engine(smollm2_bundle, EngineConfig(max_batch_size=2))
+    doc = ("The lighthouse keeper wrote in the log every night: wind from the north, sea calm, "
+           "lamp lit at dusk. The lighthouse keeper wrote in the log every night: ")
+    prompts = [engine.encode(doc), engine.encode("Repeat exactly: one two three four five six. "
+                                                 "Repeat exactly: one two three four five six.")]
+    plain = run(engine, "none", prompts=prompts, max_tokens=32)
+    spec = run(engine, "suffix", prompts=prompts, max_tokens=32)
+    again = run(engine, "suffix", prompts=prompts, max_tokens=32)
+    for a, b, p in zip(spec, again, plain):
+        assert a["token_ids"] == p["token_ids"] and b["token_ids"] == p["token_ids"]
+    assert sum(r["stats"]["accepted"] for r in spec + again) > 0
+    assert sum(r["stats"]["accepted"] for r in again) >= sum(r["stats"]["accepted"] for r in spec)
