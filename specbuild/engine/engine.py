@@ -234,9 +234,11 @@ class Engine(BaseEngine):
         from specbuild.speculation.proposers.recycling import RecyclingProposer
         from specbuild.speculation.proposers.suffix import SuffixProposer
 
-        proposers = {"ngram": NgramProposer(),
-                     "recycle": RecyclingProposer(self.target_config.vocab_size, max_nodes=self.meta.limits.max_draft_len),
-                     "suffix": SuffixProposer(max(1, self.meta.limits.max_draft_len))}
+        # suffix first: `auto` takes the first of equally rated drafters, and suffix decoding's
+        # matches include prompt lookup's (the request's own text) plus earlier requests'
+        proposers = {"suffix": SuffixProposer(max(1, self.meta.limits.max_draft_len)),
+                     "ngram": NgramProposer(),
+                     "recycle": RecyclingProposer(self.target_config.vocab_size, max_nodes=self.meta.limits.max_draft_len)}
         if "draft" in self.meta.roles and self.config.load_draft:
             draft_dir = os.path.join(self.bundle_dir, self.meta.roles["draft"]["path"])
             draft_config = read_model_config(draft_dir)
@@ -382,8 +384,14 @@ class Engine(BaseEngine):
 
     def _extra_stats(self) -> dict:
         """With a telemetry sink attached (set_sink), its counters in stats():
-        telemetry_rows_dropped / _written / _queued, telemetry_write_errors."""
-        return self.scheduler.sink.stats()
+        telemetry_rows_dropped / _written / _queued, telemetry_write_errors; and the suffix
+        drafter's global store: suffix_store_requests / _tokens / _max_tokens / _evictions."""
+        out = dict(self.scheduler.sink.stats())
+        suffix = self.speculator.proposers.get("suffix")
+        if hasattr(suffix, "store"):
+            st = suffix.store.stats()
+            out.update({f"suffix_store_{k}": st[k] for k in ("requests", "tokens", "max_tokens", "evictions")})
+        return out
 
     def _kv_blocks(self) -> tuple[int | None, int | None]:
         """(used, total) KV cache blocks, for stats()."""

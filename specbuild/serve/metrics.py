@@ -191,6 +191,16 @@ class ServerMetrics:
         gauges.append(ReadCounter(p + "telemetry_rows_dropped_total", "Telemetry rows dropped because the "
                                   "store's writer queue was full or a write failed (no sample: telemetry off).",
                                   lambda: engine.stats().get("telemetry_rows_dropped")))
+        gauges += [
+            Gauge(p + "suffix_store_tokens", "Tokens held by the suffix drafter's store of earlier requests "
+                  "(no sample: no suffix drafter).", lambda: engine.stats().get("suffix_store_tokens")),
+            Gauge(p + "suffix_store_max_tokens", "The suffix store's cap in tokens (whole requests are evicted, "
+                  "least recently used first).", lambda: engine.stats().get("suffix_store_max_tokens")),
+            Gauge(p + "suffix_store_requests", "Earlier requests held by the suffix store.",
+                  lambda: engine.stats().get("suffix_store_requests")),
+            ReadCounter(p + "suffix_store_evictions_total", "Requests evicted from the suffix store.",
+                        lambda: engine.stats().get("suffix_store_evictions")),
+        ]
         self.all: list[Metric] = [self.requests, self.rejected, self.prompt_tokens, self.generation_tokens,
                                   self.drafted, self.accepted, self.verify_passes, self.gamma_steps,
                                   self.gamma_sum, self.ttft, self.tpot, self.e2e, *gauges]

@@ -316,3 +316,20 @@ def test_openai_client_and_curl(server, engine):
     events = [line[6:] for line in out.stdout.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expect["text"]
+
+
+def test_suffix_over_http_with_store_sizes_in_metrics(server, engine):
+    """`speculation: suffix` through the server: greedy output unchanged, drafts proposed and
+    accepted, and the suffix store's sizes in /metrics grow by what the request produced."""
+    prompt = "one fish two fish red fish blue fish one fish two fish"
+    expect = greedy(engine, 40, prompt=prompt)
+    before = metric(server.port, "specbuild_suffix_store_tokens")
+    body = {"prompt": prompt, "max_tokens": 40, "ignore_eos": True, "return_token_ids": True,
+            "speculation": "suffix"}
+    status, _, full = post(server.port, "/v1/completions", body)
+    assert status == 200, full
+    assert full["choices"][0]["token_ids"] == expect["token_ids"]
+    assert full["usage"]["drafted_tokens"] > 0 and full["usage"]["accepted_tokens"] > 0
+    assert metric(server.port, "specbuild_suffix_store_tokens") == before + 40
+    assert metric(server.port, "specbuild_suffix_store_max_tokens") > 0
+    assert metric(server.port, "specbuild_suffix_store_requests") >= 1

@@ -500,3 +500,16 @@ def test_content_type_and_telemetry_store(server, engine):
         time.sleep(0.1)
     assert row is not None and row[:3] == ("triton", "request", "completed")
     assert row[3] == len(ref[0]["token_ids"]) and row[4] == ref[0]["stats"]["drafted"] > 0
+
+
+def test_suffix_served_by_name(server, engine):
+    """`speculation: suffix` over Triton's HTTP endpoint: the engine's greedy text, drafts
+    proposed and accepted (a prompt that repeats itself)."""
+    prompt = PROMPTS[2]
+    ref = reference(engine, [prompt], method="suffix")[0]
+    client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{server.http}")
+    result = client.infer(PLAIN, make_inputs(tritonclient_http, prompt, MAX_TOKENS, speculation="suffix",
+                                             return_perf_metrics=True))
+    assert text_of(result) == ref["text"] == reference(engine, [prompt])[0]["text"]
+    drafted, accepted = int(result.as_numpy("total_draft_tokens")[0]), int(result.as_numpy("total_accepted_draft_tokens")[0])
+    assert drafted > 0 and 0 < accepted <= drafted

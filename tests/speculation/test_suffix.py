@@ -188,10 +188,17 @@ def test_a_batch_shares_the_store_and_repeats_accept_more(bundle):
 
 
 def test_auto_may_pick_suffix_losslessly(bundle):
+    """auto weighs suffix beside the other drafters (fixed verify costs of a pass that barely
+    grows with width, so the choice does not depend on this machine's timings)."""
+    from specbuild.speculation.gamma import CostModel, GammaController
+
     engine = Engine(bundle, EngineConfig(max_batch_size=4))
+    engine.speculator._controller = GammaController(
+        {name: CostModel({1: 1.0, 2: 1.02, 5: 1.05, 11: 1.1}) for name in engine.speculator.proposers})
     plain = run(engine, "none")
     auto = run(engine, "auto")
     assert [r["token_ids"] for r in auto] == [r["token_ids"] for r in plain]
+    assert engine.speculator.proposers["suffix"].drafts > 0  # auto's choice includes suffix
 
 
 def _warm(engine):
@@ -231,3 +238,21 @@ def test_smollm2_greedy_suffix_equals_plain(smollm2_bundle):
         assert a["token_ids"] == p["token_ids"] and b["token_ids"] == p["token_ids"]
     assert sum(r["stats"]["accepted"] for r in spec + again) > 0
     assert sum(r["stats"]["accepted"] for r in again) >= sum(r["stats"]["accepted"] for r in spec)
+
+
+def test_cli_generate_serves_suffix_by_name(bundle):
+    import json
+
+    from click.testing import CliRunner
+
+    from specbuild.cli.main import main
+
+    prompt = "one two three one two three one two three"
+    outs = {}
+    for method in ("none", "suffix"):
+        r = CliRunner().invoke(main, ["generate", bundle, "--prompt", prompt, "--max-tokens", "24", "--ignore-eos",
+                                      "--speculation", method, "--threads", "1", "--json"])
+        assert r.exit_code == 0, r.output
+        outs[method] = json.loads(r.output.strip().splitlines()[-1])
+    assert outs["suffix"]["token_ids"] == outs["none"]["token_ids"]
+    assert outs["suffix"]["stats"]["drafted"] > 0 and outs["suffix"]["stats"]["accepted"] > 0

@@ -263,10 +263,8 @@ class GlobalStore:
     def stats(self) -> dict[str, int]:
         with self.lock:
             slots = sum(ix.n for ix in self.indexes.values())
-            entries = sum(sum(len(v) for v in ix.by1.values()) + sum(len(v) for v in ix.by4.values())
-                          for ix in self.indexes.values())
             return {"requests": len(self.docs), "tokens": self.live_tokens, "max_tokens": self.max_tokens,
-                    "arena_slots": slots, "index_entries": entries, "scopes": len(self.indexes),
+                    "arena_slots": slots, "scopes": len(self.indexes),
                     "evictions": self.evictions, "compactions": self.compactions}
 
 
