@@ -352,6 +352,10 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
 
 @click.command()
 @click.argument("bundle", type=click.Path())
+@click.option("--workload", type=click.Choice(["spec-bench", "repeated"]), default="spec-bench", show_default=True,
+              help="spec-bench: the Spec-Bench questions (or --dataset); repeated: multi-turn sessions editing and "
+                   "re-asking about one document or code, and requests sharing templates (bench/repeated.py; all "
+                   "of its questions).")
 @click.option("--dataset", type=click.Path(), default=None,
               help="Spec-Bench style jsonl [default: the packaged Spec-Bench questions and split].")
 @click.option("--split", type=click.Choice(B.SPLITS), default="eval", show_default=True,
@@ -393,7 +397,7 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
               help="Also draw each row's speedup by task group into this PNG file.")
 @click.option("--telemetry", default=None, metavar="DB",
               help="Record the specbuild rows' sessions and steps into DB (SQLite file or postgresql:// DSN).")
-def bench(bundle, dataset, split, per_category, max_tokens, speculation, gamma, gamma_min, gamma_max, batch_size,
+def bench(bundle, workload, dataset, split, per_category, max_tokens, speculation, gamma, gamma_min, gamma_max, batch_size,
           repeats, threads, device, peers, floor, floor_mib, trees, verify_costs, formats, compile_, as_json,
           no_progress, plot, telemetry) -> None:
     """Spec-Bench style benchmark: tokens/s, speedup over plain decoding and mean accepted
@@ -415,6 +419,9 @@ def bench(bundle, dataset, split, per_category, max_tokens, speculation, gamma, 
 
             click.echo(json.dumps(report, indent=2, default=str) if as_json else format_report(report))
             return
+        from specbuild.bench.repeated import workload as workload_data
+
+        dataset, split = workload_data(workload, dataset, split)
         cfg = BenchConfig(dataset=dataset, split=split, per_category=per_category or None, max_tokens=max_tokens,
                           methods=_csv(speculation), gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                           batch_size=batch_size, repeats=repeats, threads=threads, device=device,

@@ -19,7 +19,7 @@ from specbuild.speculation.gamma import CostModel, GammaController, TreeCostMode
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.decoder import Decoder
 from specbuild.sampling.params import warp_probs
-from specbuild.speculation.proposers.base import Draft
+from specbuild.speculation.proposers.base import Draft, candidate_sources
 from specbuild.sampling.acceptance import verify_chain_greedy, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled, verify_tree_typical
 
 log = logging.getLogger("specbuild.speculator")
@@ -311,6 +311,7 @@ class Speculator:
             a = len(res.accepted_nodes)
             seq.spec_state.accepted_nodes = res.accepted_nodes
             draft.last_row = res.accepted_nodes[-1] if res.accepted_nodes else 0
+            seq.spec_state.candidate_sources = candidate_sources(draft, a, res.accepted_nodes)
             # by depth: the fraction of tree steps whose accepted path reached depth d + 1
             self.record(seq, draft, k, a, depth_counts=[1] * max(draft.depths))
             return a, list(res.tokens)
@@ -323,6 +324,7 @@ class Speculator:
                 draft_probs = draft_probs.to(target_probs.device)
             res = verify_chain_sampled(ids, draft_probs, target_probs, seq.uniforms(k + 1))
         a = res.accepted
+        seq.spec_state.candidate_sources = candidate_sources(draft, a)
         self.record(seq, draft, k, a)
         return a, list(res.tokens)
 

@@ -19,6 +19,9 @@ class SpecState:
     # of the last tree step (node indices, root excluded) until `compact` moves its K/V
     method: str | None = None
     accepted_nodes: tuple[int, ...] = ()
+    # Speculator.verify: the last verified draft's candidates by source and position
+    # (proposers/base.candidate_sources), for telemetry
+    candidate_sources: dict | None = None
     # Speculator under `auto`: every drafter's rate fell below plain decoding's. Its inputs
     # (a drafter's acceptance changes only when it drafts) are fixed from then on, so the
     # choice is final, and the drafters' per-step bookkeeping (recycling's table, EAGLE's

@@ -75,6 +75,28 @@ def by_position(store: Store, f: Filters) -> dict[str, list]:
                 for i, o in enumerate(offered[m])] for m in sorted(offered)}
 
 
+def by_source(store: Store, f: Filters) -> dict[str, list]:
+    """drafter source -> acceptance at position 1, 2, ... over the steps that recorded their
+    candidates' sources (schema migration 3; a JSON column, so summed here, not in SQL)."""
+    rows = store.query(f"SELECT st.candidate_sources FROM {_JOIN}"
+                       f"{f.where('st.candidate_sources IS NOT NULL')}", f.params)
+    sums: dict[str, list[list[int]]] = {}
+    for (text,) in rows:
+        try:
+            sources = json.loads(text)
+        except (TypeError, ValueError):
+            continue
+        for name, positions in sources.items():
+            acc = sums.setdefault(str(name), [])
+            for i, (offered, accepted) in enumerate(positions):
+                while len(acc) <= i:
+                    acc.append([0, 0])
+                acc[i][0] += int(offered)
+                acc[i][1] += int(accepted)
+    return {name: [{"position": i + 1, "offered": o, "accepted": a, "acceptance": round(a / o, 4) if o else None}
+                   for i, (o, a) in enumerate(acc)] for name, acc in sorted(sums.items())}
+
+
 def gamma_histograms(store: Store, f: Filters) -> dict[str, dict[str, int]]:
     rows = store.query(f"SELECT COALESCE(ss.method, st.method, 'unknown'), st.gamma_used, COUNT(*) FROM {_JOIN}"
                        f"{f.where()} GROUP BY 1, 2 ORDER BY 1, 2", f.params)
@@ -107,6 +129,7 @@ def report(store: Store, model: str | None = None, source: str | None = None, si
         "by_prompt_length": grouped(store, _bucket_sql(), f),
         "by_hour_utc": grouped(store, "(CAST(st.recorded_at AS BIGINT) / 3600) % 24", f),
         "by_position": by_position(store, f),
+        "by_source": by_source(store, f) if store.version() >= 3 else {},
         "gamma_histogram": gamma_histograms(store, f),
         "fallback_share": overall["fallback_share"],
         "events": {str(k): int(n) for k, n in events},
@@ -138,6 +161,11 @@ def format_report(rep: dict) -> str:
     for m, pos in rep["by_position"].items():
         lines.append(f"  {m:<16} " + " ".join(f"{p['acceptance']:.2f}" if p["acceptance"] is not None else "-"
                                                 for p in pos[:16]))
+    if rep.get("by_source"):
+        lines.append("acceptance by drafter source and position (accepted / candidates offered there)")
+        for name, pos in rep["by_source"].items():
+            lines.append(f"  {name:<16} " + " ".join(f"{p['acceptance']:.2f}/{p['offered']}" if p["acceptance"] is not None
+                                                    else "-" for p in pos[:16]))
     lines.append("gamma histogram (steps per gamma)")
     for m, h in rep["gamma_histogram"].items():
         lines.append(f"  {m:<16} " + " ".join(f"{g}:{n}" for g, n in sorted(h.items(), key=lambda kv: int(kv[0]))))

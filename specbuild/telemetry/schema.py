@@ -13,6 +13,7 @@ Adapted from the design article's data model:
   upserts behave the same in both databases), with the learned prior_alpha and the number
   of recorded steps a learned row came from.
 - speculation_events (migration 2): failure-mode signals with a JSON detail.
+- speculation_steps.candidate_sources (migration 3): each candidate's drafter source, by position.
 No foreign keys: the writer drops rows independently under load, so a step may outlive its
 session row; reports join where they can.
 """
@@ -98,6 +99,9 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX speculation_sessions_created ON speculation_sessions (created_at)",
         "CREATE INDEX speculation_events_kind ON speculation_events (kind)",
     ],
+    [  # 3: where each step's candidates came from (a JSON object; see STEP_SOURCES)
+        "ALTER TABLE speculation_steps ADD COLUMN candidate_sources TEXT",
+    ],
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -109,7 +113,11 @@ SESSION_COLUMNS = ("session_id", "request_id", "created_at", "finished_at", "mod
                    "last_ttft_ms", "last_tpot_ms", "status", "finish_reason")
 STEP_COLUMNS = ("session_id", "step_num", "method", "tree", "gamma_used", "n_drafted", "n_accepted", "n_rejected",
                 "n_emitted", "depth", "fallback", "draft_latency_ms", "target_latency_ms", "effective_tpot_ms",
-                "batch_size", "recorded_at")
+                "batch_size", "recorded_at", "candidate_sources")
+# candidate_sources: {source: [[offered, accepted] at position 1, 2, ...]} of a drafting step; a
+# source is a drafter's name or its part (suffix:local / suffix:global / suffix:both: the
+# request's own text, earlier requests, both; recycle:lookup / recycle:table). A tree offers
+# its nodes at their depth, a chain its tokens; NULL for plain steps and older rows.
 EVENT_COLUMNS = ("session_id", "kind", "step_num", "detail", "recorded_at")
 POLICY_COLUMNS = ("model_id", "content_type", "method", "gamma_min", "gamma_max", "gamma_default", "alpha_threshold",
                   "prior_alpha", "collapse_steps", "source", "n_steps", "updated_at")

@@ -122,7 +122,13 @@ class TelemetrySink:
         self._put("step", (s.session_id, step.step_num, step.method, getattr(seq.spec, "tree", None), step.gamma,
                            step.drafted, step.accepted, step.depth - step.accepted if step.drafted else 0, step.emitted,
                            step.depth, int(step.fallback), step.draft_ms, step.target_ms, tpot, step.batch_size,
-                           time.time()))
+                           time.time(), self._sources(seq, step)))
+
+    @staticmethod
+    def _sources(seq, step: StepRecord) -> str | None:
+        """The step's candidate sources (schema.STEP_COLUMNS), as the speculator left them."""
+        sources = getattr(getattr(seq, "spec_state", None), "candidate_sources", None) if step.drafted else None
+        return json.dumps(sources, separators=(",", ":")) if sources else None
 
     def on_session_end(self, seq) -> None:
         s = self._sessions.pop(seq.seq_id, None) or _Session(uuid.uuid4().hex, time.time())

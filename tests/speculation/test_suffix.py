@@ -77,14 +77,18 @@ def test_documents_do_not_run_into_each_other():
 
 def test_tree_is_best_first_by_share_within_budget_and_min_prob():
     rows = np.array([[1, 2, 3], [1, 2, 4], [1, 2, 3], [5, 6, -1], [1, 7, -1]])
-    tokens, parents, depths = build_tree(rows, budget=5, min_prob=0.1)
+    tokens, parents, depths, sources = build_tree([(rows, "local")], budget=5, min_prob=0.1)
     # 1 (4/5), 2 (3/5), 3 (2/5), then 5, 4, 7 (1/5 each); the budget cuts after five nodes
     assert tokens[:3] == [1, 2, 3] and parents[:4] == [-1, 0, 1, 2] and depths[:3] == [1, 2, 3]
-    assert len(tokens) == 5 and set(tokens[3:]) <= {4, 5, 7}
+    assert len(tokens) == 5 and set(tokens[3:]) <= {4, 5, 7} and sources == ["local"] * 5
     for i, p in enumerate(parents[1:], start=1):
         assert p < i  # parents before children
-    tokens, _, _ = build_tree(rows, budget=10, min_prob=0.3)
+    tokens, _, _, _ = build_tree([(rows, "local")], budget=10, min_prob=0.3)
     assert tokens == [1, 2, 3]
+    # two parts: shares over all rows; where both propose a node it is "both"
+    tokens, parents, _, sources = build_tree([(rows[:2], "local"), (np.array([[1, 9, 9], [8, -1, -1]]), "global")],
+                                             budget=4, min_prob=0.2)
+    assert tokens == [1, 2, 3, 4] and sources == ["both", "local", "local", "local"]
 
 
 def test_the_budget_grows_with_the_match_length():
@@ -256,3 +260,33 @@ def test_cli_generate_serves_suffix_by_name(bundle):
         outs[method] = json.loads(r.output.strip().splitlines()[-1])
     assert outs["suffix"]["token_ids"] == outs["none"]["token_ids"]
     assert outs["suffix"]["stats"]["drafted"] > 0 and outs["suffix"]["stats"]["accepted"] > 0
+
+
+def test_telemetry_shows_acceptance_by_drafter_source_and_position(bundle, tmp_path):
+    from click.testing import CliRunner
+
+    from specbuild.cli.main import main
+    from specbuild.telemetry import attach
+    from specbuild.telemetry.report import report
+    from specbuild.telemetry.store import Store
+
+    engine = Engine(bundle, EngineConfig(max_batch_size=4))
+    db = str(tmp_path / "tel.db")
+    sink = attach(engine, db, source="bench")
+    run(engine, "suffix")
+    run(engine, "suffix")  # the second round also drafts from the first round's outputs
+    run(engine, "recycle")
+    sink.close()
+    engine.set_sink(None)
+    rep = report(Store(db))
+    src = rep["by_source"]
+    assert {"suffix:local", "recycle:table"} <= set(src) and ({"suffix:global", "suffix:both"} & set(src)), src
+    for name, positions in src.items():
+        assert positions[0]["offered"] > 0 and all(p["accepted"] <= p["offered"] for p in positions), name
+    assert sum(p["accepted"] for name in src if name.startswith("suffix") for p in src[name]) > 0
+    # per position, the sources of one method add up to the offered candidates of its steps
+    rows = Store(db).query("SELECT SUM(n_drafted) FROM speculation_steps WHERE method = 'suffix'")
+    assert sum(p["offered"] for name in src if name.startswith("suffix:") for p in src[name]) == rows[0][0]
+    out = CliRunner().invoke(main, ["telemetry", "report", db])
+    assert out.exit_code == 0, out.output
+    assert "acceptance by drafter source and position" in out.output and "suffix:local" in out.output

@@ -23,9 +23,29 @@ class Draft:
     tree_mask: torch.Tensor | None = None  # tree only: [n + 1, n + 1] bool ancestor mask, root row 0
     method: str = ""
     last_row: int | None = None  # set by tree verification: the row of the last accepted node
+    sources: list[str] | None = None  # per drafted token / node: where it came from (None: `method`)
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+def candidate_sources(draft: Draft, accepted: int, accepted_nodes: tuple[int, ...] = ()) -> dict[str, list[list[int]]]:
+    """{source: [[offered, accepted] at position 1, 2, ...]}: a chain offers token j at position
+    j (the first `accepted` accepted); a tree node offers at its depth, accepted when on the
+    accepted path (`accepted_nodes`, node indices 1..n)."""
+    out: dict[str, list[list[int]]] = {}
+    n = len(draft.tokens)
+    names = draft.sources if draft.sources is not None and len(draft.sources) == n else [draft.method or "?"] * n
+    on_path = set(accepted_nodes)
+    for i in range(n):
+        pos = draft.depths[i] if draft.depths is not None else i + 1
+        ok = (i + 1) in on_path if draft.parents is not None else i < accepted
+        rows = out.setdefault(names[i], [])
+        while len(rows) < pos:
+            rows.append([0, 0])
+        rows[pos - 1][0] += 1
+        rows[pos - 1][1] += int(ok)
+    return out
 
 
 class Proposer(Protocol):

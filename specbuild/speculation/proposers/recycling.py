@@ -131,9 +131,9 @@ class RecyclingProposer:
         budget = tree.num_drafts
         table = self.table
         children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-        tokens, parents, depths = [root], [-1], [0]
+        tokens, parents, depths, sources = [root], [-1], [0], [""]
 
-        def add(parent: int, tok: int) -> int:
+        def add(parent: int, tok: int, source: str = "table") -> int:
             node = children.get((parent, tok))
             if node is None:
                 if len(tokens) > budget:
@@ -143,11 +143,12 @@ class RecyclingProposer:
                 tokens.append(tok)
                 parents.append(parent)
                 depths.append(depths[parent] + 1)
+                sources.append(f"{self.name}:{source}")
             return node
 
         node = 0
         for tok in chain[:tree.max_depth]:
-            node = add(node, int(tok))
+            node = add(node, int(tok), "lookup")
             if node < 0:
                 break
         where = {0: 0}  # tree node -> draft node
@@ -171,7 +172,7 @@ class RecyclingProposer:
             mask[i, i] = True
         # node order: parents before children (they are appended after them); depth order
         # is not required by the verifier or the batch builder
-        return Draft(tokens[1:], None, tuple(parents), depths[1:], mask, method=self.name)
+        return Draft(tokens[1:], None, tuple(parents), depths[1:], mask, method=self.name, sources=sources[1:])
 
     # ---- the protocol ----------------------------------------------------------------
     def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:

@@ -268,34 +268,42 @@ class GlobalStore:
                     "evictions": self.evictions, "compactions": self.compactions}
 
 
-def build_tree(rows: np.ndarray, budget: int, min_prob: float) -> tuple[list[int], list[int], list[int]]:
-    """The best-first tree over continuation rows [h, d] (negative ids end a row): at most
-    `budget` nodes, each with path probability (share of rows through it) >= min_prob,
-    parents before children. Returns (tokens, parents (-1 / 0 = root / node index + 1 ...),
-    depths) of nodes 1..n (parents index the root as 0)."""
-    uniq, counts = np.unique(rows, axis=0, return_counts=True)
-    total = float(counts.sum())
-    # trie over the distinct rows: key (trie parent, token) -> trie node
-    kids: dict[int, dict[int, int]] = {0: {}}
-    tok_of, cnt, dep = [0], [0], [0]
-    for row, c in zip(uniq.tolist(), counts.tolist()):
-        node = 0
-        for t in row:
-            if t < 0:
-                break
-            nxt = kids[node].get(t)
-            if nxt is None:
-                nxt = len(tok_of)
-                kids[node][t] = nxt
-                kids[nxt] = {}
-                tok_of.append(t)
-                cnt.append(0)
-                dep.append(dep[node] + 1)
-            cnt[nxt] += c
-            node = nxt
+def build_tree(parts: list[tuple[np.ndarray, str]], budget: int,
+               min_prob: float) -> tuple[list[int], list[int], list[int], list[str]]:
+    """The best-first tree over continuation rows (each part: rows [h, d] and the name of
+    where they came from; negative ids end a row): at most `budget` nodes, each with path
+    probability (the share of all rows through it) >= min_prob, parents before children.
+    Returns tokens, parents ([0] = -1 for the root, then the parent's node index, root 0),
+    depths and sources (a part's name, or "both" where rows of several parts agree) of
+    nodes 1..n."""
+    kids: dict[int, dict[int, int]] = {0: {}}  # trie over the distinct rows: node -> {token: node}
+    tok_of, cnt, dep, src = [0], [0], [0], [""]
+    total = 0.0
+    for rows, name in parts:
+        uniq, counts = np.unique(rows, axis=0, return_counts=True)
+        total += float(counts.sum())
+        for row, c in zip(uniq.tolist(), counts.tolist()):
+            node = 0
+            for t in row:
+                if t < 0:
+                    break
+                nxt = kids[node].get(t)
+                if nxt is None:
+                    nxt = len(tok_of)
+                    kids[node][t] = nxt
+                    kids[nxt] = {}
+                    tok_of.append(t)
+                    cnt.append(0)
+                    dep.append(dep[node] + 1)
+                    src.append(name)
+                elif src[nxt] != name:
+                    src[nxt] = "both"
+                cnt[nxt] += c
+                node = nxt
     tokens: list[int] = []
     parents: list[int] = [-1]
     depths: list[int] = []
+    sources: list[str] = []
     out_of = {0: 0}  # trie node -> draft node
     heap = [(-cnt[k] / total, k, 0) for k in kids[0].values()]
     heapq.heapify(heap)
@@ -307,9 +315,10 @@ def build_tree(rows: np.ndarray, budget: int, min_prob: float) -> tuple[list[int
         tokens.append(tok_of[k])
         parents.append(out_of[parent_trie])
         depths.append(dep[k])
+        sources.append(src[k])
         for kid in kids[k].values():
             heapq.heappush(heap, (-cnt[kid] / total, kid, k))
-    return tokens, parents, depths
+    return tokens, parents, depths, sources
 
 
 class SuffixProposer:
@@ -359,18 +368,19 @@ class SuffixProposer:
         depth = max(1, min(gamma, budget))
         parts = []
         if m_l == m:
-            parts.append(local.index.continuations(ends_l, depth))
+            parts.append((local.index.continuations(ends_l, depth), "local"))
         if m_g == m:
-            parts.append(gindex.continuations(ends_g, depth))
+            parts.append((gindex.continuations(ends_g, depth), "global"))
             self.store.touch(scope, ends_g)
-        tokens, parents, depths = build_tree(np.concatenate(parts) if len(parts) > 1 else parts[0], budget,
-                                             self.min_prob)
+        tokens, parents, depths, sources = build_tree(parts, budget, self.min_prob)
         if not tokens:
             return None
         self.drafts += 1
         self.from_local += int(m_l == m)
         self.from_global += int(m_g == m)
-        return tree_draft(tokens, parents, depths, self.name)
+        draft = tree_draft(tokens, parents, depths, self.name)
+        draft.sources = [f"{self.name}:{s}" for s in sources]
+        return draft
 
     # ---- the protocol ----------------------------------------------------------------
     def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
