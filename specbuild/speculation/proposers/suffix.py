@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import numpy as np
 
@@ -280,9 +280,9 @@ def build_tree(parts: list[tuple[np.ndarray, str]], budget: int,
     tok_of, cnt, dep, src = [0], [0], [0], [""]
     total = 0.0
     for rows, name in parts:
-        uniq, counts = np.unique(rows, axis=0, return_counts=True)
-        total += float(counts.sum())
-        for row, c in zip(uniq.tolist(), counts.tolist()):
+        distinct = Counter(map(tuple, rows.tolist()))  # copies of one passage collapse here
+        total += float(rows.shape[0])
+        for row, c in distinct.items():
             node = 0
             for t in row:
                 if t < 0:
@@ -418,9 +418,9 @@ def tree_draft(tokens: list[int], parents: list[int], depths: list[int], method:
     import torch
 
     n = len(tokens) + 1
-    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask = np.zeros((n, n), dtype=np.bool_)
     mask[0, 0] = True
     for i in range(1, n):
         mask[i] = mask[parents[i]]
         mask[i, i] = True
-    return Draft(list(tokens), None, tuple(parents), list(depths), mask, method=method)
+    return Draft(list(tokens), None, tuple(parents), list(depths), torch.from_numpy(mask), method=method)

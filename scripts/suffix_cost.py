@@ -1,0 +1,139 @@
+"""Proposal cost per step of the suffix drafter (speculation/proposers/suffix.py), and, where
+Arctic Inference's C++ suffix tree imports here, the same replay through it, interleaved.
+
+Replays the repeated-work workload (bench/repeated.py) without a model: each request's prompt
+is its first turn, its "output" the request's own document or slot text followed by the
+prompt's tail (a copy-heavy answer, the case suffix decoding targets). At every output token
+both structures propose a tree of at most --nodes nodes from the context so far, then take the
+true next token. Reported per structure: median and mean microseconds per step (propose +
+update), and tokens per pass the tree would give if the target's greedy continuation were the
+replayed text (the longest path of the tree matching it, + 1): a drafting-quality proxy
+that needs no model, not a measured speedup.
+
+    python scripts/suffix_cost.py BUNDLE_DIR [--nodes 8] [--repeats 3]
+
+Arctic's tree (arctic_inference.suffix_decoding) is measured only if it imports: it is built
+from its source archive by hand (see docs/suffix.md), never installed by the project.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from specbuild.bench.repeated import questions  # noqa: E402
+from specbuild.speculation.proposers.suffix import SuffixProposer  # noqa: E402
+
+
+class Seq:
+    def __init__(self, seq_id, prompt):
+        self.seq_id, self.prompt_ids, self.output_ids = seq_id, list(prompt), []
+        self.content_type, self.finish_reason, self.spec = None, "stop", None
+
+
+def path_len(tokens, parents, truth) -> int:
+    """Longest root path of the tree (nodes 1..n, parents[i] for node i+1, root 0) matching truth."""
+    best, depth = 0, {0: 0}
+    for i, (tok, par) in enumerate(zip(tokens, parents)):
+        d = depth.get(par)
+        if d is not None and d < len(truth) and truth[d] == tok:
+            depth[i + 1] = d + 1
+            best = max(best, d + 1)
+    return best
+
+
+def replay_ours(streams, nodes):
+    prop = SuffixProposer(max_nodes=nodes)
+    times, passes, emitted = [], 0, 0
+    for n, (prompt, output) in enumerate(streams):
+        seq = Seq(n, prompt)
+        seq.spec = type("S", (), {"method": "suffix"})()
+        t = 0
+        while t < len(output):
+            t0 = time.perf_counter()
+            d = prop.draft_for(seq, nodes)
+            times.append(time.perf_counter() - t0)
+            a = path_len(d.tokens, d.parents[1:], output[t:]) if d is not None else 0
+            step = min(a + 1, len(output) - t)
+            seq.output_ids.extend(output[t:t + step])
+            t += step
+            passes += 1
+            emitted += step
+        prop.release(seq)
+    return times, emitted / passes
+
+
+def replay_arctic(streams, nodes):
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    cache = SuffixDecodingCache(max_tree_depth=64, max_cached_requests=100000)
+    times, passes, emitted = [], 0, 0
+    for n, (prompt, output) in enumerate(streams):
+        t0 = time.perf_counter()
+        cache.start_request(n, prompt)  # counted in the first step, as specbuild's prompt indexing is
+        start = time.perf_counter() - t0
+        ctx = list(prompt)
+        t = 0
+        while t < len(output):
+            t0 = time.perf_counter()
+            d = cache.speculate(n, ctx[-64:], max_spec_tokens=nodes, use_tree_spec=True)
+            times.append(time.perf_counter() - t0 + start)
+            start = 0.0
+            parents = [p + 1 for p in d.parents]  # Arctic: -1 = the root, else a token's index
+            a = path_len(d.token_ids, parents, output[t:])
+            step = min(a + 1, len(output) - t)
+            t1 = time.perf_counter()
+            cache.add_active_response(n, output[t:t + step])
+            times[-1] += time.perf_counter() - t1
+            ctx.extend(output[t:t + step])
+            t += step
+            passes += 1
+            emitted += step
+        cache.stop_request(n)
+    return times, emitted / passes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bundle")
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(args.bundle, "tokenizer.json"))
+    streams = []
+    for q in questions():
+        prompt = tok.encode(q["turns"][0]).ids
+        body = prompt[len(prompt) // 4:]  # the answer quotes most of its input
+        streams.append((prompt, body))
+    runners = {"specbuild suffix (numpy index)": replay_ours}
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401
+
+        runners["Arctic Inference suffix tree (C++)"] = replay_arctic
+    except ImportError as e:
+        print(f"Arctic Inference not importable here ({e}); measuring specbuild's only")
+    results = {name: [] for name in runners}
+    tpp = {}
+    for _ in range(args.repeats):  # interleaved: drift hits both alike
+        for name, fn in runners.items():
+            times, tokens_per_pass = fn(streams, args.nodes)
+            results[name].append(times)
+            tpp[name] = tokens_per_pass
+    print(f"{len(streams)} requests, {sum(len(o) for _, o in streams)} output tokens, trees of <= {args.nodes} "
+          f"nodes, {args.repeats} interleaved repeats; load {os.getloadavg()[0]:.1f}")
+    for name, reps in results.items():
+        med = statistics.median(statistics.median(r) for r in reps) * 1e6
+        mean = statistics.median(statistics.fmean(r) for r in reps) * 1e6
+        print(f"  {name:36s} median {med:7.1f} us/step  mean {mean:7.1f} us/step  "
+              f"replay tokens/pass {tpp[name]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
