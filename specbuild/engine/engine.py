@@ -52,8 +52,18 @@ class EngineConfig:
     # same kernels; every forward then runs compiled, so speculation stays lossless. Costs a
     # compile at load (cached on disk by inductor after the first)
     compile: bool = False
+    # the suffix drafter's store of earlier requests (speculation/proposers/suffix.py): its cap in
+    # tokens (whole requests evicted, least recently used first), its scope (global: one store;
+    # content_type: one per request content type) and whether prompts join it beside outputs
+    suffix_store_tokens: int = 200_000
+    suffix_scope: str = "global"
+    suffix_prompts: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.suffix_store_tokens, int) or not 0 <= self.suffix_store_tokens <= 1 << 26:
+            raise ValueError(f"suffix_store_tokens={self.suffix_store_tokens!r} is out of range [0, {1 << 26}]")
+        if self.suffix_scope not in ("global", "content_type"):
+            raise ValueError(f"suffix_scope={self.suffix_scope!r} is not one of global, content_type")
         if self.weight_layouts not in ("auto", "rows"):
             raise ValueError(f"weight_layouts={self.weight_layouts!r} is not one of auto, rows")
         if self.binning not in ("ragged", "padded", "bins"):
@@ -236,7 +246,8 @@ class Engine(BaseEngine):
 
         # suffix first: `auto` takes the first of equally rated drafters, and suffix decoding's
         # matches include prompt lookup's (the request's own text) plus earlier requests'
-        proposers = {"suffix": SuffixProposer(max(1, self.meta.limits.max_draft_len)),
+        proposers = {"suffix": SuffixProposer(max(1, self.meta.limits.max_draft_len), self.config.suffix_store_tokens,
+                                              self.config.suffix_scope, self.config.suffix_prompts),
                      "ngram": NgramProposer(),
                      "recycle": RecyclingProposer(self.target_config.vocab_size, max_nodes=self.meta.limits.max_draft_len)}
         if "draft" in self.meta.roles and self.config.load_draft:

@@ -290,3 +290,18 @@ def test_telemetry_shows_acceptance_by_drafter_source_and_position(bundle, tmp_p
     out = CliRunner().invoke(main, ["telemetry", "report", db])
     assert out.exit_code == 0, out.output
     assert "acceptance by drafter source and position" in out.output and "suffix:local" in out.output
+
+
+def test_engine_config_sets_the_store_and_its_cap_evicts(bundle):
+    engine = Engine(bundle, EngineConfig(max_batch_size=1, suffix_store_tokens=50, suffix_scope="content_type"))
+    prop = engine.speculator.proposers["suffix"]
+    assert prop.store.max_tokens == 50 and prop.scope == "content_type"
+    for _ in range(3):  # 40 tokens each: every request after the first evicts the one before
+        run(engine, "suffix", prompts=[PROMPTS[2]])
+        assert prop.store.stats()["tokens"] <= 50
+    assert prop.store.stats()["evictions"] == 2 and prop.store.stats()["requests"] == 1
+    assert engine.stats()["suffix_store_tokens"] == 40 and engine.stats()["suffix_store_evictions"] == 2
+    with pytest.raises(ValueError, match="suffix_scope='tenant'"):
+        EngineConfig(suffix_scope="tenant")
+    with pytest.raises(ValueError, match="suffix_store_tokens=-5"):
+        EngineConfig(suffix_store_tokens=-5)
