@@ -23,6 +23,8 @@ _TORCH_ROWS = {
                                   "siblings with the head's deterministic top-k candidates (sampled)"),
     "suffix": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
                                    "over siblings with deterministic candidates from text already seen (sampled)"),
+    "hybrid": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
+                                   "over siblings with the merged deterministic candidates of suffix and recycle (sampled)"),
     "auto": (LOSSLESS, LOSSLESS, "as the method it picks per sequence"),
 }
 

@@ -245,7 +245,7 @@ def sampling_options(fn):
 
 def speculation_options(fn):
     for opt in reversed([
-        click.option("--speculation", type=click.Choice(["none", "ngram", "draft", "medusa", "recycle", "eagle", "suffix", "auto"]), default=None,
+        click.option("--speculation", type=click.Choice(["none", "ngram", "draft", "medusa", "recycle", "eagle", "suffix", "hybrid", "auto"]), default=None,
                      help="Drafter [bundle default]. auto picks per sequence by measured tokens/s."),
         click.option("--gamma", type=int, default=None, help="Draft length; alone it fixes the depth."),
         click.option("--gamma-min", type=int, default=None, help="Lower bound of the dynamic depth (0 allows plain)."),

@@ -12,7 +12,7 @@ from typing import Any
 
 from specbuild.errors import RequestError
 
-METHODS = ("none", "ngram", "draft", "medusa", "recycle", "eagle", "suffix", "auto", "eagle3")  # eagle3: the TensorRT-LLM LLM-API path
+METHODS = ("none", "ngram", "draft", "medusa", "recycle", "eagle", "suffix", "hybrid", "auto", "eagle3")  # eagle3: the TensorRT-LLM LLM-API path
 GAMMA_LIMIT = 16
 
 
@@ -24,7 +24,8 @@ class SpeculationConfig:
              recycle (token recycling: a tree from the target's earlier top-k, no model) |
              eagle (EAGLE-3 head on the target's features, dynamic tree) |
              suffix (suffix decoding: a tree of the most frequent continuations of the text's longest
-             match in the request and in earlier requests, no model) | auto
+             match in the request and in earlier requests, no model) |
+             hybrid (one tree merging suffix's and recycling's candidates) | auto
     gamma    starting draft length; with gamma_min == gamma_max it is fixed
     gamma_min, gamma_max   bounds for the per-sequence controller (0 allows plain decoding)
     tree     Medusa / recycling token tree: a preset name or inline paths (tuple of rank tuples), never a

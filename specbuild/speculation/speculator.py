@@ -139,7 +139,7 @@ class Speculator:
         """Token recycling's table learns from every verified row (tokens[i] is row i's
         input token); only for requests that may draft with it (recycle, auto)."""
         rec = self.proposers.get("recycle")
-        if rec is not None and seq.spec is not None and (seq.spec.method == "recycle" or (
+        if rec is not None and seq.spec is not None and (seq.spec.method in ("recycle", "hybrid") or (
                 seq.spec.method == "auto" and not seq.spec_state.auto_plain)):
             rec.observe(torch.tensor(tokens, dtype=torch.int64), rows)
 

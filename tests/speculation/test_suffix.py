@@ -244,7 +244,7 @@ def test_smollm2_greedy_suffix_equals_plain(smollm2_bundle):
     assert sum(r["stats"]["accepted"] for r in again) >= sum(r["stats"]["accepted"] for r in spec)
 
 
-def test_cli_generate_serves_suffix_by_name(bundle):
+def test_cli_generate_serves_suffix_and_hybrid_by_name(bundle):
     import json
 
     from click.testing import CliRunner
@@ -253,13 +253,14 @@ def test_cli_generate_serves_suffix_by_name(bundle):
 
     prompt = "one two three one two three one two three"
     outs = {}
-    for method in ("none", "suffix"):
+    for method in ("none", "suffix", "hybrid"):
         r = CliRunner().invoke(main, ["generate", bundle, "--prompt", prompt, "--max-tokens", "24", "--ignore-eos",
                                       "--speculation", method, "--threads", "1", "--json"])
         assert r.exit_code == 0, r.output
         outs[method] = json.loads(r.output.strip().splitlines()[-1])
-    assert outs["suffix"]["token_ids"] == outs["none"]["token_ids"]
-    assert outs["suffix"]["stats"]["drafted"] > 0 and outs["suffix"]["stats"]["accepted"] > 0
+    for method in ("suffix", "hybrid"):
+        assert outs[method]["token_ids"] == outs["none"]["token_ids"], method
+        assert outs[method]["stats"]["drafted"] > 0 and outs[method]["stats"]["accepted"] > 0, method
 
 
 def test_telemetry_shows_acceptance_by_drafter_source_and_position(bundle, tmp_path):

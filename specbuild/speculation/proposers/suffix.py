@@ -395,7 +395,8 @@ class SuffixProposer:
         if getattr(seq, "finish_reason", None) not in ("stop", "length"):
             return  # failed or aborted: keep nothing of it
         spec = getattr(seq, "spec", None)
-        if spec is None or not (spec.method == self.name or (spec.method == "auto" and not seq.spec_state.auto_plain)):
+        if spec is None or not (spec.method in (self.name, "hybrid") or (spec.method == "auto"
+                                                                         and not seq.spec_state.auto_plain)):
             return  # like recycling's table: learns from the requests that may draft with it
         tokens = (list(seq.prompt_ids) if self.include_prompts else []) + list(seq.output_ids)
         self.store.add(tokens, self.scope_of(seq))
