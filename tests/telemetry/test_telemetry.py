@@ -175,9 +175,10 @@ def test_migrations_upgrade_an_old_store_and_refuse_a_newer_one(tmp_path):
     assert old.query("SELECT name FROM sqlite_master WHERE name = 'speculation_events'") == []
     old.close()
     new = Store(db)
-    assert new.version() == SCHEMA_VERSION == 2
+    assert new.version() == SCHEMA_VERSION == 3
     assert new.query("SELECT session_id FROM speculation_sessions") == [("s1",)]
     assert new.query("SELECT COUNT(*) FROM speculation_events") == [(0,)]
+    assert new.query("SELECT COUNT(candidate_sources) FROM speculation_steps") == [(0,)]  # migration 3's column
     new.execute("INSERT INTO schema_version (version, applied_at) VALUES (99, 0)")
     new.close()
     with pytest.raises(TelemetryError, match="schema version 99, newer"):
