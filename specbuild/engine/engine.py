@@ -383,6 +383,11 @@ class Engine(BaseEngine):
         telemetry_rows_dropped / _written / _queued, telemetry_write_errors."""
         return self.scheduler.sink.stats()
 
+    def _failure_counts(self) -> dict[str, int]:
+        """The loop's own count plus the scheduler's isolated failures (engine/scheduler.py)."""
+        own = getattr(self.scheduler, "failures", {})
+        return {"step": self._loop_failures + own.get("step", 0), "sequence": own.get("sequence", 0)}
+
     def _kv_blocks(self) -> tuple[int | None, int | None]:
         """(used, total) KV cache blocks, for stats()."""
         return self.cache.used_blocks, self.cache.num_blocks
