@@ -152,3 +152,38 @@ def innocents_unchanged(engine, kind: str, method: str, prompts, monkeypatch, cu
         assert engine.stats()["sequence_failures"] == before + 1
     return clean, faulted
 
+
+
+def check_isolation(engine, method: str, prompts, monkeypatch, sampled: bool, drafts_independent: bool) -> None:
+    """Every kind of fault in request 1 of `prompts` under `method` (greedy or seeded):
+    verify and nan fail the culprit alone (500 naming the cause) after its first tokens,
+    which match the clean run's; proposer costs the culprit only its drafts. The neighbours'
+    tokens equal the clean run's throughout (innocents_unchanged). drafts_independent: the
+    neighbours' drafts do not depend on the culprit (all but token recycling's shared table),
+    so their draft counts must be the clean run's too."""
+    sampling = {"temperature": 0.9} if sampled else {}
+    clean = engine.generate(requests(prompts, method, 1, **sampling))
+    if method != "none":  # the batch really speculates (greedy: and drafts get accepted)
+        assert sum(r["stats"]["drafted"] for r in clean) > 0
+        assert sampled or sum(r["stats"]["accepted"] for r in clean) > 0
+    for kind, where in (("verify", "InjectedFault: injected"), ("nan", "NumericsError: the target's logits row 0")):
+        _, faulted = innocents_unchanged(engine, kind, method, prompts, monkeypatch, clean=clean, **sampling)
+        bad = faulted[1]
+        assert bad["finish_reason"] == "error" and bad["error_status"] == 500, bad
+        assert where in bad["error"] and "choosing its next tokens" in bad["error"], bad["error"]
+        assert 3 <= len(bad["token_ids"]) < 20  # it ran until the fault, then stopped
+        assert bad["token_ids"] == clean[1]["token_ids"][:len(bad["token_ids"])]
+    if method == "none":
+        return
+    _, faulted = innocents_unchanged(engine, "proposer", method, prompts, monkeypatch, clean=clean, **sampling)
+    bad = faulted[1]
+    # a drafter failing on one request costs that request its drafts, not its answer: it
+    # decodes plainly from there (lossless), its neighbours keep drafting
+    assert "error" not in bad and bad["finish_reason"] == "length"
+    if not sampled:
+        assert bad["token_ids"] == clean[1]["token_ids"]
+    innocents = [(a["stats"], b["stats"]) for i, (a, b) in enumerate(zip(clean, faulted)) if i != 1]
+    assert sum(b["drafted"] for _, b in innocents) > 0
+    if drafts_independent:
+        assert [(b["drafted"], b["accepted"]) for _, b in innocents] == \
+            [(a["drafted"], a["accepted"]) for a, _ in innocents]
