@@ -254,6 +254,10 @@ def request_error(e: RequestError, default_param: str | None) -> ApiError:
         param = "stop"
     elif msg.startswith("tree"):
         param = "tree"
+    elif msg.startswith(("response_format", "typical", "logit_bias")):
+        param = msg.split(" ", 1)[0].split("=", 1)[0]
+    elif msg.startswith("ngram sizes"):
+        param = "ngram_min"
     elif msg.startswith("unknown sampling"):
         param = None
     return ApiError(400, msg, param=param)

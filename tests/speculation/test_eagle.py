@@ -223,3 +223,12 @@ def test_a_tree_on_an_eagle_request_is_refused(trained):
     with pytest.raises(RequestError, match="not 'ngram'"):
         engine.submit(Request(prompt_ids=[5, 6], speculation={"method": "ngram", "tree": "chain_2"}))
     assert engine.cache.used_blocks == 0 and not engine.waiting
+
+
+def test_eagle_extreme_sampling_parameters(trained):
+    """Temperature 1e-38, top_p 1e-45, top_k 1 and the other extremes on EAGLE trees: a 4xx,
+    the greedy or the seeded answer (tests/helpers/extreme.py)."""
+    from extreme import check_extreme
+
+    engine = Engine(trained["with_head"], EngineConfig(max_batch_size=2))
+    check_extreme(engine, ["none", "eagle"], trained["prompts"][0], examples=10)
