@@ -81,3 +81,25 @@ def test_failures_show_in_metrics(engine, monkeypatch):
     assert f"specbuild_sequence_failures_total {stats['sequence_failures']}" in text
     assert f"specbuild_step_failures_total {stats['step_failures']}" in text
 
+
+
+def test_a_failed_plan_fails_the_step_only(engine, monkeypatch):
+    """Planning (drafting, binning) belongs to the whole step: its failure fails the planned
+    requests (500, counted as a step failure), never the engine; the next batch is served."""
+    real = engine.speculator.bins
+    calls = {"n": 0}
+
+    def bins(items):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected planning fault")
+        return real(items)
+
+    before = engine.stats()["step_failures"]
+    monkeypatch.setattr(engine.speculator, "bins", bins)
+    failed = engine.generate(requests(PROMPTS[:2], "ngram", 1))
+    assert [r["finish_reason"] for r in failed] == ["error", "error"]
+    assert all("while planning the step" in r["error"] for r in failed)
+    assert engine.stats()["step_failures"] == before + 1 and engine.cache.used_blocks == 0
+    again = engine.generate(requests(PROMPTS[:2], "ngram", 1))
+    assert [r["finish_reason"] for r in again] == ["length", "length"]

@@ -110,3 +110,19 @@ def test_hostile_requests_beside_innocent_ones(server):
     worst = max(dt for *_, dt in innocent_out)
     print(f"\ninnocent latency: alone median {sorted(alone_s)[len(alone_s) // 2]:.3f}s max {max(alone_s):.3f}s; "
           f"beside hostile traffic max {worst:.3f}s over {len(innocent_out)} requests")
+
+
+def test_engine_errors_map_to_the_status_the_engine_gives():
+    """A request the engine failed alone answers 400 naming response_format when its grammar
+    caused it, 500 (server_error) otherwise (Sequence.fail's status)."""
+    from types import SimpleNamespace
+
+    from specbuild.serve.openai_http import engine_error
+
+    grammar = engine_error(SimpleNamespace(error="response_format grammar: the grammar engine stopped on this "
+                                                 "grammar: parser error: Too many items", error_status=400))
+    assert grammar.status == 400 and grammar.body()["error"]["param"] == "response_format"
+    assert grammar.body()["error"]["type"] == "invalid_request_error"
+    nan = engine_error(SimpleNamespace(error="the engine failed this request while choosing its next tokens: "
+                                             "NumericsError: ...", error_status=500))
+    assert nan.status == 500 and nan.body()["error"]["type"] == "server_error"
