@@ -235,27 +235,16 @@ class Speculator:
         out = {}
         for seq in seqs:
             try:
-                forced = self.forced_draft(seq)
+                choice = self.plan_draft(seq)
             except Exception as e:
                 if on_error is None:
                     raise
-                on_error(seq, e, "computing the tokens its grammar forces")
+                on_error(seq, e, "choosing its drafts (its grammar's forced tokens, method, depth)")
                 continue
-            if forced is not None:  # the grammar's forced tokens: a free draft, whatever the method
-                out[seq] = forced
-                seq.gammas.append(len(forced))
-                continue
-            method = self.choose_method(seq)
-            seq.spec_state.method = method
-            if method is None:
-                seq.gammas.append(0)
-                continue
-            gamma = self.controller.next(seq, method, self.cost_model(seq, method))
-            # never draft past the sequence's room (its max tokens or the context limit)
-            gamma = max(0, min(gamma, self.max_draft_len, seq.remaining - 1))
-            seq.gammas.append(gamma)
-            if gamma > 0:
-                by_method.setdefault(method, []).append((seq, gamma))
+            if isinstance(choice, Draft):  # the grammar's forced tokens: a free draft, whatever the method
+                out[seq] = choice
+            elif choice is not None:
+                by_method.setdefault(choice[0], []).append((seq, choice[1]))
         for method, pairs in by_method.items():
             t0 = time.perf_counter()
             try:
@@ -276,6 +265,24 @@ class Speculator:
                 else:
                     self.controller.record(seq, method, 0, 0)
         return out
+
+    def plan_draft(self, seq) -> "Draft | tuple[str, int] | None":
+        """seq's drafting this step: the grammar's forced tokens (a Draft), (method, gamma > 0),
+        or None (plain). Records the choice (spec_state.method, gammas)."""
+        forced = self.forced_draft(seq)
+        if forced is not None:
+            seq.gammas.append(len(forced))
+            return forced
+        method = self.choose_method(seq)
+        seq.spec_state.method = method
+        if method is None:
+            seq.gammas.append(0)
+            return None
+        gamma = self.controller.next(seq, method, self.cost_model(seq, method))
+        # never draft past the sequence's room (its max tokens or the context limit)
+        gamma = max(0, min(gamma, self.max_draft_len, seq.remaining - 1))
+        seq.gammas.append(gamma)
+        return (method, gamma) if gamma > 0 else None
 
     def propose_apart(self, method: str, pairs: list, batch_error: Exception) -> list:
         """The drafter `method` raised on a batch: every sequence's drafter state goes back to
