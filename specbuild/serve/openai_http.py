@@ -59,6 +59,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specbuild.engine.sequence import Handle, Request
 from specbuild.errors import RequestError
 from specbuild.sampling.params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from specbuild.serve.http_guard import ConnectionLimits, RequestLimit, guarded_protocol, raise_open_files
 from specbuild.serve.metrics import CONTENT_TYPE, ServerMetrics
 from specbuild.speculation.config import GAMMA_LIMIT, METHODS
 from specbuild.speculation.tree import MAX_DEPTH, MAX_INLINE_NODES, MAX_RANK, TreeError, load_tree
@@ -98,8 +99,14 @@ class ServeConfig:
     retry_after_s: int = 1
     max_body_bytes: int = 4 << 20
     body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
-    max_connections: int = 1024  # uvicorn answers 503 beyond this many connections + tasks
     keep_alive_s: int = 60  # idle keep-alive connections close after this
+    # the connection layer (serve/http_guard.py): a head's deadline, size and header count, the
+    # open-socket cap (longest-idle closed beyond it), requests handled at once (503 beyond)
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 128
+    max_connections: int = 8192
+    max_inflight: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -108,8 +115,14 @@ class ServeConfig:
             raise ValueError(f"max_queue={self.max_queue} is out of range [1, {1 << 20}]")
         if not 0.05 <= self.body_timeout_s <= 3600:
             raise ValueError(f"body_timeout_s={self.body_timeout_s} is out of range [0.05, 3600]")
-        if not 1 <= self.max_connections <= 1 << 20:
-            raise ValueError(f"max_connections={self.max_connections} is out of range [1, {1 << 20}]")
+        if not 1 <= self.max_inflight <= 1 << 20:
+            raise ValueError(f"max_inflight={self.max_inflight} is out of range [1, {1 << 20}]")
+        self.connection_limits()  # range checks of the connection layer's settings
+
+    def connection_limits(self, max_connections: int | None = None) -> ConnectionLimits:
+        return ConnectionLimits(header_timeout_s=self.header_timeout_s, max_header_bytes=self.max_header_bytes,
+                                max_headers=self.max_headers,
+                                max_connections=self.max_connections if max_connections is None else max_connections)
 
 
 class ApiError(StarletteHTTPException):
@@ -428,10 +441,11 @@ class OpenAIServer:
             raise
         self.sock = sock
         quiet_uvicorn()
+        # sockets: as many as the open-file limit allows once raised (soft -> hard)
+        limits = self.config.connection_limits(max(16, raise_open_files(self.config.max_connections)))
         self.uvicorn = uvicorn.Server(uvicorn.Config(
-            self.app, log_config=None, access_log=False, lifespan="off", ws="none",
-            timeout_keep_alive=self.config.keep_alive_s, timeout_graceful_shutdown=3,
-            limit_concurrency=self.config.max_connections))
+            self.app, log_config=None, access_log=False, lifespan="off", ws="none", http=guarded_protocol(limits),
+            timeout_keep_alive=self.config.keep_alive_s, timeout_graceful_shutdown=3))
         self.engine.start()
         return self.url
 
@@ -667,8 +681,8 @@ class OpenAIServer:
             return found[0]
 
         @app.get("/health", tags=["specbuild"])
-        async def health():
-            status, info = await run_in_threadpool(self.health)
+        async def health():  # on the event loop: lock-free reads, never behind the worker pool
+            status, info = self.health()
             return JSONResponse(info, status)
 
         @app.get("/metrics", tags=["specbuild"])
@@ -676,7 +690,8 @@ class OpenAIServer:
             text = await run_in_threadpool(self.metrics.render)
             return Response(text.encode(), media_type=CONTENT_TYPE)
 
-        return BodyGuard(app, self.config)  # type: ignore[return-value]
+        return RequestLimit(BodyGuard(app, self.config), self.config.max_inflight,  # type: ignore[return-value]
+                            self.config.retry_after_s)
 
 
 def quiet_uvicorn() -> None:
