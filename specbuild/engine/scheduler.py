@@ -42,6 +42,11 @@ class WorkItem:
     row0: int = 0  # first row of this item in the flattened batch
     completes: bool = False  # chunk reaches the end of the pending tokens
     pad: int = 0  # filler rows (padded binning only): computed, never read, rolled back
+    score: tuple[int, int] | None = None  # prompt positions [p0, p1) whose logits score the prompt
+
+    @property
+    def score_rows(self) -> int:
+        return 0 if self.score is None else self.score[1] - self.score[0]
 
     @property
     def n_draft(self) -> int:
@@ -81,6 +86,9 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
         wslots.append(all_slots[it.start:])
         rslots.append(all_slots)
         it.row0 = t
+        it.score = prompt_score_span(it)
+        if it.score is not None:  # echo + logprobs: these prompt rows' logits too, before the last row's
+            logit_rows.append(torch.arange(t + it.score[0] - it.start, t + it.score[1] - it.start))
         if it.completes:
             last = t + len(it.chunk) - 1
             logit_rows.append(torch.arange(last, last + 1 + it.n_draft))
@@ -104,6 +112,18 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
         logit_rows=(torch.cat(logit_rows) if logit_rows else torch.zeros(0, dtype=torch.int64)).to(dev),
         prompt_rows=torch.cat(prompt).to(dev),
     )
+
+
+def prompt_score_span(it: WorkItem) -> tuple[int, int] | None:
+    """The prompt positions of this chunk whose logits give the next prompt token's logprob
+    (request.prompt_logprobs): not scored yet, and before the prompt's last position (whose
+    logits choose the first generated token). None when there are none."""
+    seq = it.seq
+    if seq.request.prompt_logprobs is None:
+        return None
+    p0 = max(it.start, seq.prompt_scored)
+    p1 = min(it.start + len(it.chunk), len(seq.prompt_ids) - 1)
+    return (p0, p1) if p1 > p0 else None
 
 
 def draft_paths(draft) -> list[list[int]]:
@@ -266,6 +286,8 @@ class Scheduler:
             self.cache.copy_slots(self.cache.slots(src.seq_id, 0, n).to(dev), self.cache.slots(seq.seq_id, 0, n).to(dev))
             seq.num_cached = n
             self.commit(seq, n)
+            if seq.request.prompt_logprobs is not None:  # the prompt is the source's: so are its logprobs
+                seq.prompt_logprobs, seq.prompt_scored = list(src.prompt_logprobs), src.prompt_scored
             seq.prefill_source = None
             seq.extra_stats["stat_shared_prefill_tokens"] = n
 
@@ -308,6 +330,12 @@ class Scheduler:
         for it in items:
             seq = it.seq
             seq.target_passes += 1
+            if it.score is not None:  # the prompt's logprobs: plain numbers kept, the rows let go
+                p0, p1 = it.score
+                seq.prompt_logprobs += token_logprobs(logits[r:r + it.score_rows], seq.params,
+                                                      seq.prompt_ids[p0 + 1:p1 + 1], seq.request.prompt_logprobs)
+                seq.prompt_scored = p1
+                r += it.score_rows
             if aux is not None:
                 if not it.completes:
                     self.speculator.observe_features(seq, it, aux)

@@ -13,7 +13,10 @@ event loop never blocks on the engine: parsing, chat rendering, tokenizing and `
 in a worker thread, and a request's events reach its coroutine through `Handle.listener`
 (the engine thread calls `loop.call_soon_threadsafe`). Each request also watches its
 connection: when the client goes away its request is aborted (KV blocks freed) at once,
-while it streams, while it waits for a whole answer, or while it is still queued.
+while it streams, while it waits for a whole answer, or while it is still queued; the abort
+runs on a thread of its own (it takes the engine lock, which a step holds). `/health` runs
+on the event loop (lock-free reads), never behind the worker pool. echo + logprobs is an
+ordinary request: the engine scores the prompt during the request's own prefill.
 
 Back-pressure: when `max_queue` requests already wait for admission, new ones get 429 with
 Retry-After. Bad bodies get 4xx with `{"error": {message, type, param, code}}`, `param`
@@ -45,6 +48,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal, Union
 
@@ -390,8 +394,7 @@ class Call:
     created: int
     n: int = 1
     echo: str | None = None  # completions echo: the prompt text to put before each answer
-    echo_ids: list[int] | None = None  # with echo + logprobs: the prompt's tokens and their logprobs
-    echo_logprobs: list | None = None
+    echo_scores: bool = False  # echo + logprobs: each choice's prefill scores the prompt (Sequence.prompt_logprobs)
     logprobs: str | None = None  # "chat" | "completions": how to shape them; None: not asked for
 
     def requests(self) -> list[Request]:
@@ -425,6 +428,7 @@ class OpenAIServer:
         self.sock: socket.socket | None = None
         self.uvicorn: uvicorn.Server | None = None
         self._served = threading.Event()
+        self._aborter = ThreadPoolExecutor(1, thread_name_prefix="specbuild-abort")  # finish(): aborts, in order
         self.app = self.make_app()
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -480,6 +484,7 @@ class OpenAIServer:
             self._served.wait(timeout=10)
         if self.sock is not None:
             self.sock.close()
+        self._aborter.shutdown(wait=True)
         self.engine.stop()
 
     # ---- requests ----------------------------------------------------------------------
@@ -523,21 +528,15 @@ class OpenAIServer:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         elif not chat and body.logprobs is not None:  # type: ignore[union-attr]
             request.logprobs, logprobs = body.logprobs, "completions"  # type: ignore[union-attr]
-        echo = echo_ids = echo_lps = None
+        echo, echo_scores = None, False
         if not chat and body.echo:  # type: ignore[union-attr]
             echo = request.prompt if request.prompt is not None else self.engine.tokenizer.decode(request.prompt_ids)
-            if logprobs:  # the prompt's own logprobs (OpenAI: the first token's is null)
-                if not hasattr(self.engine, "prompt_logprobs"):
+            if logprobs:  # the prompt's own logprobs (OpenAI: the first token's is null), by its prefill
+                if not getattr(self.engine, "supports_prompt_logprobs", False):
                     raise ApiError(400, "echo with logprobs is not supported on this backend (torch only)", param="echo")
-                echo_ids = request.prompt_ids if request.prompt_ids is not None else self.engine.encode(request.prompt)
-                request.prompt, request.prompt_ids = None, list(echo_ids)
-                try:
-                    echo_lps = self.engine.prompt_logprobs(echo_ids, sampling, request.logprobs or 0)
-                except RequestError as e:
-                    raise request_error(e, "prompt") from None
+                request.prompt_logprobs, echo_scores = request.logprobs or 0, True
         return Call(endpoint, request, stream, bool(options and options.include_usage), bool(body.return_token_ids),
-                    request.request_id, int(time.time()), n=n, echo=echo, logprobs=logprobs, echo_ids=echo_ids,
-                    echo_logprobs=echo_lps)
+                    request.request_id, int(time.time()), n=n, echo=echo, logprobs=logprobs, echo_scores=echo_scores)
 
     def submit(self, call: Call) -> list[Handle]:
         """Queue the request's choices, or raise ApiError (429 when the queue is full, 400 when
@@ -574,8 +573,11 @@ class OpenAIServer:
         handle.listener = None
         with self._lock:
             self.active.discard(handle)
-        if not handle.seq.finished:
-            self.engine.abort(handle)
+        if not handle.seq.finished:  # on the abort thread: the event loop never waits for the engine lock
+            try:
+                self._aborter.submit(self.engine.abort, handle)
+            except RuntimeError:  # shut down (the server is stopping): abort here
+                self.engine.abort(handle)
             log.info("request %s aborted: the client went away", handle.request_id)
 
     def health(self) -> tuple[int, dict[str, Any]]:
@@ -624,7 +626,7 @@ class OpenAIServer:
                                code="aborted")
         tok = self.engine.tokenizer
         choices = [choice(call, (call.echo or "") + h.seq.text, h.seq.output_ids, h.seq.finish_reason, True, index=i,
-                          logprobs=join_logprobs(echo_logprobs(call, tok),
+                          logprobs=join_logprobs(echo_logprobs(call, tok, h.seq),
                                                  shape_logprobs(call, tok, h.seq.output_ids, h.seq.logprobs, h.seq.text)))
                    for i, h in enumerate(handles)]
         return JSONResponse(envelope(call, self.model_name, choices, False, usage=usage([h.seq for h in handles])))
@@ -813,11 +815,16 @@ class SSEResponse(Response):
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}
                 yield sse(envelope(call, model, [first], True))
-            elif call.echo:
-                yield sse(envelope(call, model, [choice(call, call.echo, None, None, False, index=i,
-                                                        logprobs=echo_logprobs(call, tok))], True))
+            elif call.echo and not call.echo_scores:
+                yield sse(envelope(call, model, [choice(call, call.echo, None, None, False, index=i)], True))
+        unechoed = set(range(len(handles))) if call.echo_scores else set()
         async for i, event in self.events:
-            if event.text or (call.return_token_ids and event.token_ids):
+            if i in unechoed:  # its prefill is done (an event came): the prompt's logprobs are known
+                unechoed.discard(i)
+                yield sse(envelope(call, model, [choice(call, call.echo, None, None, False, index=i,
+                                                        logprobs=echo_logprobs(call, tok, handles[i].seq))], True))
+            # a token whose text is still incomplete (part of a character) still has its ids and logprobs
+            if event.text or (event.token_ids and (call.return_token_ids or call.logprobs)):
                 lp = shape_logprobs(call, tok, event.token_ids, event.logprobs or [], event.text)
                 yield sse(envelope(call, model, [choice(call, event.text, event.token_ids, None, False, index=i,
                                                         logprobs=lp)], True))
@@ -911,11 +918,12 @@ def usage(seqs: list) -> dict[str, Any]:
     return out
 
 
-def echo_logprobs(call: Call, tokenizer) -> dict[str, Any] | None:
-    """The echoed prompt's part of a completions logprobs object (the first token's is null)."""
-    if call.echo_ids is None:
+def echo_logprobs(call: Call, tokenizer, seq) -> dict[str, Any] | None:
+    """The echoed prompt's part of a completions logprobs object (the first token's is null),
+    from the choice's sequence: its prompt ids and the logprobs its prefill computed."""
+    if not call.echo_scores:
         return None
-    ids, items = call.echo_ids, call.echo_logprobs or []
+    ids, items = seq.prompt_ids, seq.prompt_logprobs
 
     def piece(i: int) -> str:
         return tokenizer.decode([i], skip_special_tokens=False)

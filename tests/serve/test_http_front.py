@@ -215,3 +215,67 @@ def test_the_request_limit_counts_requests(strict):
         return post(strict.port, "/v1/completions", completion())[0] == 200
 
     wait_until(answered, 30, "a request to be answered once the streams are gone")
+
+
+# ---- echo + logprobs: an ordinary request ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def narrow(bundle, tmp_path_factory):
+    srv = ServerProcess(bundle, str(tmp_path_factory.mktemp("logs") / "narrow.log"), "--max-batch-size", "1",
+                        "--max-queue", "2")
+    yield srv
+    srv.stop()
+
+
+def health(port: int) -> dict:
+    status, text = get(port, "/health")
+    assert status == 200, text
+    return json.loads(text)
+
+
+def test_echo_logprobs_is_validated_queued_and_bounded(narrow):
+    port = narrow.port
+    echo = {"prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 2, "echo": True, "logprobs": 1, "ignore_eos": True}
+    # validated before anything runs: out-of-vocabulary ids and over-long prompts are 400s
+    status, _, err = post(port, "/v1/completions", {**echo, "prompt": [5, 6, 320]})
+    assert status == 400 and err["error"]["param"] == "prompt" and "[0, 320)" in err["error"]["message"], err
+    status, _, err = post(port, "/v1/completions", {**echo, "prompt": [5] * 1030})
+    assert status == 400 and err["error"]["param"] == "prompt" and "max_seq_len is 1024" in err["error"]["message"], err
+    # queued like any request: the one slot is held, two wait (/health answers), the next is 429
+    hold, _ = open_stream(port, "/v1/completions", {"prompt": "once upon a time", "max_tokens": 1000, "ignore_eos": True})
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(post(port, "/v1/completions", echo))) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: health(port)["queue_depth"] == 2, 30, "two echo requests queued")
+        status, headers, err = post(port, "/v1/completions", echo)
+        assert status == 429 and err["error"]["code"] == "queue_full", err
+        # a queued one whose client leaves is aborted without holding anyone up
+        gone = socket.create_connection(("127.0.0.1", port), timeout=30)
+        data = json.dumps(echo).encode()
+        gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        gone.close()
+    finally:
+        hold.close()
+    for t in threads:
+        t.join(timeout=60)
+    assert [r[0] for r in results] == [200, 200], results
+    for _, _, body in results:
+        lp = body["choices"][0]["logprobs"]
+        assert len(lp["token_logprobs"]) == 7 + 2 and lp["token_logprobs"][0] is None
+        assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+    wait_until(lambda: (lambda h: h["running"] == h["queue_depth"] == h["kv_blocks_used"] == 0)(health(port)), 30,
+               "the server to be idle with its KV pool whole")
+
+
+def test_echo_logprobs_streamed_equal_the_whole_answer(narrow):
+    body = {"prompt": "the cat sat on the mat", "max_tokens": 4, "echo": True, "logprobs": 2, "ignore_eos": True}
+    status, _, whole = post(narrow.port, "/v1/completions", body)
+    assert status == 200, whole
+    from http_client import stream
+
+    chunks = stream(narrow.port, "/v1/completions", body)
+    first = chunks[0]["choices"][0]
+    assert first["text"] == body["prompt"]  # the echo comes first, with the prompt's logprobs
+    got = sum((c["choices"][0]["logprobs"]["token_logprobs"] for c in chunks if c["choices"][0].get("logprobs")), [])
+    assert got == whole["choices"][0]["logprobs"]["token_logprobs"]
