@@ -500,11 +500,11 @@ class OpenAIServer:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         sampling = parse_sampling(body, self.engine.default_sampling, chat)
         if chat:
-            try:
-                text = self.engine.render_chat(flatten_messages(body.messages))  # type: ignore[union-attr]
+            try:  # message text is text: only the template emits control tokens
+                ids = self.engine.encode_chat(flatten_messages(body.messages))  # type: ignore[union-attr]
             except RequestError as e:
                 raise ApiError(400, str(e), param="messages") from None
-            request = Request(prompt_ids=self.engine.encode(text, add_special_tokens=False))
+            request = Request(prompt_ids=ids)
         else:
             request = parse_prompt(body)  # type: ignore[arg-type]
         prefix = "chatcmpl" if chat else "cmpl"
