@@ -260,20 +260,45 @@ class ChatRequest(CommonFields):
 
 
 # ---- parsing -----------------------------------------------------------------------------------
-def request_error(e: RequestError, default_param: str | None) -> ApiError:
-    """Map an engine/config RequestError to 400, naming the field its message starts with."""
+# the field a RequestError is about, by how its message starts (engine, sampling and config
+# messages); first match wins, then a leading "name=", then the caller's default
+PARAM_BY_PREFIX = (("response_format", "response_format"), ("logit_bias", "logit_bias"), ("stop string", "stop"),
+                   ("unknown speculation", "speculation"), ("speculation", "speculation"), ("tree", "tree"),
+                   ("typical", "typical"), ("ngram", "ngram"), ("unknown sampling", None))
+
+
+def request_error(e: RequestError, default_param: str | None, body: BaseModel | None = None) -> ApiError:
+    """Map an engine/config RequestError to 400, naming the field it is about. With the body,
+    a speculation field the client gave inside `speculation` (not at the top level) is named
+    `speculation`."""
     msg = str(e)
+    prefixed = [param for prefix, param in PARAM_BY_PREFIX if msg.startswith(prefix)]
     m = re.match(r"(\w+)=", msg)
-    param = m.group(1) if m else default_param
-    if msg.startswith("speculation") or msg.startswith("unknown speculation"):
+    if re.match(r"\d+ stop strings", msg):
+        param: str | None = "stop"
+    elif prefixed:
+        param = prefixed[0]
+    else:
+        param = m.group(1) if m else default_param
+    if param == "ngram":  # "ngram sizes [a, b] must satisfy ...": the one given (min first)
+        given = [f for f in ("ngram_min", "ngram_max") if body is not None and getattr(body, f, None) is not None]
+        param = given[0] if given else "speculation"
+    if param in SpeculationFields.model_fields and body is not None and getattr(body, param, None) is None \
+            and getattr(body, "speculation", None) is not None:
         param = "speculation"
-    elif msg.startswith("stop string") or re.match(r"\d+ stop strings", msg):
-        param = "stop"
-    elif msg.startswith("tree"):
-        param = "tree"
-    elif msg.startswith("unknown sampling"):
-        param = None
     return ApiError(400, msg, param=param)
+
+
+def check_logit_bias(bias: dict[str, float], vocab_size: int) -> None:
+    """logit_bias keys are token ids written in plain ASCII decimal, inside the vocabulary
+    (int() alone would read "٥" or "1_000" as ids; an id past the vocabulary was ignored)."""
+    for key in bias:
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            raise ApiError(400, f"logit_bias key {key[:40]!r} is not a token id: keys are token ids in plain "
+                                f"decimal digits (0-9), in [0, {vocab_size})", param="logit_bias")
+        if int(key) >= vocab_size:
+            raise ApiError(400, f"logit_bias key {key!r}: token id {int(key)} is out of range [0, {vocab_size}) "
+                                "(the vocabulary)", param="logit_bias")
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -323,8 +348,10 @@ def check_neutral(body: BaseModel) -> None:
                                param=name)
 
 
-def parse_sampling(body: CommonFields, defaults: SamplingParams, chat: bool) -> SamplingParams:
+def parse_sampling(body: CommonFields, defaults: SamplingParams, chat: bool, vocab_size: int) -> SamplingParams:
     stop = body.stop
+    if body.logit_bias:
+        check_logit_bias(body.logit_bias, vocab_size)
     max_tokens = body.max_completion_tokens if chat else None  # type: ignore[attr-defined]
     fields = {"max_tokens": max_tokens if max_tokens is not None else body.max_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
@@ -335,7 +362,7 @@ def parse_sampling(body: CommonFields, defaults: SamplingParams, chat: bool) -> 
     try:
         return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None}, defaults)
     except RequestError as e:
-        raise request_error(e, None) from None
+        raise request_error(e, None, body) from None
 
 
 def parse_speculation(body: CommonFields) -> dict[str, Any] | None:
@@ -396,6 +423,7 @@ class Call:
     echo: str | None = None  # completions echo: the prompt text to put before each answer
     echo_scores: bool = False  # echo + logprobs: each choice's prefill scores the prompt (Sequence.prompt_logprobs)
     logprobs: str | None = None  # "chat" | "completions": how to shape them; None: not asked for
+    body: BaseModel | None = None  # the parsed body (errors name the field the client wrote)
 
     def requests(self) -> list[Request]:
         """One engine request per choice: independent samples, each with its own seed."""
@@ -498,7 +526,7 @@ class OpenAIServer:
         options = body.stream_options
         if options is not None and not stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        sampling = parse_sampling(body, self.engine.default_sampling, chat)
+        sampling = parse_sampling(body, self.engine.default_sampling, chat, self.engine.target_config.vocab_size)
         if chat:
             try:  # message text is text: only the template emits control tokens
                 ids = self.engine.encode_chat(flatten_messages(body.messages))  # type: ignore[union-attr]
@@ -536,7 +564,8 @@ class OpenAIServer:
                     raise ApiError(400, "echo with logprobs is not supported on this backend (torch only)", param="echo")
                 request.prompt_logprobs, echo_scores = request.logprobs or 0, True
         return Call(endpoint, request, stream, bool(options and options.include_usage), bool(body.return_token_ids),
-                    request.request_id, int(time.time()), n=n, echo=echo, logprobs=logprobs, echo_scores=echo_scores)
+                    request.request_id, int(time.time()), n=n, echo=echo, logprobs=logprobs, echo_scores=echo_scores,
+                    body=body)
 
     def submit(self, call: Call) -> list[Handle]:
         """Queue the request's choices, or raise ApiError (429 when the queue is full, 400 when
@@ -560,7 +589,7 @@ class OpenAIServer:
             except RequestError as e:
                 for h in handles:
                     self.engine.abort(h)
-                raise request_error(e, "messages" if call.endpoint == "chat" else "prompt") from None
+                raise request_error(e, "messages" if call.endpoint == "chat" else "prompt", call.body) from None
             self.active.update(handles)
         return handles
 

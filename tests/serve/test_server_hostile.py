@@ -155,6 +155,31 @@ def test_every_bound_has_a_limit_named_in_a_4xx(server, extra, param, limit):
     assert err["error"]["param"] == param and limit in err["error"]["message"], err
 
 
+PARAMS = [  # (body, the field `param` names, a piece of the message)
+    ({"response_format": {"type": "xml"}}, "response_format", "'xml'"),
+    ({"response_format": {"type": "regex", "regex": "(("}}, "response_format", "regex"),
+    ({"response_format": {"type": "regex"}}, "response_format", "regex"),
+    ({"typical": True, "speculation": "ngram"}, "typical", "medusa"),
+    ({"speculation": {"method": "ngram", "typical": True}}, "speculation", "medusa"),
+    ({"speculation": "ngram", "ngram_min": 5, "ngram_max": 2}, "ngram_min", "ngram_min <= ngram_max"),
+    ({"speculation": "ngram", "ngram_max": 1, "ngram_min": 2}, "ngram_min", "ngram_min <= ngram_max"),
+    ({"speculation": {"method": "ngram", "ngram_min": 6, "ngram_max": 3}}, "speculation", "ngram_min <= ngram_max"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "'abc'"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias", "'-1'"),
+    ({"logit_bias": {"\u0665": 1}}, "logit_bias", "plain decimal digits (0-9)"),  # ARABIC-INDIC FIVE
+    ({"logit_bias": {"1_000": 1}}, "logit_bias", "plain decimal digits (0-9)"),
+    ({"logit_bias": {" 5": 1}}, "logit_bias", "plain decimal digits (0-9)"),
+    ({"logit_bias": {"5": 1, "320": -1}}, "logit_bias", "token id 320 is out of range [0, 320)"),
+]
+
+
+@pytest.mark.parametrize("extra, param, piece", PARAMS, ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(PARAMS)])
+def test_errors_name_the_field_the_client_wrote(server, extra, param, piece):
+    status, _, err = post(server.port, "/v1/completions", {"prompt": "hi", "max_tokens": 4, **extra})
+    assert status == 400, err
+    assert err["error"]["param"] == param and piece in err["error"]["message"], err
+
+
 def test_hostile_bodies_answered_4xx(server):
     huge_exponent = b'{"prompt": "hi", "temperature": 1e400}'
     deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
