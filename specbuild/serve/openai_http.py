@@ -597,17 +597,28 @@ class OpenAIServer:
         call = self.parse(body, endpoint)
         return call, self.submit(call)
 
-    def finish(self, handle: Handle) -> None:
-        """Abort the request if it is still running (the client went away)."""
+    def finish(self, handle: Handle, then: Callable[[], None] | None = None) -> None:
+        """Abort the request if it is still running (the client went away), then call `then`
+        (the request's metrics: counted once its blocks are free and its finish reason set).
+        The abort runs on the abort thread: the event loop never waits for the engine lock."""
         handle.listener = None
         with self._lock:
             self.active.discard(handle)
-        if not handle.seq.finished:  # on the abort thread: the event loop never waits for the engine lock
-            try:
-                self._aborter.submit(self.engine.abort, handle)
-            except RuntimeError:  # shut down (the server is stopping): abort here
-                self.engine.abort(handle)
-            log.info("request %s aborted: the client went away", handle.request_id)
+        if handle.seq.finished:
+            if then is not None:
+                then()
+            return
+
+        def abort() -> None:
+            self.engine.abort(handle)
+            if then is not None:
+                then()
+
+        log.info("request %s aborted: the client went away", handle.request_id)
+        try:
+            self._aborter.submit(abort)
+        except RuntimeError:  # shut down (the server is stopping): abort here
+            abort()
 
     def health(self) -> tuple[int, dict[str, Any]]:
         engine = self.engine
@@ -750,7 +761,7 @@ class Events:
         self.server, self.call, self.handles = server, call, handles
         self.ready = asyncio.Event()
         self.gone = False
-        self.recorded = False
+        self.recorded: set[int] = set()  # id()s of the handles counted (from the loop or the abort thread)
         loop = asyncio.get_running_loop()
 
         def wake() -> None:
@@ -774,8 +785,6 @@ class Events:
     def record(self, handle: Handle | None = None) -> None:
         """Metrics for each finished choice, once; before its last bytes go out, so that a
         client that reads /metrics after its response sees its request counted."""
-        if not isinstance(self.recorded, set):
-            self.recorded = set()
         for h in [handle] if handle is not None else self.handles:
             if id(h) not in self.recorded:
                 self.recorded.add(id(h))
@@ -807,8 +816,7 @@ class Events:
     def close(self) -> None:
         self.watcher.cancel()
         for handle in self.handles:
-            self.server.finish(handle)
-        self.record()
+            self.server.finish(handle, then=lambda h=handle: self.record(h))
 
 
 class SSEResponse(Response):
