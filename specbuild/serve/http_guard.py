@@ -27,6 +27,11 @@ request limit moves to an ASGI middleware that counts requests being handled (wh
 capacity is about), and open sockets get their own cap: when it is reached the connection
 idle the longest (no request in progress) is closed to admit the new one, so idle sockets can
 never shut a working client out. uvicorn's `limit_concurrency` is left unset.
+
+The subclass overrides uvicorn's protocol callbacks and calls a few of its helpers
+(`_unset_keepalive_if_required`, `send_400_response`, the upgrade checks); written against
+uvicorn 0.54 and httptools 0.9, and tests/serve/test_http_front.py exercises each override over
+a real socket.
 """
 
 from __future__ import annotations

@@ -339,6 +339,33 @@ def test_soak_ci_sized(server, bundle):
     assert drafted > 0  # speculation ran and some drafts were accepted
 
 
+HTTP_ATTACKS = ["idle_sockets", "huge_headers", "echo_logprobs", "role_injection", "disconnects"]
+
+
+def test_hostile_soak_ci_sized(bundle, tmp_path):
+    """scripts/soak_hostile.py's attacks on the HTTP front, short phases: no innocent request
+    failed or changed its answer, the server survived (latencies are the script's to print)."""
+    import resource
+
+    import soak_hostile
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    attacks = list(HTTP_ATTACKS)
+    if hard != resource.RLIM_INFINITY and hard < 1030 + 256:
+        attacks.remove("idle_sockets")  # this machine cannot hold that many sockets on the client side
+    elif soft != resource.RLIM_INFINITY and soft < 1030 + 256:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    result = soak_hostile.soak_server_tree(bundle, soak_hostile.innocent_jobs(bundle), attacks, 2.0, 2,
+                                           str(tmp_path / "soak.log"), None, say=lambda m: None)
+    assert result["server_survived"]
+    rows = result["rows"]
+    assert set(attacks) <= set(rows)
+    for name, row in rows.items():
+        assert row["innocent_failed"] == 0, (name, row["failures"])
+    assert rows["huge_headers"]["attack_outcomes"].get("HTTP/1.1 431", 0) >= 2, rows["huge_headers"]
+    assert sum(r["innocent_requests"] for r in rows.values()) > len(rows)  # innocents ran throughout
+
+
 def test_triton_inputs_get_the_same_stop_limits(engine):
     """The limits live in SamplingParams, so the Triton model refuses the same stop words."""
     import numpy as np
