@@ -208,7 +208,9 @@ def connect_draft_rank(ctx, engine, app, draft_timeout):
     if hello["vocab"] != engine.target_config.vocab_size:
         raise SpecbuildError(f"the draft rank drafts over {hello['vocab']} tokens, the target has "
                              f"{engine.target_config.vocab_size}")
-    if engine.default_speculation.method == "none":  # requests without a setting use the draft rank
+    if engine.default_speculation.method not in ("draft", "auto"):  # requests without a setting use the draft rank
+        logging.getLogger("specbuild.serve").info("requests without a speculation setting use the draft rank "
+                                                  "(the bundle's default is %r)", engine.default_speculation.method)
         engine.default_speculation = SpeculationConfig.make(engine.default_speculation, method="draft")
 
     def health() -> dict:

@@ -308,6 +308,7 @@ class MineDraftScheduler(Scheduler):
         super().__init__(base.model, base.cache, base.max_batch_size, base.max_seq_len, base.prefill_chunk,
                          base.speculator)
         self.waiting, self.running, self.budget_blocks = base.waiting, base.running, base.budget_blocks
+        self.sink = base.sink  # a telemetry sink attached before install keeps recording
         self.remote = remote
         self.batches: tuple[list, list] = ([], [])
         self.turn = 0  # the batch verified this step; 1 - turn is drafted

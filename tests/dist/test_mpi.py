@@ -15,7 +15,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -31,26 +30,14 @@ from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
 from specbuild.speculation.config import SpeculationConfig
-from http_client import get, metric, next_event, open_stream, post, stream, wait_until
-from tiny import draft_pair_bundle, make_tiny_hf, perturbed_copy
+from http_client import get, metric, next_event, post, stream, wait_until
+from mpi_launch import CLI, MPIRUN, REPO, MpiServer, need_mpi
+from tiny import draft_pair_bundle, make_tiny_hf
 
 pytestmark = pytest.mark.timeout(120)
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HELPERS = os.path.join(REPO, "tests", "helpers")
-MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
-MPI_HINT = "MPI tests need mpi4py and mpich in the venv: .venv/bin/python -m pip install mpi4py mpich"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 90)), [40, 41, 42], [7, 7, 7, 7]]
-CLI = [sys.executable, "-c", "from specbuild.cli import main; main()"]
-
-
-def need_mpi() -> None:
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        pytest.skip(MPI_HINT)
-    if not os.access(MPIRUN, os.X_OK):
-        pytest.skip(MPI_HINT)
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +154,55 @@ def test_uneven_finishes_rebalance_without_starving(bundle, engine):
     assert scheduler.stats["minedraft_steps"] > 0
 
 
+class RecordingSink:
+    """An events.EventSink that keeps what it is told."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.started, self.ended, self.steps, self.events = [], [], [], []
+
+    def on_session_start(self, seq) -> None:
+        self.started.append(seq.seq_id)
+
+    def on_step(self, seq, step) -> None:
+        self.steps.append((seq.seq_id, step))
+
+    def on_session_end(self, seq) -> None:
+        self.ended.append(seq.seq_id)
+
+    def on_event(self, seq, kind, detail) -> None:
+        self.events.append((kind, detail))
+
+    def stats(self) -> dict:
+        return {"telemetry_rows_written": len(self.steps)}
+
+
+@pytest.mark.parametrize("attach", ["before", "after"])
+def test_minedraft_keeps_the_telemetry_sink(bundle, attach):
+    """`serve --telemetry` attaches the sink before MineDraft is set up: the sessions and one
+    step per decode pass still reach it, MineDraft's steps included, as they do after."""
+    engine = Engine(bundle, EngineConfig(max_batch_size=4, threads=1))
+    proposer, vocab = W.load_draft_proposer(bundle, EngineConfig(max_batch_size=4, threads=1))
+    sink = RecordingSink()
+    if attach == "before":
+        engine.set_sink(sink)
+    scheduler = M.install(engine, M.LoopbackTransport(W.DraftWorker(proposer, vocab)))
+    if attach == "after":
+        engine.set_sink(sink)
+    out = engine.generate(requests("draft", max_tokens=20))
+    assert scheduler.stats["minedraft_steps"] > 0, scheduler.stats
+    assert len(sink.started) == len(sink.ended) == len(PROMPTS)
+    drafted = sum(r["stats"]["drafted"] for r in out)
+    accepted = sum(r["stats"]["accepted"] for r in out)
+    assert drafted > 0 and accepted > 0
+    assert len(sink.steps) == sum(r["stats"]["generated_tokens"] - 1 for r in out) - accepted
+    assert sum(st.drafted for _, st in sink.steps) == drafted
+    assert sum(st.accepted for _, st in sink.steps) == accepted
+    assert {st.method for _, st in sink.steps if st.drafted} == {"draft"}
+    assert engine.stats()["telemetry_rows_written"] == len(sink.steps)
+
+
 def test_minedraft_sampled_carries_draft_probs_and_is_reproducible(bundle):
     runs = []
     for _ in range(2):
@@ -238,87 +274,6 @@ def test_world_size_checks():
 
 
 # ---- the real thing: two ranks under mpirun ----------------------------------------------------------
-def live(pid: int) -> bool:
-    """pid names a process that still runs (a zombie waiting for its parent's wait() does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-class MpiServer:
-    def __init__(self, bundle: str, log_path: str, *args: str) -> None:
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        # a name no other process carries: every process of this launch has it on its command line
-        self.tag = f"md-{os.getpid()}-{time.monotonic_ns()}"
-        cmd = [MPIRUN, "-disable-auto-cleanup", "-n", "2", *CLI, "serve", bundle, "--host", "127.0.0.1",
-               "--port", "0", "--threads", "1", "--max-batch-size", "4", "--parallel-draft",
-               "--model-name", self.tag, *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 60
-        while not (m := re.search(r"on http://127\.0\.0\.1:(\d+)", self.output())):
-            assert self.proc.poll() is None, f"mpirun exited with {self.proc.returncode}:\n{self.output()}"
-            assert time.monotonic() < deadline, f"no URL in time:\n{self.output()}"
-            time.sleep(0.05)
-        self.port = int(m.group(1))
-        self.pids = self.launch_pids()
-        health = self.health()
-        # the ranks (each under its guard) as /health and the log name them, checked against /proc
-        self.rank_pids = {health["draft_rank"]["pid"]}
-        self.rank_pids |= {int(p) for p in re.findall(r"draft rank ready \(pid (\d+)", self.output())}
-        self.rank_pids.add(health["draft_rank"]["verifier_pid"])
-        assert self.rank_pids <= self.pids, (self.rank_pids, self.pids)
-
-    def launch_pids(self) -> set[int]:
-        """Every live process whose command line carries this launch's tag (mpirun, its proxy,
-        the guards and the ranks), besides this test process."""
-        found = set()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if self.tag.encode() in f.read() and live(int(entry)):
-                        found.add(int(entry))
-            except OSError:
-                continue
-        return found
-
-    def output(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def health(self) -> dict:
-        status, text = get(self.port, "/health")
-        assert status == 200, text
-        return json.loads(text)
-
-    def stop(self) -> None:
-        """Kill mpirun's process group (mpirun, its proxy, the guards), as a user's Ctrl-\\ or
-        a CI timeout would, then require that no rank outlives it."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.log.close()
-        self.assert_no_process_left()
-
-    def assert_no_process_left(self, timeout: float = 15.0) -> None:
-        left = set(self.pids)
-        deadline = time.monotonic() + timeout
-        while left := {p for p in left if live(p)} | self.launch_pids():
-            if time.monotonic() > deadline:
-                for pid in left:  # do not leave them to the next run either
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                pytest.fail(f"processes outlived their launcher: {sorted(left)} (ranks {sorted(self.rank_pids)})")
-            time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def mpi_server(bundle, tmp_path_factory):
     need_mpi()
