@@ -245,6 +245,15 @@ class DraftWorker:
 DRAFT_RANK_METHODS = ("draft",)
 
 
+def no_draft_message(bundle_dir: str, roles: dict) -> str:
+    """Why --parallel-draft refuses a bundle without a draft model (on both ranks)."""
+    others = [r for r in ("medusa", "eagle") if r in roles]
+    hint = (f"; Medusa and EAGLE heads (this bundle has {', '.join(others)}) read the target's hidden states, so "
+            "they run beside the target: serve it without mpirun and --parallel-draft") if others else ""
+    return (f"bundle {bundle_dir!r} has no draft model, the only drafter the draft rank runs (--parallel-draft "
+            f"needs one: compile with --draft){hint}")
+
+
 def shared_target_names(role: dict) -> list[str]:
     """The target tensors a draft role's `shares` names ({"embed": "target/embed", ...})."""
     names = []
@@ -317,11 +326,7 @@ def load_draft_proposer(bundle_dir: str, config):
         torch.set_num_threads(config.threads)
     meta = read_meta(bundle_dir)
     if "draft" not in meta.roles:
-        others = [r for r in ("medusa", "eagle") if r in meta.roles]
-        hint = (f"; its {' and '.join(others)} heads need the target's hidden states and run on rank 0: serve it "
-                "without mpirun and --parallel-draft") if others else ""
-        raise BundleError(f"bundle {bundle_dir!r} has no draft model, the only drafter the draft rank runs "
-                          f"(--parallel-draft needs one: compile with --draft){hint}")
+        raise BundleError(no_draft_message(bundle_dir, meta.roles))
     limits = meta.limits
     max_batch = config.max_batch_size or limits.max_batch_size
     kv_tokens = config.kv_cache_tokens or max_batch * (limits.max_seq_len + limits.max_draft_len + 16)

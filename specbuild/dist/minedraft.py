@@ -414,7 +414,7 @@ def install(engine, transport, timeout_s: float = 5.0) -> MineDraftScheduler:
     if "draft" not in engine.meta.roles:  # the local draft model is not loaded (load_draft=False)
         from specbuild.errors import BundleError
 
-        raise BundleError(f"bundle {engine.bundle_dir!r} has no draft model; --parallel-draft needs one")
+        raise BundleError(W.no_draft_message(engine.bundle_dir, engine.meta.roles))
     remote = RemoteDraftProposer(transport, engine.target_config.vocab_size, timeout_s)
     engine.speculator.proposers["draft"] = remote
     engine.scheduler = MineDraftScheduler(engine.scheduler, remote)

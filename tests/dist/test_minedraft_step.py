@@ -6,17 +6,24 @@ by /health) always counts every running request. In process, over the loopback d
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
+from specbuild.compiler.compile import CompileOptions, compile_bundle
 from specbuild.compiler.medusa_role import add_medusa, parse_heads
 from specbuild.dist import draft_worker as W
 from specbuild.dist import minedraft as M
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.sequence import Request
+from specbuild.errors import BundleError
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
-from tiny import draft_pair_bundle
+from mpi_launch import CLI, MPIRUN, REPO, need_mpi
+from tiny import draft_pair_bundle, make_tiny_hf
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,8 +46,6 @@ def shared_heads(lm_head: torch.Tensor, num_heads: int = 2) -> dict[str, torch.T
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> str:
     """A target with both drafters: a draft model (MineDraft's) and Medusa heads."""
-    from safetensors.torch import load_file
-
     root = tmp_path_factory.mktemp("minedraft_medusa")
     out = draft_pair_bundle(root, max_seq_len=512, max_batch_size=8)
     lm_head = load_file(f"{out}/target/weights.safetensors")["lm_head"].float()
@@ -98,3 +103,26 @@ def test_stats_count_every_running_request_during_a_minedraft_step(bundle):
     assert all(h.result()["finish_reason"] == "length" for h in handles)
     assert scheduler.stats["minedraft_steps"] > 5, scheduler.stats
     assert seen and all(r == n for r, n in seen), [s for s in seen if s[0] != s[1]][:5]
+
+
+def test_heads_only_bundle_is_refused_with_the_reason(tmp_path):
+    """A bundle with Medusa heads and no draft model: the draft rank has nothing to run (the
+    heads read the target's hidden states, so they run beside it). Both ranks refuse it at
+    start, under real mpirun, with one line that says so; nothing is loaded twice."""
+    hf = make_tiny_hf(str(tmp_path / "hf"), scale=8.0)
+    bundle = compile_bundle(hf, str(tmp_path / "bundle"), CompileOptions(dtype="float32", max_seq_len=64,
+                                                                         max_batch_size=2))
+    lm_head = load_file(f"{bundle}/target/weights.safetensors")["lm_head"].float()
+    add_medusa(bundle, parse_heads(shared_heads(lm_head), "shared"), "chain_2")
+    reason = "has no draft model, the only drafter the draft rank runs"
+    with pytest.raises(BundleError, match=reason + r".*\(this bundle has medusa\) read the target's hidden states"):
+        W.load_draft_proposer(bundle, EngineConfig(max_batch_size=2, threads=1))
+    engine = Engine(bundle, EngineConfig(max_batch_size=2, threads=1, load_draft=False))
+    with pytest.raises(BundleError, match=reason):
+        M.install(engine, M.LoopbackTransport(None))
+    need_mpi()
+    proc = subprocess.run([MPIRUN, "-disable-auto-cleanup", "-n", "2", *CLI, "serve", bundle, "--port", "0",
+                           "--threads", "1", "--parallel-draft"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "error: draft rank: bundle" in proc.stderr and proc.stderr.count(reason) == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "KeyError" not in proc.stderr

@@ -30,6 +30,7 @@ from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
 from specbuild.speculation.config import SpeculationConfig
+from specbuild.errors import SpecbuildError
 from http_client import get, metric, next_event, post, stream, wait_until
 from mpi_launch import CLI, MPIRUN, REPO, MpiServer, need_mpi
 from tiny import draft_pair_bundle, make_tiny_hf
@@ -82,6 +83,30 @@ def test_request_and_reply_round_trip():
     assert 0 < timing.ready_at <= time.monotonic()
     assert results[7][:2] == (W.OK, [5, 6, 7, 8]) and torch.equal(results[7][2], probs.float())
     assert results[9] == (W.OK, [1, 2], None) and results[10] == (W.RESYNC, [], None)
+
+
+@pytest.mark.parametrize("formats", [{}, {"quantize": "int4", "embedding_format": "int8", "lm_head_format": "int8"}])
+def test_draft_rank_reads_only_the_shared_target_tensors(tmp_path, formats):
+    """What a draft shares from the target (its embedding, its output rows) is read alone from
+    the target's file, and is what the whole target's load gives (a quantized one too)."""
+    from specbuild.engine.engine import load_weights
+    from specbuild.model.qlinear import as_dense
+
+    hf = make_tiny_hf(str(tmp_path / "hf"), scale=8.0)
+    bundle = compile_bundle(hf, str(tmp_path / "bundle"), CompileOptions(dtype="float32", max_seq_len=64,
+                                                                         max_batch_size=2, **formats))
+    whole = load_weights(f"{bundle}/target", "cpu")
+    part = W.load_target_tensors(f"{bundle}/target", ["embed", "lm_head"], "cpu")
+    assert part.keys() == {"embed", "lm_head"}
+    for name in part:
+        assert type(part[name]) is type(whole[name]), name
+        assert torch.equal(as_dense(part[name]), as_dense(whole[name])), name
+        assert getattr(part[name], "rescore_top", None) == getattr(whole[name], "rescore_top", None), name
+    assert bool(formats) == (not isinstance(part["embed"], torch.Tensor))  # int8 embedding: a QLinear
+    with pytest.raises(SpecbuildError, match="target/nope"):
+        W.load_target_tensors(f"{bundle}/target", ["nope"], "cpu")
+    with pytest.raises(SpecbuildError, match="the draft rank reads only the target's tensors"):
+        W.shared_target_names({"shares": {"embed": "medusa/embed"}})
 
 
 # ---- the scheduler, in process ---------------------------------------------------------------------
