@@ -33,12 +33,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specbuild.sampling.params import SamplingParams
+from specbuild.speculation.proposers.remote import FAILED, OK, RESYNC, Order, ReplyTiming
 from specbuild.speculation.state import SpecState
 
 log = logging.getLogger("specbuild.draft_worker")
@@ -47,7 +47,6 @@ KIND_DRAFT, KIND_RELEASE, KIND_STOP, KIND_PREFILL = 1, 2, 3, 4
 TAG_REQUEST, TAG_REPLY, TAG_PROBS, TAG_HELLO = 11, 12, 13, 14
 REQ_HEAD, REQ_FIELDS = 4, 9
 REP_HEAD, REP_FIELDS = 6, 3
-OK, RESYNC, FAILED = 0, 1, 2
 HELLO_LEN = 4  # pid, vocab, draft cache blocks, 0
 DRAFT_SEED_SALT = 0x5DEECE66D  # the drafter's uniforms: a stream apart from the verifier's
 
@@ -58,28 +57,6 @@ def f2i(x: float) -> int:
 
 def i2f(x: int) -> float:
     return float(np.array([x], dtype=np.int64).view(np.float64)[0])
-
-
-@dataclass
-class ReplyTiming:
-    draft_seconds: float
-    seen_at: float  # time.monotonic() on the draft rank (0: unknown)
-    ready_at: float
-
-
-@dataclass
-class Order:
-    """One sequence's part of a draft request."""
-
-    seq_id: int
-    keep: int
-    sent_before: int
-    new_tokens: list[int]
-    gamma: int
-    top_k: int = 0
-    seed: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
 
 
 def encode_request(kind: int, step: int, orders: list[Order], releases: list[int]) -> np.ndarray:

@@ -54,9 +54,10 @@ def bundle(tmp_path_factory) -> str:
 
 
 def loopback_engine(bundle: str):
-    engine = Engine(bundle, EngineConfig(max_batch_size=4, threads=1))
+    """An engine opened with MineDraft over the in-process link -> (engine, its planning policy)."""
     proposer, vocab = W.load_draft_proposer(bundle, EngineConfig(max_batch_size=4, threads=1))
-    return engine, M.install(engine, M.LoopbackTransport(W.DraftWorker(proposer, vocab)))
+    md = M.plugin(bundle, M.LoopbackTransport(W.DraftWorker(proposer, vocab)))
+    return Engine(bundle, EngineConfig(max_batch_size=4, threads=1), **md.open_kwargs()), md.planning
 
 
 def request(prompt: list[int], method: str, max_tokens: int = 40) -> Request:
@@ -68,12 +69,12 @@ def test_medusa_requests_draft_on_minedraft_steps(bundle):
     plain = Engine(bundle, EngineConfig(max_batch_size=4, threads=1))
     methods = ["draft", "draft", "medusa", "medusa"]
     expect = plain.generate([request(p, "none") for p in PROMPTS])
-    engine, scheduler = loopback_engine(bundle)
+    engine, planning = loopback_engine(bundle)
     handles = [engine.submit(request(p, m)) for p, m in zip(PROMPTS, methods)]
     engine.run_until_done()
     results = [h.result() for h in handles]
     assert [r["token_ids"] for r in results] == [r["token_ids"] for r in expect]  # lossless
-    assert scheduler.stats["minedraft_steps"] > 10, scheduler.stats  # the two batches alternated
+    assert planning.stats["minedraft_steps"] > 10, planning.stats  # the two batches alternated
     for h, method in zip(handles, methods):
         seq, stats = h.seq, h.result()["stats"]
         assert stats["drafted"] > 0, (method, stats)
@@ -86,7 +87,7 @@ def test_medusa_requests_draft_on_minedraft_steps(bundle):
 
 
 def test_stats_count_every_running_request_during_a_minedraft_step(bundle):
-    engine, scheduler = loopback_engine(bundle)
+    engine, planning = loopback_engine(bundle)
     handles = [engine.submit(request(p, "draft", max_tokens=30)) for p in PROMPTS]
     seen: list[tuple[int, int]] = []
 
@@ -101,7 +102,7 @@ def test_stats_count_every_running_request_during_a_minedraft_step(bundle):
     engine.speculator.propose = spy(engine.speculator.propose)
     engine.run_until_done()
     assert all(h.result()["finish_reason"] == "length" for h in handles)
-    assert scheduler.stats["minedraft_steps"] > 5, scheduler.stats
+    assert planning.stats["minedraft_steps"] > 5, planning.stats
     assert seen and all(r == n for r, n in seen), [s for s in seen if s[0] != s[1]][:5]
 
 
@@ -117,9 +118,8 @@ def test_heads_only_bundle_is_refused_with_the_reason(tmp_path):
     reason = "has no draft model, the only drafter the draft rank runs"
     with pytest.raises(BundleError, match=reason + r".*\(this bundle has medusa\) read the target's hidden states"):
         W.load_draft_proposer(bundle, EngineConfig(max_batch_size=2, threads=1))
-    engine = Engine(bundle, EngineConfig(max_batch_size=2, threads=1, load_draft=False))
     with pytest.raises(BundleError, match=reason):
-        M.install(engine, M.LoopbackTransport(None))
+        M.plugin(bundle, M.LoopbackTransport(None))
     need_mpi()
     proc = subprocess.run([MPIRUN, "-disable-auto-cleanup", "-n", "2", *CLI, "serve", bundle, "--port", "0",
                            "--threads", "1", "--parallel-draft"], capture_output=True, text=True, timeout=120, cwd=REPO)

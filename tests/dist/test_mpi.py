@@ -31,6 +31,7 @@ from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
 from specbuild.speculation.config import SpeculationConfig
 from specbuild.errors import SpecbuildError
+from specbuild.speculation.state import NO_ROLLBACK
 from http_client import get, metric, next_event, post, stream, wait_until
 from mpi_launch import CLI, MPIRUN, REPO, MpiServer, need_mpi
 from tiny import draft_pair_bundle, make_tiny_hf
@@ -58,10 +59,13 @@ def requests(method: str, max_tokens: int = 30, gamma: int | None = 3, **samplin
 
 
 def loopback_engine(bundle, fail_after=None, **config):
-    engine = Engine(bundle, EngineConfig(max_batch_size=4, threads=1, **config))
+    """An engine opened with MineDraft over the in-process link -> (engine, its planning
+    policy, the draft worker)."""
     proposer, vocab = W.load_draft_proposer(bundle, EngineConfig(max_batch_size=4, threads=1))
     worker = W.DraftWorker(proposer, vocab)
-    return engine, M.install(engine, M.LoopbackTransport(worker, fail_after)), worker
+    md = M.plugin(bundle, M.LoopbackTransport(worker, fail_after))
+    engine = Engine(bundle, EngineConfig(max_batch_size=4, threads=1, **config), **md.open_kwargs())
+    return engine, md.planning, worker
 
 
 # ---- wire format ---------------------------------------------------------------------------------
@@ -109,16 +113,16 @@ def test_draft_rank_reads_only_the_shared_target_tensors(tmp_path, formats):
         W.shared_target_names({"shares": {"embed": "medusa/embed"}})
 
 
-# ---- the scheduler, in process ---------------------------------------------------------------------
+# ---- the two-batch planning, in process-----------------------------------------------------------------
 def test_minedraft_greedy_equals_plain_and_standard(bundle, engine):
     plain = engine.generate(requests("none"))
     standard = engine.generate(requests("draft"))
-    md_engine, scheduler, worker = loopback_engine(bundle)
+    md_engine, planning, worker = loopback_engine(bundle)
     minedraft = md_engine.generate(requests("draft"))
     for p, s, m in zip(plain, standard, minedraft):
         assert p["token_ids"] == s["token_ids"] == m["token_ids"]
     assert sum(r["stats"]["drafted"] for r in minedraft) > 0 and sum(r["stats"]["accepted"] for r in minedraft) > 0
-    stats = scheduler.stats
+    stats = planning.stats
     assert stats["minedraft_steps"] > 10, stats  # two batches really alternated
     assert stats["imbalance_sum"] <= stats["minedraft_steps"], stats  # balance counter kept |A - B| <= 1 mostly
     # sequences that reached their verify turn without drafts in hand were drafted then, not decoded plainly
@@ -133,10 +137,10 @@ def test_prompts_prefill_on_the_draft_rank_while_the_target_prefills(bundle, eng
     (all but its last token), and the target's chunked prefill does not trim it. Output stays
     the plain greedy one, drafts are proposed and accepted, and nothing had to be resent."""
     plain = engine.generate(requests("none"))
-    md_engine, scheduler, worker = loopback_engine(bundle, prefill_chunk=prefill_chunk)
+    md_engine, planning, worker = loopback_engine(bundle, prefill_chunk=prefill_chunk)
     handles = [md_engine.submit(r) for r in requests("draft")]
     md_engine.step()
-    admitted = [h.seq for h in handles if h.seq in scheduler.running]
+    admitted = [h.seq for h in handles if h.seq in md_engine.scheduler.running]
     assert len(admitted) == 4 and worker.requests == 0  # prefilled ahead, nothing drafted yet
     for seq in admitted:
         assert worker.proposer.cache.length(seq.seq_id) == len(seq.prompt_ids) - 1, seq.seq_id
@@ -144,13 +148,13 @@ def test_prompts_prefill_on_the_draft_rank_while_the_target_prefills(bundle, eng
     while longest.num_cached < len(longest.prompt_ids):  # with chunks of 16: several steps
         md_engine.step()
     assert not longest.spec_state.remote_drafted  # the others were drafted meanwhile, not this one
-    assert longest.spec_state.remote_keep == M.NO_ROLLBACK  # no chunk commit asks to trim the prompt
+    assert longest.spec_state.remote_keep == NO_ROLLBACK  # no chunk commit asks to trim the prompt
     assert worker.proposer.cache.length(longest.seq_id) == len(longest.prompt_ids) - 1
     md_engine.run_until_done()
     out = [h.result() for h in handles]
     assert [r["token_ids"] for r in out] == [p["token_ids"] for p in plain]
     assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0
-    stats = scheduler.remote.stats
+    stats = planning.remote.stats
     assert stats["prefilled_sequences"] == len(PROMPTS) and stats["resyncs"] == 0, stats
     assert worker.prefills == len(PROMPTS) and not worker.mirrors
 
@@ -167,16 +171,16 @@ def test_uneven_finishes_rebalance_without_starving(bundle, engine):
                 for p, n in zip(prompts, lengths)]
 
     plain = engine.generate(reqs("none"))
-    md_engine, scheduler, _ = loopback_engine(bundle)
+    md_engine, planning, _ = loopback_engine(bundle)
     handles = [md_engine.submit(r) for r in reqs("draft")]
     steps = 0
     while md_engine.has_work():
         md_engine.step()
         steps += 1
-        assert steps < 200, (scheduler.batches, scheduler.stats)
-        assert abs(scheduler.balance) <= 1 or not all(scheduler.batches)
+        assert steps < 200, (planning.batches, planning.stats)
+        assert abs(planning.balance) <= 1 or not all(planning.batches)
     assert [h.result()["token_ids"] for h in handles] == [p["token_ids"] for p in plain]
-    assert scheduler.stats["minedraft_steps"] > 0
+    assert planning.stats["minedraft_steps"] > 0
 
 
 class RecordingSink:
@@ -203,20 +207,22 @@ class RecordingSink:
         return {"telemetry_rows_written": len(self.steps)}
 
 
-@pytest.mark.parametrize("attach", ["before", "after"])
-def test_minedraft_keeps_the_telemetry_sink(bundle, attach):
-    """`serve --telemetry` attaches the sink before MineDraft is set up: the sessions and one
-    step per decode pass still reach it, MineDraft's steps included, as they do after."""
-    engine = Engine(bundle, EngineConfig(max_batch_size=4, threads=1))
-    proposer, vocab = W.load_draft_proposer(bundle, EngineConfig(max_batch_size=4, threads=1))
+def test_minedraft_plugs_in_and_keeps_the_telemetry_sink(bundle):
+    """The engine opens with MineDraft's drafter and planning policy: its scheduler and
+    speculator are its own (nothing replaced afterwards), so a sink attached as `serve
+    --telemetry` attaches it gets every session and one step per decode pass, MineDraft's
+    steps included."""
+    from specbuild.engine.scheduler import Scheduler
+    from specbuild.speculation.proposers.remote import RemoteDraftProposer
+
+    engine, planning, _ = loopback_engine(bundle)
+    assert type(engine.scheduler) is Scheduler and engine.scheduler.planning is planning
+    assert isinstance(engine.speculator.proposers["draft"], RemoteDraftProposer)
+    assert engine.speculator.proposers["draft"] is planning.remote
     sink = RecordingSink()
-    if attach == "before":
-        engine.set_sink(sink)
-    scheduler = M.install(engine, M.LoopbackTransport(W.DraftWorker(proposer, vocab)))
-    if attach == "after":
-        engine.set_sink(sink)
+    engine.set_sink(sink)
     out = engine.generate(requests("draft", max_tokens=20))
-    assert scheduler.stats["minedraft_steps"] > 0, scheduler.stats
+    assert planning.stats["minedraft_steps"] > 0, planning.stats
     assert len(sink.started) == len(sink.ended) == len(PROMPTS)
     drafted = sum(r["stats"]["drafted"] for r in out)
     accepted = sum(r["stats"]["accepted"] for r in out)
@@ -231,29 +237,29 @@ def test_minedraft_keeps_the_telemetry_sink(bundle, attach):
 def test_minedraft_sampled_carries_draft_probs_and_is_reproducible(bundle):
     runs = []
     for _ in range(2):
-        md_engine, scheduler, _ = loopback_engine(bundle)
+        md_engine, planning, _ = loopback_engine(bundle)
         runs.append(md_engine.generate(requests("draft", temperature=0.8, seed=5)))
     assert [r["token_ids"] for r in runs[0]] == [r["token_ids"] for r in runs[1]]
     drafted = sum(r["stats"]["drafted"] for r in runs[0])
     accepted = sum(r["stats"]["accepted"] for r in runs[0])
     assert drafted > 0 and 0 < accepted < drafted
-    assert scheduler.stats["minedraft_steps"] > 0
+    assert planning.stats["minedraft_steps"] > 0
 
 
 def test_lost_drafter_degrades_to_plain(bundle, engine):
     plain = engine.generate(requests("none"))
-    md_engine, scheduler, _ = loopback_engine(bundle, fail_after=4)
+    md_engine, planning, _ = loopback_engine(bundle, fail_after=4)
     out = md_engine.generate(requests("draft"))
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in plain]
     assert all(r["finish_reason"] == "length" for r in out)
-    health = scheduler.health()
+    health = planning.health()
     assert health["status"] == "degraded" and health["draft_rank"]["state"] == "lost"
     assert md_engine.cache.used_blocks == 0
 
 
 def test_drafter_exception_degrades_only_its_sequences(bundle, engine):
     plain = engine.generate(requests("none"))
-    md_engine, scheduler, worker = loopback_engine(bundle)
+    md_engine, planning, worker = loopback_engine(bundle)
     real = worker.proposer.propose
     calls = {"n": 0}
 
@@ -266,7 +272,7 @@ def test_drafter_exception_degrades_only_its_sequences(bundle, engine):
     worker.proposer.propose = flaky
     out = md_engine.generate(requests("draft"))
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in plain]
-    assert scheduler.remote.stats["failed_sequences"] >= 1 and scheduler.health()["status"] == "ok"
+    assert planning.remote.stats["failed_sequences"] >= 1 and planning.health()["status"] == "ok"
     assert sum(r["stats"]["accepted"] for r in out) > 0
 
 
