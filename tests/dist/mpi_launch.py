@@ -41,18 +41,25 @@ def live(pid: int) -> bool:
 
 
 class MpiServer:
-    """The launch; `timeout`: seconds until rank 0 prints its URL (both ranks load meanwhile)."""
+    """The launch; `timeout`: seconds until rank 0 prints its URL (both ranks load meanwhile);
+    script=True launches through scripts/mpirun_serve.sh (which execs the same mpirun line)
+    with this venv as its SPECBUILD_VENV."""
 
-    def __init__(self, bundle: str, log_path: str, *args: str, timeout: float = 60) -> None:
+    def __init__(self, bundle: str, log_path: str, *args: str, timeout: float = 60, script: bool = False) -> None:
         self.log_path = log_path
         self.log = open(log_path, "w")
         # a name no other process carries: every process of this launch has it on its command line
         self.tag = f"md-{os.getpid()}-{time.monotonic_ns()}"
-        cmd = [MPIRUN, "-disable-auto-cleanup", "-n", "2", *CLI, "serve", bundle, "--host", "127.0.0.1",
-               "--port", "0", "--threads", "1", "--max-batch-size", "4", "--parallel-draft",
-               "--model-name", self.tag, *args]
+        options = ["--host", "127.0.0.1", "--port", "0", "--threads", "1", "--max-batch-size", "4",
+                   "--model-name", self.tag, *args]
+        env = dict(os.environ)
+        if script:
+            cmd = ["bash", os.path.join(REPO, "scripts", "mpirun_serve.sh"), bundle, *options]
+            env["SPECBUILD_VENV"] = os.path.dirname(os.path.dirname(sys.executable))
+        else:
+            cmd = [MPIRUN, "-disable-auto-cleanup", "-n", "2", *CLI, "serve", bundle, "--parallel-draft", *options]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         deadline = time.monotonic() + timeout
         while not (m := re.search(r"on http://127\.0\.0\.1:(\d+)", self.output())):
             assert self.proc.poll() is None, f"mpirun exited with {self.proc.returncode}:\n{self.output()}"

@@ -1,6 +1,6 @@
 """MineDraft on the bundle the quickstart compiles (scripts/quickstart.sh: the default model
-with the shipped draft, Medusa heads and EAGLE-3 head, default compile options), under real
-`mpirun -n 2 ... serve --parallel-draft --telemetry DB`:
+with the shipped draft, Medusa heads and EAGLE-3 head, default compile options), served by
+`scripts/mpirun_serve.sh BUNDLE --telemetry DB` (real `mpirun -n 2 ... serve --parallel-draft`):
 
 - the draft rank loads the shipped draft, whose embedding and output rows are the target's
   (the bundle stores them once, in the target's file);
@@ -83,7 +83,7 @@ def mpi_server(quickstart_bundle, tmp_path_factory):
     need_mpi()
     logs = tmp_path_factory.mktemp("mpi_quickstart")
     db = str(logs / "telemetry.db")
-    srv = MpiServer(quickstart_bundle, str(logs / "server.log"), "--telemetry", db, timeout=600)
+    srv = MpiServer(quickstart_bundle, str(logs / "server.log"), "--telemetry", db, timeout=600, script=True)
     srv.db = db
     yield srv
     srv.stop()
