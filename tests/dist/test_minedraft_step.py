@@ -126,3 +126,54 @@ def test_heads_only_bundle_is_refused_with_the_reason(tmp_path):
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "error: draft rank: bundle" in proc.stderr and proc.stderr.count(reason) == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "KeyError" not in proc.stderr
+
+
+class FakeLink:
+    """A draft link (speculation/proposers/remote.py's interface) answering from a script."""
+
+    def __init__(self, replies: list) -> None:
+        self.replies = replies
+        self.reason = None
+        self.codec_seconds = 0.0
+        self.posted: list = []
+
+    @property
+    def healthy(self) -> bool:
+        return self.reason is None
+
+    def post(self, step, orders, releases, prob_rows):
+        self.posted.append((step, [o.seq_id for o in orders], list(releases)))
+        return len(self.posted) - 1
+
+    def collect(self, ticket, deadline, sampled):
+        reply = self.replies[ticket]
+        if reply is None:
+            self.reason = "gone"
+            return None
+        return reply, W.ReplyTiming(0.01, 0.0, 0.0)
+
+    def send_ahead(self, step, orders, releases):
+        self.posted.append((step, [o.seq_id for o in orders], list(releases)))
+
+    def notify(self, step, releases):
+        self.posted.append((step, [], list(releases)))
+
+
+def test_remote_proposer_never_raises_and_keeps_its_books(bundle):
+    """The remote drafter over a scripted link: drafts land where they belong, a reply naming a
+    sequence it was not asked about is ignored, a failed sequence is decoded plainly from then
+    on, and a lost link means no drafts (never an exception)."""
+    from specbuild.speculation.proposers.remote import FAILED, OK, RemoteDraftProposer
+
+    engine = Engine(bundle, EngineConfig(max_batch_size=4, threads=1))
+    seqs = [engine._new_sequence(request(p, "draft")) for p in PROMPTS[:2]]
+    a, b = seqs
+    link = FakeLink([{a.seq_id: (OK, [1, 2, 3], None), b.seq_id: (FAILED, [], None), 999: (OK, [4], None)}, None])
+    remote = RemoteDraftProposer(link, VOCAB)
+    drafts = remote.propose(seqs, [3, 3])
+    assert drafts[0].tokens == [1, 2, 3] and drafts[1] is None
+    assert b.spec_state.remote_failed and remote.stats["failed_sequences"] == 1
+    assert remote.propose([a, b], [2, 2]) == [None, None]  # the link is lost now: plain decoding
+    assert not remote.healthy and remote.propose([a], [2]) == [None] and len(link.posted) == 2
+    remote.release(a)
+    assert remote.releases == [a.seq_id]
