@@ -137,6 +137,7 @@ def shared_draft_weights(bundle_dir: str, role: dict, weights: dict, target_w: d
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+TREE_METHODS = ("medusa", "recycle", "auto")  # the methods a request's `tree` applies to (auto may pick either)
 
 
 def check_logprobs(request: Request) -> None:
@@ -307,6 +308,14 @@ class Engine(BaseEngine):
         if spec.method != "none" and spec.gamma_max > self.meta.limits.max_draft_len:
             raise RequestError(f"gamma_max={spec.gamma_max} exceeds the bundle's max_draft_len "
                                f"{self.meta.limits.max_draft_len}; recompile with --max-draft-len")
+        if spec.tree is not None and spec.tree != self.default_speculation.tree and spec.method not in TREE_METHODS:
+            # EAGLE grows its tree each step from the head's scores within a node budget set by the
+            # measured verify cost (proposers/eagle.py); a fixed tree has no place there, and chains
+            # (ngram, draft) have none: refused rather than silently ignored
+            raise RequestError(f"tree={str(spec.tree)[:60]!r} applies to speculation methods "
+                               f"{', '.join(TREE_METHODS)}, not {spec.method!r}"
+                               + (" (EAGLE builds its own tree each step from the head's scores)"
+                                  if spec.method == "eagle" else ""))
         medusa = self.speculator.proposers.get("medusa")
         recycle = self.speculator.proposers.get("recycle")
         if spec.method == "recycle" and hasattr(recycle, "validate_tree"):
@@ -363,6 +372,11 @@ class Engine(BaseEngine):
         """With a telemetry sink attached (set_sink), its counters in stats():
         telemetry_rows_dropped / _written / _queued, telemetry_write_errors."""
         return self.scheduler.sink.stats()
+
+    def _failure_counts(self) -> dict[str, int]:
+        """The loop's own count plus the scheduler's isolated failures (engine/scheduler.py)."""
+        own = getattr(self.scheduler, "failures", {})
+        return {"step": self._loop_failures + own.get("step", 0), "sequence": own.get("sequence", 0)}
 
     def _kv_blocks(self) -> tuple[int | None, int | None]:
         """(used, total) KV cache blocks, for stats()."""

@@ -145,11 +145,17 @@ class Sequence:
         self.t_last = now
         return kept
 
-    def fail(self, message: str) -> None:
-        """End the request with an error its handle reports (finish reason "error")."""
+    def fail(self, message: str, status: int = 500) -> None:
+        """End the request with an error its handle reports (finish reason "error"): the
+        message names the cause; status is what a front end answers, 400 when the request's
+        own values caused it (its grammar hit the grammar engine's limits, ...), 500 when the
+        engine did. A request that already ended keeps its result (no second final event)."""
+        if self.handle is not None and self.handle.done.is_set():
+            return
         self.finished, self.finish_reason = True, "error"
         if self.handle:
             self.handle.error = message
+            self.handle.error_status = status
             self.handle._emit(Event([], "", True, "error"))
 
     def count_by_position(self, counts: list[int], accepted: int) -> None:
@@ -218,6 +224,7 @@ class Handle:
         self._events: queue.Queue[Event] = queue.Queue()
         self.done = threading.Event()
         self.error: str | None = None
+        self.error_status = 500  # with `error`: 400 when the request's own values caused it (Sequence.fail)
         # called (on the engine's thread) after each event is queued: lets an asyncio front
         # end wake its waiter with loop.call_soon_threadsafe instead of blocking on get()
         self.listener: Callable[[], None] | None = None
@@ -272,7 +279,7 @@ class Handle:
         return {"text": s.text, "token_ids": list(s.output_ids), "finish_reason": s.finish_reason,
                 "stats": s.stats(), **({"logprobs": logprob_records(s.logprobs)} if s.request.logprobs is not None
                                        else {}),
-                **({"error": self.error} if self.error else {})}
+                **({"error": self.error, "error_status": self.error_status} if self.error else {})}
 
 
 def logprob_records(items: list) -> list[dict[str, Any]]:

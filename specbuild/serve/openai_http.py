@@ -301,6 +301,15 @@ def check_logit_bias(bias: dict[str, float], vocab_size: int) -> None:
                                 "(the vocabulary)", param="logit_bias")
 
 
+def engine_error(handle: Handle) -> ApiError:
+    """A request the engine failed alone (Sequence.fail): 400 naming response_format when its
+    grammar caused it, other 4xx as the engine says; else 500."""
+    status, msg = getattr(handle, "error_status", 500), handle.error or "the engine failed this request"
+    if 400 <= status < 500:
+        return ApiError(status, msg, param="response_format" if msg.startswith("response_format") else None)
+    return ApiError(500, msg, type_="server_error")
+
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -660,7 +669,7 @@ class OpenAIServer:
             events.close()
         for h in handles:
             if h.seq.finish_reason == "error":
-                raise ApiError(500, h.error or "the engine failed this request", type_="server_error")
+                raise engine_error(h)
             if h.seq.finish_reason == "abort":
                 raise ApiError(503, "the request was aborted (server shutting down)", type_="server_error",
                                code="aborted")
@@ -866,8 +875,7 @@ class SSEResponse(Response):
                 yield sse(envelope(call, model, [choice(call, event.text, event.token_ids, None, False, index=i,
                                                         logprobs=lp)], True))
             if event.finished and event.finish_reason == "error":
-                yield sse(ApiError(500, handles[i].error or "the engine failed this request",
-                                   type_="server_error").body())
+                yield sse(engine_error(handles[i]).body())
             elif event.finished:
                 yield sse(envelope(call, model, [choice(call, None, [] if call.return_token_ids else None,
                                                         event.finish_reason, False, index=i)], True,
