@@ -87,6 +87,17 @@ class BaseEngine:
         return render_chat(sp.get("chat_template"), messages, add_generation_prompt=add_generation_prompt,
                            bos_token=tok(sp.get("bos_token_id")) or "", eos_token=tok(sp.get("eos_token_id")) or "")
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt ids of a chat, its message text encoded as plain text: a control-token
+        string inside a message never becomes a control token (engine/chat.py ChatEncoder)."""
+        from specbuild.engine.chat import ChatEncoder, validate_messages
+
+        encoder = self.__dict__.get("_chat_encoder")
+        if encoder is None:
+            encoder = self._chat_encoder = ChatEncoder(self.tokenizer)
+        validate_messages(messages)
+        return encoder.encode_rendered(self.render_chat(encoder.escape_messages(messages), add_generation_prompt))
+
     # ---- requests ---------------------------------------------------------------------------
     def _new_sequence(self, request: Request) -> Sequence:
         raise NotImplementedError

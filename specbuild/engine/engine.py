@@ -141,16 +141,20 @@ TREE_METHODS = ("medusa", "recycle", "auto")  # the methods a request's `tree` a
 
 
 def check_logprobs(request: Request) -> None:
-    n = request.logprobs
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
-        raise RequestError(f"logprobs={n!r} must be an integer in [0, {MAX_TOP_LOGPROBS}] (the number of most likely "
-                           "tokens to report beside each chosen one)")
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(request, name)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"{name}={n!r} must be an integer in [0, {MAX_TOP_LOGPROBS}] (the number of most "
+                               "likely tokens to report beside each chosen one)")
 
 
 class Engine(BaseEngine):
     """A loaded bundle plus the scheduler that serves it (the torch step loop)."""
 
     backend_name = "torch"
+    # Request.prompt_logprobs is served: the request's own prefill keeps its prompt rows' logits
+    # (engine/scheduler.py), so it is validated, queued, batched and aborted like any request
+    supports_prompt_logprobs = True
 
     def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig()) -> None:
         t0 = time.perf_counter()
@@ -283,29 +287,6 @@ class Engine(BaseEngine):
                                f"{params.max_tokens} tokens) but the cache holds {self.cache.num_blocks}; "
                                "lower max_tokens or raise --kv-cache-tokens")
         return seq
-
-    @torch.inference_mode()
-    def prompt_logprobs(self, prompt_ids: list[int], params: SamplingParams, top_n: int = 0) -> list:
-        """(logprob, [(id, logprob), ...]) of prompt tokens 1..n-1 under the request's sampling
-        distribution (token 0 has none), for completions' `echo` with `logprobs`: one throwaway
-        forward over the whole prompt that keeps every row's logits (request prefill keeps only
-        the last), on a scratch sequence no request owns, under the engine lock (it shares the
-        model and the KV cache with the step loop). Raises RequestError when the KV pool has no
-        room for it."""
-        from specbuild.model.decoder import ForwardBatch
-        from specbuild.model.timing import scratch_sequence
-        from specbuild.sampling.params import token_logprobs
-
-        n = len(prompt_ids)
-        if n < 2:
-            return []
-        dev = self.cache.device
-        with self._lock, scratch_sequence(self.cache, n) as slots:  # a full pool raises RequestError
-            mask = torch.ones(n, n, dtype=torch.bool).tril().to(dev)
-            batch = ForwardBatch(torch.tensor(prompt_ids, device=dev), torch.arange(n, device=dev), slots, slots,
-                                 mask, torch.arange(n - 1, device=dev), torch.ones(n, dtype=torch.bool, device=dev))
-            logits = self.model.forward(batch, self.cache)
-        return token_logprobs(logits.float().cpu(), params, list(prompt_ids[1:]), top_n)
 
     def grammar(self) -> GrammarBackend:
         """The bundle's tokenizer as the grammar engine reads it (compiled grammars cached)."""

@@ -52,6 +52,11 @@ class WorkItem:
     row0: int = 0  # first row of this item in the flattened batch
     completes: bool = False  # chunk reaches the end of the pending tokens
     pad: int = 0  # filler rows (padded binning only): computed, never read, rolled back
+    score: tuple[int, int] | None = None  # prompt positions [p0, p1) whose logits score the prompt
+
+    @property
+    def score_rows(self) -> int:
+        return 0 if self.score is None else self.score[1] - self.score[0]
 
     @property
     def n_draft(self) -> int:
@@ -91,6 +96,9 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
         wslots.append(all_slots[it.start:])
         rslots.append(all_slots)
         it.row0 = t
+        it.score = prompt_score_span(it)
+        if it.score is not None:  # echo + logprobs: these prompt rows' logits too, before the last row's
+            logit_rows.append(torch.arange(t + it.score[0] - it.start, t + it.score[1] - it.start))
         if it.completes:
             last = t + len(it.chunk) - 1
             logit_rows.append(torch.arange(last, last + 1 + it.n_draft))
@@ -114,6 +122,18 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
         logit_rows=(torch.cat(logit_rows) if logit_rows else torch.zeros(0, dtype=torch.int64)).to(dev),
         prompt_rows=torch.cat(prompt).to(dev),
     )
+
+
+def prompt_score_span(it: WorkItem) -> tuple[int, int] | None:
+    """The prompt positions of this chunk whose logits give the next prompt token's logprob
+    (request.prompt_logprobs): not scored yet, and before the prompt's last position (whose
+    logits choose the first generated token). None when there are none."""
+    seq = it.seq
+    if seq.request.prompt_logprobs is None:
+        return None
+    p0 = max(it.start, seq.prompt_scored)
+    p1 = min(it.start + len(it.chunk), len(seq.prompt_ids) - 1)
+    return (p0, p1) if p1 > p0 else None
 
 
 def draft_paths(draft) -> list[list[int]]:
@@ -334,6 +354,8 @@ class Scheduler:
             self.cache.copy_slots(self.cache.slots(src.seq_id, 0, n).to(dev), self.cache.slots(seq.seq_id, 0, n).to(dev))
             seq.num_cached = n
             self.commit(seq, n)
+            if seq.request.prompt_logprobs is not None:  # the prompt is the source's: so are its logprobs
+                seq.prompt_logprobs, seq.prompt_scored = list(src.prompt_logprobs), src.prompt_scored
             seq.prefill_source = None
             seq.extra_stats["stat_shared_prefill_tokens"] = n
 
@@ -387,6 +409,10 @@ class Scheduler:
         final-normed hidden states [rows, hidden] when a drafter reads them (Medusa)."""
         r = 0
         for it in items:
+            score_rows = None
+            if it.score is not None:  # the prompt's logprobs rows come first
+                score_rows = logits[r:r + it.score_rows]
+                r += it.score_rows
             rows = hidden_rows = None
             if it.completes:
                 rows = logits[r:r + 1 + it.n_draft]  # [1 + k, vocab]
@@ -395,16 +421,22 @@ class Scheduler:
             if it.seq.finished:  # failed or aborted meanwhile (its blocks are gone)
                 continue
             try:
-                self.finish_item(it, rows, hidden_rows, aux, len(items))
+                self.finish_item(it, score_rows, rows, hidden_rows, aux, len(items))
             except Exception as e:  # noqa: BLE001 - this sequence's failure, not its neighbours'
                 self.fail_sequence(it.seq, e, "choosing its next tokens")
 
-    def finish_item(self, it: WorkItem, rows: torch.Tensor | None, hidden_rows: torch.Tensor | None,
-                    aux: torch.Tensor | None, batch_size: int) -> None:
-        """One item after the forward: rows [1 + k, vocab] its logits (None: a prefill chunk
+    def finish_item(self, it: WorkItem, score_rows: torch.Tensor | None, rows: torch.Tensor | None,
+                    hidden_rows: torch.Tensor | None, aux: torch.Tensor | None, batch_size: int) -> None:
+        """One item after the forward: score_rows the prompt rows whose logprobs echo asked for
+        (None: not asked in this chunk), rows [1 + k, vocab] its logits (None: a prefill chunk
         that does not complete), hidden_rows the same rows' hidden states or None."""
         seq = it.seq
         seq.target_passes += 1
+        if score_rows is not None:  # the prompt's logprobs: plain numbers kept, the rows let go
+            p0, p1 = it.score
+            seq.prompt_logprobs += token_logprobs(score_rows, seq.params, seq.prompt_ids[p0 + 1:p1 + 1],
+                                                  seq.request.prompt_logprobs)
+            seq.prompt_scored = p1
         if aux is not None:
             if not it.completes:
                 self.speculator.observe_features(seq, it, aux)

@@ -29,6 +29,9 @@ class Request:
     request_id: str | None = None
     response_format: Any = None  # structured output: an OpenAI response_format dict or a ResponseFormat
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and the N most likely
+    # None: none; N >= 0: each prompt token's logprob (from the second on) and the N most likely,
+    # computed by the request's own prefill (completions' echo + logprobs)
+    prompt_logprobs: int | None = None
     shares_prompt_with: Any = None  # a Handle with the same prompt (n > 1 choices): its prefill is reused
     content_type: str | None = None  # code | structured | summarization | chat | ...; None: classified
 
@@ -59,6 +62,8 @@ class Sequence:
         self.constraint = None  # sampling.constraint.Constraint when the request asks for structured output
         self.logprobs: list = []  # per output token, when request.logprobs is set
         self.pending_logprobs: list = []  # the last step's, aligned with the tokens it chose
+        self.prompt_logprobs: list = []  # prompt tokens 1.. when request.prompt_logprobs is set (plain numbers)
+        self.prompt_scored = 0  # prompt positions whose next-token logprob is in prompt_logprobs
         self.generator = torch.Generator().manual_seed(params.seed)
         self.eos_ids = () if params.ignore_eos else tuple(eos_ids) + tuple(params.stop_token_ids)
         self.max_total_len = max_total_len
