@@ -67,6 +67,7 @@ def fault(engine, kind: str, monkeypatch, method: str | None = None, after: int 
             def finish_items(items, logits, hidden=None, aux=None):
                 r = 0
                 for it in items:
+                    r += getattr(it, "score_rows", 0)  # echo + logprobs: the prompt's rows come first
                     if not it.completes:
                         continue
                     if is_culprit(it.seq, after):
