@@ -262,7 +262,7 @@ def check_kernel(device: str) -> dict:
 
 
 # ---- stages 3-6 -------------------------------------------------------------------------------------
-def compile_bundle_bf16(plan: dict, work: str, max_batch: int, tokens: int) -> str:
+def compile_bundle_bf16(plan: dict, work: str, max_batch: int, tokens: int, say=None) -> str:
     from specbuild.compiler.compile import CompileOptions, compile_bundle
 
     out = os.path.join(work, "bundle-bf16")
@@ -270,7 +270,7 @@ def compile_bundle_bf16(plan: dict, work: str, max_batch: int, tokens: int) -> s
     opts = CompileOptions(dtype="bfloat16", max_seq_len=max(512, longest), max_batch_size=max(8, max_batch))
     d = plan["drafters"]
     return compile_bundle(plan["model"], out, opts, draft=d.get("draft"), medusa=d.get("medusa"),
-                          eagle=d.get("eagle"))
+                          eagle=d.get("eagle"), progress=say)
 
 
 def greedy(n: int):
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda msg: print(f"[{time.monotonic() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     say(f"triton kernel: {kernel['detail']}")
     work = args.work or tempfile.mkdtemp(prefix="specbuild-gpu-check-")
-    bundle = plan["bundle"] or compile_bundle_bf16(plan, work, max(args.batches), args.tokens)
+    bundle = plan["bundle"] or compile_bundle_bf16(plan, work, max(args.batches), args.tokens, say)
     say(f"bundle {bundle}")
     engine = Engine(bundle, EngineConfig(device=args.device, max_batch_size=max(8, max(args.batches))))
     methods = ["none"] + [m for m in engine.methods if m != "none"]

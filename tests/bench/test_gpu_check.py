@@ -259,3 +259,26 @@ def gpu_check_tolerance(dtype: str) -> float:
     from specbuild.bench.gpu_check import KERNEL_TOLERANCE
 
     return KERNEL_TOLERANCE[dtype]
+
+
+def test_main_end_to_end_on_cpu(tmp_path, tiny_hf, monkeypatch, capsys):
+    """main() wired end to end where only CUDA is faked away (facts and the kernel stage, which
+    the interpreter test covers): it compiles a bf16 bundle, checks every method, runs verify,
+    times batch 1 and 2, prints the one table and writes gpu_check.json."""
+    from specbuild.bench import gpu_check
+
+    monkeypatch.setattr(gpu_check, "cuda_facts", lambda device: {"gpu": "cpu (test)", "sm": "-", "torch": "-",
+                                                                 "cuda": "-", "triton": "-"})
+    monkeypatch.setattr(gpu_check, "check_kernel", lambda device: {"ok": True, "detail": "not run (test)"})
+    out = tmp_path / "out"
+    rc = gpu_check.main(["--model", tiny_hf, "--draft", tiny_hf, "--device", "cpu", "--tokens", "8", "--reps", "1",
+                         "--batches", "1,2", "--verify-method", "draft", "--verify-samples", "50",
+                         "--work", str(tmp_path / "work"), "--out", str(out), "--budget", "600"])
+    printed = capsys.readouterr().out
+    report = json.load(open(out / "gpu_check.json"))
+    assert rc == (gpu_check.EXIT_PASS if printed.rstrip().endswith("verdict: PASS") else gpu_check.EXIT_FAIL)
+    assert report["table"] in printed and printed.count("verdict:") == 1
+    assert json.load(open(tmp_path / "work" / "bundle-bf16" / "bundle.json"))["roles"]["target"]["dtype"] == "bfloat16"
+    assert {"none", "draft", "ngram"} <= set(report["greedy"]) and report["greedy"]["draft"]["drafted"] > 0
+    assert {(t["method"], t["batch"]) for t in report["timings"]} >= {("none", 1), ("draft", 2)}
+    assert report["verify"]["drafted"] > 0 and "chi2" in report["verify"]["detail"]
