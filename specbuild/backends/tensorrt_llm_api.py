@@ -129,8 +129,10 @@ def speculative_config(pkg, method: str, *, max_draft_len: int, models: dict[str
 # engine path's removal) exports EagleDecodingConfig, DraftTargetDecodingConfig, NGramDecodingConfig and
 # UserProvidedDecodingConfig but no Eagle3DecodingConfig; there EAGLE-3 is EagleDecodingConfig(eagle3_one_model=
 # True) (llm_args.py: `eagle3_one_model: Optional[bool] = True`, spec_dec_mode EAGLE3_ONE_MODEL when set, else
-# EAGLE3). The first release exporting Eagle3DecodingConfig could not be read; 1.3 (the first without the engine
-# path) is where specbuild requires it.
+# EAGLE3). The first release exporting Eagle3DecodingConfig could not be read; but an llm_args.py that defines it
+# still imports `from ..builder import BuildConfig, EngineConfig`, i.e. it predates the engine path's removal, so
+# every release without the engine path (1.3 on, formats/trtllm_support.ENGINE_PATH_END) has it: there specbuild
+# requires it.
 EAGLE3_CLASS_FROM = (1, 3)
 
 

@@ -30,7 +30,8 @@ lent GPU machine has torch, triton, safetensors, tokenizers, click and numpy onl
 `specbuild verify`'s CLI needs tqdm and its p-value scipy, so this runs verify's functions in
 process and, where scipy is absent, computes the chi-square survival function as
 torch.special.gammaincc(dof / 2, stat / 2) (the same function; tests/bench/test_gpu_check.py
-compares the two); the chat template (jinja2) is never rendered.
+compares the two); the prompts are rendered in the bundle's chat template by the engine where
+jinja2 is importable, by hand for SmolLM2's template where it is not (chat_prompts).
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ PROMPTS = (
     "SELECT name, age FROM users WHERE age > 30 ORDER BY",
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
 )
+# SmolLM2-135M-Instruct's chat template (the GGUF's tokenizer.chat_template), rendered for one user message
+# without jinja2 where jinja2 is missing (tests/bench/test_gpu_check.py checks it against the template itself)
+SMOLLM2_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' "
+    "+ message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+SMOLLM2_USER_TURN = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                     "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
 # Triton kernel vs the float64 reference: max |kernel - ref| / (1 + |ref|), as tests/model/test_attention_kernel.py
 KERNEL_TOLERANCE = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2.5e-2}
 
@@ -273,6 +283,20 @@ def compile_bundle_bf16(plan: dict, work: str, max_batch: int, tokens: int, say=
                           eagle=d.get("eagle"), progress=say)
 
 
+def chat_prompts(engine, texts) -> tuple[list[str], str]:
+    """`texts` as user turns in the bundle's chat template (what the shipped drafters were trained
+    on): rendered by the engine where jinja2 is importable, by hand for SmolLM2's template where it
+    is not; else the raw texts. Returns (prompts, how)."""
+    template = engine.meta.special_tokens.get("chat_template")
+    if not template:
+        return list(texts), "raw prompts (the bundle has no chat template)"
+    if not missing_packages(["jinja2"]):
+        return [engine.render_chat([{"role": "user", "content": t}]) for t in texts], "chat-template prompts"
+    if template == SMOLLM2_CHAT_TEMPLATE:
+        return [SMOLLM2_USER_TURN.format(t) for t in texts], "chat-template prompts (SmolLM2's, without jinja2)"
+    return list(texts), "raw prompts (no jinja2 to render the bundle's chat template)"
+
+
 def greedy(n: int):
     from specbuild.sampling.params import SamplingParams
 
@@ -286,10 +310,10 @@ def run_batch(engine, prompts, method: str, tokens: int, logprobs: int | None = 
                                     logprobs=logprobs) for p in prompts])
 
 
-def check_greedy(engine, methods: list[str], tokens: int, tie: float) -> dict[str, dict]:
+def check_greedy(engine, methods: list[str], tokens: int, tie: float, prompts=PROMPTS[:4]) -> dict[str, dict]:
     """{method: {ok, detail, drafted, accepted}}: token ids against plain's, divergences judged by
     plain's top-2 logprob gap at the first differing position."""
-    prompts = list(PROMPTS[:4])
+    prompts = list(prompts)
     plain = run_batch(engine, prompts, "none", tokens, logprobs=2)
     out = {"none": {"ok": True, "detail": "reference", "drafted": 0, "accepted": 0}}
     for method in methods:
@@ -365,19 +389,20 @@ def check_verify(engine, method: str, samples: int) -> dict:
                       f"{r.accepted}/{r.drafted} accepted: {v.status.upper()}"}
 
 
-def time_methods(engine, methods: list[str], batches: list[int], tokens: int, reps: int, deadline: float) -> dict:
+def time_methods(engine, methods: list[str], batches: list[int], tokens: int, reps: int, deadline: float,
+                 prompts=PROMPTS) -> dict:
     """{(method, batch): {ttft_ms, ms_per_token}}: medians over requests and repetitions, the methods
     interleaved round-robin within each repetition (so drift hits them alike)."""
     samples: dict = {}
     for method in methods:  # warm-up: kernels, allocator, first-use paths
-        run_batch(engine, PROMPTS[:max(batches)], method, 8)
+        run_batch(engine, prompts[:max(batches)], method, 8)
     done_reps = 0
     for _ in range(reps):
         if done_reps and time.monotonic() > deadline:
             break
         for batch in batches:
             for method in methods:
-                for r in run_batch(engine, PROMPTS[:batch], method, tokens):
+                for r in run_batch(engine, prompts[:batch], method, tokens):
                     s = samples.setdefault((method, batch), {"ttft": [], "tpot": []})
                     s["ttft"].append(r["stats"]["ttft_ms"])
                     s["tpot"].append(r["stats"]["tpot_ms"])
@@ -417,8 +442,8 @@ def report(facts: dict, greedy_results: dict, timings: dict, batches: list[int],
     reps = max((t["reps"] for t in timings.values()), default=0)
     title = (f"specbuild GPU check, torch backend, bfloat16 on {facts.get('gpu')} (SM {facts.get('sm')}), torch "
              f"{facts.get('torch')}, CUDA {facts.get('cuda')}, triton {facts.get('triton')}, python "
-             f"{facts.get('python')}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; timings: medians over "
-             f"requests x {reps} round-robin repetitions")
+             f"{facts.get('python')}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {facts.get('prompts', 'prompts')}; "
+             f"timings: medians over requests x {reps} round-robin repetitions")
     return title + "\n" + table(rows, header) + f"\nverdict: {'PASS' if ok else 'FAIL'}", ok
 
 
@@ -461,8 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     say(f"bundle {bundle}")
     engine = Engine(bundle, EngineConfig(device=args.device, max_batch_size=max(8, max(args.batches))))
     methods = ["none"] + [m for m in engine.methods if m != "none"]
-    say(f"methods {', '.join(methods)}")
-    greedy_results = check_greedy(engine, methods, args.tokens, args.tie)
+    prompts, how = chat_prompts(engine, PROMPTS)
+    say(f"methods {', '.join(methods)}; {how}")
+    greedy_results = check_greedy(engine, methods, args.tokens, args.tie, prompts[:4])
     say("greedy: " + ", ".join(f"{m} {'ok' if g['ok'] else 'FAIL'}" for m, g in greedy_results.items()))
     verify = None
     if args.verify_method in methods and time.monotonic() < deadline - 60:
@@ -472,8 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         verify = {"ok": False, "detail": f"method {args.verify_method!r} is not in this bundle ({', '.join(methods)})"}
     else:
         verify = {"ok": False, "detail": "not run: the budget ran out first"}
-    timings = time_methods(engine, methods, args.batches, args.tokens, args.reps, deadline - 20)
-    text, ok = report(facts, greedy_results, timings, args.batches, verify, kernel)
+    timings = time_methods(engine, methods, args.batches, args.tokens, args.reps, deadline - 20, prompts)
+    text, ok = report({**facts, "prompts": how}, greedy_results, timings, args.batches, verify, kernel)
     print(text, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -23,7 +23,7 @@ GPU_MACHINE = ("torch", "triton", "safetensors", "tokenizers", "click", "numpy")
 # third-party imports the check's code can reach but never runs (each says why); anything else new fails
 GUARDED = {
     "gguf": "reads a .gguf model; the preflight refuses in one line where it is missing",
-    "jinja2": "chat templates (engine/chat.py); the check renders none",
+    "jinja2": "chat templates (engine/chat.py); used only where importable (gpu_check.chat_prompts)",
     "llguidance": "structured output (sampling/constraint.py); the check sends no response_format",
     "scipy": "verify_dist's p-value; replaced by gpu_check.chi2_sf where scipy is missing",
     "packaging": "TensorRT-LLM version checks (formats/trtllm_support.py); never on the torch backend",
@@ -282,3 +282,18 @@ def test_main_end_to_end_on_cpu(tmp_path, tiny_hf, monkeypatch, capsys):
     assert {"none", "draft", "ngram"} <= set(report["greedy"]) and report["greedy"]["draft"]["drafted"] > 0
     assert {(t["method"], t["batch"]) for t in report["timings"]} >= {("none", 1), ("draft", 2)}
     assert report["verify"]["drafted"] > 0 and "chi2" in report["verify"]["detail"]
+
+
+def test_smollm2_chat_turn_without_jinja2(smollm2_gguf):
+    """The hand-rendered user turn equals the engine's jinja2 rendering of the template, and the
+    template is the one in the default model's GGUF."""
+    from gguf import GGUFReader
+
+    from specbuild.bench.gpu_check import SMOLLM2_CHAT_TEMPLATE, SMOLLM2_USER_TURN
+    from specbuild.engine.chat import render_chat
+
+    field = GGUFReader(smollm2_gguf).fields["tokenizer.chat_template"]
+    assert bytes(field.parts[field.data[0]]).decode() == SMOLLM2_CHAT_TEMPLATE
+    for text in ("Hi there", "def f(x):\n    return x"):
+        assert render_chat(SMOLLM2_CHAT_TEMPLATE, [{"role": "user", "content": text}],
+                           add_generation_prompt=True) == SMOLLM2_USER_TURN.format(text)
