@@ -22,8 +22,9 @@ where the file says so); no run on a real TensorRT-LLM has checked them here.
   for 16).
 - Which modes reach the speculative XQA kernels (engine path). Medusa and EAGLE engines feed
   a token tree: the engine gets `spec_decoding_position_offsets` / `spec_decoding_packed_mask`
-  inputs, and the attention plugin's `is_spec_decoding_enabled` is `spec_decoding_packed_mask
-  is not None` (`tensorrt_llm/functional.py`, gpt_attention). Draft/target engines
+  inputs, and the attention plugin's `is_spec_decoding_enabled` field is set from
+  `spec_decoding_packed_mask is not None` (read in a stored gpt_attention plugin builder whose
+  path the index did not name; `tensorrt_llm/functional.py` holds gpt_attention). Draft/target engines
   (`draft_tokens_external`) get neither: `tensorrt_llm/models/generation_mixin.py` (commit
   03ec464e) builds them only `if speculative_decoding_draft_tokens_external == False and
   max_draft_len > 0` ("Use positional offsets and packed mask only when not in SpS spec
