@@ -61,7 +61,7 @@ from typing import Any
 
 from specbuild.backends.guarantees import guarantees
 from specbuild.bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
-from specbuild.backends.tensorrt_llm import ExecutorEngine, load_stand_in, refuse_torch_only
+from specbuild.backends.tensorrt_llm import LLMAPI_STUB_ENV, ExecutorEngine, load_stand_in, refuse_torch_only
 from specbuild.engine.base import validated_prompt_ids
 from specbuild.engine.engine import EngineConfig
 from specbuild.engine.sequence import Event, Request, Sequence
@@ -74,7 +74,7 @@ log = logging.getLogger("specbuild.trtllm_api")
 API_METHODS = ("draft", "ngram", "eagle3")
 # Test-only, like backends/tensorrt_llm.TEST_STUB_ENV: "module:factory" returning a stand-in for
 # the `tensorrt_llm` package (tests/helpers/trtllm_api_stub.py); it must say it is one.
-TEST_STUB_ENV = "SPECBUILD_TEST_TRTLLM_LLMAPI"
+TEST_STUB_ENV = LLMAPI_STUB_ENV
 
 
 def _stand_in():

@@ -32,14 +32,14 @@ import inspect
 
 
 def _drafter_base() -> type:
-    from specbuild.backends.tensorrt_llm_api import _stand_in, _submodule
+    from specbuild.backends.tensorrt_llm import LLMAPI_STUB_ENV, load_stand_in
 
-    pkg = _stand_in()
+    pkg = load_stand_in(LLMAPI_STUB_ENV, "package", "TensorRT-LLM's LLM API")
     if pkg is None:
         from tensorrt_llm._torch.speculative.drafter import Drafter  # noqa: PLC0415 (only where it is installed)
 
         return Drafter
-    return _submodule(pkg, "_torch.speculative.drafter").Drafter
+    return pkg._torch.speculative.drafter.Drafter  # the stand-in: attributes, not importable submodules
 
 
 _Base = _drafter_base()
