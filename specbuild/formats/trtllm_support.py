@@ -47,7 +47,9 @@ where the file says so); no run on a real TensorRT-LLM has checked them here.
   00b6d5a2): `attention_need_spec_dec_mode` puts the target of every two-model mode (draft
   target, NGram, user-provided drafter, two-model EAGLE-3) into "multi-token query mode" on
   TRTLLM attention (`use_case_2 = not use_one_engine() and not is_draft_model ... and
-  is_trtllm_attention`), and one-model EAGLE-3 always (`use_case_1`); `extend_ctx` (generation
+  is_trtllm_attention`), and one-model EAGLE-3 always (`use_case_1 = self.use_one_engine()`;
+  other stored versions gate it on `get_sm_version() < 120` as well, so on SM >= 120 the EAGLE-3
+  refusal below may be one a release would not make); `extend_ctx` (generation
   requests with drafts treated as chunked context instead) is False on TRTLLM attention where
   `xqa_supported = get_sm_version() < 120`. So on SM < 120 with the LLM API's default TRTLLM
   attention a speculating target goes through the same multi-query XQA kernels (group and
