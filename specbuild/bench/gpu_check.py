@@ -326,8 +326,9 @@ def check_greedy(engine, methods: list[str], tokens: int, tie: float, prompts=PR
             if a == b:
                 continue
             pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            top = p["logprobs"][pos]["top_logprobs"] if pos < len(p["logprobs"]) else []
-            gap = (top[0]["logprob"] - top[1]["logprob"]) if len(top) >= 2 else float("inf")
+            top = [t["logprob"] for t in (p["logprobs"][pos]["top_logprobs"] if pos < len(p["logprobs"]) else [])]
+            # None is -inf (logprob_records): no second candidate, no tie
+            gap = top[0] - top[1] if len(top) >= 2 and None not in top[:2] else float("inf")
             if gap < tie:
                 notes.append(f"prompt {i}: tie at token {pos} (top-2 gap {gap:.3g})")
             else:

@@ -297,3 +297,29 @@ def test_smollm2_chat_turn_without_jinja2(smollm2_gguf):
     for text in ("Hi there", "def f(x):\n    return x"):
         assert render_chat(SMOLLM2_CHAT_TEMPLATE, [{"role": "user", "content": text}],
                            add_generation_prompt=True) == SMOLLM2_USER_TURN.format(text)
+
+
+def test_greedy_divergence_passes_only_at_a_near_tie(monkeypatch):
+    """check_greedy's judgement of a divergence: below --tie at the first differing token it is a
+    reported tie; above it, or with no second candidate, a failure; no accepted draft fails too."""
+    from specbuild.bench import gpu_check
+
+    def lp(a, b):
+        return {"logprob": a, "top_logprobs": [{"id": 0, "logprob": a}, {"id": 1, "logprob": b}]}
+
+    plain = [{"token_ids": [5, 6, 7], "logprobs": [lp(-0.1, -3.0), lp(-0.70, -0.72), lp(-0.2, -2.0)]},
+             {"token_ids": [5, 6, 7], "logprobs": [lp(-0.1, -3.0), lp(-0.1, -2.5), lp(-0.2, -2.0)]},
+             {"token_ids": [5, 6, 7], "logprobs": [lp(-0.1, -3.0), lp(-0.1, None), lp(-0.2, -2.0)]}]
+    stats = {"drafted": 4, "accepted": 2}
+    answers = {"none": plain,
+               "tie": [{"token_ids": [5, 9, 1], "stats": stats}] + [{"token_ids": [5, 6, 7], "stats": stats}] * 2,
+               "wide": [{"token_ids": [5, 6, 7], "stats": stats}, {"token_ids": [5, 9, 1], "stats": stats},
+                        {"token_ids": [5, 6, 7], "stats": stats}],
+               "lonely": [{"token_ids": [5, 6, 7], "stats": stats}] * 2 + [{"token_ids": [5, 9], "stats": stats}],
+               "idle": [{"token_ids": [5, 6, 7], "stats": {"drafted": 3, "accepted": 0}}] * 3}
+    monkeypatch.setattr(gpu_check, "run_batch", lambda engine, prompts, method, tokens, logprobs=None: answers[method])
+    r = gpu_check.check_greedy(None, ["none", "tie", "wide", "lonely", "idle"], 3, 0.05, prompts=["a", "b", "c"])
+    assert r["tie"]["ok"] and "prompt 0: tie at token 1 (top-2 gap 0.02)" in r["tie"]["detail"]
+    assert not r["wide"]["ok"] and "prompt 1: differs at token 1, top-2 gap 2.4 >= 0.05" in r["wide"]["detail"]
+    assert not r["lonely"]["ok"] and "prompt 2: differs at token 1, top-2 gap inf" in r["lonely"]["detail"]
+    assert not r["idle"]["ok"] and "0 of 9 drafts accepted" in r["idle"]["detail"]
