@@ -120,16 +120,10 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
             minedraft = plugin(bundle, transport, draft_timeout)
         engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
                                                   kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
-<<<<<<< HEAD
-                                                  load_draft=ctx.role != "verifier", compile=compile_,
-                                                  suffix_store_tokens=suffix_store_tokens, suffix_scope=suffix_scope,
-                                                  suffix_prompts=suffix_prompts),
-                             backend="torch" if parallel_draft else backend)
-=======
-                                                  compile=compile_),
+                                                  compile=compile_, suffix_store_tokens=suffix_store_tokens,
+                                                  suffix_scope=suffix_scope, suffix_prompts=suffix_prompts),
                              backend="torch" if parallel_draft else backend,
                              **(minedraft.open_kwargs() if minedraft is not None else {}))
->>>>>>> main
         if ctx.role == "worker":
             serve_engine_part(ctx, engine)
         sink = open_telemetry(engine, telemetry, "serve")

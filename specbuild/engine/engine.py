@@ -262,14 +262,10 @@ class Engine(BaseEngine):
                                               self.config.suffix_scope, self.config.suffix_prompts),
                      "ngram": NgramProposer(),
                      "recycle": RecyclingProposer(self.target_config.vocab_size, max_nodes=self.meta.limits.max_draft_len)}
-<<<<<<< HEAD
         from specbuild.speculation.proposers.hybrid import HybridProposer
 
         proposers["hybrid"] = HybridProposer(proposers["suffix"], proposers["recycle"], max(1, self.meta.limits.max_draft_len))
-        if "draft" in self.meta.roles and self.config.load_draft:
-=======
         if "draft" in self.meta.roles and self.config.load_draft and "draft" not in self.drafters:
->>>>>>> main
             draft_dir = os.path.join(self.bundle_dir, self.meta.roles["draft"]["path"])
             draft_config = read_model_config(draft_dir)
             weights, vocab_map = shared_draft_weights(self.bundle_dir, self.meta.roles["draft"],
