@@ -58,6 +58,13 @@ from specbuild.errors import SpecbuildError
 @click.option("--body-timeout", type=float, default=30.0, show_default=True,
               help="Seconds a request body may take to arrive before the server answers 408 (slow clients).")
 @click.option("--model-name", default=None, help="Name in /v1/models and responses [the bundle directory's name].")
+@click.option("--strict-fields", is_flag=True,
+              help="Refuse unknown request fields with 400 (default: ignore them, log them and list them in the "
+                   "x-specbuild-ignored-fields response header, as vLLM does).")
+@click.option("--chat-template", "chat_template", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A Jinja chat template file replacing the bundle's (as vLLM's --chat-template).")
+@click.option("--tool-call-parser", default="hermes", show_default=True, type=click.Choice(["hermes"]),
+              help="How tool calls are read out of the model's text (<tool_call>{json}</tool_call>).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--parallel-draft", is_flag=True,
@@ -66,7 +73,8 @@ from specbuild.errors import SpecbuildError
               help="Seconds the verifier waits for a draft reply before it decodes without the draft rank for good.")
 @telemetry_option
 def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, compile_, kv_cache_tokens, prefill_chunk,
-          body_timeout, model_name, log_level, parallel_draft, draft_timeout, telemetry) -> None:
+          body_timeout, model_name, strict_fields, chat_template, tool_call_parser, log_level, parallel_draft,
+          draft_timeout, telemetry) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
     from specbuild.cli.main import dist_context, fail_once
 
@@ -89,8 +97,13 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
         from specbuild.engine.engine import EngineConfig
         from specbuild.serve.openai_http import OpenAIServer, ServeConfig
 
+        template = None
+        if chat_template is not None:
+            with open(chat_template, encoding="utf-8") as f:
+                template = f.read(1 << 20)
         config = ServeConfig(host=host, port=port, max_queue=max_queue, model_name=model_name,
-                             body_timeout_s=body_timeout)
+                             body_timeout_s=body_timeout, strict_fields=strict_fields, chat_template=template,
+                             tool_parser=tool_call_parser)
         engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
                                                   kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
                                                   load_draft=ctx.role != "verifier", compile=compile_),

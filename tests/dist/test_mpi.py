@@ -358,8 +358,8 @@ def test_mpi_server_greedy_equals_generate(mpi_server, engine):
     def ask(i: int, prompt: list[int]) -> None:
         body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "gamma": 3, "return_token_ids": True}
         if i % 2:
-            chunks = stream(mpi_server.port, "/v1/completions", body)
-            results[i] = [sum((c["choices"][0].get("token_ids", []) for c in chunks), []), chunks[-1]["usage"]]
+            chunks = stream(mpi_server.port, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+            results[i] = [sum((c["choices"][0].get("token_ids", []) for c in chunks[:-1]), []), chunks[-1]["usage"]]
         else:
             status, _, full = post(mpi_server.port, "/v1/completions", body)
             assert status == 200, full
