@@ -42,6 +42,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -946,6 +947,10 @@ class OpenAIServer:
                 raise ApiError(404, f"model {model_id[:LIMIT_NAME_CHARS]!r} is not served here", param="model",
                                code="model_not_found")
             return found[0]
+
+        from specbuild.serve.openai_tokenize import add_tokenizer_routes
+
+        add_tokenizer_routes(app, self, sys.modules[__name__])  # /tokenize, /detokenize, /tokenizer_info (vLLM's)
 
         @app.get("/health", tags=["specbuild"])
         async def health():

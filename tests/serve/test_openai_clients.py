@@ -292,3 +292,22 @@ def test_model_name_aliases(server):
     assert ids[0] == "bundle" and ids[1] == "target"  # the directory's name, then the checkpoint's
     status, _, out = post(server.port, "/v1/completions", {"model": "target", "prompt": PROMPT, "max_tokens": 1})
     assert status == 200, out
+
+
+# ---- tokenizer endpoints (vLLM's shapes) ---------------------------------------------------------
+def test_tokenize_detokenize_and_tokenizer_info(server, engine):
+    for prefix in ("", "/v1"):
+        status, _, out = post(server.port, f"{prefix}/tokenize", {"prompt": "hello there", "return_token_strs": True})
+        assert status == 200, out
+        assert out["tokens"] == engine.encode("hello there") and out["count"] == len(out["tokens"])
+        assert out["max_model_len"] == engine.max_seq_len and len(out["token_strs"]) == out["count"]
+        status, _, back = post(server.port, f"{prefix}/detokenize", {"tokens": out["tokens"]})
+        assert status == 200 and back["prompt"] == engine.tokenizer.decode(out["tokens"], skip_special_tokens=False)
+    status, _, chat = post(server.port, "/tokenize", {"messages": USER})
+    full = post(server.port, "/v1/chat/completions", {"messages": USER, "max_tokens": 1})[2]
+    assert status == 200 and chat["count"] == full["usage"]["prompt_tokens"]  # the prompt the chat endpoint builds
+    status, _, err = post(server.port, "/detokenize", {"tokens": [10 ** 6]})
+    assert status == 400 and err["error"]["param"] == "tokens"
+    status, text = get(server.port, "/tokenizer_info")
+    info = json.loads(text)
+    assert status == 200 and info["model_max_length"] == engine.max_seq_len and "eos_token" in info
