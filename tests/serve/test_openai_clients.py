@@ -311,3 +311,24 @@ def test_tokenize_detokenize_and_tokenizer_info(server, engine):
     status, text = get(server.port, "/tokenizer_info")
     info = json.loads(text)
     assert status == 200 and info["model_max_length"] == engine.max_seq_len and "eos_token" in info
+
+
+def test_chat_template_option(bundle, engine, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                        "{% if tools %}<tools>{{ tools | map(attribute='function.name') | join(',') }}{% endif %}"
+                        "{% if add_generation_prompt %}[assistant]{% endif %}")
+    srv = ServerProcess(bundle, str(tmp_path / "tpl.log"), "--chat-template", str(template))
+    try:
+        status, _, out = post(srv.port, "/tokenize", {"messages": USER, "tools": TOOLS})
+        want = engine.encode("[user]what is the weather<tools>forecast,ping[assistant]", add_special_tokens=False)
+        assert status == 200 and out["tokens"] == want, out  # the file's template, tools through it
+        status, _, full = post(srv.port, "/v1/chat/completions", {"messages": USER, "max_tokens": 2,
+                                                                  "add_generation_prompt": False})
+        assert status == 200 and full["usage"]["prompt_tokens"] == len(
+            engine.encode("[user]what is the weather", add_special_tokens=False))
+    finally:
+        srv.stop()
+    template.write_text("{% for m in messages %}")  # does not parse: refused at start-up, not per request
+    with pytest.raises(AssertionError, match="chat template does not parse"):
+        ServerProcess(bundle, str(tmp_path / "bad.log"), "--chat-template", str(template))
