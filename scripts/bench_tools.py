@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-parallel", action="store_true", help="parallel_tool_calls false (one call per answer)")
     args = ap.parse_args()
     engine = Engine(args.bundle, EngineConfig(threads=args.threads))
     server = OpenAIServer(engine)
@@ -61,7 +62,7 @@ def main() -> None:
     for p in prompts:
         for method in methods:  # interleaved: drift on a shared host hits every method alike
             body = ChatRequest.model_validate({"messages": p["messages"], "tools": p["tools"], "tool_choice": "required",
-                                               "max_tokens": args.max_tokens, "temperature": 0, "speculation": method})
+                                               "parallel_tool_calls": not args.no_parallel, "max_tokens": args.max_tokens, "temperature": 0, "speculation": method})
             call = server.parse(body, "chat")
             t0 = time.perf_counter()
             out = engine.generate([call.request])[0]
@@ -75,7 +76,7 @@ def main() -> None:
                                     "mat": st["mean_accepted_tokens"], "mask_ms": st.get("grammar_mask_ms", 0.0),
                                     "rows": st.get("grammar_masked_rows", 0)})
     base = results[methods[0]]
-    print(f"{len(prompts)} prompts, tool_choice required, greedy, max_tokens {args.max_tokens}, "
+    print(f"{len(prompts)} prompts, tool_choice required, parallel_tool_calls {not args.no_parallel}, greedy, max_tokens {args.max_tokens}, "
           f"threads {args.threads}, load {open('/proc/loadavg').read().split()[:3]}")
     print("method   valid   same-as-first  tokens/pass  mask ms/token  mask ms/row  tok/s (median)")
     for method in methods:

@@ -59,11 +59,10 @@ def add_tokenizer_routes(app: FastAPI, server: Any, http: Any) -> None:
                 use = tooling.ToolUse([t.model_dump(exclude_none=True) for t in body.tools], "auto",
                                       names={t.function.name for t in body.tools})
             try:
-                text = tooling.render_prompt(engine, http.flatten_messages(body.messages), use,
-                                             server.chat_template, body)
+                ids = tooling.encode_prompt(engine, http.flatten_messages(body.messages), use, server.chat_template,
+                                            body)
             except RequestError as e:
                 raise http.ApiError(400, str(e), param="messages") from None
-            ids = engine.encode(text, add_special_tokens=bool(body.add_special_tokens))
         out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_seq_len, "tokens": ids,
                                "token_strs": None}
         if body.return_token_strs:

@@ -313,11 +313,14 @@ def call_grammar(tools: list[dict[str, Any]], choice: str, parallel: bool) -> st
 
 
 # ---- rendering ------------------------------------------------------------------------------------
-def render_prompt(engine, messages: list[dict[str, Any]], use: ToolUse | None, template_override: str | None,
-                  body: Any) -> str:
-    """The prompt text of a chat request: the bundle's template (or --chat-template's); the
-    built-in tool template when the request has tools or tool turns and that template never
-    mentions tools."""
+def encode_prompt(engine, messages: list[dict[str, Any]], use: ToolUse | None, template_override: str | None,
+                  body: Any) -> list[int]:
+    """The prompt ids of a chat request: rendered by the bundle's template (or --chat-template's),
+    or by the built-in tool template when the request has tools or tool turns and that template
+    never mentions tools. As `BaseEngine.encode_chat`: every string the client sent (message
+    text, tool-call arguments, tool descriptions) is escaped before rendering, so a control-token
+    string in it stays text; only the template's own control strings become control tokens."""
+    from specbuild.engine.chat import ChatEncoder, validate_messages
     from specbuild.serve.openai_fields import template_kwargs
 
     sp = engine.meta.special_tokens
@@ -330,8 +333,28 @@ def render_prompt(engine, messages: list[dict[str, Any]], use: ToolUse | None, t
     def tok(i):
         return engine.tokenizer.id_to_token(i) if isinstance(i, int) and 0 <= i < vocab_size else ""
 
+    encoder = engine.__dict__.get("_chat_encoder")
+    if encoder is None:  # the one BaseEngine.encode_chat caches
+        encoder = engine._chat_encoder = ChatEncoder(engine.tokenizer)
+    validate_messages(messages)
     extra = template_kwargs(getattr(body, "chat_template_kwargs", None), TEMPLATE_VARIABLES)
     add = getattr(body, "add_generation_prompt", None)
-    return render_chat(template, messages, add_generation_prompt=add is not False,
+    text = render_chat(template, escaped(encoder, messages), add_generation_prompt=add is not False,
                        bos_token=tok(sp.get("bos_token_id")) or "", eos_token=tok(sp.get("eos_token_id")) or "",
-                       tools=use.tools if use is not None else None, extra=extra)
+                       tools=escaped(encoder, use.tools) if use is not None else None, extra=escaped(encoder, extra))
+    ids = encoder.encode_rendered(text)
+    bos = sp.get("bos_token_id")
+    if getattr(body, "add_special_tokens", None) and bos is not None and (not ids or ids[0] != bos):
+        ids = [bos] + ids  # vLLM's add_special_tokens on chat: a BOS the template did not write
+    return ids
+
+
+def escaped(encoder, value: Any, key: str | None = None) -> Any:
+    """`value` with every string in it escaped (ChatEncoder.escape), roles kept."""
+    if isinstance(value, str):
+        return value if key == "role" else encoder.escape(value)
+    if isinstance(value, dict):
+        return {k: escaped(encoder, v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [escaped(encoder, v) for v in value]
+    return value
