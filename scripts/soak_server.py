@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "helpers"))  # tiny models, the H
 from http_client import ServerProcess, get  # noqa: E402
 METHODS = ("none", "ngram", "draft", "medusa", "auto")
 BAD_BODIES = [
-    b"{not json", b"[1, 2]", b'{"prompt": "hi", "max_tokens": "ten"}', b'{"prompt": "hi", "frobnicate": 1}',
+    b"{not json", b"[1, 2]", b'{"prompt": "hi", "max_tokens": "ten"}', b'{"prompt": "hi", "repetition_penalty": 1.5}',
     b'{"prompt": "hi", "gamma": 99}', b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": [1, 2, 100000]}',
     b'{"prompt": "hi", "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]}',
     b'{"messages": [{"role": "wizard", "content": "hi"}]}', b'{"prompt": "hi", "speculation": "telepathy"}',

@@ -68,6 +68,13 @@ from specbuild.errors import SpecbuildError
 @click.option("--max-inflight", type=int, default=1024, show_default=True,
               help="HTTP requests handled at once, streams included (503 beyond); idle sockets do not count.")
 @click.option("--model-name", default=None, help="Name in /v1/models and responses [the bundle directory's name].")
+@click.option("--strict-fields", is_flag=True,
+              help="Refuse unknown request fields with 400 (default: ignore them, log them and list them in the "
+                   "x-specbuild-ignored-fields response header, as vLLM does).")
+@click.option("--chat-template", "chat_template", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A Jinja chat template file replacing the bundle's (as vLLM's --chat-template).")
+@click.option("--tool-call-parser", default="hermes", show_default=True, type=click.Choice(["hermes"]),
+              help="How tool calls are read out of the model's text (<tool_call>{json}</tool_call>).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--parallel-draft", is_flag=True,
@@ -81,8 +88,9 @@ from specbuild.errors import SpecbuildError
 @click.option("--suffix-prompts", is_flag=True, help="Prompts join the suffix store beside outputs.")
 @telemetry_option
 def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, compile_, kv_cache_tokens, prefill_chunk,
-          body_timeout, header_timeout, max_header_bytes, max_headers, max_connections, max_inflight, model_name, log_level, parallel_draft, draft_timeout, suffix_store_tokens, suffix_scope,
-          suffix_prompts, telemetry) -> None:
+          body_timeout, header_timeout, max_header_bytes, max_headers, max_connections, max_inflight, model_name,
+          strict_fields, chat_template, tool_call_parser, log_level, parallel_draft, draft_timeout, suffix_store_tokens,
+          suffix_scope, suffix_prompts, telemetry) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
     from specbuild.cli.main import dist_context, fail_once
 
@@ -92,7 +100,11 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
         config_kwargs = dict(host=host, port=port, max_queue=max_queue, model_name=model_name,
                              body_timeout_s=body_timeout, header_timeout_s=header_timeout,
                              max_header_bytes=max_header_bytes, max_headers=max_headers,
-                             max_connections=max_connections, max_inflight=max_inflight)
+                             max_connections=max_connections, max_inflight=max_inflight,
+                             strict_fields=strict_fields, tool_parser=tool_call_parser)
+        if chat_template is not None:
+            with open(chat_template, encoding="utf-8") as f:
+                config_kwargs["chat_template"] = f.read(1 << 20)
         from specbuild.serve.openai_http import ServeConfig
 
         ServeConfig(**config_kwargs)  # the HTTP settings' ranges, before the model loads

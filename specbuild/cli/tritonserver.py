@@ -40,8 +40,11 @@ from specbuild.cli.main import compile_option
               help="module:callable that builds the engine from (bundle, EngineConfig) (--backend: default only).")
 @click.option("--telemetry", default=None, metavar="DB",
               help="The engine model records speculation telemetry into DB (SQLite file or postgresql:// DSN).")
+@click.option("--triton-max-batch-size", type=int, default=64, show_default=True,
+              help="config.pbtxt's max_batch_size: > 0 takes [batch, 1] tensors as TensorRT-LLM's ensemble does; "
+                   "0 writes the older [1] layout.")
 def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, device, kv_cache_tokens, compile_, python_env,
-                plain, plain_instances, backend, engine_factory, telemetry) -> None:
+                plain, plain_instances, backend, engine_factory, telemetry, triton_max_batch_size) -> None:
     """Write a Triton model repository that serves BUNDLE with speculative decoding."""
     from specbuild.serve.tritonserver_repo import RepoConfig, write_repository
 
@@ -49,7 +52,8 @@ def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, dev
         config = RepoConfig(model_name=model_name, max_queue=max_queue, python_env=python_env, threads=threads,
                             max_batch_size=max_batch_size, device=device, kv_cache_tokens=kv_cache_tokens,
                             plain=plain, plain_instances=plain_instances, engine_factory=engine_factory,
-                            backend=backend, telemetry=telemetry, compile=compile_)
+                            backend=backend, telemetry=telemetry, compile=compile_,
+                            triton_max_batch_size=triton_max_batch_size)
         names = write_repository(bundle, out, config)
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

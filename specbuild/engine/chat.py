@@ -5,7 +5,9 @@ sandboxed Jinja environment (`ImmutableSandboxedEnvironment`: templates from mod
 untrusted code) with `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, a
 `{% generation %}` block tag (rendered as its body), the globals `raise_exception`,
 `strftime_now` and `namespace`, and a `tojson` filter that does not escape HTML. Variables:
-`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools=None`, `documents=None`.
+`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools` (OpenAI's tool objects,
+or None), `documents=None`, and the caller's `extra` variables (vLLM's chat_template_kwargs).
+An assistant message may carry `tool_calls` with `content` None; a tool message `tool_call_id`.
 
 A bundle without a template (a base model) gets the fallback format (`render_fallback`): `bos_token`, then one
 "Role: content" paragraph per message, then "Assistant:" when `add_generation_prompt`.
@@ -44,6 +46,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from specbuild.errors import BundleError, RequestError
 
 MAX_MESSAGES = 100_000  # a sanity bound on the list, not a token limit (that is the engine's)
+TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents")
 
 
 def render_chat(
@@ -53,6 +56,8 @@ def render_chat(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    tools: list[dict] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> str:
     """The prompt text for `messages` ([{"role": str, "content": str}, ...]).
 
@@ -70,11 +75,12 @@ def render_chat(
     compiled = compile_template(template)
     try:
         return compiled.render(
+            **(extra or {}),
             messages=plain,
             add_generation_prompt=bool(add_generation_prompt),
             bos_token=bos_token,
             eos_token=eos_token,
-            tools=None,
+            tools=tools or None,
             documents=None,
         )
     except jinja2.exceptions.SecurityError as e:
@@ -99,6 +105,8 @@ def validate_messages(messages: Any) -> None:
         for key in ("role", "content"):
             if key not in message:
                 raise RequestError(f"messages[{i}] has no {key!r} (keys: {sorted(map(str, message))})")
+            if key == "content" and message[key] is None and message.get("tool_calls"):
+                continue  # an assistant turn that only calls tools
             if not isinstance(message[key], str):
                 raise RequestError(
                     f"messages[{i}][{key!r}] must be a string, got {type(message[key]).__name__}"
@@ -112,7 +120,7 @@ def render_fallback(messages: list[dict], *, add_generation_prompt: bool = True,
     parts = [bos_token]
     for message in messages:
         role = message["role"]
-        parts.append(f"{role[:1].upper()}{role[1:]}: {message['content']}\n\n")
+        parts.append(f"{role[:1].upper()}{role[1:]}: {message['content'] or ''}\n\n")
     if add_generation_prompt:
         parts.append("Assistant:")
     return "".join(parts)

@@ -106,8 +106,8 @@ class GrammarBackend:
         try:
             import llguidance
         except ImportError as e:
-            raise RequestError("structured output needs the grammar engine: pip install 'specbuild[structured]' "
-                               f"(llguidance); import failed: {e}") from None
+            raise RequestError("structured output needs the grammar engine llguidance (a dependency of specbuild: "
+                               f"pip install llguidance); import failed: {e}") from None
         self._ll = llguidance
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(stop_token_ids) or None)

@@ -49,6 +49,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    # vLLM's min_tokens: `min_tokens_ids` (the end-of-sequence and stop token ids) get -inf
+    # until that many tokens are generated; applied by `adjust_logits` like the penalties
+    min_tokens: int = 0
+    min_tokens_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
@@ -91,6 +95,12 @@ class SamplingParams:
             if k < 0 or not -100.0 <= v <= 100.0:
                 raise RequestError(f"logit_bias {{{k}: {v}}}: ids must be >= 0 and biases in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
+                not 0 <= self.min_tokens <= 1 << 20:
+            raise RequestError(f"min_tokens={self.min_tokens!r} must be an integer in [0, {1 << 20}]")
+        if self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
+        object.__setattr__(self, "min_tokens_ids", tuple(int(t) for t in self.min_tokens_ids))
 
     @property
     def greedy(self) -> bool:
@@ -99,7 +109,8 @@ class SamplingParams:
     @property
     def adjusts(self) -> bool:
         """Whether `adjust_logits` changes anything (penalties or biases set)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or (self.min_tokens and self.min_tokens_ids))
 
     def with_seed(self) -> "SamplingParams":
         """Return a copy whose seed is set (drawn from the OS when missing)."""
@@ -125,12 +136,18 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, history: list[in
 
     `history` is the sequence's generated tokens; row i of a verify pass sits after the draft's
     first i tokens, so `row_prefixes[i]` (default: none) is counted too: a position scores the
-    same whether it is decoded plainly or verified inside a draft. Returns a new float tensor;
-    the input when nothing is set."""
+    same whether it is decoded plainly or verified inside a draft. min_tokens (vLLM's) masks
+    `min_tokens_ids` in every row that sits before the min_tokens-th generated token. Returns a
+    new float tensor; the input when nothing is set."""
     if not params.adjusts:
         return logits
     rows, vocab = logits.shape
     out = logits.float().clone()
+    if params.min_tokens and params.min_tokens_ids:
+        ends = torch.tensor([t for t in params.min_tokens_ids if 0 <= t < vocab], dtype=torch.long)
+        for i in range(rows):
+            if len(history) + len(row_prefixes[i] if row_prefixes else ()) < params.min_tokens:
+                out[i, ends] = float("-inf")
     if params.logit_bias:
         ids = torch.tensor([k for k, _ in params.logit_bias if k < vocab], dtype=torch.long)
         vals = torch.tensor([v for k, v in params.logit_bias if k < vocab], dtype=torch.float32)

@@ -45,6 +45,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -56,13 +57,15 @@ import uvicorn
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specbuild.engine.sequence import Handle, Request
 from specbuild.errors import RequestError
 from specbuild.sampling.params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from specbuild.serve import openai_fields as fields_policy
 from specbuild.serve.http_guard import ConnectionLimits, RequestLimit, guarded_protocol, raise_open_files
 from specbuild.serve.metrics import CONTENT_TYPE, ServerMetrics
 from specbuild.speculation.config import GAMMA_LIMIT, METHODS
@@ -71,8 +74,6 @@ from specbuild.speculation.tree import MAX_DEPTH, MAX_INLINE_NODES, MAX_RANK, Tr
 log = logging.getLogger("specbuild.server")
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-# accepted OpenAI fields this server does not implement: only their neutral value is allowed
-NEUTRAL = {"suffix": ""}
 
 # ---- limits on what a client sends (each reaches a loop, an allocation or a search) -------
 LIMIT_STOP_STRINGS = MAX_STOP_STRINGS  # stop strings are searched in every new piece of text
@@ -90,6 +91,9 @@ LIMIT_N = 16  # choices per request (each is a sequence of its own in the engine
 LIMIT_TOP_LOGPROBS = 20  # OpenAI's
 LIMIT_LOGIT_BIAS = 300  # OpenAI's
 LIMIT_FORMAT_CHARS = 64 * 1024  # a response_format's schema / regex / grammar (sampling.constraint)
+LIMIT_PROMPTS = 64  # prompts in one completions request (a list of strings or of token-id lists)
+LIMIT_CHOICES = 64  # prompts x n: each choice is a sequence of its own in the engine
+LIMIT_TOOLS = 128  # OpenAI's: tools (or functions) per request, and tool calls per message
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,9 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20
     body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
     keep_alive_s: int = 60  # idle keep-alive connections close after this
+    strict_fields: bool = False  # unknown body fields: 400 (True) or ignored, logged and listed (serve/openai_fields.py)
+    chat_template: str | None = None  # a Jinja chat template's text, replacing the bundle's (--chat-template)
+    tool_parser: str = "hermes"  # how tool calls are read out of the text (serve/tools.py PARSERS)
     # the connection layer (serve/http_guard.py): a head's deadline, size and header count, the
     # open-socket cap (longest-idle closed beyond it), requests handled at once (503 beyond)
     header_timeout_s: float = 10.0
@@ -202,13 +209,27 @@ class SpeculationObject(SpeculationFields):
 
 class StreamOptions(Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(None, description="vLLM's: usage (so far) in every chunk")
+
+
+Short = Annotated[str, Field(max_length=512)]
+FormatText = Annotated[str, Field(min_length=1, max_length=LIMIT_FORMAT_CHARS)]
 
 
 class CommonFields(SpeculationFields):
+    # the field policy (serve/openai_fields.py): unknown fields are dropped here, their names kept
+    specbuild_ignored_fields: SkipJsonSchema[list[str] | None] = Field(None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_unknown(cls, data: Any) -> Any:
+        return fields_policy.split_unknown(data, set(cls.model_fields))
+
     model: Name | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=LIMIT_MAX_TOKENS)] | None = None
+    max_tokens: Annotated[int, Field(ge=0, le=LIMIT_MAX_TOKENS)] | None = Field(
+        None, description="0 only with completions echo: score the prompt, generate nothing")
     temperature: Annotated[float, Field(ge=0, le=100)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0, le=LIMIT_TOP_K)] | None = None
@@ -229,34 +250,131 @@ class CommonFields(SpeculationFields):
                                                            "summarization, chat, ...); default: classified")
     speculation: Union[Literal[METHODS], SpeculationObject] | None = Field(  # type: ignore[valid-type]
         None, description="a method name, or an object of SpeculationConfig fields")
+    # OpenAI fields that change nothing computed here (openai_fields.NOOP)
+    store: bool | None = None
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Short], Field(max_length=16)] | None = None
+    service_tier: Name | None = None
+    safety_identifier: Name | None = None
+    prompt_cache_key: Name | None = None
+    reasoning_effort: Name | None = None
+    verbosity: Name | None = None
+    request_id: Name | None = None
+    guided_decoding_backend: Name | None = None
+    # vLLM extras, implemented
+    min_tokens: Annotated[int, Field(ge=0, le=LIMIT_MAX_TOKENS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=LIMIT_TOKEN_ID)]],
+                              Field(max_length=fields_policy.MAX_STOP_TOKEN_IDS)] | None = None
+    guided_json: Union[dict[str, Any], FormatText] | None = None
+    guided_regex: FormatText | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=fields_policy.MAX_CHOICE_CHARS)]],
+                             Field(min_length=1, max_length=fields_policy.MAX_CHOICES)] | None = None
+    guided_grammar: FormatText | None = None
+    add_special_tokens: bool | None = None
+    # vLLM extras served at their neutral value only (openai_fields.NEUTRAL)
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = None
+    length_penalty: float | None = None
+    use_beam_search: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=LIMIT_TOP_LOGPROBS)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=LIMIT_PROMPT_IDS)] | None = None
+    guided_whitespace_pattern: Short | None = None
+    priority: int | None = None
 
 
 class CompletionRequest(CommonFields):
-    prompt: Union[PromptText, TokenIds, Annotated[list[PromptText], Field(max_length=1)],
-                  Annotated[list[TokenIds], Field(max_length=1)]] = Field(
-        description="a string or a list of token ids (one prompt per request; a one-element list of either)")
+    prompt: Union[PromptText, TokenIds, Annotated[list[PromptText], Field(min_length=1, max_length=LIMIT_PROMPTS)],
+                  Annotated[list[TokenIds], Field(min_length=1, max_length=LIMIT_PROMPTS)]] = Field(
+        description=f"a string, a list of token ids, or a list of up to {LIMIT_PROMPTS} of either (one choice "
+                    "per prompt per n, index = prompt_index * n + j)")
     echo: bool | None = None
     best_of: Annotated[int, Field(ge=1, le=LIMIT_N)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=LIMIT_TOP_LOGPROBS)] | None = None
     suffix: str | None = None
 
 
-class TextPart(Strict):
-    type: Literal["text"]
-    text: PromptText
+class ContentPart(Strict):
+    """A content part. Only text is served; any other type (image_url, input_audio, file) is
+    parsed far enough to be refused by name (`flatten_messages`)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    type: Name
+    text: PromptText | None = None
+
+
+class CallFunction(Strict):
+    name: Name
+    arguments: PromptText
+
+
+class MessageToolCall(Strict):
+    id: Name | None = None
+    type: Literal["function"] = "function"
+    function: CallFunction
+    index: Annotated[int, Field(ge=0, le=LIMIT_TOOLS)] | None = None
 
 
 class Message(Strict):
+    # unknown keys of a message (what a client library's model_dump() adds) are ignored too
+    specbuild_ignored_fields: SkipJsonSchema[list[str] | None] = Field(None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_unknown(cls, data: Any) -> Any:
+        return fields_policy.split_unknown(data, set(cls.model_fields))
+
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
-    content: Union[PromptText, Annotated[list[TextPart], Field(max_length=LIMIT_TEXT_PARTS)]]
+    content: Union[PromptText, Annotated[list[ContentPart], Field(max_length=LIMIT_TEXT_PARTS)]] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=LIMIT_TOOLS)] | None = None
+    tool_call_id: Name | None = None
+    function_call: CallFunction | None = None  # the legacy single call
+    refusal: PromptText | None = None
+    annotations: Annotated[list[dict[str, Any]], Field(max_length=LIMIT_TEXT_PARTS)] | None = None
+    audio: dict[str, Any] | None = None
+
+
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionDef(Strict):
+    name: ToolName
+    description: Annotated[str, Field(max_length=LIMIT_FORMAT_CHARS)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Strict):
+    name: ToolName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatRequest(CommonFields):
     messages: Annotated[list[Message], Field(min_length=1, max_length=LIMIT_MESSAGES)]
-    max_completion_tokens: Annotated[int, Field(ge=1, le=LIMIT_MAX_TOKENS)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=0, le=LIMIT_MAX_TOKENS)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=LIMIT_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=LIMIT_TOOLS)] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Annotated[list[FunctionDef], Field(max_length=LIMIT_TOOLS)] | None = None
+    function_call: Union[Literal["none", "auto"], FunctionName] | None = None
+    # vLLM's chat extras
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    echo: bool | None = None
 
 
 # ---- parsing -----------------------------------------------------------------------------------
@@ -348,26 +466,44 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{where}={value}: {err.get('msg')}", param=field)
 
 
-def check_neutral(body: BaseModel) -> None:
-    for name, neutral in NEUTRAL.items():
-        value = getattr(body, name, None)
-        if value is not None:
-            if not (value in neutral if isinstance(neutral, tuple) else value == neutral):
-                raise ApiError(400, f"{name}={value!r} is not supported by this server (only {neutral!r})",
-                               param=name)
+def check_neutral(body: BaseModel, chat: bool) -> None:
+    """Fields served at their neutral value only (openai_fields.NEUTRAL): 400 for any other."""
+    bad = fields_policy.neutral_violation(body, () if chat else ("echo",))
+    if bad is not None:
+        name, value, neutral = bad
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise ApiError(400, f"{name}={shown} is not supported by this server (only {neutral!r})", param=name)
 
 
-def parse_sampling(body: CommonFields, defaults: SamplingParams, chat: bool, vocab_size: int) -> SamplingParams:
+def ignored_fields(body: CompletionRequest | ChatRequest) -> list[str]:
+    """The unknown fields the body held (the field policy dropped them): top level, then in messages."""
+    names = list(body.specbuild_ignored_fields or [])
+    for i, message in enumerate(getattr(body, "messages", None) or []):
+        names += [f"messages[{i}].{n}" for n in message.specbuild_ignored_fields or []]
+    return names[:fields_policy.MAX_LISTED]
+
+
+def parse_sampling(body: CommonFields, defaults: SamplingParams, chat: bool, vocab_size: int,
+                   eos_ids: tuple[int, ...] = ()) -> SamplingParams:
     stop = body.stop
     if body.logit_bias:
         check_logit_bias(body.logit_bias, vocab_size)
     max_tokens = body.max_completion_tokens if chat else None  # type: ignore[attr-defined]
-    fields = {"max_tokens": max_tokens if max_tokens is not None else body.max_tokens,
+    max_tokens = max_tokens if max_tokens is not None else body.max_tokens
+    fields = {"max_tokens": max_tokens or None,  # 0: scoring only (OpenAIServer.parse)
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
               "stop": tuple([stop] if isinstance(stop, str) else stop) if stop else None,
               "ignore_eos": body.ignore_eos, "presence_penalty": body.presence_penalty,
               "frequency_penalty": body.frequency_penalty,
-              "logit_bias": tuple(body.logit_bias.items()) if body.logit_bias else None}
+              "logit_bias": tuple(body.logit_bias.items()) if body.logit_bias else None,
+              "stop_token_ids": tuple(body.stop_token_ids) if body.stop_token_ids else None,
+              "min_tokens": body.min_tokens or None}
+    bad = [t for t in body.stop_token_ids or () if t >= vocab_size]
+    if bad:
+        raise ApiError(400, f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab_size})",
+                       param="stop_token_ids")
+    if body.min_tokens:  # vLLM's: no end-of-sequence or stop token before min_tokens
+        fields["min_tokens_ids"] = tuple(eos_ids) + tuple(body.stop_token_ids or ())
     try:
         return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None}, defaults)
     except RequestError as e:
@@ -393,56 +529,128 @@ def parse_speculation(body: CommonFields) -> dict[str, Any] | None:
     return spec or None
 
 
-def parse_prompt(body: CompletionRequest) -> Request:
+def parse_prompts(body: CompletionRequest) -> list[Request]:
+    """One Request per prompt: a string, a list of token ids, or a list of either."""
     prompt = body.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
     if isinstance(prompt, str):
-        return Request(prompt=prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return Request(prompt_ids=list(prompt))
-    raise ApiError(400, "prompt must be a string, a list of token ids, or a one-element list of either "
-                        "(one prompt per request)", param="prompt")
+        return [Request(prompt=prompt)]
+    if not prompt or isinstance(prompt[0], int):
+        return [Request(prompt_ids=list(prompt))]  # type: ignore[arg-type]
+    return [Request(prompt=p) if isinstance(p, str) else Request(prompt_ids=list(p)) for p in prompt]
 
 
-def flatten_messages(messages: list[Message]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them; text parts joined into one string."""
+def message_text(message: Message, i: int) -> str | None:
+    """A message's content as one string: text parts joined; any other part refused by name."""
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text":
+            raise ApiError(400, f"messages[{i}].content[{j}] is a {part.type[:40]!r} part: this server serves "
+                                "text only (a text model); send {\"type\": \"text\", \"text\": ...} parts",
+                           param="messages", code="unsupported_content")
+        if part.text is None:
+            raise ApiError(400, f"messages[{i}].content[{j}].text is required", param="messages")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def flatten_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: content one string (None only beside tool
+    calls), tool calls with their arguments as objects (as HF templates read them) when they
+    parse, tool results with their tool_call_id."""
     out = []
-    for message in messages:
-        content = message.content if isinstance(message.content, str) else "".join(p.text for p in message.content)
-        item = {"role": message.role, "content": content}
-        if message.name is not None:
-            item["name"] = message.name
+    for i, message in enumerate(messages):
+        content = message_text(message, i)
+        calls = [c.model_dump(exclude_none=True) for c in message.tool_calls or []]
+        if message.function_call is not None:
+            calls.append({"type": "function", "function": message.function_call.model_dump()})
+        if content is None and not (message.role == "assistant" and calls):
+            raise ApiError(400, f"messages[{i}].content is required (only an assistant message with tool_calls "
+                                "may have content null)", param="messages")
+        item: dict[str, Any] = {"role": message.role, "content": content}
+        if calls:
+            for call in calls:
+                try:
+                    call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+                except ValueError:
+                    pass  # the template shows the text as it is
+            item["tool_calls"] = calls
+        for key in ("name", "tool_call_id"):
+            if getattr(message, key) is not None:
+                item[key] = getattr(message, key)
         out.append(item)
     return out
 
 
 @dataclass
+class Prompt:
+    """One prompt of a request (completions may send a list) and what echoes it."""
+
+    request: Request  # its first choice's; choice j > 0 is a copy with seed + j (or its own seed)
+    echo: str | None = None  # completions echo: the prompt text to put before each answer
+
+
+@dataclass
 class Call:
-    """One parsed generation request and how to answer it."""
+    """One parsed generation request and how to answer it. Choice i answers prompt i // n
+    (OpenAI's order: index = prompt_index * n + j)."""
 
     endpoint: str  # "completions" | "chat"
-    request: Request  # the first choice's; choice i > 0 is a copy with seed + i (or its own seed)
+    prompts: list[Prompt]
     stream: bool
     include_usage: bool
     return_token_ids: bool
     id: str
     created: int
     n: int = 1
-    echo: str | None = None  # completions echo: the prompt text to put before each answer
     echo_scores: bool = False  # echo + logprobs: each choice's prefill scores the prompt (Sequence.prompt_logprobs)
     logprobs: str | None = None  # "chat" | "completions": how to shape them; None: not asked for
     body: BaseModel | None = None  # the parsed body (errors name the field the client wrote)
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
+    ignored: list[str] = dataclasses.field(default_factory=list)  # unknown fields dropped (field policy)
+    tools: Any = None  # serve.tools.ToolUse when the request offers tools (chat)
+    scoring_only: bool = False  # max_tokens 0 with echo: the prompt's logprobs, nothing generated
+
+    @property
+    def request(self) -> Request:
+        return self.prompts[0].request
+
+    def prompt_of(self, choice_index: int) -> Prompt:
+        return self.prompts[choice_index // self.n]
 
     def requests(self) -> list[Request]:
         """One engine request per choice: independent samples, each with its own seed."""
-        out = [self.request]
-        for i in range(1, self.n):
-            sampling = self.request.sampling
-            if sampling.seed is not None:
-                sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 63))
-            out.append(dataclasses.replace(self.request, sampling=sampling, request_id=f"{self.id}-{i}"))
+        out = []
+        for p, prompt in enumerate(self.prompts):
+            for j in range(self.n):
+                sampling = prompt.request.sampling
+                if j and sampling.seed is not None:
+                    sampling = dataclasses.replace(sampling, seed=(sampling.seed + j) % (1 << 63))
+                index = p * self.n + j
+                out.append(prompt.request if index == 0 else dataclasses.replace(
+                    prompt.request, sampling=sampling, request_id=f"{self.id}-{index}"))
         return out
+
+    def headers(self) -> dict[str, str]:
+        return {fields_policy.HEADER: fields_policy.header_value(self.ignored)} if self.ignored else {}
+
+
+def target_model_name(engine) -> str | None:
+    """The name of the model the bundle was compiled from: the preset's (smollm2-135m) when its
+    checkpoint is a preset's file, else the checkpoint directory's or file's name."""
+    meta = getattr(engine, "meta", None)
+    source = ((getattr(meta, "roles", None) or {}).get("target") or {}).get("source") or ""
+    if not source:
+        return None
+    from specbuild.formats.checkpoints import PRESETS
+
+    base = os.path.basename(os.path.normpath(source))
+    for name, preset in PRESETS.items():
+        if base == preset["file"]:
+            return name
+    return re.sub(r"\.(gguf|safetensors)$", "", base)[:LIMIT_NAME_CHARS] or None
 
 
 # ---- the application ---------------------------------------------------------------------------
@@ -456,6 +664,13 @@ class OpenAIServer:
         self.engine = engine
         self.config = config
         self.model_name = config.model_name or os.path.basename(os.path.normpath(engine.bundle_dir))
+        # requests may also name the bundle's target model (a preset such as smollm2-135m, or its checkpoint's name)
+        self.model_names = [self.model_name] + [a for a in [target_model_name(engine)] if a and a != self.model_name]
+        self.chat_template = config.chat_template  # --chat-template: replaces the bundle's (vLLM's option)
+        if self.chat_template is not None:  # a template that does not parse fails at start, not per request
+            from specbuild.engine.chat import compile_template
+
+            compile_template(self.chat_template)
         self.metrics = ServerMetrics(engine)
         self.active: set[Handle] = set()
         self.closing = False
@@ -527,54 +742,102 @@ class OpenAIServer:
     # ---- requests ----------------------------------------------------------------------
     def parse(self, body: CompletionRequest | ChatRequest, endpoint: str) -> Call:
         chat = endpoint == "chat"
-        check_neutral(body)
-        if body.model is not None and body.model not in (self.model_name, self.engine.bundle_dir):
+        ignored = ignored_fields(body)
+        if ignored and self.config.strict_fields:
+            top = re.split(r"[.\[]", ignored[0])[0]
+            raise ApiError(400, f"unknown field {ignored[0]!r} (see /openapi.json for the fields this server takes; "
+                                "the server runs with --strict-fields)", param=top)
+        check_neutral(body, chat)
+        if body.model is not None and body.model not in (*self.model_names, self.engine.bundle_dir):
             raise ApiError(404, f"model {body.model!r} is not served here (serving {self.model_name!r})",
                            param="model", code="model_not_found")
         stream = bool(body.stream)
         options = body.stream_options
         if options is not None and not stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        sampling = parse_sampling(body, self.engine.default_sampling, chat, self.engine.target_config.vocab_size)
+        max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None \
+            else body.max_tokens  # type: ignore[union-attr]
+        scoring = max_tokens == 0
+        if scoring and (chat or not body.echo):  # type: ignore[union-attr]
+            raise ApiError(400, "max_tokens=0 is only allowed on completions with echo: true (scoring the prompt)",
+                           param="max_completion_tokens" if chat and body.max_completion_tokens == 0 else "max_tokens")
+        if scoring and stream:
+            raise ApiError(400, "max_tokens=0 (scoring the prompt) does not stream; drop stream", param="stream")
+        sampling = parse_sampling(body, self.engine.default_sampling, chat, self.engine.target_config.vocab_size,
+                                  tuple(getattr(self.engine, "eos_ids", ())))
+        if scoring:  # the prefill scores the prompt; the one token it must generate is not returned
+            sampling = dataclasses.replace(sampling, max_tokens=1, min_tokens=0)
+        try:
+            guided = fields_policy.guided_response_format(body)
+        except RequestError as e:
+            raise request_error(e, "response_format", body) from None
+        fmt = guided if guided is not None else body.response_format
+        if fmt is not None and len(json.dumps(fmt)) > LIMIT_FORMAT_CHARS:
+            raise ApiError(400, f"response_format is over {LIMIT_FORMAT_CHARS} characters", param="response_format")
+        tool_use = None
         if chat:
+            from specbuild.serve import tools as tooling
+
+            try:
+                tool_use = tooling.parse_tool_use(body, fmt, self.config.tool_parser)
+            except RequestError as e:  # its messages start with the field's name
+                raise ApiError(400, str(e), param=re.split(r"[\s:=]", str(e), maxsplit=1)[0]) from None
             try:  # message text is text: only the template emits control tokens
-                ids = self.engine.encode_chat(flatten_messages(body.messages))  # type: ignore[union-attr]
+                ids = tooling.encode_prompt(self.engine, flatten_messages(body.messages), tool_use,  # type: ignore
+                                            self.chat_template, body)
             except RequestError as e:
                 raise ApiError(400, str(e), param="messages") from None
-            request = Request(prompt_ids=ids)
+            if tool_use is not None and tool_use.response_format is not None:
+                fmt = tool_use.response_format
+            prompts = [Prompt(Request(prompt_ids=ids))]
         else:
-            request = parse_prompt(body)  # type: ignore[arg-type]
-        prefix = "chatcmpl" if chat else "cmpl"
-        request.request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
-        request.sampling = sampling
-        request.speculation = parse_speculation(body)
-        request.content_type = body.content_type
+            prompts = [Prompt(r) for r in parse_prompts(body)]  # type: ignore[arg-type]
+            if body.add_special_tokens is False:
+                for p in prompts:
+                    if p.request.prompt is not None:
+                        p.request.prompt_ids = self.engine.encode(p.request.prompt, add_special_tokens=False)
+                        p.request.prompt = None
         n = body.n or 1
+        if len(prompts) * n > LIMIT_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; at most "
+                                f"{LIMIT_CHOICES} per request", param="prompt" if len(prompts) > 1 else "n")
         if not chat and body.best_of is not None and body.best_of != n:  # type: ignore[union-attr]
             raise ApiError(400, f"best_of={body.best_of} is not supported (only best_of = n = {n}: every sample "
                                 "is returned)", param="best_of")
-        fmt = body.response_format
-        if fmt is not None:
-            if len(json.dumps(fmt)) > LIMIT_FORMAT_CHARS:
-                raise ApiError(400, f"response_format is over {LIMIT_FORMAT_CHARS} characters", param="response_format")
-            request.response_format = fmt
-        logprobs = None
+        logprobs, top_n = None, None
         if chat and body.logprobs:  # type: ignore[union-attr]
-            request.logprobs, logprobs = body.top_logprobs or 0, "chat"  # type: ignore[union-attr]
+            top_n, logprobs = body.top_logprobs or 0, "chat"  # type: ignore[union-attr]
         elif chat and body.top_logprobs:  # type: ignore[union-attr]
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         elif not chat and body.logprobs is not None:  # type: ignore[union-attr]
-            request.logprobs, logprobs = body.logprobs, "completions"  # type: ignore[union-attr]
-        echo, echo_scores = None, False
-        if not chat and body.echo:  # type: ignore[union-attr]
-            echo = request.prompt if request.prompt is not None else self.engine.tokenizer.decode(request.prompt_ids)
-            if logprobs:  # the prompt's own logprobs (OpenAI: the first token's is null), by its prefill
-                if not getattr(self.engine, "supports_prompt_logprobs", False):
-                    raise ApiError(400, "echo with logprobs is not supported on this backend (torch only)", param="echo")
-                request.prompt_logprobs, echo_scores = request.logprobs or 0, True
-        return Call(endpoint, request, stream, bool(options and options.include_usage), bool(body.return_token_ids),
-                    request.request_id, int(time.time()), n=n, echo=echo, logprobs=logprobs, echo_scores=echo_scores,
-                    body=body)
+            top_n, logprobs = body.logprobs, "completions"  # type: ignore[union-attr]
+        call_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        speculation = parse_speculation(body)
+        echo_scores = False
+        for p, prompt in enumerate(prompts):
+            request = prompt.request
+            request.request_id = call_id if p == 0 else f"{call_id}-{p * n}"
+            request.sampling = sampling
+            request.speculation = speculation
+            request.content_type = body.content_type
+            request.response_format = fmt
+            request.logprobs = top_n
+            if not chat and body.echo:  # type: ignore[union-attr]
+                prompt.echo = request.prompt if request.prompt is not None else \
+                    self.engine.tokenizer.decode(request.prompt_ids)
+                if logprobs or scoring:  # the prompt's own logprobs (OpenAI: the first token's is null), by its prefill
+                    if not getattr(self.engine, "supports_prompt_logprobs", False):
+                        raise ApiError(400, "echo with logprobs is not supported on this backend (torch only)",
+                                       param="echo")
+                    request.prompt_logprobs, echo_scores = top_n or 0, True
+        if ignored:
+            log.warning("request %s: ignored unknown field(s) %s (listed in the %s header)", call_id,
+                        ", ".join(ignored), fields_policy.HEADER)
+        return Call(endpoint, prompts, stream, bool(options and options.include_usage), bool(body.return_token_ids),
+                    call_id, int(time.time()), n=n, logprobs=logprobs if not scoring else (logprobs or "completions"),
+                    echo_scores=echo_scores, body=body,
+                    continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
+                    ignored=ignored, tools=tool_use, scoring_only=scoring)
 
     def submit(self, call: Call) -> list[Handle]:
         """Queue the request's choices, or raise ApiError (429 when the queue is full, 400 when
@@ -584,16 +847,20 @@ class OpenAIServer:
                 self.metrics.rejected.inc(reason="shutting_down")
                 raise ApiError(503, "the server is shutting down", type_="server_error", code="shutting_down")
             depth = self.engine.stats()["queue_depth"]
-            if depth + call.n > self.config.max_queue:
+            requests = call.requests()
+            if len(requests) > self.config.max_queue:
+                raise ApiError(400, f"the request has {len(requests)} choices (prompts x n); the queue limit "
+                                    f"(--max-queue) is {self.config.max_queue}", param="n")
+            if depth + len(requests) > self.config.max_queue:
                 self.metrics.rejected.inc(reason="queue_full")
                 raise ApiError(429, f"{depth} requests are waiting, the queue limit (--max-queue) is "
                                     f"{self.config.max_queue}; retry later", type_="rate_limit_error",
                                code="queue_full", headers={"Retry-After": str(self.config.retry_after_s)})
             handles: list[Handle] = []
             try:
-                for i, request in enumerate(call.requests()):
-                    if i and handles:  # choices 1..n-1 reuse choice 0's prefill (torch backend)
-                        request.shares_prompt_with = handles[0]
+                for i, request in enumerate(requests):
+                    if i % call.n:  # choices 1..n-1 of a prompt reuse its choice 0's prefill (torch backend)
+                        request.shares_prompt_with = handles[i - i % call.n]
                     handles.append(self.engine.submit(request))
             except RequestError as e:
                 for h in handles:
@@ -646,8 +913,9 @@ class OpenAIServer:
         return (503 if self.closing else 200), info
 
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "specbuild", "max_model_len": self.engine.max_seq_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
+                                            "owned_by": "specbuild", "root": self.model_names[-1],
+                                            "max_model_len": self.engine.max_seq_len} for name in self.model_names]}
 
     # ---- generation --------------------------------------------------------------------------
     async def generate(self, request: HttpRequest, body: CompletionRequest | ChatRequest, endpoint: str) -> Response:
@@ -656,6 +924,7 @@ class OpenAIServer:
         except ApiError as e:
             if 400 <= e.status < 500 and e.status != 429:
                 self.metrics.rejected.inc(reason="invalid")
+            log.info("%s request rejected (%d): %s", endpoint, e.status, e.message)
             raise
         events = Events(self, call, handles, request.receive)
         if call.stream:
@@ -674,11 +943,23 @@ class OpenAIServer:
                 raise ApiError(503, "the request was aborted (server shutting down)", type_="server_error",
                                code="aborted")
         tok = self.engine.tokenizer
-        choices = [choice(call, (call.echo or "") + h.seq.text, h.seq.output_ids, h.seq.finish_reason, True, index=i,
-                          logprobs=join_logprobs(echo_logprobs(call, tok, h.seq),
-                                                 shape_logprobs(call, tok, h.seq.output_ids, h.seq.logprobs, h.seq.text)))
-                   for i, h in enumerate(handles)]
-        return JSONResponse(envelope(call, self.model_name, choices, False, usage=usage([h.seq for h in handles])))
+        if call.scoring_only:  # max_tokens 0 with echo: the prompts and their logprobs
+            choices = [choice(call, call.prompt_of(i).echo, None, "length", True, index=i,
+                              logprobs=echo_logprobs(call, tok, h.seq)) for i, h in enumerate(handles)]
+            return JSONResponse(envelope(call, self.model_name, choices, False,
+                                         usage=scoring_usage(call, [h.seq for h in handles])), headers=call.headers())
+        choices = []
+        for i, h in enumerate(handles):
+            prompt = call.prompt_of(i)
+            if call.tools is not None:
+                choices.append(call.tools.final_choice(call, h.seq, i, shape_logprobs(
+                    call, tok, h.seq.output_ids, h.seq.logprobs, h.seq.text)))
+                continue
+            choices.append(choice(call, (prompt.echo or "") + h.seq.text, h.seq.output_ids, h.seq.finish_reason, True,
+                                  index=i, logprobs=join_logprobs(echo_logprobs(call, tok, h.seq), shape_logprobs(
+                                      call, tok, h.seq.output_ids, h.seq.logprobs, h.seq.text, prompt.echo))))
+        return JSONResponse(envelope(call, self.model_name, choices, False, usage=usage(call, [h.seq for h in handles])),
+                            headers=call.headers())
 
     def make_app(self) -> FastAPI:
         from specbuild import __version__
@@ -694,7 +975,9 @@ class OpenAIServer:
         @app.exception_handler(RequestValidationError)
         async def invalid(request, exc: RequestValidationError):
             self.metrics.rejected.inc(reason="invalid")
-            return validation_error(exc).response()
+            error = validation_error(exc)
+            log.info("%s rejected (%d): %s", request.url.path, error.status, error.message)
+            return error.response()
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request, exc: StarletteHTTPException):
@@ -730,6 +1013,10 @@ class OpenAIServer:
                 raise ApiError(404, f"model {model_id[:LIMIT_NAME_CHARS]!r} is not served here", param="model",
                                code="model_not_found")
             return found[0]
+
+        from specbuild.serve.openai_tokenize import add_tokenizer_routes
+
+        add_tokenizer_routes(app, self, sys.modules[__name__])  # /tokenize, /detokenize, /tokenizer_info (vLLM's)
 
         @app.get("/health", tags=["specbuild"])
         async def health():  # on the event loop: lock-free reads, never behind the worker pool
@@ -837,7 +1124,7 @@ class SSEResponse(Response):
         super().__init__(status_code=200)
         # set by hand: Starlette would append "; charset=utf-8" to a text/* type
         self.raw_headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                            (b"x-accel-buffering", b"no")]
+                            (b"x-accel-buffering", b"no")] + [(k.encode(), v.encode()) for k, v in call.headers().items()]
         self.server, self.call, self.events = server, call, events
 
     async def __call__(self, scope, receive, send) -> None:
@@ -856,32 +1143,59 @@ class SSEResponse(Response):
     async def chunks(self):
         call, model, handles = self.call, self.server.model_name, self.events.handles
         tok = self.server.engine.tokenizer
+        counts = [0] * len(handles)
+        parsers = [call.tools.stream_parser() for _ in handles] if call.tools is not None else None
+
+        def so_far(i: int) -> dict[str, Any]:  # vLLM's continuous_usage_stats: usage so far on every chunk
+            if not call.continuous_usage:
+                return {}
+            prompt = len(handles[i].seq.prompt_ids)
+            return {"usage": {"prompt_tokens": prompt, "completion_tokens": counts[i],
+                              "total_tokens": prompt + counts[i]}}
+
         for i in range(len(handles)):
             if call.endpoint == "chat":
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}
-                yield sse(envelope(call, model, [first], True))
-            elif call.echo and not call.echo_scores:
-                yield sse(envelope(call, model, [choice(call, call.echo, None, None, False, index=i)], True))
+                yield sse(envelope(call, model, [first], True, **so_far(i)))
+            elif call.prompt_of(i).echo is not None and not call.echo_scores:
+                yield sse(envelope(call, model, [choice(call, call.prompt_of(i).echo, None, None, False, index=i)], True,
+                                   **so_far(i)))
         unechoed = set(range(len(handles))) if call.echo_scores else set()
         async for i, event in self.events:
+            counts[i] += len(event.token_ids)
             if i in unechoed:  # its prefill is done (an event came): the prompt's logprobs are known
                 unechoed.discard(i)
-                yield sse(envelope(call, model, [choice(call, call.echo, None, None, False, index=i,
-                                                        logprobs=echo_logprobs(call, tok, handles[i].seq))], True))
+                yield sse(envelope(call, model, [choice(call, call.prompt_of(i).echo, None, None, False, index=i,
+                                                        logprobs=echo_logprobs(call, tok, handles[i].seq))], True,
+                                   **so_far(i)))
             # a token whose text is still incomplete (part of a character) still has its ids and logprobs
             if event.text or (event.token_ids and (call.return_token_ids or call.logprobs)):
-                lp = shape_logprobs(call, tok, event.token_ids, event.logprobs or [], event.text)
-                yield sse(envelope(call, model, [choice(call, event.text, event.token_ids, None, False, index=i,
-                                                        logprobs=lp)], True))
+                lp = shape_logprobs(call, tok, event.token_ids, event.logprobs or [], event.text,
+                                    call.prompt_of(i).echo)
+                if parsers is None:
+                    yield sse(envelope(call, model, [choice(call, event.text, event.token_ids, None, False, index=i,
+                                                            logprobs=lp)], True, **so_far(i)))
+                else:
+                    deltas = parsers[i].push(event.text) or ([{}] if lp or call.return_token_ids else [])
+                    for k, delta in enumerate(deltas):
+                        out = {"index": i, "delta": delta, "logprobs": lp if k == 0 else None, "finish_reason": None}
+                        if call.return_token_ids and k == 0:
+                            out["token_ids"] = list(event.token_ids)
+                        yield sse(envelope(call, model, [out], True, **so_far(i)))
             if event.finished and event.finish_reason == "error":
                 yield sse(engine_error(handles[i]).body())
             elif event.finished:
+                reason = event.finish_reason
+                if parsers is not None:
+                    for delta in parsers[i].finish():
+                        yield sse(envelope(call, model, [{"index": i, "delta": delta, "logprobs": None,
+                                                          "finish_reason": None}], True, **so_far(i)))
+                    reason = call.tools.finish_reason(reason, parsers[i].calls)
                 yield sse(envelope(call, model, [choice(call, None, [] if call.return_token_ids else None,
-                                                        event.finish_reason, False, index=i)], True,
-                                   usage=usage([handles[i].seq])))
-        if call.include_usage:
-            yield sse(envelope(call, model, [], True, usage=usage([h.seq for h in handles])))
+                                                        reason, False, index=i)], True, **so_far(i)))
+        if call.include_usage:  # OpenAI's: once, at the end, with no choices
+            yield sse(envelope(call, model, [], True, usage=usage(call, [h.seq for h in handles])))
         yield b"data: [DONE]\n\n"
 
 
@@ -946,11 +1260,11 @@ class BodyGuard:
         await send({"type": "http.response.body", "body": data})
 
 
-def usage(seqs: list) -> dict[str, Any]:
-    """OpenAI's usage for one request's choices: the prompt counted once, completions summed;
+def usage(call: Call, seqs: list) -> dict[str, Any]:
+    """OpenAI's usage for one request's choices: each prompt counted once, completions summed;
     specbuild's drafted/accepted summed, mean accepted tokens over all their passes."""
     stats = [s.stats() for s in seqs]
-    prompt = stats[0]["prompt_tokens"]
+    prompt = sum(st["prompt_tokens"] for st in stats[::call.n])
     completion = sum(st["generated_tokens"] for st in stats)
     passes = sum(s.verify_passes for s in seqs)
     accepted = sum(st["accepted"] for st in stats)
@@ -961,6 +1275,12 @@ def usage(seqs: list) -> dict[str, Any]:
     if len(seqs) > 1:
         out["seeds"] = [st["seed"] for st in stats]
     return out
+
+
+def scoring_usage(call: Call, seqs: list) -> dict[str, Any]:
+    """Usage of a scoring-only request: each prompt counted once, nothing generated."""
+    prompt = sum(len(s.prompt_ids) for s in seqs[::call.n])
+    return {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
 
 
 def echo_logprobs(call: Call, tokenizer, seq) -> dict[str, Any] | None:
@@ -990,7 +1310,8 @@ def join_logprobs(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> d
     return {k: head[k] + tail[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
-def shape_logprobs(call: Call, tokenizer, token_ids: list[int], items: list, text: str) -> dict[str, Any] | None:
+def shape_logprobs(call: Call, tokenizer, token_ids: list[int], items: list, text: str,
+                   echo: str | None = None) -> dict[str, Any] | None:
     """The engine's (logprob, [(id, logprob)...]) per token in OpenAI's shape: chat
     {"content": [{token, logprob, bytes, top_logprobs}]}; completions {tokens, token_logprobs,
     top_logprobs, text_offset}. A logprob of -inf (a token top-k/top-p excluded) is -9999.0,
@@ -1009,7 +1330,7 @@ def shape_logprobs(call: Call, tokenizer, token_ids: list[int], items: list, tex
         return {"content": [{"token": piece(t), "logprob": num(lp), "bytes": list(piece(t).encode()),
                              "top_logprobs": [{"token": piece(j), "logprob": num(v), "bytes": list(piece(j).encode())}
                                               for j, v in top]} for t, (lp, top) in zip(token_ids, items)]}
-    offsets, at = [], len(call.echo or "")
+    offsets, at = [], len(echo or "")
     for t in token_ids:
         offsets.append(at)
         at += len(piece(t))

@@ -20,6 +20,16 @@ speculation, gamma, content_type, return_perf_metrics -> text_output (generated 
 return_perf_metrics, acceptance_rate (accepted / drafted, 0 when nothing was drafted),
 total_accepted_draft_tokens, total_draft_tokens. A bad value gets a Triton error response
 for that request only (wrong types and shapes are refused by Triton before it gets here).
+
+TensorRT-LLM's ensemble inputs are taken as its clients send them ([batch, 1] tensors when
+the config's max_batch_size > 0; batch 1): exclude_input_in_output (false: the prompt before
+the generated text in a non-streamed answer, as the ensemble; absent: generated text only),
+return_log_probs (-> cum_log_probs, output_log_probs: the sampling distribution's, as the HTTP
+server's logprobs), random_seed (= seed), min_length (= min_tokens), presence_penalty,
+frequency_penalty, pad_id (nothing is padded here); beam_width, num_return_sequences,
+repetition_penalty, length_penalty, return_context_logits, return_generation_logits,
+bad_words and embedding_bias_* only at their neutral values (else an INVALID_ARG error
+naming the input and the value served).
 """
 
 from __future__ import annotations
@@ -42,7 +52,12 @@ except ImportError:  # pragma: no cover - outside Triton
 
 log = logging.getLogger("specbuild.serve.tritonserver")
 PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
-ALL_OUTPUTS = ("text_output",) + PERF_OUTPUTS
+LOGPROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
+ALL_OUTPUTS = ("text_output",) + PERF_OUTPUTS + LOGPROB_OUTPUTS
+# TensorRT-LLM ensemble inputs served only at these values: name -> (neutral, numpy kinds)
+NEUTRAL_INPUTS = {"beam_width": (1, "iu"), "num_return_sequences": (1, "iu"), "repetition_penalty": (1.0, "f"),
+                  "length_penalty": (1.0, "f"), "return_context_logits": (False, "b"),
+                  "return_generation_logits": (False, "b")}
 POLL_S = 0.1
 # error code -> message prefix: a BLS caller (the plain model) sees every error as INTERNAL,
 # so the code travels in the message too
@@ -72,6 +87,8 @@ class Parsed:
     perf: bool = False
     response_format: dict[str, Any] | None = None  # structured output (sampling.constraint.ResponseFormat)
     content_type: str | None = None  # the gamma policy's content type (None: classified from the prompt)
+    exclude_input: bool | None = None  # exclude_input_in_output (None: not given: generated text only)
+    logprobs: bool = False  # return_log_probs
 
 
 def scalar(tensors: dict[str, np.ndarray], name: str, kinds: str) -> Any:
@@ -81,7 +98,8 @@ def scalar(tensors: dict[str, np.ndarray], name: str, kinds: str) -> Any:
         return None
     arr = np.asarray(arr)
     if arr.size != 1:
-        raise InputError(f"input {name} must hold exactly one element, got shape {list(arr.shape)}")
+        hint = " (one sequence per request: batch size 1)" if arr.ndim == 2 and arr.shape[0] > 1 else ""
+        raise InputError(f"input {name} must hold exactly one element, got shape {list(arr.shape)}{hint}")
     if arr.dtype.kind not in kinds:
         raise InputError(f"input {name} has numpy dtype {arr.dtype}, expected kind {kinds!r}")
     return arr.reshape(-1)[0]
@@ -109,10 +127,24 @@ def parse_inputs(tensors: dict[str, np.ndarray]) -> Parsed:
         raise InputError("input max_tokens is required")
     sampling: dict[str, Any] = {"max_tokens": int(max_tokens)}
     for name, kinds, cast in (("temperature", "f", float), ("top_k", "iu", int), ("top_p", "f", float),
-                              ("seed", "iu", int)):
+                              ("seed", "iu", int), ("presence_penalty", "f", float), ("frequency_penalty", "f", float),
+                              ("min_length", "iu", int)):
         value = scalar(tensors, name, kinds)
         if value is not None:
-            sampling[name] = cast(value)
+            sampling["min_tokens" if name == "min_length" else name] = cast(value)
+    random_seed = scalar(tensors, "random_seed", "iu")
+    if random_seed is not None:
+        if sampling.get("seed", int(random_seed)) != int(random_seed):
+            raise InputError(f"inputs seed={sampling['seed']} and random_seed={int(random_seed)} disagree")
+        sampling["seed"] = int(random_seed)
+    for name, (neutral, kinds) in NEUTRAL_INPUTS.items():
+        value = scalar(tensors, name, kinds)
+        if value is not None and value != neutral:
+            raise InputError(f"input {name}={value!r} is not supported (only {neutral!r})")
+    for name in ("bad_words", "embedding_bias_words", "embedding_bias_weights"):
+        arr = tensors.get(name)
+        if arr is not None and any(v not in (b"", "", 0.0) for v in np.asarray(arr).reshape(-1)):
+            raise InputError(f"input {name} is not supported (only empty)")
     if sampling.get("top_p") == 0.0:
         sampling["top_p"] = 1.0
     stop_words = tensors.get("stop_words")
@@ -137,6 +169,8 @@ def parse_inputs(tensors: dict[str, np.ndarray]) -> Parsed:
     end_id = scalar(tensors, "end_id", "iu")
     stream = scalar(tensors, "stream", "b")
     perf = scalar(tensors, "return_perf_metrics", "b")
+    exclude = scalar(tensors, "exclude_input_in_output", "b")
+    logprobs = scalar(tensors, "return_log_probs", "b")
     response_format = None
     fmt = scalar(tensors, "response_format", "OSU")
     if fmt is not None:
@@ -152,7 +186,8 @@ def parse_inputs(tensors: dict[str, np.ndarray]) -> Parsed:
                 raise InputError("input response_format must be a JSON object, e.g. {\"type\": \"json_object\"}")
     return Parsed(prompt=text_of(text, "text_input"), sampling=sampling, speculation=speculation,
                   end_id=None if end_id is None else int(end_id), stream=bool(stream), perf=bool(perf),
-                  response_format=response_format, content_type=content_type)
+                  response_format=response_format, content_type=content_type,
+                  exclude_input=None if exclude is None else bool(exclude), logprobs=bool(logprobs))
 
 
 def build_request(parsed: Parsed, engine, request_id: str | None = None):
@@ -169,10 +204,25 @@ def build_request(parsed: Parsed, engine, request_id: str | None = None):
         if not 0 <= parsed.end_id < vocab:
             raise RequestError(f"end_id={parsed.end_id} is out of range [0, {vocab})")
         sampling["stop_token_ids"] = (parsed.end_id,)
+    if sampling.get("min_tokens"):  # no end-of-sequence or stop token before min_length
+        sampling["min_tokens_ids"] = tuple(getattr(engine, "eos_ids", ())) + tuple(sampling.get("stop_token_ids", ()))
     params = SamplingParams.from_dict(sampling, engine.default_sampling)
     spec = SpeculationConfig.make(engine.default_speculation, **parsed.speculation) if parsed.speculation else None
     return Request(prompt=parsed.prompt, sampling=params, speculation=spec, request_id=request_id or None,
-                   response_format=parsed.response_format, content_type=check_content_type(parsed.content_type))
+                   response_format=parsed.response_format, content_type=check_content_type(parsed.content_type),
+                   logprobs=0 if parsed.logprobs else None)
+
+
+def logprob_values(items: list) -> dict[str, np.ndarray]:
+    """cum_log_probs [1] and output_log_probs [1, tokens] (beam 1) of (logprob, top) items."""
+    lps = [-9999.0 if lp == float("-inf") else lp for lp, _ in items]
+    return {"cum_log_probs": np.array([sum(lps)], dtype=np.float32),
+            "output_log_probs": np.array([lps], dtype=np.float32).reshape(1, len(lps))}
+
+
+def batched(arr: np.ndarray, on: bool) -> np.ndarray:
+    """An output with the batch dimension (size 1) in front when the config has max_batch_size > 0."""
+    return arr.reshape((1,) + arr.shape) if on else arr
 
 
 def perf_values(drafted: int, accepted: int) -> dict[str, np.ndarray]:
@@ -220,6 +270,7 @@ class EngineModel:
         self.engine = factory(params["bundle"], EngineConfig(device=params.get("device") or "cpu", **ints, **flags),
                               **backend)
         self.max_queue = int(params.get("max_queue") or 64)
+        self.batched = int(model_config.get("max_batch_size") or 0) > 0  # [batch, 1] tensors (TensorRT-LLM's)
         self.closing = False
         self.lock = threading.Lock()
         self.ipc_lock = threading.Lock()
@@ -286,11 +337,14 @@ class EngineModel:
         with self.ipc_lock:
             return bool(sender.is_cancelled())
 
-    def response(self, text: str, handle, perf: bool):
-        outputs = [pb_utils.Tensor("text_output", string_tensor(text))]
+    def response(self, text: str, handle, perf: bool, logprobs: list | None = None):
+        b = self.batched
+        outputs = [pb_utils.Tensor("text_output", batched(string_tensor(text), b))]
         if perf:
             seq = handle.seq
-            outputs += [pb_utils.Tensor(k, v) for k, v in perf_values(seq.drafted, seq.accepted).items()]
+            outputs += [pb_utils.Tensor(k, batched(v, b)) for k, v in perf_values(seq.drafted, seq.accepted).items()]
+        if logprobs is not None:
+            outputs += [pb_utils.Tensor(k, batched(v, b)) for k, v in logprob_values(logprobs).items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def forward(self, handle, sender, parsed: Parsed, request=None) -> None:
@@ -313,12 +367,16 @@ class EngineModel:
                     return
                 if parsed.stream:
                     if event.text or event.finished:
-                        response = self.response(event.text, handle, parsed.perf and event.finished)
+                        lps = (event.logprobs or []) if parsed.logprobs else None
+                        response = self.response(event.text, handle, parsed.perf and event.finished, lps)
                         self.send(sender, response, final if event.finished else 0)
                 else:
                     text.append(event.text)
                     if event.finished:
-                        self.send(sender, self.response("".join(text), handle, parsed.perf), final)
+                        if parsed.exclude_input is False:  # the ensemble's default: prompt + generated text
+                            text.insert(0, parsed.prompt)
+                        lps = list(handle.seq.logprobs) if parsed.logprobs else None
+                        self.send(sender, self.response("".join(text), handle, parsed.perf, lps), final)
                 if event.finished:
                     self.count(handle.seq)
                     return
@@ -359,13 +417,16 @@ class PlainModel:
 
     def __init__(self, model_config: dict, params: dict[str, str]) -> None:
         self.target = params["target_model"]
+        self.batched = int(model_config.get("max_batch_size") or 0) > 0
 
     def execute(self, requests: list) -> list:
         return [self.forward(request) for request in requests]
 
     def forward(self, request):
         inputs = [t for t in request.inputs() if t.name() != "stream"]
-        inputs.append(pb_utils.Tensor("stream", np.array([False], dtype=np.bool_)))
+        rows = next((t.as_numpy().shape[0] for t in inputs if t.name() == "text_input"), 1) if self.batched else 1
+        stream = np.zeros((rows, 1) if self.batched else (1,), dtype=np.bool_)  # the batch the client sent
+        inputs.append(pb_utils.Tensor("stream", stream))
         bls = pb_utils.InferenceRequest(model_name=self.target, inputs=inputs,
                                         requested_output_names=list(ALL_OUTPUTS))
         text: list[str] = []
@@ -381,7 +442,7 @@ class PlainModel:
                     text.extend(text_of(v, "text_output") for v in tensor.as_numpy().reshape(-1))
                 else:
                     outputs[tensor.name()] = tensor.as_numpy()
-        tensors = [pb_utils.Tensor("text_output", string_tensor("".join(text)))]
+        tensors = [pb_utils.Tensor("text_output", batched(string_tensor("".join(text)), self.batched))]
         tensors += [pb_utils.Tensor(name, value) for name, value in outputs.items()]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 

@@ -10,8 +10,13 @@ Triton 2.51 refuses unary HTTP and gRPC `infer` on decoupled models ("doesn't su
 with decoupled transaction policy"); only the gRPC stream and `generate[_stream]` reach them.
 The plain front model shares the one engine, so plain and streamed requests batch together.
 
-Tensor names follow TensorRT-LLM's ensemble (see `INPUTS`, `OUTPUTS`); a TensorRT-LLM client
-needs only the model name changed.
+Tensor names, types and shapes follow TensorRT-LLM's ensemble (see `INPUTS`, `OUTPUTS`):
+max_batch_size > 0 (`RepoConfig.triton_max_batch_size`, default 64 as the ensemble's), so a
+client sends [batch, 1] tensors (batch 1: one sequence per request), and the ensemble's
+sampling and output inputs are taken (exclude_input_in_output, return_log_probs, beam_width
+1, random_seed, min_length, the penalties, ...). A TensorRT-LLM client or genai-perf
+(`--service-kind triton --backend tensorrtllm`) needs only the model name changed.
+`triton_max_batch_size=0` writes the older layout ([1] tensors, no batch dimension).
 """
 
 from __future__ import annotations
@@ -37,6 +42,23 @@ INPUTS: dict[str, tuple[str, tuple[int, ...], bool]] = {
     "response_format": ("TYPE_STRING", (1,), True),  # structured output: OpenAI's response_format as JSON text
     "content_type": ("TYPE_STRING", (1,), True),
     "return_perf_metrics": ("TYPE_BOOL", (1,), True),
+    # TensorRT-LLM's ensemble inputs (tritonserver_model.parse_inputs: served, or refused unless neutral)
+    "exclude_input_in_output": ("TYPE_BOOL", (1,), True),
+    "return_log_probs": ("TYPE_BOOL", (1,), True),
+    "return_context_logits": ("TYPE_BOOL", (1,), True),
+    "return_generation_logits": ("TYPE_BOOL", (1,), True),
+    "beam_width": ("TYPE_INT32", (1,), True),
+    "num_return_sequences": ("TYPE_INT32", (1,), True),
+    "random_seed": ("TYPE_UINT64", (1,), True),
+    "min_length": ("TYPE_INT32", (1,), True),
+    "presence_penalty": ("TYPE_FP32", (1,), True),
+    "frequency_penalty": ("TYPE_FP32", (1,), True),
+    "repetition_penalty": ("TYPE_FP32", (1,), True),
+    "length_penalty": ("TYPE_FP32", (1,), True),
+    "pad_id": ("TYPE_INT32", (1,), True),
+    "bad_words": ("TYPE_STRING", (-1,), True),
+    "embedding_bias_words": ("TYPE_STRING", (-1,), True),
+    "embedding_bias_weights": ("TYPE_FP32", (-1,), True),
 }
 # the last three are sent only when return_perf_metrics is true
 OUTPUTS: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -44,6 +66,9 @@ OUTPUTS: dict[str, tuple[str, tuple[int, ...]]] = {
     "acceptance_rate": ("TYPE_FP32", (1,)),
     "total_accepted_draft_tokens": ("TYPE_INT32", (1,)),
     "total_draft_tokens": ("TYPE_INT32", (1,)),
+    # with return_log_probs (beam 1): the sum, and one per generated token
+    "cum_log_probs": ("TYPE_FP32", (-1,)),
+    "output_log_probs": ("TYPE_FP32", (-1, -1)),
 }
 MODEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tritonserver_model.py")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -79,12 +104,15 @@ class RepoConfig:
     engine_factory: str = DEFAULT_FACTORY
     backend: str = "auto"
     telemetry: str | None = None  # telemetry store (SQLite path or postgresql:// DSN) for the engine model
+    triton_max_batch_size: int = 64  # > 0: [batch, 1] tensors as TensorRT-LLM's ensemble; 0: [1] tensors
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.model_name):
             raise ValueError(f"model name {self.model_name!r} must match {NAME_RE.pattern}")
         if not 1 <= self.max_queue <= 1 << 20:
             raise ValueError(f"max_queue={self.max_queue} is out of range [1, {1 << 20}]")
+        if not 0 <= self.triton_max_batch_size <= 4096:
+            raise ValueError(f"triton_max_batch_size={self.triton_max_batch_size} is out of range [0, 4096]")
         if not 1 <= self.plain_instances <= 64:
             raise ValueError(f"plain_instances={self.plain_instances} is out of range [1, 64]")
         if self.threads is not None and not 1 <= self.threads <= 1024:
@@ -116,9 +144,11 @@ def tensor_block(kind: str, specs: dict[str, tuple]) -> str:
     return f"{kind} [\n" + ",\n".join(rows) + "\n]\n"
 
 
-def config_pbtxt(name: str, decoupled: bool, instances: int, parameters: dict[str, str]) -> str:
-    """One model's config.pbtxt: Python backend, max_batch_size 0 (shapes exactly as listed)."""
-    out = [f"name: {pbtxt_string(name)}\n", 'backend: "python"\n', "max_batch_size: 0\n",
+def config_pbtxt(name: str, decoupled: bool, instances: int, parameters: dict[str, str],
+                 max_batch_size: int = 64) -> str:
+    """One model's config.pbtxt: Python backend; max_batch_size > 0 puts a batch dimension
+    before every listed shape (TensorRT-LLM's layout), 0 takes the shapes exactly as listed."""
+    out = [f"name: {pbtxt_string(name)}\n", 'backend: "python"\n', f"max_batch_size: {max_batch_size}\n",
            f"model_transaction_policy {{ decoupled: {'true' if decoupled else 'false'} }}\n",
            tensor_block("input", INPUTS), tensor_block("output", OUTPUTS),
            f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]\n"]
@@ -170,11 +200,13 @@ def write_repository(bundle_dir: str, out: str, config: RepoConfig = RepoConfig(
         engine_params["compile"] = "1"
     os.makedirs(out, exist_ok=True)
     names = [config.model_name]
-    write_model(out, config.model_name, config_pbtxt(config.model_name, True, 1, engine_params))
+    batch = config.triton_max_batch_size
+    write_model(out, config.model_name, config_pbtxt(config.model_name, True, 1, engine_params, batch))
     plain_name = config.model_name + PLAIN_SUFFIX
     if config.plain:
         write_model(out, plain_name, config_pbtxt(plain_name, False, config.plain_instances,
-                                                  {"role": "plain", "target_model": config.model_name, **common}))
+                                                  {"role": "plain", "target_model": config.model_name, **common},
+                                                  batch))
         names.append(plain_name)
     else:
         remove_stale_plain(os.path.join(out, plain_name))

@@ -344,8 +344,8 @@ def test_mpi_server_greedy_equals_generate(mpi_server, engine):
     def ask(i: int, prompt: list[int]) -> None:
         body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "gamma": 3, "return_token_ids": True}
         if i % 2:
-            chunks = stream(mpi_server.port, "/v1/completions", body)
-            results[i] = [sum((c["choices"][0].get("token_ids", []) for c in chunks), []), chunks[-1]["usage"]]
+            chunks = stream(mpi_server.port, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+            results[i] = [sum((c["choices"][0].get("token_ids", []) for c in chunks[:-1]), []), chunks[-1]["usage"]]
         else:
             status, _, full = post(mpi_server.port, "/v1/completions", body)
             assert status == 200, full
@@ -381,7 +381,8 @@ def test_mpi_draft_rank_sigkill_degrades_then_sigterm(mpi_server, engine):
                               for p in PROMPTS[:4]])
     conns = [http.client.HTTPConnection("127.0.0.1", mpi_server.port, timeout=60) for _ in range(4)]
     for conn, p in zip(conns, PROMPTS[:4]):  # all four sent before any answer is read
-        conn.request("POST", "/v1/completions", body=json.dumps({**body, "prompt": p, "stream": True}).encode(),
+        conn.request("POST", "/v1/completions", body=json.dumps({**body, "prompt": p, "stream": True,
+                                                                 "stream_options": {"include_usage": True}}).encode(),
                      headers={"Content-Type": "application/json"})
     opened = [(conn, conn.getresponse()) for conn in conns]
     assert all(resp.status == 200 for _, resp in opened)
@@ -398,18 +399,21 @@ def test_mpi_draft_rank_sigkill_degrades_then_sigterm(mpi_server, engine):
     wait_until(four_drafting, 30, "four running requests with the draft rank drafting")
     health = state
     os.kill(health["draft_rank"]["pid"], signal.SIGKILL)
-    finals = []
+    finals, usages = [], []
     for i, (conn, resp) in enumerate(opened):
         deadline = time.monotonic() + 240  # bounded; generous for a loaded machine
         while (ev := next_event(resp)) not in (None, "[DONE]"):
             assert time.monotonic() < deadline
             assert "error" not in ev, ev
+            if not ev["choices"]:  # the usage chunk, last (stream_options.include_usage)
+                usages.append(ev["usage"])
+                continue
             tokens[i] += ev["choices"][0].get("token_ids", [])
             if ev["choices"][0]["finish_reason"]:
                 finals.append(ev)
         conn.close()
     assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"] * 4
-    assert all(f["usage"]["drafted_tokens"] > 0 for f in finals)  # speculated before the kill
+    assert len(usages) == 4 and all(u["drafted_tokens"] > 0 for u in usages)  # speculated before the kill
     assert tokens == [e["token_ids"] for e in expect]  # nothing lost or duplicated, still lossless
     wait_until(lambda: mpi_server.health()["status"] == "degraded", 10, "/health to report the loss")
     assert mpi_server.health()["draft_rank"]["state"] == "lost"

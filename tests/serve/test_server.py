@@ -97,12 +97,13 @@ def test_completion_equals_engine_generate(server, engine, prompt):
     assert usage["total_tokens"] == usage["prompt_tokens"] + 24 and "seed" in usage
     assert usage["drafted_tokens"] == 0 and usage["accepted_tokens"] == 0
 
-    chunks = stream(server.port, "/v1/completions", body)
+    chunks = stream(server.port, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     assert all(c["object"] == "text_completion" for c in chunks)
     assert len(chunks) >= 10, "tokens were not streamed one by one"
-    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == expect["token_ids"]
-    assert "".join(c["choices"][0]["text"] for c in chunks) == expect["text"]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 24
+    assert sum((c["choices"][0]["token_ids"] for c in chunks[:-1]), []) == expect["token_ids"]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == expect["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and "usage" not in chunks[-2]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24
 
 
 def test_chat_equals_engine_generate(server, engine):
@@ -164,7 +165,7 @@ def test_concurrent_requests_all_complete(server):
 BAD_BODIES = [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
-    (b'{"prompt": "hi", "frobnicate": 1}', 400, "frobnicate"),
+    (b'{"prompt": "hi", "repetition_penalty": 1.5}', 400, "repetition_penalty"),  # served at 1.0 only
     (b'{"prompt": "hi", "max_tokens": "ten"}', 400, "max_tokens"),
     (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
     (b'{"prompt": "hi", "temperature": -0.5}', 400, "temperature"),
@@ -183,7 +184,7 @@ BAD_BODIES = [
 
 def test_bad_bodies_get_json_errors_while_a_good_request_completes(server):
     good: dict = {}
-    body = {"prompt": "keep going", "max_tokens": 300, "ignore_eos": True}
+    body = {"prompt": "keep going", "max_tokens": 300, "ignore_eos": True, "stream_options": {"include_usage": True}}
     worker = threading.Thread(target=lambda: good.update(chunks=stream(server.port, "/v1/completions", body)))
     worker.start()
     for raw, want_status, want_param in BAD_BODIES:
@@ -198,8 +199,8 @@ def test_bad_bodies_get_json_errors_while_a_good_request_completes(server):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
         assert sock.recv(4096).startswith(b"HTTP/1.1 411")
     worker.join(timeout=60)
-    tokens = [c for c in good["chunks"] if c["choices"][0]["finish_reason"] == "length"]
-    assert tokens and tokens[0]["usage"]["completion_tokens"] == 300
+    assert good["chunks"][-2]["choices"][0]["finish_reason"] == "length"
+    assert good["chunks"][-1]["usage"]["completion_tokens"] == 300
     assert get(server.port, "/health")[0] == 200
     assert metric(server.port, "specbuild_requests_rejected_total", reason="invalid") >= len(BAD_BODIES) - 1
 
@@ -302,7 +303,7 @@ def test_openai_client_and_curl(server, engine):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
     assert info.value.status_code == 400 and "wizard" in str(info.value)
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [m.id for m in client.models.list().data] == ["tiny", "llama"]  # the directory, the checkpoint
     curl = shutil.which("curl")
     if curl is None:
         pytest.skip("curl is not installed")

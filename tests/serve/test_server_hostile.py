@@ -75,11 +75,19 @@ def test_openapi_schema_lists_every_field(server):
     common = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
               "user", "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "ignore_eos", "content_type",
               "return_token_ids", "speculation",
-              "gamma", "gamma_min", "gamma_max", "tree", "ngram_min", "ngram_max", "typical"}
+              "gamma", "gamma_min", "gamma_max", "tree", "ngram_min", "ngram_max", "typical",
+              # the field policy's OpenAI no-ops and vLLM extras (serve/openai_fields.py)
+              "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "reasoning_effort",
+              "verbosity", "request_id", "guided_decoding_backend", "min_tokens", "stop_token_ids", "guided_json",
+              "guided_regex", "guided_choice", "guided_grammar", "add_special_tokens", "min_p", "repetition_penalty",
+              "length_penalty", "use_beam_search", "include_stop_str_in_output", "skip_special_tokens",
+              "spaces_between_special_tokens", "prompt_logprobs", "truncate_prompt_tokens",
+              "guided_whitespace_pattern", "priority"}
     assert set(components["CompletionRequest"]["properties"]) == common | {"prompt", "echo", "best_of", "logprobs",
                                                                             "suffix"}
-    assert set(components["ChatRequest"]["properties"]) == common | {"messages", "max_completion_tokens",
-                                                                      "logprobs", "top_logprobs"}
+    assert set(components["ChatRequest"]["properties"]) == common | {
+        "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+        "functions", "function_call", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "echo"}
     roles = components["Message"]["properties"]["role"]["enum"]
     assert roles == ["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -138,7 +146,7 @@ LIMITS = [  # (body, param, a piece of the message: the limit)
     ({"ngram_max": 9}, "ngram_max", "8"),
     ({"speculation": {"method": "ngram", "gamma": 99}}, "speculation", "16"),
     ({"prompt": [5] * 1030}, "prompt", "max_seq_len"),
-    ({"prompt": [[1, 2], [3]]}, "prompt", "1 item"),
+    ({"prompt": [[1, 2]] * 65}, "prompt", "64 items"),
     ({"prompt": [5, -1]}, "prompt", "0"),
     ({"prompt": [1 << 40]}, "prompt", str(1 << 31)),
     ({"seed": 1 << 64}, "seed", str((1 << 63) - 1)),

@@ -168,10 +168,13 @@ def get(port: int, path: str) -> tuple[int, bytes]:
 
 def make_inputs(mod, prompt: str, max_tokens: int | None, /, **fields) -> list:
     """tritonclient inputs with the model's types: str -> BYTES, bool -> BOOL, float -> FP32,
-    int -> INT32 (seed: UINT64); a (array, datatype) pair is sent as given."""
+    int -> INT32 (seed, random_seed: UINT64); a (array, datatype) pair is sent as given. Every
+    tensor gets the batch dimension ([1, ...]): the repository has max_batch_size > 0, as
+    TensorRT-LLM's ensemble."""
     out = []
 
     def add(name, arr, datatype):
+        arr = arr.reshape((1,) + arr.shape)
         tensor = mod.InferInput(name, list(arr.shape), datatype)
         tensor.set_data_from_numpy(arr)
         out.append(tensor)
@@ -188,7 +191,7 @@ def make_inputs(mod, prompt: str, max_tokens: int | None, /, **fields) -> list:
             add(name, np.array([value.encode()], dtype=np.object_), "BYTES")
         elif isinstance(value, float):
             add(name, np.array([value], dtype=np.float32), "FP32")
-        elif name == "seed":
+        elif name in ("seed", "random_seed"):
             add(name, np.array([value], dtype=np.uint64), "UINT64")
         else:
             add(name, np.array([value], dtype=np.int32), "INT32")
@@ -313,9 +316,9 @@ def test_http_and_grpc_plain_requests(server, engine):
     result = http_client.infer(PLAIN, make_inputs(tritonclient_http, PROMPTS[0], MAX_TOKENS, speculation="ngram",
                                                   return_perf_metrics=True))
     assert text_of(result) == ref[0]["text"]
-    drafted, accepted = int(result.as_numpy("total_draft_tokens")[0]), int(result.as_numpy("total_accepted_draft_tokens")[0])
+    drafted, accepted = int(result.as_numpy("total_draft_tokens").item()), int(result.as_numpy("total_accepted_draft_tokens").item())
     assert drafted > 0 and 0 < accepted <= drafted
-    assert result.as_numpy("acceptance_rate")[0] == pytest.approx(accepted / drafted, rel=1e-6)
+    assert result.as_numpy("acceptance_rate").item() == pytest.approx(accepted / drafted, rel=1e-6)
     grpc_client = tritonclient_grpc.InferenceServerClient(f"127.0.0.1:{server.grpc}")
     result = grpc_client.infer(PLAIN, make_inputs(tritonclient_grpc, PROMPTS[1], MAX_TOKENS, speculation="ngram"))
     assert text_of(result) == ref[1]["text"]
@@ -370,9 +373,9 @@ def test_eight_concurrent_speculative_streams(server, engine):
         responses = [r for _, r in got[i]]
         assert "".join(text_of(r) for r in responses) == ref["text"], PROMPTS[i]
         final = responses[-1]
-        drafted = int(final.as_numpy("total_draft_tokens")[0])
-        accepted = int(final.as_numpy("total_accepted_draft_tokens")[0])
-        rate = float(final.as_numpy("acceptance_rate")[0])
+        drafted = int(final.as_numpy("total_draft_tokens").item())
+        accepted = int(final.as_numpy("total_accepted_draft_tokens").item())
+        rate = float(final.as_numpy("acceptance_rate").item())
         generated = len(ref["token_ids"])
         # each verify pass yields accepted + 1 tokens, so at most generated - 1 accepted drafts
         assert 0 <= accepted <= min(drafted, generated - 1)
@@ -513,3 +516,55 @@ def test_suffix_served_by_name(server, engine):
     assert text_of(result) == ref["text"] == reference(engine, [prompt])[0]["text"]
     drafted, accepted = int(result.as_numpy("total_draft_tokens")[0]), int(result.as_numpy("total_accepted_draft_tokens")[0])
     assert drafted > 0 and 0 < accepted <= drafted
+
+
+# ---- TensorRT-LLM ensemble clients ---------------------------------------------------------------
+def test_tensorrt_llm_ensemble_client_shapes_and_inputs(server, engine):
+    """What a client written for TensorRT-LLM's ensemble sends ([1, 1] tensors, the ensemble's
+    sampling and output inputs, genai-perf's exclude_input_in_output), answered as it expects."""
+    from specbuild.sampling.params import SamplingParams
+    from specbuild.engine.sequence import Request
+
+    prompt = PROMPTS[1]
+    end = int(engine.eos_ids[0])
+    # min_length 1 masks the end token at the first position: its logprob is of that distribution
+    ref = engine.generate([Request(prompt=prompt, logprobs=0, sampling=SamplingParams(
+        max_tokens=MAX_TOKENS, min_tokens=1, min_tokens_ids=tuple(engine.eos_ids) + (end,), stop_token_ids=(end,)))])[0]
+    trt = dict(exclude_input_in_output=True, return_log_probs=True, beam_width=1, random_seed=7, top_k=0, top_p=0.0,
+               temperature=0.0, repetition_penalty=1.0, length_penalty=1.0, presence_penalty=0.0,
+               frequency_penalty=0.0, min_length=1, pad_id=2, end_id=end,
+               return_context_logits=False, return_generation_logits=False,
+               bad_words=(np.array([b""], dtype=np.object_), "BYTES"),
+               stop_words=(np.array([b""], dtype=np.object_), "BYTES"))
+    client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{server.http}")
+    result = client.infer(PLAIN, make_inputs(tritonclient_http, prompt, MAX_TOKENS, **trt))
+    out = result.as_numpy("text_output")
+    assert out.shape == (1, 1) and text_of(result) == ref["text"]
+    lps = result.as_numpy("output_log_probs")
+    assert lps.shape == (1, 1, MAX_TOKENS)
+    want = [x["logprob"] for x in ref["logprobs"]]
+    assert np.allclose(lps.reshape(-1), want, atol=1e-5)
+    assert result.as_numpy("cum_log_probs").reshape(-1)[0] == pytest.approx(sum(want), abs=1e-4)
+    # exclude_input_in_output false (the ensemble's default): the prompt comes first
+    result = client.infer(PLAIN, make_inputs(tritonclient_http, prompt, MAX_TOKENS, exclude_input_in_output=False,
+                                             temperature=0.0))
+    assert text_of(result) == prompt + ref["text"]
+    # the gRPC stream (genai-perf --service-kind triton --backend tensorrtllm --streaming)
+    stream = GrpcStream(server.grpc)
+    try:
+        stream.send("trt", make_inputs(tritonclient_grpc, prompt, MAX_TOKENS, stream=True, exclude_input_in_output=True,
+                                       temperature=0.0))
+        responses = stream.collect("trt")
+    finally:
+        stream.close()
+    assert "".join(text_of(r) for _, r in responses) == ref["text"] and len(responses) > 2
+    # what is not served is refused by name; a batch of two is refused with the limit
+    for bad, needle in ((dict(beam_width=4), "beam_width=4"), (dict(repetition_penalty=1.2), "repetition_penalty"),
+                        (dict(bad_words=(np.array([b"cat"], dtype=np.object_), "BYTES")), "bad_words")):
+        with pytest.raises(tritonclient_http.InferenceServerException, match=needle):
+            client.infer(PLAIN, make_inputs(tritonclient_http, prompt, 4, **bad))
+    two = [tritonclient_http.InferInput("text_input", [2, 1], "BYTES"), tritonclient_http.InferInput("max_tokens", [2, 1], "INT32")]
+    two[0].set_data_from_numpy(np.array([[b"a"], [b"b"]], dtype=np.object_))
+    two[1].set_data_from_numpy(np.array([[4], [4]], dtype=np.int32))
+    with pytest.raises(tritonclient_http.InferenceServerException, match="batch size 1"):
+        client.infer(PLAIN, two)

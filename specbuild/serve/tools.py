@@ -1,0 +1,360 @@
+"""Tool calling for the chat endpoint: the request's tools into the prompt, the model's calls
+out of the text, and the grammar that makes `required` and named choices exact.
+
+Format. Tools render through the chat template (`tools` is a template variable, as in HF
+templates). A template that never mentions tools (SmolLM2's, or a bundle without one) is
+replaced, for requests with tools or tool turns, by `BUILTIN_TEMPLATE`: ChatML with the tool
+block of Hermes-2-Pro / SmolLM2's function-calling data (the function signatures as JSON lines
+inside <tools></tools> in the system turn; calls as `<tool_call>\\n{"name": ..., "arguments":
+{...}}\\n</tool_call>`; results as a `tool` turn inside <tool_response></tool_response>).
+`specbuild serve --chat-template FILE` replaces the bundle's template (vLLM's option) and
+`--tool-call-parser` names how calls are read back (`PARSERS`: hermes, the <tool_call> JSON
+form Hermes, Qwen2.5 and SmolLM2 write).
+
+Choices. `none`: no tools in the prompt, no parsing. `required` / a named function: the
+output is constrained by a Lark grammar for llguidance (`call_grammar`): one call (or up to
+`MAX_PARALLEL` with parallel_tool_calls) whose JSON matches `{"name": const, "arguments":
+<the function's parameters schema>}`. The constraint runs in the engine's one logits path
+(sampling/processing.py), so it stays lossless under speculation, and the tokens it forces
+(`<tool_call>`, the name, the key names) are free drafts. `auto`: free text in which every
+`<tool_call>` that starts must be a valid call (a lazy trigger lexeme, llguidance's
+tool-calling form), so nothing is forced until the model itself opens a call.
+
+Written by hand: the template text, the grammar and the <tool_call> parser are a few dozen
+lines each over jinja2 and llguidance; the libraries that do this (vLLM's tool parsers,
+transformers' templates) pull in whole serving stacks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from specbuild.engine.chat import TEMPLATE_VARIABLES, render_chat
+from specbuild.errors import RequestError
+from specbuild.sampling.constraint import MAX_SPEC_CHARS
+
+MAX_PARALLEL = 8  # calls in one answer with parallel_tool_calls
+
+BUILTIN_TEMPLATE = """\
+{%- if tools %}
+<|im_start|>system
+{% if messages[0].role == "system" %}{{ messages[0].content }}
+
+{% endif %}
+You are a function calling AI model. You are provided with function signatures within <tools></tools> XML tags. \
+You may call one or more functions to assist with the user query. Don't make assumptions about what values to plug \
+into functions. Here are the available tools:
+<tools>
+{% for tool in tools %}
+{{ tool.function | tojson }}
+{% endfor %}
+</tools>
+For each function call, return a json object with the function name and arguments within <tool_call></tool_call> \
+XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% set first = 1 if messages[0].role == "system" else 0 %}
+{%- else %}
+{% set first = 0 %}
+{%- endif %}
+{% for message in messages[first:] %}
+{% if message.role == "assistant" %}
+<|im_start|>assistant
+{% if message.content %}{{ message.content }}{% if message.tool_calls %}{{ "\\n" }}{% endif %}{% endif %}
+{% for call in message.tool_calls or [] %}
+{% if not loop.first %}{{ "\\n" }}{% endif %}<tool_call>
+{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
+</tool_call>
+{%- endfor %}
+<|im_end|>
+{% elif message.role == "tool" or message.role == "function" %}
+<|im_start|>tool
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}
+"""
+
+
+# ---- parsing calls out of text -------------------------------------------------------------------
+class HermesParser:
+    """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, any number of them."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    PATTERN = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    @classmethod
+    def parse_call(cls, body: str, names: set[str]) -> dict[str, Any] | None:
+        """{"name", "arguments" (JSON text)} of one call's body, or None if it is not one."""
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in names:
+            return None
+        args = value.get("arguments", value.get("parameters", {}))
+        if not isinstance(args, dict):
+            return None
+        return {"name": value["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+
+    @classmethod
+    def parse(cls, text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content: the text outside the calls, None when only calls; calls)."""
+        calls, kept, at = [], [], 0
+        for m in cls.PATTERN.finditer(text):
+            call = cls.parse_call(m.group(1), names)
+            if call is None:
+                continue
+            kept.append(text[at:m.start()])
+            at = m.end()
+            calls.append(call)
+        kept.append(text[at:])
+        content = "".join(kept)
+        if calls:
+            content = content.strip()
+        return (content or None) if calls else text, calls
+
+
+PARSERS = {"hermes": HermesParser}
+
+
+class StreamParser:
+    """Text deltas in, chat deltas out: content until a call may start (text that could be the
+    start of "<tool_call>" is held back), then each call as one `tool_calls` delta once its
+    closing tag arrives (the shape the openai client accumulates: index, id, type, function)."""
+
+    def __init__(self, use: "ToolUse") -> None:
+        self.use = use
+        self.parser = PARSERS[use.parser]
+        self.buffer = ""
+        self.calls: list[dict[str, Any]] = []
+        self.after_call = False  # newlines right after a call separate calls: not content
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        self.buffer += text
+        if self.after_call:
+            self.buffer = self.buffer.lstrip("\n")
+            self.after_call = not self.buffer
+        out: list[dict[str, Any]] = []
+        open_, close = self.parser.OPEN, self.parser.CLOSE
+        while self.buffer:
+            start = self.buffer.find(open_)
+            if start < 0:
+                keep = held_prefix(self.buffer, open_)
+                if len(self.buffer) > keep:
+                    out.append({"content": self.buffer[:len(self.buffer) - keep]})
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                break
+            if start > 0:
+                out.append({"content": self.buffer[:start]})
+                self.buffer = self.buffer[start:]
+            end = self.buffer.find(close)
+            if end < 0:
+                break  # inside a call: wait for its end
+            body = self.buffer[len(open_):end]
+            call = self.parser.parse_call(body.strip(), self.use.names)
+            if call is None:
+                out.append({"content": self.buffer[:end + len(close)]})
+            else:
+                out.append(self.use.call_delta(call, len(self.calls)))
+                self.calls.append(call)
+            self.buffer = self.buffer[end + len(close):]
+            if call is not None:
+                self.buffer = self.buffer.lstrip("\n")
+                self.after_call = not self.buffer
+        return [d for d in out if d.get("content") != ""]
+
+    def finish(self) -> list[dict[str, Any]]:
+        """What is held back, as content (an unfinished call stays text)."""
+        rest, self.buffer = self.buffer, ""
+        if self.calls:
+            rest = rest.strip()
+        return [{"content": rest}] if rest else []
+
+
+def held_prefix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+# ---- the request's tool use -------------------------------------------------------------------------
+@dataclass
+class ToolUse:
+    """The tools a chat request offers and how it wants them used."""
+
+    tools: list[dict[str, Any]]  # OpenAI tool objects, {"type": "function", "function": {...}}
+    choice: str  # auto | required | the function's name
+    parallel: bool = True
+    legacy: bool = False  # functions/function_call: answer with message.function_call
+    parser: str = "hermes"
+    response_format: dict[str, Any] | None = None  # the grammar of required / named choices
+    names: set[str] = field(default_factory=set)
+
+    def call_delta(self, call: dict[str, Any], index: int) -> dict[str, Any]:
+        if self.legacy:
+            return {"function_call": {"name": call["name"], "arguments": call["arguments"]}}
+        return {"tool_calls": [{"index": index, "id": call_id(), "type": "function",
+                                "function": {"name": call["name"], "arguments": call["arguments"]}}]}
+
+    def finish_reason(self, reason: str | None, calls: list) -> str | None:
+        if calls and reason == "stop":
+            return "function_call" if self.legacy else "tool_calls"
+        return reason
+
+    def stream_parser(self) -> StreamParser:
+        return StreamParser(self)
+
+    def final_choice(self, call, seq, index: int, logprobs: dict | None) -> dict[str, Any]:
+        """The finished choice: content outside the calls (null when only calls), tool_calls."""
+        content, calls = PARSERS[self.parser].parse(seq.text, self.names)
+        if not self.parallel:
+            calls = calls[:1]
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls and self.legacy:
+            message["function_call"] = calls[0]
+        elif calls:
+            message["tool_calls"] = [{"id": call_id(), "type": "function", "function": c} for c in calls]
+        out: dict[str, Any] = {"index": index, "message": message}
+        if call.return_token_ids:
+            out["token_ids"] = list(seq.output_ids)
+        out["logprobs"] = logprobs
+        out["finish_reason"] = self.finish_reason(seq.finish_reason, calls)
+        return out
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_tool_use(body: Any, response_format: Any, parser: str = "hermes") -> ToolUse | None:
+    """The ToolUse of a ChatRequest, or None (no tools, or tool_choice none). Raises
+    RequestError naming the field."""
+    legacy = body.functions is not None or body.function_call is not None
+    if legacy and (body.tools is not None or body.tool_choice is not None):
+        raise RequestError("functions: give either tools/tool_choice or the legacy functions/function_call, "
+                           "not both")
+    if legacy:
+        tools = [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in body.functions or []]
+        given = body.function_call
+        choice = given.name if given is not None and not isinstance(given, str) else given
+    else:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        given = body.tool_choice
+        choice = given.function.name if given is not None and not isinstance(given, str) else given
+    names = [t["function"]["name"] for t in tools]
+    field_name = "function_call" if legacy else "tool_choice"
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise RequestError(f"{'functions' if legacy else 'tools'}: the function name {dup!r} is given twice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if not tools:
+        raise RequestError(f"{field_name}={choice!r} needs {'functions' if legacy else 'tools'} (none were given)")
+    if choice not in ("auto", "required") and choice not in names:
+        raise RequestError(f"{field_name} names the function {choice!r}, which is not among the tools {names}")
+    if response_format is not None:
+        raise RequestError(f"{field_name}={choice!r} with response_format: the output is either tool calls or the "
+                           "format; give tool_choice none to use response_format")
+    parallel = body.parallel_tool_calls is not False and not legacy
+    use = ToolUse(tools, choice, parallel=parallel, legacy=legacy, parser=parser, names=set(names))
+    grammar = call_grammar(tools, choice, parallel)
+    if len(grammar) > MAX_SPEC_CHARS:
+        raise RequestError(f"tools: the grammar of these tools is {len(grammar)} characters; at most "
+                           f"{MAX_SPEC_CHARS} (fewer or smaller parameter schemas)")
+    use.response_format = {"type": "grammar", "grammar": grammar}
+    return use
+
+
+def call_schema(tools: list[dict[str, Any]], only: str | None = None) -> dict[str, Any]:
+    """JSON schema of one call {"name": ..., "arguments": ...} to any of `tools` (or `only`)."""
+    options = []
+    for tool in tools:
+        fn = tool["function"]
+        if only is not None and fn["name"] != only:
+            continue
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    # json.dumps' layout, fixed: the format the prompt shows, and every separator a forced token
+    return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+
+
+def call_grammar(tools: list[dict[str, Any]], choice: str, parallel: bool) -> str:
+    """Lark (llguidance) for `choice`: required / named: calls only; auto: text in which any
+    <tool_call> must be a valid call (a lazy trigger: free text until the model opens one)."""
+    one = json.dumps(call_schema(tools, None if choice in ("auto", "required") else choice))
+    body = f'"\\n" %json {one} "\\n</tool_call>"'
+    if choice == "auto":
+        return ('%llguidance {}\n'
+                'start: call* TEXT\n'
+                'trigger[lazy]: TEXT "<tool_call>"\n'
+                f'call: trigger {body}\n'
+                'TEXT: /(.|\\n)*/\n')
+    more = f' ("\\n" call){{0,{MAX_PARALLEL - 1}}}' if parallel and choice == "required" else ""
+    return f'start: call{more}\ncall: "<tool_call>" {body}\n'
+
+
+# ---- rendering ------------------------------------------------------------------------------------
+def encode_prompt(engine, messages: list[dict[str, Any]], use: ToolUse | None, template_override: str | None,
+                  body: Any) -> list[int]:
+    """The prompt ids of a chat request: rendered by the bundle's template (or --chat-template's),
+    or by the built-in tool template when the request has tools or tool turns and that template
+    never mentions tools. As `BaseEngine.encode_chat`: every string the client sent (message
+    text, tool-call arguments, tool descriptions) is escaped before rendering, so a control-token
+    string in it stays text; only the template's own control strings become control tokens."""
+    from specbuild.engine.chat import ChatEncoder, validate_messages
+    from specbuild.serve.openai_fields import template_kwargs
+
+    sp = engine.meta.special_tokens
+    template = template_override if template_override is not None else sp.get("chat_template")
+    tool_turns = any(m.get("tool_calls") or m["role"] in ("tool", "function") for m in messages)
+    if (use is not None or tool_turns) and (template is None or "tool" not in template):
+        template = BUILTIN_TEMPLATE
+    vocab_size = engine.tokenizer.get_vocab_size()
+
+    def tok(i):
+        return engine.tokenizer.id_to_token(i) if isinstance(i, int) and 0 <= i < vocab_size else ""
+
+    encoder = engine.__dict__.get("_chat_encoder")
+    if encoder is None:  # the one BaseEngine.encode_chat caches
+        encoder = engine._chat_encoder = ChatEncoder(engine.tokenizer)
+    validate_messages(messages)
+    extra = template_kwargs(getattr(body, "chat_template_kwargs", None), TEMPLATE_VARIABLES)
+    add = getattr(body, "add_generation_prompt", None)
+    text = render_chat(template, escaped(encoder, messages), add_generation_prompt=add is not False,
+                       bos_token=tok(sp.get("bos_token_id")) or "", eos_token=tok(sp.get("eos_token_id")) or "",
+                       tools=escaped(encoder, use.tools) if use is not None else None, extra=escaped(encoder, extra))
+    ids = encoder.encode_rendered(text)
+    bos = sp.get("bos_token_id")
+    if getattr(body, "add_special_tokens", None) and bos is not None and (not ids or ids[0] != bos):
+        ids = [bos] + ids  # vLLM's add_special_tokens on chat: a BOS the template did not write
+    return ids
+
+
+def escaped(encoder, value: Any, key: str | None = None) -> Any:
+    """`value` with every string in it escaped (ChatEncoder.escape), roles kept."""
+    if isinstance(value, str):
+        return value if key == "role" else encoder.escape(value)
+    if isinstance(value, dict):
+        return {k: escaped(encoder, v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [escaped(encoder, v) for v in value]
+    return value
