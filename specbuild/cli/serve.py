@@ -14,7 +14,7 @@ of the engine (`parallel.follow_leader`, as `generate` does) until rank 0 shuts 
 all exit 0. Launch it without -disable-auto-cleanup (a dead rank must take the job down).
 
 With --parallel-draft, rank 0 serves HTTP and verifies, rank 1 runs the draft model and
-never binds a port (MineDraft: runtime/minedraft.py; roles: runtime/parallel.py).
+never binds a port (MineDraft: dist/minedraft.py; roles: dist/context.py).
 scripts/mpirun_serve.sh has the exact mpirun line. MineDraft replaces the torch engine's
 scheduler, so --parallel-draft runs on the torch backend (auto means torch there;
 --backend tensorrt-llm is refused). Other world sizes are refused at start-up, on every
@@ -192,7 +192,7 @@ def serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, 
         rc = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(rc)  # no MPI_Finalize: see runtime/parallel.py
+    os._exit(rc)  # no MPI_Finalize: see dist/context.py
 
 
 def connect_draft_rank(ctx, engine, app, draft_timeout):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbuild.compiler.compile import CompileOptions, compile_bundle
 from specbuild.compiler.medusa_role import add_medusa, parse_heads
 from specbuild.dist import draft_worker as W
 from specbuild.dist import minedraft as M
@@ -17,7 +16,7 @@ from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.sequence import Request
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
-from tiny import draft_pair_bundle, make_tiny_hf, perturbed_copy
+from tiny import draft_pair_bundle
 
 pytestmark = pytest.mark.timeout(120)
 

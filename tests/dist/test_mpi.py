@@ -2,7 +2,7 @@
 loopback drafter), and the real thing: `mpirun -n 2 ... serve --parallel-draft` queried over
 loopback HTTP, its draft rank SIGKILLed mid-run, world sizes refused; and TensorRT-LLM leader
 mode: `mpirun -n 2 ... serve` of a bundle whose engines were built for tp 2, every rank
-driving the stand-in executor of tests/trtllm_stub.py (SPECBUILD_TEST_TRTLLM_BINDINGS).
+driving the stand-in executor of tests/helpers/trtllm_stub.py (SPECBUILD_TEST_TRTLLM_BINDINGS).
 
 Every wait is bounded; server process groups are killed in teardown.
 """
@@ -31,8 +31,8 @@ from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
 from specbuild.speculation.config import SpeculationConfig
-from http_client import get, metric, next_event, open_stream, post, stream, wait_until
-from tiny import draft_pair_bundle, make_tiny_hf, perturbed_copy
+from http_client import get, metric, next_event, post, stream, wait_until
+from tiny import draft_pair_bundle, make_tiny_hf
 
 pytestmark = pytest.mark.timeout(120)
 
