@@ -363,3 +363,21 @@ def test_paths_named_in_docstrings_and_comments_exist():
                 if why:
                     bad.append(f"  {rel}:{line + text.count(chr(10), 0, m.start())}: {m.group(1)}: {why}")
     assert not bad, "docstrings and comments name paths that are not in the repository:\n" + "\n".join(bad)
+
+
+def test_paths_named_in_documents_exist():
+    """The README's and docs/'s prose names only paths that exist (links are navigation, checked
+    by whoever renders them; CHANGELOG.md names old paths on purpose)."""
+    docs = os.path.join(ROOT, "docs")
+    pages = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(docs) if f.endswith(".md")) \
+        if os.path.isdir(docs) else ["README.md"]
+    link = re.compile(r"\[[^\]]*\]\([^)]*\)")
+    bad = []
+    for rel in pages:
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                for m in PATH_TOKEN.finditer(link.sub("", line)):
+                    why = path_problem(m.group(1).rstrip("."))
+                    if why:
+                        bad.append(f"  {rel}:{line_no}: {m.group(1)}: {why}")
+    assert not bad, "documents name paths that are not in the repository:\n" + "\n".join(bad)
