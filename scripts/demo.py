@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from importlib import resources
 
@@ -125,10 +126,16 @@ def main() -> None:
         return {"seconds": time.perf_counter() - t0, "tokens": res["stats"]["generated_tokens"],
                 "token_ids": res["token_ids"], "accepted": res["stats"].get("mean_accepted_tokens") or 1.0}
 
+    print(f"warming up {len(methods)} methods", file=sys.stderr, flush=True)
     for m in methods:  # warm-up: each method's first use (its drafter's buffers, a compiled graph's variants)
         one(chats[0], m, 8)
     load_start = loadavg()
-    runs = {(r, p, m): one(chats[p], m, args.max_tokens) for r, p, m in schedule(methods, len(chats), args.repeats)}
+    runs = {}
+    for r, p, m in schedule(methods, len(chats), args.repeats):
+        if not any(key[0] == r for key in runs):  # a round's first run
+            print(f"round {r + 1}/{args.repeats}: {len(chats)} prompts x {len(methods)} methods ({', '.join(methods)})",
+                  file=sys.stderr, flush=True)
+        runs[(r, p, m)] = one(chats[p], m, args.max_tokens)
     load_end = loadavg()
     fmt = target_format(engine, args.bundle, args.compile)
     print(f"\n{'method':8s} {'format':16s} {'tok/s':>7s} {'speedup':>8s} {'(min-max)':>12s} {'mean acc':>9s} "
