@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Copy Spec-Bench into the package and write its train/eval split (deterministic).
 
-    python scripts/make_spec_bench_split.py [--source ../shared/benchmarks/spec_bench] [--eval-fraction 0.5]
+    python scripts/make_spec_bench_split.py [--source SPEC_BENCH_DIR] [--eval-fraction 0.5]
 
 Writes specbuild/data/spec_bench/{question.jsonl, LICENSE, split.json}. The split is by
 question id, stratified by category (see specbuild.bench.specbench.make_split): rerunning it gives
-the same file byte for byte, and tests/test_bench.py checks the shipped split against it.
+the same file byte for byte, and tests/bench/test_bench.py checks the shipped split against it.
 """
 
 from __future__ import annotations

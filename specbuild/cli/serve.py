@@ -35,8 +35,8 @@ import threading
 
 import click
 
-from specbuild.cli.main import compile_option
-from specbuild.cli.telemetry import open_telemetry, telemetry_option
+from specbuild.cli.options import compile_option, shared, telemetry_option
+from specbuild.cli.telemetry import open_telemetry
 from specbuild.errors import SpecbuildError
 
 
@@ -44,15 +44,13 @@ from specbuild.errors import SpecbuildError
 @click.argument("bundle", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
 @click.option("--port", default=8000, show_default=True, type=int, help="TCP port (0: a free one).")
-@click.option("--max-batch-size", type=int, default=None, help="Most sequences per step [bundle limit].")
-@click.option("--max-queue", type=int, default=64, show_default=True,
-              help="Requests waiting for admission before new ones get HTTP 429.")
-@click.option("--threads", type=int, default=None, help="Torch CPU threads.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N (torch backend).")
-@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
-              help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch.")
+@shared("--max-batch-size")
+@shared("--max-queue", help="Requests waiting for admission before new ones get HTTP 429.")
+@shared("--threads")
+@shared("--device", help="cpu, cuda, cuda:N (torch backend).")
+@shared("--backend")
 @compile_option()
-@click.option("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens [enough for a full batch].")
+@shared("--kv-cache-tokens")
 @click.option("--prefill-chunk", type=int, default=256, show_default=True,
               help="Most prompt tokens per step, so long prompts do not stall running requests.")
 @click.option("--body-timeout", type=float, default=30.0, show_default=True,
@@ -67,7 +65,7 @@ from specbuild.errors import SpecbuildError
               help="Open sockets (capped by the open-file limit); beyond, the longest-idle one is closed.")
 @click.option("--max-inflight", type=int, default=1024, show_default=True,
               help="HTTP requests handled at once, streams included (503 beyond); idle sockets do not count.")
-@click.option("--model-name", default=None, help="Name in /v1/models and responses [the bundle directory's name].")
+@shared("--model-name", help="Name in /v1/models and responses [the bundle directory's name].")
 @click.option("--strict-fields", is_flag=True,
               help="Refuse unknown request fields with 400 (default: ignore them, log them and list them in the "
                    "x-specbuild-ignored-fields response header, as vLLM does).")

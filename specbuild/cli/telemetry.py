@@ -12,6 +12,9 @@ import time
 import click
 
 from specbuild.cli.main import user_errors
+from specbuild.cli.options import content_type_option, shared, telemetry_option
+
+__all__ = ["telemetry", "open_telemetry", "telemetry_option", "content_type_option"]  # the options: options.py
 
 
 class ReportGroup(click.Group):
@@ -21,19 +24,6 @@ class ReportGroup(click.Group):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
             args = ["report", *args]
         return super().parse_args(ctx, args)
-
-
-def telemetry_option(fn):
-    """--telemetry DB for the commands that run an engine (generate, serve, bench)."""
-    return click.option("--telemetry", "telemetry", default=None, metavar="DB",
-                        help="Record speculation sessions, steps and events into DB (a SQLite file, or a "
-                             "postgresql:// DSN) and start sequences from its gamma policies.")(fn)
-
-
-def content_type_option(fn):
-    return click.option("--content-type", "content_type", default=None,
-                        help="Content type for the gamma policy (code, structured, summarization, chat, or your "
-                             "own name) [default: classified from the prompt].")(fn)
 
 
 def open_telemetry(engine, target: str | None, source: str, run_id: str | None = None):
@@ -50,12 +40,22 @@ def telemetry() -> None:
     """Report on recorded speculation telemetry; manage gamma policies."""
 
 
+def model_option(default: str | None, help: str):
+    """--model: which model's telemetry (a filter, or '*' in a policy key)."""
+    return click.option("--model", default=default, show_default=default is not None, help=help)
+
+
+def policy_bounds(fn):
+    """--gamma-min/--gamma-max of a policy: the depths its sequences' controller may choose."""
+    fn = shared("--gamma-max", default=8, show_default=True, help="Most draft tokens the policy allows.")(fn)
+    return shared("--gamma-min", default=0, show_default=True, help="Fewest draft tokens (0 allows plain).")(fn)
+
+
 @telemetry.command("report")
 @click.argument("db")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--plot", "plot", type=click.Path(dir_okay=False), default=None,
-              help="Also draw the report into this PNG file.")
-@click.option("--model", default=None, help="Only this model id.")
+@shared("--json", help="Print the report as JSON.")
+@shared("--plot")
+@model_option(None, "Only this model id.")
 @click.option("--source", default=None, help="Only rows from generate, serve, bench or triton.")
 @click.option("--run-id", default=None, help="Only this bench run.")
 @click.option("--since-hours", type=float, default=None, help="Only steps of the last H hours.")
@@ -94,7 +94,7 @@ def policy_json(p) -> dict:
 
 @policy.command("list")
 @click.argument("db")
-@click.option("--json", "as_json", is_flag=True)
+@shared("--json")
 @user_errors
 def policy_list(db, as_json) -> None:
     """The stored policies."""
@@ -117,11 +117,10 @@ def policy_list(db, as_json) -> None:
 
 @policy.command("set")
 @click.argument("db")
-@click.option("--content-type", default="*", show_default=True, help="Content type ('*': every type).")
-@click.option("--model", default="*", show_default=True, help="Model id ('*': every model).")
+@shared("--content-type", default="*", show_default=True, help="Content type ('*': every type).")
+@model_option("*", "Model id ('*': every model).")
 @click.option("--method", default="*", show_default=True, help="Drafter ('*': every method).")
-@click.option("--gamma-min", type=int, default=0, show_default=True)
-@click.option("--gamma-max", type=int, default=8, show_default=True)
+@policy_bounds
 @click.option("--gamma-default", type=int, default=4, show_default=True, help="First draft length of a sequence.")
 @click.option("--alpha-threshold", type=float, default=0.3, show_default=True,
               help="Acceptance below which speculation is switched off (after --collapse-steps steps).")
@@ -160,13 +159,12 @@ def policy_set(db, content_type, model, method, gamma_min, gamma_max, gamma_defa
 
 @policy.command("learn")
 @click.argument("db")
-@click.option("--model", default=None, help="Only this model id [default: every model in the store].")
-@click.option("--gamma-min", type=int, default=0, show_default=True)
-@click.option("--gamma-max", type=int, default=8, show_default=True)
+@model_option(None, "Only this model id [default: every model in the store].")
+@policy_bounds
 @click.option("--min-steps", type=int, default=32, show_default=True,
               help="Fewest speculating steps a (model, content type, method) needs to be fitted.")
 @click.option("--dry-run", is_flag=True, help="Print the fitted policies without storing them.")
-@click.option("--json", "as_json", is_flag=True)
+@shared("--json")
 @user_errors
 def policy_learn(db, model, gamma_min, gamma_max, min_steps, dry_run, as_json) -> None:
     """Fit gamma_default, alpha_threshold and prior_alpha per content type from recorded steps."""

@@ -13,19 +13,18 @@ import sys
 import click
 
 from specbuild.errors import SpecbuildError
-from specbuild.cli.main import compile_option
+from specbuild.cli.options import compile_option, shared
 
 
 @click.command()
 @click.argument("bundle", type=click.Path())
-@click.option("--out", required=True, type=click.Path(), help="Model repository directory (created).")
-@click.option("--model-name", default="specbuild", show_default=True, help="Triton model name.")
-@click.option("--max-queue", type=int, default=64, show_default=True,
-              help="Requests waiting for admission before new ones get an UNAVAILABLE error.")
-@click.option("--max-batch-size", type=int, default=None, help="Most sequences per step [bundle limit].")
-@click.option("--threads", type=int, default=None, help="Torch CPU threads in the model instance.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
-@click.option("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens [enough for a full batch].")
+@shared("--out", decls=("--out", "out"), help="Model repository directory (created).")
+@shared("--model-name", default="specbuild", show_default=True, help="Triton model name.")
+@shared("--max-queue", help="Requests waiting for admission before new ones get an UNAVAILABLE error.")
+@shared("--max-batch-size")
+@shared("--threads", help="Torch CPU threads in the model instance.")
+@shared("--device")
+@shared("--kv-cache-tokens")
 @compile_option()
 @click.option("--python-env", type=click.Path(), default=None,
               help="Environment (with bin/activate) the backend stub runs in (EXECUTION_ENV_PATH); "
@@ -34,12 +33,10 @@ from specbuild.cli.main import compile_option
               help="Also write <name>_plain, a non-decoupled front for unary HTTP/gRPC infer.")
 @click.option("--plain-instances", type=int, default=2, show_default=True,
               help="Instances of <name>_plain (concurrent unary requests).")
-@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "torch", "tensorrt-llm"]),
-              help="auto: TensorRT-LLM where the bundle's engines are built and it runs there, else torch.")
+@shared("--backend", help="auto: TensorRT-LLM where the bundle's engines are built and it runs there, else torch.")
 @click.option("--engine-factory", default="specbuild.backends.select:open_engine", show_default=True,
               help="module:callable that builds the engine from (bundle, EngineConfig) (--backend: default only).")
-@click.option("--telemetry", default=None, metavar="DB",
-              help="The engine model records speculation telemetry into DB (SQLite file or postgresql:// DSN).")
+@shared("--telemetry", help="The engine model records speculation telemetry into DB (SQLite file or postgresql:// DSN).")
 @click.option("--triton-max-batch-size", type=int, default=64, show_default=True,
               help="config.pbtxt's max_batch_size: > 0 takes [batch, 1] tensors as TensorRT-LLM's ensemble does; "
                    "0 writes the older [1] layout.")

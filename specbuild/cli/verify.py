@@ -6,7 +6,8 @@ import json
 
 import click
 
-from specbuild.cli.main import compile_option, user_errors
+from specbuild.cli.main import user_errors
+from specbuild.cli.options import compile_option, shared
 
 
 @click.command()
@@ -15,19 +16,18 @@ from specbuild.cli.main import compile_option, user_errors
               help="Comma-separated methods to check [default: every drafter the bundle has].")
 @click.option("--samples", default=600, show_default=True, type=int, help="Speculative samples per setting.")
 @click.option("--temperatures", default="1.0,0.7", show_default=True, help="Comma-separated temperatures.")
-@click.option("--top-k", default=3, show_default=True, type=int,
-              help="Small top-k so the exact joint distribution can be enumerated.")
+@shared("--top-k", default=3, show_default=True, help="Small top-k so the exact joint distribution can be enumerated.")
 @click.option("--tokens", "n_tokens", default=3, show_default=True, type=int, help="Generated tokens compared jointly.")
-@click.option("--gamma", default=4, show_default=True, type=int, help="Fixed draft length during the check.")
-@click.option("--prompt", "prompts", multiple=True, help="Prompts [default: two built-in repetitive prompts].")
-@click.option("--chat", is_flag=True, help="Render each prompt as a user turn in the bundle's chat template.")
+@shared("--gamma", default=4, show_default=True, help="Fixed draft length during the check.")
+@shared("--prompt", help="Prompts [default: two built-in repetitive prompts].")
+@shared("--chat")
 @click.option("--alpha", default=0.01, show_default=True, type=float, help="Family-wise level (Holm).")
 @click.option("--min-accepted", default=20, show_default=True, type=int,
               help="Accepted drafts a setting needs; below it the setting is inconclusive, not passed.")
-@click.option("--seed", default=1234, show_default=True, type=int)
-@click.option("--threads", type=int, default=None)
+@shared("--seed", default=1234)
+@shared("--threads")
 @compile_option()
-@click.option("--json", "as_json", is_flag=True)
+@shared("--json")
 @user_errors
 def verify(bundle, methods, samples, temperatures, top_k, n_tokens, gamma, prompts, chat, alpha, min_accepted, seed,
            threads, compile_, as_json):

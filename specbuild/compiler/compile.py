@@ -65,7 +65,7 @@ class CompileOptions:
 def write_role(bundle_dir: str, role: str, ckpt: Checkpoint, dtype: str,
                options: CompileOptions | None = None) -> dict[str, Any]:
     """Write <bundle>/<role>/model.json + weights.safetensors (+ quant.json when a weight
-    is quantized or in another dtype, see build/quantize.py); return the role's entry."""
+    is quantized or in another dtype, see compiler/quantize.py); return the role's entry."""
     from specbuild.compiler.quantize import quantize_role
 
     role_dir = os.path.join(bundle_dir, role)

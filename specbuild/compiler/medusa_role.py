@@ -12,7 +12,7 @@ Accepted inputs (a file, or a directory holding one of them):
 - specbuild's own `train-medusa` output, which omits the lm_head of heads that share the
   target's (config.json `shared_lm_head: true`).
 
-In the bundle (`medusa/`, see runtime/medusa_heads.py) an lm_head equal to the target's
+In the bundle (`medusa/`, see speculation/medusa_heads.py) an lm_head equal to the target's
 (after rounding both to the coarser dtype) is not stored: bundle.json's medusa role
 records `shares: {"{h}.{L}.weight": "target/lm_head"}` (`target/embed` when tied).
 `export_medusa` writes standalone heads with their own lm_head copies.

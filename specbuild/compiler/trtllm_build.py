@@ -11,7 +11,7 @@ so the bundle can move):
       checkpoints/draft/       same, for a separate draft model
       engines/target/ ...      written by trtllm-build
 
-Flags (shared/reference/tensorrt-llm.md §2, examples/draft_target_model/README.md and
+Flags (TensorRT-LLM v0.19's build documentation, examples/draft_target_model/README.md and
 examples/medusa/README.md of NVIDIA/TensorRT-LLM): every role gets --max_batch_size,
 --max_seq_len and --max_input_len (= max_seq_len, so the build never sees the default 1024
 above a shorter max_seq_len); Medusa: --speculative_decoding_mode medusa (max_draft_len is

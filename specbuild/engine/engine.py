@@ -130,7 +130,7 @@ def attach_format_plans(model: Decoder, max_draft_len: int) -> None:
 def shared_draft_weights(bundle_dir: str, role: dict, weights: dict, target_w: dict) -> tuple[dict, torch.Tensor | None]:
     """A draft role's weights with its `shares` filled in from the target's (the same
     tensors, not copies; with a `vocab_map` the output layer is the shared tensor's rows at
-    those ids) and its vocab_map ([N] target ids) or None. See build/draft_role.py."""
+    those ids) and its vocab_map ([N] target ids) or None. See compiler/draft_role.py."""
     from specbuild.model.qlinear import as_dense
 
     vocab_map = None

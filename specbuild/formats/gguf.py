@@ -15,7 +15,7 @@ from specbuild.errors import CheckpointError
 from specbuild.formats.layout import Checkpoint, check_tensors
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
-RAW_KEPT = ("Q4_1", "Q8_0")  # quantized types whose raw blocks build/quantize.py can carry
+RAW_KEPT = ("Q4_1", "Q8_0")  # quantized types whose raw blocks compiler/quantize.py can carry
 
 LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",

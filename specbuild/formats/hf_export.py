@@ -3,7 +3,7 @@ model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json
 
 What reads it: TensorRT-LLM's LLM API on the PyTorch backend, which loads Hugging Face
 directories only (`LLM(model=<dir>)`; no checkpoint conversion, see
-docs/source/legacy/tensorrt-backend-removal.md in NVIDIA/TensorRT-LLM), so a bundle compiled
+NVIDIA/TensorRT-LLM/docs/source/legacy/tensorrt-backend-removal.md), so a bundle compiled
 with `--backend tensorrt-llm` carries its target (and draft) in this form under trtllm/hf/.
 The config keys are the ones transformers' LlamaConfig / Qwen2Config take, and `read_hf_dir`
 reads the directory back to the same ModelConfig, tensors and special tokens (tested).

@@ -2,7 +2,7 @@
 
 A TensorRT-LLM checkpoint (the input of `trtllm-build`) is a directory with `config.json`
 and `rank{N}.safetensors`, N = 0 .. tp * pp - 1, each file holding that rank's shards
-only (shared/reference/tensorrt-llm.md §1). What this module matches, and where it was
+only (read at v0.19). What this module matches, and where it was
 read (NVIDIA/TensorRT-LLM, Apache-2.0; formats only, no code taken):
 
 - names and tp splits: `tensorrt_llm/models/llama/convert.py` (`load_weights_from_hf_model`)

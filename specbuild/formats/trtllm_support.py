@@ -7,8 +7,8 @@ where the file says so); no run on a real TensorRT-LLM has checked them here.
 
 - Two paths. The engine path (checkpoint -> `trtllm-build` -> `tensorrt_llm.bindings.executor`)
   is what `formats/trtllm_checkpoint.py`, `compiler/trtllm_build.py` and
-  `backends/tensorrt_llm.py` drive; it was read at v0.19 (reference/tensorrt-llm.md) and is gone
-  from main after v1.2.x (`docs/source/legacy/tensorrt-backend-removal.md`, commit 335107a7:
+  `backends/tensorrt_llm.py` drive; it was read at v0.19 and is gone
+  from main after v1.2.x (`NVIDIA/TensorRT-LLM/docs/source/legacy/tensorrt-backend-removal.md`, commit 335107a7:
   no `trtllm-build`, no `TrtLlmArgs`, PyTorch the sole backend). The LLM API on the PyTorch
   backend (`backends/tensorrt_llm_api.py`) needs 1.0 or later: in the 1.x `llmapi/llm_args.py`
   files read (those with DraftTargetDecodingConfig/Eagle3DecodingConfig) `LlmArgs =

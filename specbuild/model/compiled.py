@@ -1,8 +1,8 @@
 """The decoder's layer stack compiled with torch.compile (inductor), opt-in.
 
 Why: on a 2-core CPU an eager SmolLM2-135M int4 step is ~45% op overhead (about 1,500
-small ops at 1-2 us each around 121 linear kernels; profile in the pass-cost issue's
-closing note). Inductor fuses the glue between the linears (norms, rope, residual adds,
+small ops at 1-2 us each around 121 linear kernels; docs/benchmarks.md has the profile).
+Inductor fuses the glue between the linears (norms, rope, residual adds,
 SiLU, the dtype casts) into a few generated C++ loops and calls the linear kernels
 (int4/int8 weight-only, oneDNN bfloat16) as they are.
 

@@ -454,7 +454,7 @@ def _device(q: QLinear) -> torch.device:
 
 # ---- load: bundle tensors -> QLinear objects ---------------------------------------------------
 def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = True) -> dict:
-    """weights.safetensors' tensors + quant.json (build/quantize.py) -> the decoder's weight
+    """weights.safetensors' tensors + quant.json (compiler/quantize.py) -> the decoder's weight
     dict: plain tensors as they are, every other weight a QLinear (packed here), quantized
     ones with the dense copies quant.json's `formats` names. `check` runs each kind of fast
     path once against its reference (a torch whose packed layout differs fails here)."""

@@ -4,7 +4,7 @@ A tree is a set of *paths*: each path lists, per depth, the top-k rank of the gu
 taken at that depth (`[0, 1]` = the best first guess, then the second-best guess after
 it). The root (the last accepted token) is implicit. Node order, the ancestor mask and
 TensorRT-LLM's packed int32 mask follow the GPT attention plugin's rules
-(shared/reference/tensorrt-llm.md §3) exactly:
+(TensorRT-LLM v0.19, `spec_decoding_*` inputs) exactly:
 
 - row 0 is the root; nodes 1..n are the paths sorted by (len, 4-bit packed prefix,
   first level most significant): breadth-first, lexicographic within a depth;

@@ -8,7 +8,7 @@
    all): `<out>/hidden_<split>.safetensors`. Only these rows are ever used at run time.
 3. The heads train on these frozen hidden states: the row at position t feeds head k,
    whose target is token t + 2 + k (FasterDecoding's convention; see
-   runtime/proposers/medusa.py), only where that token is part of the answer. Loss =
+   speculation/proposers/medusa.py), only where that token is part of the answer. Loss =
    sum_k 0.8^k * CE_k (hard labels: the target's tokens) or KL to the target's own
    distribution at t + 1 + k (soft labels, computed on the fly from the cached hidden
    states through the frozen lm_head). AdamW, warmup + cosine; the frozen lm_head matmul

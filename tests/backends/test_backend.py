@@ -5,7 +5,7 @@
                        for the LLM API (tests/helpers/trtllm_api_stub.py), specbuild's prompt
                        lookup drafting through UserProvidedDecodingConfig
     tensorrt-llm-stub  TrtllmEngine (the real adapter code) driving a stand-in for
-                       `tensorrt_llm.bindings.executor` (tests/trtllm_stub.py): greedy only, its tokens
+                       `tensorrt_llm.bindings.executor` (tests/helpers/trtllm_stub.py): greedy only, its tokens
                        from the torch engine, its request/response shapes those of the
                        documented executor API. It checks the adapter's logic (draft rounds,
                        streaming, stats, abort, limits, leader mode), NOT TensorRT-LLM.
@@ -104,7 +104,7 @@ def medusa_bundle(hf_pair, stub_bundle, tmp_path_factory) -> str:
     return out
 
 
-# ---- a stand-in for tensorrt_llm.bindings.executor (tests/trtllm_stub.py) ---------------------------
+# ---- a stand-in for tensorrt_llm.bindings.executor (tests/helpers/trtllm_stub.py) ---------------------------
 @pytest.fixture()
 def stub_trtllm(monkeypatch):
     executor = stub_module()

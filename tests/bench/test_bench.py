@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from specbuild.bench import specbench as B
-from specbuild.cli.bench import BenchConfig, copy_bandwidth, floor_summary, resolve_methods
+from specbuild.bench.run import BenchConfig, copy_bandwidth, floor_summary, resolve_methods
 
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "benchmarks", "spec_bench", "question.jsonl")
 

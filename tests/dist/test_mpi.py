@@ -2,7 +2,7 @@
 loopback drafter), and the real thing: `mpirun -n 2 ... serve --parallel-draft` queried over
 loopback HTTP, its draft rank SIGKILLed mid-run, world sizes refused; and TensorRT-LLM leader
 mode: `mpirun -n 2 ... serve` of a bundle whose engines were built for tp 2, every rank
-driving the stand-in executor of tests/trtllm_stub.py (SPECBUILD_TEST_TRTLLM_BINDINGS).
+driving the stand-in executor of tests/helpers/trtllm_stub.py (SPECBUILD_TEST_TRTLLM_BINDINGS).
 
 Every wait is bounded; server process groups are killed in teardown.
 """

@@ -36,7 +36,7 @@ class _Rec(types.SimpleNamespace):
 
 
 _ORACLES: dict[str, TorchEngine] = {}
-STUB_VERSION = "0.19.0"  # the release whose executor API the stand-in follows (reference/tensorrt-llm.md)
+STUB_VERSION = "0.19.0"  # the release whose executor API the stand-in follows
 
 
 def oracle(bundle: str, ids: list[int], n: int) -> list[int]:

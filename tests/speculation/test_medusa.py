@@ -21,7 +21,7 @@ from specbuild.speculation.medusa_heads import MedusaHeads, load_medusa, referen
 from specbuild.speculation.proposers.medusa import MedusaProposer
 from specbuild.speculation.state import SpecState
 
-HIDDEN, VOCAB = 64, 320  # tests/tiny.py defaults
+HIDDEN, VOCAB = 64, 320  # tests/helpers/tiny.py defaults
 
 
 def fd_heads(num_heads: int, num_layers: int, lm_heads: dict[int, torch.Tensor] | None = None,

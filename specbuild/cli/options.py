@@ -1,0 +1,107 @@
+"""Every command-line option more than one command takes, declared once.
+
+A command names a shared option with `shared("--threads")` and may change only what really
+differs between commands (its default, a sentence of help); the option's name, type and
+meaning live here. `tests/cli/test_options.py` refuses a second `click.option` declaration of
+any option name in specbuild/cli/ (the few names that mean different things in different
+commands are listed there with the reason).
+
+Imports only click, so every cli module may use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+BACKENDS = ["auto", "torch", "tensorrt-llm"]
+
+# flag -> click.option keyword arguments ("decls": the declarations when they are not just the flag)
+SHARED: dict[str, dict[str, Any]] = {
+    # opening an engine
+    "--threads": dict(type=int, default=None, help="Torch CPU threads."),
+    "--device": dict(default="cpu", show_default=True, help="cpu, cuda, cuda:N."),
+    "--backend": dict(default="auto", show_default=True, type=click.Choice(BACKENDS),
+                      help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch."),
+    "--compile": dict(decls=("--compile", "compile_"), is_flag=True,
+                      help="Torch backend, CPU: run the layer stack compiled (torch.compile; a compile at load, "
+                           "cached on disk)."),
+    "--max-batch-size": dict(type=int, default=None, help="Most sequences per step [bundle limit]."),
+    "--kv-cache-tokens": dict(type=int, default=None, help="KV cache size in tokens [enough for a full batch]."),
+    "--max-queue": dict(type=int, default=64, show_default=True,
+                        help="Requests waiting for admission before new ones are refused."),
+    "--telemetry": dict(decls=("--telemetry", "telemetry"), default=None, metavar="DB",
+                        help="Record speculation sessions, steps and events into DB (a SQLite file, or a "
+                             "postgresql:// DSN) and start sequences from its gamma policies."),
+    "--content-type": dict(decls=("--content-type", "content_type"), default=None,
+                           help="Content type for the gamma policy (code, structured, summarization, chat, or your "
+                                "own name) [default: classified from the prompt]."),
+    # prompts and speculation
+    "--prompt": dict(decls=("--prompt", "prompts"), multiple=True, help="Prompt text (repeatable)."),
+    "--chat": dict(is_flag=True, help="Render each prompt as a user turn in the bundle's chat template."),
+    "--gamma": dict(type=int, default=None, help="Draft length; alone it fixes the depth."),
+    "--gamma-min": dict(type=int, default=None, help="Lower bound of the dynamic depth (0 allows plain)."),
+    "--gamma-max": dict(type=int, default=None, help="Upper bound of the dynamic depth."),
+    "--tree": dict(default=None, help="Medusa token tree: preset name or JSON file."),
+    "--seed": dict(type=int, default=0, show_default=True, help="Random seed."),
+    "--max-tokens": dict(type=int, default=None, help="Most tokens to generate [bundle default: 128]."),
+    "--temperature": dict(type=float, default=None, help="0 = greedy [bundle default: 0]."),
+    "--top-k": dict(type=int, default=None, help="Keep the k most likely tokens (0 = off)."),
+    # output
+    "--json": dict(decls=("--json", "as_json"), is_flag=True, help="Machine-readable output (JSON)."),
+    "--out": dict(decls=("--out", "out_dir"), required=True, type=click.Path(), help="Directory to write."),
+    "--no-progress": dict(is_flag=True, help="No progress bar on stderr."),
+    "--plot": dict(type=click.Path(dir_okay=False), default=None, help="Also draw the report into this PNG file."),
+    "--model-name": dict(default=None, help="The model's name [the bundle directory's name]."),
+    # training
+    "--data": dict(decls=("--data", "data_path"), default=None, type=click.Path(),
+                   help="Spec-Bench-style jsonl ({\"turns\": [...]} or {\"prompt\": ...}) [default: the packaged "
+                        "Spec-Bench]. Its train split is used when the package's split covers its question ids, "
+                        "else a seeded 90/10 split."),
+    "--draft-vocab": dict(type=int, default=8192, show_default=True,
+                          help="Output tokens: the N most frequent target tokens of the training text."),
+    "--max-prompts": dict(type=int, default=128, show_default=True, help="Training prompts (seeded sample)."),
+    "--eval-prompts": dict(type=int, default=12, show_default=True, help="Held-out prompts for the report."),
+    "--max-answer-tokens": dict(type=int, default=128, show_default=True, help="Tokens per target answer."),
+    "--max-prompt-tokens": dict(type=int, default=512, show_default=True, help="Longer prompts are skipped."),
+    "--epochs": dict(type=float, default=4.0, show_default=True, help="Passes over the training positions."),
+    "--steps": dict(type=int, default=None, help="Optimizer steps [default: --epochs over the positions]."),
+    "--lr": dict(type=float, default=3e-4, show_default=True, help="AdamW peak learning rate."),
+    "--train-minutes": dict(type=float, default=None, help="Stop training after this long (then save)."),
+    "--checkpoint-minutes": dict(type=float, default=5.0, show_default=True, help="Checkpoint interval."),
+    "--resume": dict(is_flag=True, help="Continue from the answers, hidden states and checkpoint in --out."),
+}
+
+
+def shared(flag: str, *, help_extra: str = "", **overrides: Any):
+    """The click option `flag` as SHARED declares it, with this command's `overrides` (default,
+    help, ...) and `help_extra` appended to its help."""
+    if flag not in SHARED:
+        raise KeyError(f"{flag} is not a shared option; declare it in specbuild/cli/options.py")
+    spec = {**SHARED[flag], **overrides}
+    decls = spec.pop("decls", (flag,))
+    if help_extra:
+        spec["help"] = (spec.get("help") or "") + help_extra
+    return click.option(*decls, **spec)
+
+
+def compile_option(extra: str = ""):
+    """`--compile` (EngineConfig.compile) as every command that opens an engine takes it."""
+    return shared("--compile", help_extra=extra)
+
+
+def telemetry_option(fn):
+    """--telemetry DB for the commands that run an engine (generate, serve, bench, triton-repo)."""
+    return shared("--telemetry")(fn)
+
+
+def content_type_option(fn):
+    return shared("--content-type")(fn)
+
+
+def gamma_options(fn):
+    """--gamma, --gamma-min, --gamma-max (SpeculationConfig's depth fields)."""
+    for flag in ("--gamma-max", "--gamma-min", "--gamma"):
+        fn = shared(flag)(fn)
+    return fn
