@@ -15,9 +15,10 @@
 // per group of G inputs: G/8 "octets" of 64 bytes, then 16 scales and 16 zeros (bf16 or fp32).
 // Octet o covers inputs 8o..8o+7 of the group as 32 16-bit words: word 2c holds column c's
 // inputs 8o, 8o+2, 8o+4, 8o+6 (nibbles 0..3, low first), word 2c+1 its inputs 8o+1, 8o+3,
-// 8o+5, 8o+7. weight = (v - 8) * scale + zero. Per group the kernel forms d = sum_k x_k v_k
-// and sx = sum_k x_k (fp32, fixed order) and adds d * scale + sx * (zero - 8 * scale) to the
-// output's accumulator: the same value up to fp32 rounding, one multiply-add per weight and row.
+// 8o+5, 8o+7. weight = (v - 8) * scale + zero. The AVX-512 BF16 path (bfloat16 inputs) forms
+// per group d = sum_k x_k v_k and sx = sum_k x_k (fp32, fixed order) and adds d * scale +
+// sx * (zero - 8 * scale) to the output's accumulator (the same value up to fp32 rounding);
+// the AVX2 path (also every float32 input) dequantises each weight as the reference does.
 //
 // int8 layout: per block of 16 output columns, K rows of 16 int8 values, then 16 fp32 scales.
 // out = scale * sum_k x_k q_k.
@@ -117,58 +118,53 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,fma"))) void int4_ti
 }
 
 // ---------------------------------------------------------------- int4, AVX2 + FMA ----------
-// R rows, one block (two halves of 8 columns), fp32 multiply-adds of the exact values v;
-// two chains per (row, half). Dword c of an octet's half holds column c's eight inputs: the
-// nibble at bits 4j is input 2j, at bits 16 + 4j input 2j + 1.
+// R rows, one block (two halves of 8 columns), fp32: each weight dequantised as the reference
+// does it, (v - 8) * scale + zero in one rounding (so float32 inputs give the reference's
+// products), then one multiply-add per row into two chains per (row, half) (even and odd
+// inputs). Dword c of an octet's half holds column c's eight inputs: the nibble at bits 4j
+// is input 2j, at bits 16 + 4j input 2j + 1.
 template <int R, bool F32S>
 __attribute__((target("avx2,fma"))) void int4_rows_avx2(const uint8_t* w, int64_t grp_bytes, int ngroups, int G,
-                                                        const float* x, int64_t K, const float* sx,
-                                                        float* out /* [R][16] */) {
-  const __m256i nib = _mm256_set1_epi32(0xf);
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+                                                        const float* x, int64_t K, float* out /* [R][16] */) {
+  const __m256i nib = _mm256_set1_epi32(0xf), eight = _mm256_set1_epi32(8);
+  __m256 a0[R][2], a1[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) a0[r][h] = a1[r][h] = _mm256_setzero_ps();
   const int octets = G / 8;
   for (int g = 0; g < ngroups; ++g) {
-    __m256 ga[R][2], gb[R][2];
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) ga[r][h] = gb[r][h] = _mm256_setzero_ps();
+    const uint8_t* sp = w + g * grp_bytes + octets * 64;
+    __m256 s[2], z[2];
+    for (int h = 0; h < 2; ++h) {
+      if (F32S) {
+        s[h] = _mm256_loadu_ps((const float*)sp + 8 * h);
+        z[h] = _mm256_loadu_ps((const float*)sp + COLS + 8 * h);
+      } else {
+        s[h] = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(sp + 16 * h))), 16));
+        z[h] = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(sp + 32 + 16 * h))), 16));
+      }
+    }
     for (int o = 0; o < octets; ++o) {
       for (int h = 0; h < 2; ++h) {
         const __m256i d = _mm256_loadu_si256((const __m256i*)(w + g * grp_bytes + o * 64 + h * 32));
         for (int j = 0; j < 4; ++j) {
-          const __m256 ve = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 4 * j), nib));
-          const __m256 vo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 16 + 4 * j), nib));
+          const __m256i ie = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(d, 4 * j), nib), eight);
+          const __m256i io = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(d, 16 + 4 * j), nib), eight);
+          const __m256 we = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ie), s[h], z[h]);
+          const __m256 wo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(io), s[h], z[h]);
           for (int r = 0; r < R; ++r) {
             const float* xr = x + r * K + g * G + 8 * o + 2 * j;
-            ga[r][h] = _mm256_fmadd_ps(ve, _mm256_broadcast_ss(xr), ga[r][h]);
-            gb[r][h] = _mm256_fmadd_ps(vo, _mm256_broadcast_ss(xr + 1), gb[r][h]);
+            a0[r][h] = _mm256_fmadd_ps(we, _mm256_broadcast_ss(xr), a0[r][h]);
+            a1[r][h] = _mm256_fmadd_ps(wo, _mm256_broadcast_ss(xr + 1), a1[r][h]);
           }
         }
       }
     }
-    const uint8_t* sp = w + g * grp_bytes + octets * 64;
-    for (int h = 0; h < 2; ++h) {
-      __m256 s, z;
-      if (F32S) {
-        s = _mm256_loadu_ps((const float*)sp + 8 * h);
-        z = _mm256_loadu_ps((const float*)sp + COLS + 8 * h);
-      } else {
-        s = _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(sp + 16 * h))), 16));
-        z = _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(sp + 32 + 16 * h))), 16));
-      }
-      const __m256 m = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z);
-      for (int r = 0; r < R; ++r) {
-        const __m256 t = _mm256_add_ps(ga[r][h], gb[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(t, s, acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * ngroups + g]), acc[r][h]);
-      }
-    }
   }
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + r * COLS, acc[r][0]);
-    _mm256_storeu_ps(out + r * COLS + 8, acc[r][1]);
+    _mm256_storeu_ps(out + r * COLS, _mm256_add_ps(a0[r][0], a1[r][0]));
+    _mm256_storeu_ps(out + r * COLS + 8, _mm256_add_ps(a0[r][1], a1[r][1]));
   }
 }
 
@@ -325,8 +321,7 @@ void int4_avx512(const at::Tensor& x, const uint8_t* w, int64_t nblocks, int64_t
 }
 
 template <bool F32S>
-void int4_avx2(const at::Tensor& xf, const uint8_t* w, int64_t nblocks, int64_t N, int64_t G, const float* sx,
-               at::Tensor& out) {
+void int4_avx2(const at::Tensor& xf, const uint8_t* w, int64_t nblocks, int64_t N, int64_t G, at::Tensor& out) {
   const int64_t T = xf.size(0), K = xf.size(1), ng = K / G;
   const int64_t grp = G * 8 + COLS * 2 * (F32S ? 4 : 2), blk = grp * ng;
   const float* xp = xf.data_ptr<float>();
@@ -336,10 +331,9 @@ void int4_avx2(const at::Tensor& xf, const uint8_t* w, int64_t nblocks, int64_t 
       for (int64_t t0 = 0; t0 < T; ) {
         const int R = std::min(row_tile(T - t0), 4);
         const float* xr = xp + t0 * K;
-        const float* sr = sx + t0 * ng;
-        if (R == 4) int4_rows_avx2<4, F32S>(w + b * blk, grp, ng, G, xr, K, sr, tile);
-        else if (R == 2) int4_rows_avx2<2, F32S>(w + b * blk, grp, ng, G, xr, K, sr, tile);
-        else int4_rows_avx2<1, F32S>(w + b * blk, grp, ng, G, xr, K, sr, tile);
+        if (R == 4) int4_rows_avx2<4, F32S>(w + b * blk, grp, ng, G, xr, K, tile);
+        else if (R == 2) int4_rows_avx2<2, F32S>(w + b * blk, grp, ng, G, xr, K, tile);
+        else int4_rows_avx2<1, F32S>(w + b * blk, grp, ng, G, xr, K, tile);
         write_out(tile, R, 1, t0, b * COLS, N, out);
         t0 += R;
       }
@@ -365,14 +359,14 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
   at::Tensor out = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return out;
   at::Tensor xf = x.to(at::kFloat).contiguous();
-  std::vector<float> sx = group_sums(xf, G);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   if (isa == ISA_AVX512 && x.scalar_type() == at::kBFloat16) {
+    std::vector<float> sx = group_sums(xf, G);
     if (f32_scales) int4_avx512<true>(x, w, nblocks, N, G, sx.data(), out);
     else int4_avx512<false>(x, w, nblocks, N, G, sx.data(), out);
   } else {
-    if (f32_scales) int4_avx2<true>(xf, w, nblocks, N, G, sx.data(), out);
-    else int4_avx2<false>(xf, w, nblocks, N, G, sx.data(), out);
+    if (f32_scales) int4_avx2<true>(xf, w, nblocks, N, G, out);
+    else int4_avx2<false>(xf, w, nblocks, N, G, out);
   }
   return out;
 }

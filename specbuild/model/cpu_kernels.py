@@ -17,7 +17,7 @@ the design and the measurements.
     int4_mm / int8_mm        the ops (torch.ops.specbuild_cpu.*; opaque to torch.compile)
 
 Build: the C++ source is compiled once per (torch version, source, compiler) into
-cache_dir()/kernels/<key>/ with the compiler `--compile` already needs ($CXX, else c++/g++),
+kernel_dir()/<key>/ with the compiler `--compile` already needs ($CXX, else c++/g++),
 against torch's headers and its own OpenMP runtime, and loaded with torch.ops.load_library.
 (torch.utils.cpp_extension.load would need the ninja build tool; the one command it would run
 is run here directly.) Without a compiler, or when the build fails, the int4/int8 formats run
@@ -79,18 +79,24 @@ def build_key(cxx: str) -> str:
     return f"torch{torch.__version__.replace('+', '_')}-{h.hexdigest()[:16]}"
 
 
+def kernel_dir() -> str:
+    """Where built kernels are kept: $SPECBUILD_KERNEL_DIR, else $XDG_CACHE_HOME/specbuild/kernels,
+    else ~/.cache/specbuild/kernels (apart from the cost cache: a build is keyed by its inputs
+    and never goes stale, so tests that give the cost cache a fresh directory share it)."""
+    return os.environ.get("SPECBUILD_KERNEL_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "specbuild", "kernels")
+
+
 def build(cxx: str | None = None) -> str:
     """Compile cpu_kernels.cpp (once per key) and return the shared library's path; raises
     KernelBuildError with the compiler's message when there is no compiler or it fails."""
     from torch.utils import cpp_extension
 
-    from specbuild.model.costcache import cache_dir
-
     cxx = cxx or _compiler()
     if cxx is None:
         raise KernelBuildError("no C++ compiler found ($CXX, c++, g++ or clang++): specbuild's CPU kernels need one "
                                "(the same one `--compile` uses); install g++ or set CXX")
-    out_dir = os.path.join(cache_dir(), "kernels", build_key(cxx))
+    out_dir = os.path.join(kernel_dir(), build_key(cxx))
     lib = os.path.join(out_dir, "specbuild_cpu.so")
     if os.path.exists(lib):
         return lib
