@@ -99,7 +99,12 @@ class Speculator:
                "machine": machine_key(self.target.device), "target": model_fingerprint(self.target),
                "drafters": {name: model_fingerprint(prop.model) for name, prop in drafters.items()},
                "levels": {name: prop.cost_key() for name, prop in levels.items()}}
-        measured, cached = cached_costs(key, measure)
+        def check(cached: dict) -> str | None:  # one live width-1 forward against the cached cost
+            live = forward_costs(self.target, self.cache, [1], repeats=1)[1]["min_ms"] / 1e3
+            then = float(cached["verify"]["1"])
+            return f"cached width-1 cost {then * 1e3:.2f} ms, live {live * 1e3:.2f} ms" if then > 2 * live else None
+
+        measured, cached = cached_costs(key, measure, timing=True, check=check)
         if cached:  # no forwards ran: set the kernels up now, not in the first request
             warm_up(self.target, self.cache, widths)
             for prop in drafters.values():
