@@ -97,6 +97,18 @@ def test_rows_are_invariant_to_width_and_position(kind, act):
                 assert torch.equal(run(x[start:start + w], level), alone[start:start + w]), (level, w, start)
 
 
+def test_the_int8_paths_give_the_same_bits():
+    """The AVX-512 int8 code runs one-row tiles through the AVX2 code; that is safe only
+    because both do the same operations per output element."""
+    if 2 not in levels():
+        pytest.skip("needs AVX-512 BF16")
+    q, scales = quantize_int8(torch.randn(200, 577), torch.bfloat16)
+    packed = cpu_kernels.repack_int8(q, scales)
+    for act in (torch.bfloat16, torch.float32):
+        x = torch.randn(17, 577).to(act)
+        assert torch.equal(cpu_kernels.int8_mm(x, packed, 200, 1), cpu_kernels.int8_mm(x, packed, 200, 2))
+
+
 def test_bad_inputs_name_the_value():
     levels()
     q, scales, zeros, _ = int4_case(32, 64, 32, torch.bfloat16)
