@@ -88,7 +88,9 @@ class Server(ServerProcess):
         env = dict(os.environ)
         env["PYTHONPATH"] = pythonpath or env.get("PYTHONPATH", REPO)
         env.setdefault("GOMP_SPINCOUNT", "10000")
-        super().__init__(bundle, log_path, "--max-batch-size", "8", *extra, env=env, timeout=120)
+        # cwd: `python -c` puts it first on sys.path, ahead of PYTHONPATH (an older tree's code must win)
+        super().__init__(bundle, log_path, "--max-batch-size", "8", *extra, env=env, timeout=120,
+                         cwd=pythonpath or REPO)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -23,3 +23,9 @@ class BundleError(SpecbuildError):
 
 class RequestError(SpecbuildError, ValueError):
     """A request whose values are out of range (prompt too long, bad sampling values)."""
+
+
+class NumericsError(SpecbuildError, ArithmeticError):
+    """Non-finite numbers (NaN, +inf, or a row with no finite entry) where a request's
+    logits or probabilities must be finite. The sampler and the acceptance rules raise it
+    for one sequence; the engine fails that request alone (a server-side fault: 5xx)."""

@@ -57,6 +57,16 @@ from specbuild.errors import SpecbuildError
               help="Most prompt tokens per step, so long prompts do not stall running requests.")
 @click.option("--body-timeout", type=float, default=30.0, show_default=True,
               help="Seconds a request body may take to arrive before the server answers 408 (slow clients).")
+@click.option("--header-timeout", type=float, default=10.0, show_default=True,
+              help="Seconds a connection may take to send its request line and headers (408, or a close "
+                   "when nothing came).")
+@click.option("--max-header-bytes", type=int, default=64 * 1024, show_default=True,
+              help="Most bytes of request line + headers (431 beyond).")
+@click.option("--max-headers", type=int, default=128, show_default=True, help="Most header lines (431 beyond).")
+@click.option("--max-connections", type=int, default=8192, show_default=True,
+              help="Open sockets (capped by the open-file limit); beyond, the longest-idle one is closed.")
+@click.option("--max-inflight", type=int, default=1024, show_default=True,
+              help="HTTP requests handled at once, streams included (503 beyond); idle sockets do not count.")
 @click.option("--model-name", default=None, help="Name in /v1/models and responses [the bundle directory's name].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
@@ -66,13 +76,20 @@ from specbuild.errors import SpecbuildError
               help="Seconds the verifier waits for a draft reply before it decodes without the draft rank for good.")
 @telemetry_option
 def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, compile_, kv_cache_tokens, prefill_chunk,
-          body_timeout, model_name, log_level, parallel_draft, draft_timeout, telemetry) -> None:
+          body_timeout, header_timeout, max_header_bytes, max_headers, max_connections, max_inflight, model_name, log_level, parallel_draft, draft_timeout, telemetry) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
     from specbuild.cli.main import dist_context, fail_once
 
     try:
         if not 0.05 <= draft_timeout <= 3600:
             raise ValueError(f"--draft-timeout={draft_timeout} is out of range [0.05, 3600] seconds")
+        config_kwargs = dict(host=host, port=port, max_queue=max_queue, model_name=model_name,
+                             body_timeout_s=body_timeout, header_timeout_s=header_timeout,
+                             max_header_bytes=max_header_bytes, max_headers=max_headers,
+                             max_connections=max_connections, max_inflight=max_inflight)
+        from specbuild.serve.openai_http import ServeConfig
+
+        ServeConfig(**config_kwargs)  # the HTTP settings' ranges, before the model loads
         if parallel_draft and backend == "tensorrt-llm":
             raise ValueError("--parallel-draft runs on the torch backend only (MineDraft drives specbuild's "
                              "scheduler); drop --backend tensorrt-llm")
@@ -89,8 +106,7 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
         from specbuild.engine.engine import EngineConfig
         from specbuild.serve.openai_http import OpenAIServer, ServeConfig
 
-        config = ServeConfig(host=host, port=port, max_queue=max_queue, model_name=model_name,
-                             body_timeout_s=body_timeout)
+        config = ServeConfig(**config_kwargs)
         engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
                                                   kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
                                                   load_draft=ctx.role != "verifier", compile=compile_),

@@ -11,7 +11,9 @@ A subclass sets, in its __init__: bundle_dir, config, meta (BundleMeta), tokeniz
 target_config, eos_ids, max_seq_len, max_batch_size, default_sampling, default_speculation,
 calls `_init_loop(lock)` before anything reads the queue, sets `load_seconds`; and implements `_new_sequence(request)` (validate, or
 raise RequestError with nothing queued), `step()`, `abort(handle)` and
-`_fail_running(message)` (called with the lock held when a step raised).
+`_fail_running(message)` (called with the lock held when a step raised). The torch
+scheduler isolates failures itself (engine/scheduler.py: one request's failure is that
+request's alone); what reaches `_loop` is a failure outside any step's batch.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class BaseEngine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._loop_failures = 0  # steps whose exception reached the loop (every running request failed)
 
     # ---- text helpers (need only .tokenizer and .meta) ------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -83,6 +86,17 @@ class BaseEngine:
 
         return render_chat(sp.get("chat_template"), messages, add_generation_prompt=add_generation_prompt,
                            bos_token=tok(sp.get("bos_token_id")) or "", eos_token=tok(sp.get("eos_token_id")) or "")
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt ids of a chat, its message text encoded as plain text: a control-token
+        string inside a message never becomes a control token (engine/chat.py ChatEncoder)."""
+        from specbuild.engine.chat import ChatEncoder, validate_messages
+
+        encoder = self.__dict__.get("_chat_encoder")
+        if encoder is None:
+            encoder = self._chat_encoder = ChatEncoder(self.tokenizer)
+        validate_messages(messages)
+        return encoder.encode_rendered(self.render_chat(encoder.escape_messages(messages), add_generation_prompt))
 
     # ---- requests ---------------------------------------------------------------------------
     def _new_sequence(self, request: Request) -> Sequence:
@@ -108,13 +122,23 @@ class BaseEngine:
         """Load figures for health checks and metrics, the same keys on every backend (None:
         this backend does not know): queue_depth (requests waiting for admission), running
         (admitted, generating), kv_blocks_used, kv_blocks_total, gamma (mean current draft
-        length over running requests that speculate; 0.0 when none). Lock-free reads."""
+        length over running requests that speculate; 0.0 when none), step_failures (engine
+        steps whose failure belonged to no single request: the requests of that step failed),
+        sequence_failures (requests failed alone inside a step; their neighbours went on).
+        Lock-free reads."""
         running = list(self.running)
         gammas = [s.gammas[-1] for s in running if getattr(s, "gammas", None)]
         used, total = self._kv_blocks()
+        failures = self._failure_counts()
         return {"queue_depth": len(self.waiting), "running": len(running), "kv_blocks_used": used,
                 "kv_blocks_total": total, "gamma": sum(gammas) / len(gammas) if gammas else 0.0,
+                "step_failures": failures["step"], "sequence_failures": failures["sequence"],
                 **self._extra_stats()}
+
+    def _failure_counts(self) -> dict[str, int]:
+        """{"step": ..., "sequence": ...} failures so far (see stats()); a backend that isolates
+        sequences adds its own counts."""
+        return {"step": getattr(self, "_loop_failures", 0), "sequence": 0}
 
     def _extra_stats(self) -> dict:
         """Backend-specific load figures added to stats() (the torch engine: its telemetry sink's)."""
@@ -158,7 +182,10 @@ class BaseEngine:
             try:
                 self.step()
             except Exception:  # a bug must not leave clients hanging: fail what was running
-                log.exception("engine step failed; failing the running requests")
+                self._loop_failures += 1
+                ids = [s.handle.request_id if s.handle is not None else f"seq-{s.seq_id}" for s in list(self.running)]
+                log.exception("engine step failed outside any one request; failing the running requests: %s",
+                              ", ".join(ids))
                 with self._lock:
                     self._fail_running("internal error in the engine step (see server log)")
 

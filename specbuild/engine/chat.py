@@ -12,11 +12,25 @@ A bundle without a template (a base model) gets the fallback format (`render_fal
 
 The rendered text usually holds the BOS token already (templates write `bos_token`
 themselves): tokenize it without adding special tokens again.
+
+Message text is text (`ChatEncoder`, what a server must use): only the template may emit
+control tokens. Encoding the rendered prompt as one string would turn a `<|im_end|>` typed
+inside a message into the real control token and let a user forge a system turn. So every
+control-token string inside a message (content, name) is first escaped to private-use
+characters, the template renders, the rendered text is cut at the control strings that are
+left (the template's own: each becomes its token id) and the pieces between are unescaped and
+encoded with the tokenizer's `encode_special_tokens` on (control strings as plain text). The
+tokenizers library itself cuts text at its added tokens before encoding the pieces, so for a
+chat whose messages hold no control string the ids are exactly those of encoding the rendered
+prompt (tests/engine/test_chat.py checks it on SmolLM2's tokenizer). Special tokens that strip
+the whitespace beside them (AddedToken lstrip/rstrip) are not modelled: chat models' control
+tokens do not.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -165,3 +179,58 @@ def compile_template(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise BundleError(f"chat template does not parse (line {e.lineno}): {e.message}") from None
+
+
+MARK = "\ue000"  # escape: MARK + chr(ESCAPES + i) stands for ChatEncoder.table[i]
+ESCAPES = 0xF0000  # Unicode plane 15, private use: 65,534 code points
+
+
+class ChatEncoder:
+    """Chat messages -> prompt token ids where message text is plain text (module doc).
+
+    `tokenizer` is a `tokenizers.Tokenizer`; its special added tokens are the control strings."""
+
+    def __init__(self, tokenizer) -> None:
+        from tokenizers import Tokenizer
+
+        specials = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content},
+                          key=lambda c: (-len(c), c))  # longest first: a regex alternation then matches as
+        self.ids = {c: tokenizer.token_to_id(c) for c in specials}  # the tokenizer does (leftmost-longest)
+        self.table = [MARK, *specials][:0xFFFD]
+        self.code = {c: MARK + chr(ESCAPES + i) for i, c in enumerate(self.table)}
+        self.escapes = re.compile("|".join(re.escape(c) for c in self.table))
+        self.controls = re.compile("|".join(re.escape(c) for c in specials)) if specials else None
+        self.marks = re.compile(re.escape(MARK) + "(.)", re.S)
+        self.text = Tokenizer.from_str(tokenizer.to_str())  # a copy: the engine's parses control strings
+        self.text.encode_special_tokens = True
+
+    def escape(self, text: str) -> str:
+        return self.escapes.sub(lambda m: self.code[m.group()], text)
+
+    def unescape(self, text: str) -> str:
+        def back(m: re.Match) -> str:
+            i = ord(m.group(1)) - ESCAPES
+            return self.table[i] if 0 <= i < len(self.table) else m.group()
+
+        return self.marks.sub(back, text) if MARK in text else text
+
+    def escape_messages(self, messages: list[dict]) -> list[dict]:
+        """Copies of the messages with every control string in their text escaped (role kept)."""
+        out = []
+        for m in messages:
+            out.append({k: (self.escape(v) if k != "role" and isinstance(v, str) else v) for k, v in m.items()})
+        return out
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """The ids of a prompt rendered from escaped messages: the control strings left are the
+        template's (their ids); the text between is unescaped and encoded as plain text."""
+        ids: list[int] = []
+        at = 0
+        for m in self.controls.finditer(text) if self.controls is not None else ():
+            if m.start() > at:
+                ids += self.text.encode(self.unescape(text[at:m.start()]), add_special_tokens=False).ids
+            ids.append(self.ids[m.group()])
+            at = m.end()
+        if at < len(text):
+            ids += self.text.encode(self.unescape(text[at:]), add_special_tokens=False).ids
+        return ids

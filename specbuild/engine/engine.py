@@ -137,19 +137,24 @@ def shared_draft_weights(bundle_dir: str, role: dict, weights: dict, target_w: d
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+TREE_METHODS = ("medusa", "recycle", "auto")  # the methods a request's `tree` applies to (auto may pick either)
 
 
 def check_logprobs(request: Request) -> None:
-    n = request.logprobs
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
-        raise RequestError(f"logprobs={n!r} must be an integer in [0, {MAX_TOP_LOGPROBS}] (the number of most likely "
-                           "tokens to report beside each chosen one)")
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(request, name)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"{name}={n!r} must be an integer in [0, {MAX_TOP_LOGPROBS}] (the number of most "
+                               "likely tokens to report beside each chosen one)")
 
 
 class Engine(BaseEngine):
     """A loaded bundle plus the scheduler that serves it (the torch step loop)."""
 
     backend_name = "torch"
+    # Request.prompt_logprobs is served: the request's own prefill keeps its prompt rows' logits
+    # (engine/scheduler.py), so it is validated, queued, batched and aborted like any request
+    supports_prompt_logprobs = True
 
     def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig()) -> None:
         t0 = time.perf_counter()
@@ -283,29 +288,6 @@ class Engine(BaseEngine):
                                "lower max_tokens or raise --kv-cache-tokens")
         return seq
 
-    @torch.inference_mode()
-    def prompt_logprobs(self, prompt_ids: list[int], params: SamplingParams, top_n: int = 0) -> list:
-        """(logprob, [(id, logprob), ...]) of prompt tokens 1..n-1 under the request's sampling
-        distribution (token 0 has none), for completions' `echo` with `logprobs`: one throwaway
-        forward over the whole prompt that keeps every row's logits (request prefill keeps only
-        the last), on a scratch sequence no request owns, under the engine lock (it shares the
-        model and the KV cache with the step loop). Raises RequestError when the KV pool has no
-        room for it."""
-        from specbuild.model.decoder import ForwardBatch
-        from specbuild.model.timing import scratch_sequence
-        from specbuild.sampling.params import token_logprobs
-
-        n = len(prompt_ids)
-        if n < 2:
-            return []
-        dev = self.cache.device
-        with self._lock, scratch_sequence(self.cache, n) as slots:  # a full pool raises RequestError
-            mask = torch.ones(n, n, dtype=torch.bool).tril().to(dev)
-            batch = ForwardBatch(torch.tensor(prompt_ids, device=dev), torch.arange(n, device=dev), slots, slots,
-                                 mask, torch.arange(n - 1, device=dev), torch.ones(n, dtype=torch.bool, device=dev))
-            logits = self.model.forward(batch, self.cache)
-        return token_logprobs(logits.float().cpu(), params, list(prompt_ids[1:]), top_n)
-
     def grammar(self) -> GrammarBackend:
         """The bundle's tokenizer as the grammar engine reads it (compiled grammars cached)."""
         if self._grammar is None:
@@ -326,6 +308,14 @@ class Engine(BaseEngine):
         if spec.method != "none" and spec.gamma_max > self.meta.limits.max_draft_len:
             raise RequestError(f"gamma_max={spec.gamma_max} exceeds the bundle's max_draft_len "
                                f"{self.meta.limits.max_draft_len}; recompile with --max-draft-len")
+        if spec.tree is not None and spec.tree != self.default_speculation.tree and spec.method not in TREE_METHODS:
+            # EAGLE grows its tree each step from the head's scores within a node budget set by the
+            # measured verify cost (proposers/eagle.py); a fixed tree has no place there, and chains
+            # (ngram, draft) have none: refused rather than silently ignored
+            raise RequestError(f"tree={str(spec.tree)[:60]!r} applies to speculation methods "
+                               f"{', '.join(TREE_METHODS)}, not {spec.method!r}"
+                               + (" (EAGLE builds its own tree each step from the head's scores)"
+                                  if spec.method == "eagle" else ""))
         medusa = self.speculator.proposers.get("medusa")
         recycle = self.speculator.proposers.get("recycle")
         if spec.method == "recycle" and hasattr(recycle, "validate_tree"):
@@ -382,6 +372,11 @@ class Engine(BaseEngine):
         """With a telemetry sink attached (set_sink), its counters in stats():
         telemetry_rows_dropped / _written / _queued, telemetry_write_errors."""
         return self.scheduler.sink.stats()
+
+    def _failure_counts(self) -> dict[str, int]:
+        """The loop's own count plus the scheduler's isolated failures (engine/scheduler.py)."""
+        own = getattr(self.scheduler, "failures", {})
+        return {"step": self._loop_failures + own.get("step", 0), "sequence": own.get("sequence", 0)}
 
     def _kv_blocks(self) -> tuple[int | None, int | None]:
         """(used, total) KV cache blocks, for stats()."""

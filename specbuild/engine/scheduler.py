@@ -9,6 +9,15 @@ cache: the remaining prompt while prefilling, just the last sampled token when d
 the whole text again after a repair (`num_cached = 0` re-prefills). When a sequence's
 pending tokens all fit in this step, the last row's logits (and those of any drafts)
 are read and new tokens are produced.
+
+Fault isolation: an exception raised while one sequence's tokens are chosen (its penalties
+and grammar, sampling, verification, drafter bookkeeping, non-finite rows in its logits)
+fails that request alone (`fail_sequence`: 400 when its own values caused it, a
+RequestError such as its grammar hitting the grammar engine's limits; 500 otherwise), frees
+its KV blocks and drafter state; the rest of the batch goes on untouched. A failure that
+belongs to no one sequence (building the batch, the target's forward, planning) fails the
+sequences of that forward only (`fail_batch`), logged with their request ids. Both are
+counted in `failures` (engine stats, /metrics).
 """
 
 from __future__ import annotations
@@ -21,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from specbuild.errors import RequestError
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.decoder import Decoder, ForwardBatch, ragged_mask
-from specbuild.sampling.params import sample_from, token_logprobs, warp_probs
+from specbuild.sampling.params import check_logits, sample_from, token_logprobs, warp_probs
 from specbuild.sampling.processing import chain_paths, process_logits, tree_paths
 from specbuild.engine.sequence import Event, Sequence
 from specbuild.engine.events import NULL_SINK, StepRecord
@@ -42,6 +52,11 @@ class WorkItem:
     row0: int = 0  # first row of this item in the flattened batch
     completes: bool = False  # chunk reaches the end of the pending tokens
     pad: int = 0  # filler rows (padded binning only): computed, never read, rolled back
+    score: tuple[int, int] | None = None  # prompt positions [p0, p1) whose logits score the prompt
+
+    @property
+    def score_rows(self) -> int:
+        return 0 if self.score is None else self.score[1] - self.score[0]
 
     @property
     def n_draft(self) -> int:
@@ -81,6 +96,9 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
         wslots.append(all_slots[it.start:])
         rslots.append(all_slots)
         it.row0 = t
+        it.score = prompt_score_span(it)
+        if it.score is not None:  # echo + logprobs: these prompt rows' logits too, before the last row's
+            logit_rows.append(torch.arange(t + it.score[0] - it.start, t + it.score[1] - it.start))
         if it.completes:
             last = t + len(it.chunk) - 1
             logit_rows.append(torch.arange(last, last + 1 + it.n_draft))
@@ -106,6 +124,18 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBa
     )
 
 
+def prompt_score_span(it: WorkItem) -> tuple[int, int] | None:
+    """The prompt positions of this chunk whose logits give the next prompt token's logprob
+    (request.prompt_logprobs): not scored yet, and before the prompt's last position (whose
+    logits choose the first generated token). None when there are none."""
+    seq = it.seq
+    if seq.request.prompt_logprobs is None:
+        return None
+    p0 = max(it.start, seq.prompt_scored)
+    p1 = min(it.start + len(it.chunk), len(seq.prompt_ids) - 1)
+    return (p0, p1) if p1 > p0 else None
+
+
 def draft_paths(draft) -> list[list[int]]:
     """The draft tokens before each row of a verify pass ([[]] for a plain step)."""
     if draft is None:
@@ -119,6 +149,7 @@ def plain_next_token(seq: Sequence, logits: torch.Tensor) -> int:
     """Sample one token from logits [vocab] (already `process_logits`ed) with the request's
     params and generator."""
     if seq.params.greedy:
+        check_logits(logits)
         return int(logits.argmax())
     probs = warp_probs(logits.unsqueeze(0), seq.params)
     return int(sample_from(probs, seq.uniforms(1))[0])
@@ -143,6 +174,8 @@ class Scheduler:
         self.passes = 0
         self.sink = NULL_SINK  # telemetry (engine/events.py); Engine.set_sink attaches one
         self._target_ms = 0.0  # the last group's target forward, for the sink's step rows
+        # requests failed alone inside a step (sequence) and forwards whose whole batch failed (step)
+        self.failures = {"sequence": 0, "step": 0}
 
     # ---- admission --------------------------------------------------------------------
     def block_budget(self, seq: Sequence) -> int:
@@ -169,10 +202,13 @@ class Scheduler:
             self.cache.add(seq.seq_id)
             seq.t_admit = time.perf_counter()
             self.running.append(seq)
-            if self.speculator:
-                self.speculator.on_admit(seq)
-            if self.sink.enabled:
-                self.sink.on_session_start(seq)
+            try:
+                if self.speculator:
+                    self.speculator.on_admit(seq)
+                if self.sink.enabled:
+                    self.sink.on_session_start(seq)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not its neighbours'
+                self.fail_sequence(seq, e, "admitting it")
 
     # ---- lifecycle ----------------------------------------------------------------------
     def release(self, seq: Sequence) -> None:
@@ -186,8 +222,58 @@ class Scheduler:
         if was_running and self.sink.enabled:
             self.sink.on_session_end(seq)
 
-    def fail(self, seq: Sequence, message: str) -> None:
-        seq.fail(message)
+    def fail(self, seq: Sequence, message: str, status: int = 500) -> None:
+        seq.fail(message, status)
+
+    @staticmethod
+    def request_id(seq: Sequence) -> str:
+        return seq.handle.request_id if seq.handle is not None else f"seq-{seq.seq_id}"
+
+    def _release_quietly(self, seq: Sequence) -> None:
+        """release(), logging (not raising) a drafter that fails to let go of the sequence."""
+        try:
+            self.release(seq)
+        except Exception:  # noqa: BLE001 - the target's blocks are back already; a drafter's leak is logged
+            log.exception("releasing request %s failed", self.request_id(seq))
+            self.cache.release(seq.seq_id)
+            if seq in self.running:
+                self.running.remove(seq)
+                self.budget_blocks -= seq.budget_blocks
+
+    def fail_sequence(self, seq: Sequence, exc: BaseException, while_: str) -> None:
+        """`exc` was raised for seq alone: end that request with an error naming the cause
+        (status 400 when its own values caused it: a RequestError; else 500), free its KV
+        blocks and drafter state. Its neighbours in the batch are not touched."""
+        client = isinstance(exc, RequestError)
+        cause = (str(exc).splitlines() or [""])[0][:400]
+        rid = self.request_id(seq)
+        self.failures["sequence"] += 1
+        if client:
+            log.warning("request %s failed while %s: %s", rid, while_, cause)
+            message = cause
+        else:
+            log.error("request %s failed while %s (its neighbours go on)", rid, while_, exc_info=exc)
+            message = f"the engine failed this request while {while_}: {type(exc).__name__}: {cause}"
+        if self.sink.enabled:
+            try:
+                self.sink.on_event(seq, "sequence_failure", {"while": while_, "status": 400 if client else 500,
+                                                             "error": f"{type(exc).__name__}: {cause}"[:200]})
+            except Exception:  # noqa: BLE001 - telemetry never decides a request's fate
+                log.exception("telemetry sink failed on a sequence failure")
+        self._release_quietly(seq)
+        self.fail(seq, message, 400 if client else 500)
+
+    def fail_batch(self, seqs: list[Sequence], exc: BaseException, while_: str) -> None:
+        """A failure that belongs to no single sequence (the forward, building the batch):
+        the sequences of that forward fail (500), nothing else; logged with their ids."""
+        self.failures["step"] += 1
+        ids = [self.request_id(s) for s in seqs]
+        log.error("engine step failed while %s; failing the %d request(s) of that forward: %s", while_, len(seqs),
+                  ", ".join(ids), exc_info=exc)
+        for seq in seqs:
+            self._release_quietly(seq)
+            self.fail(seq, f"internal error in the engine step while {while_} (see the server log); "
+                           "other requests in the batch failed too")
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.waiting:
@@ -233,7 +319,9 @@ class Scheduler:
         running = [s for s in self.running if id(s) not in exclude] if exclude else list(self.running)
         self.share_prefills(running)
         decoding = [s for s in running if s.num_cached >= len(s.all_ids) - 1]
-        drafts = self.speculator.propose(decoding) if (self.speculator and decoding) else {}
+        drafts = self.speculator.propose(decoding, on_error=self.fail_sequence) if (self.speculator and decoding) \
+            else {}
+        running = [s for s in running if not s.finished]  # a sequence failed alone while drafting
         for seq in running:
             pending = seq.all_ids[seq.num_cached:]
             if len(pending) == 1 or seq in drafts:
@@ -266,6 +354,8 @@ class Scheduler:
             self.cache.copy_slots(self.cache.slots(src.seq_id, 0, n).to(dev), self.cache.slots(seq.seq_id, 0, n).to(dev))
             seq.num_cached = n
             self.commit(seq, n)
+            if seq.request.prompt_logprobs is not None:  # the prompt is the source's: so are its logprobs
+                seq.prompt_logprobs, seq.prompt_scored = list(src.prompt_logprobs), src.prompt_scored
             seq.prefill_source = None
             seq.extra_stats["stat_shared_prefill_tokens"] = n
 
@@ -278,27 +368,40 @@ class Scheduler:
             self.admit()
         if not self.running:
             return 0
-        items = self.plan(exclude)
+        try:
+            items = self.plan(exclude)
+            groups = (self.speculator.bins(items) if self.speculator else [items]) if items else []
+        except Exception as e:  # noqa: BLE001 - planning belongs to no single sequence
+            self.fail_batch([s for s in self.running if id(s) not in exclude], e, "planning the step")
+            return 0
         if not items:
             return 0
-        groups = self.speculator.bins(items) if self.speculator else [items]
         for group in groups:
-            batch = build_forward_batch(group, self.cache)
-            hidden = aux = None
-            t0 = time.perf_counter()
-            aux_rows = self.speculator.aux_rows(group) if self.speculator else None
-            if aux_rows is not None:  # an EAGLE head reads three layers' hidden states
-                out = self.model.forward(batch, self.cache, return_hidden=self.speculator.wants_hidden,
-                                         aux_layers=self.speculator.aux_layers, aux_rows=aux_rows)
-                logits, hidden, aux = out if len(out) == 3 else (out[0], None, out[1])
-            elif self.speculator and self.speculator.wants_hidden:
-                logits, hidden = self.model.forward(batch, self.cache, return_hidden=True)
-            else:
-                logits = self.model.forward(batch, self.cache)
-            self._target_ms = (time.perf_counter() - t0) * 1e3
-            self.passes += 1
+            try:
+                logits, hidden, aux = self.forward_group(group)
+            except Exception as e:  # noqa: BLE001 - a forward belongs to its whole group
+                self.fail_batch([it.seq for it in group], e, "running the target's forward")
+                continue
             self.finish_items(group, logits, hidden, aux)
         return len(items)
+
+    def forward_group(self, group: list[WorkItem]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One target forward over a group of items: (logits, hidden or None, aux or None)."""
+        batch = build_forward_batch(group, self.cache)
+        hidden = aux = None
+        t0 = time.perf_counter()
+        aux_rows = self.speculator.aux_rows(group) if self.speculator else None
+        if aux_rows is not None:  # an EAGLE head reads three layers' hidden states
+            out = self.model.forward(batch, self.cache, return_hidden=self.speculator.wants_hidden,
+                                     aux_layers=self.speculator.aux_layers, aux_rows=aux_rows)
+            logits, hidden, aux = out if len(out) == 3 else (out[0], None, out[1])
+        elif self.speculator and self.speculator.wants_hidden:
+            logits, hidden = self.model.forward(batch, self.cache, return_hidden=True)
+        else:
+            logits = self.model.forward(batch, self.cache)
+        self._target_ms = (time.perf_counter() - t0) * 1e3
+        self.passes += 1
+        return logits, hidden, aux
 
     def finish_items(self, items: list[WorkItem], logits: torch.Tensor, hidden: torch.Tensor | None = None,
                      aux: torch.Tensor | None = None) -> None:
@@ -306,60 +409,86 @@ class Scheduler:
         final-normed hidden states [rows, hidden] when a drafter reads them (Medusa)."""
         r = 0
         for it in items:
-            seq = it.seq
-            seq.target_passes += 1
-            if aux is not None:
-                if not it.completes:
-                    self.speculator.observe_features(seq, it, aux)
-            if not it.completes:
-                seq.num_cached = it.start + len(it.chunk)
-                self.commit(seq, seq.num_cached)
+            score_rows = None
+            if it.score is not None:  # the prompt's logprobs rows come first
+                score_rows = logits[r:r + it.score_rows]
+                r += it.score_rows
+            rows = hidden_rows = None
+            if it.completes:
+                rows = logits[r:r + 1 + it.n_draft]  # [1 + k, vocab]
+                hidden_rows = hidden[r:r + 1 + it.n_draft] if hidden is not None else None
+                r += 1 + it.n_draft
+            if it.seq.finished:  # failed or aborted meanwhile (its blocks are gone)
                 continue
-            rows = logits[r:r + 1 + it.n_draft]  # [1 + k, vocab]
-            hidden_rows = hidden[r:r + 1 + it.n_draft] if hidden is not None else None
-            r += 1 + it.n_draft
-            was_decode = len(it.chunk) == 1 and seq.output_ids
-            if self.speculator is not None:  # token recycling reads the rows it verifies
-                self.speculator.observe_logits(seq, [it.chunk[-1], *(it.draft.tokens if it.n_draft else ())], rows)
-            # penalties, logit_bias and the grammar, identically for plain and verify rows
-            rows = process_logits(rows, seq.params, seq.output_ids, draft_paths(it.draft if it.n_draft else None),
-                                  seq.constraint)
-            if it.n_draft:
-                accepted, new_tokens = self.speculator.verify(seq, it.draft, rows)
-            else:
-                accepted, new_tokens = 0, [plain_next_token(seq, rows[0])]
-            if seq.request.logprobs is not None:  # the rows that chose the new tokens
-                chosen = [0, *seq.spec_state.accepted_nodes] if it.n_draft and it.draft.parents is not None \
-                    else list(range(len(new_tokens)))
-                seq.pending_logprobs = token_logprobs(rows[chosen[:len(new_tokens)]], seq.params, new_tokens,
-                                                      seq.request.logprobs)
-            if aux is not None:  # before compact: it moves the accepted nodes' K/V
-                self.speculator.observe_features(seq, it, aux, accepted)
-            if was_decode or it.n_draft:
-                seq.verify_passes += 1
-            # K/V valid: the chunk plus the accepted drafts; the new last token is pending
-            seq.num_cached = it.start + len(it.chunk) + accepted
-            if it.n_draft and getattr(it.draft, "depths", None) is not None:
-                self.speculator.compact(seq, it, self.cache, accepted)
+            try:
+                self.finish_item(it, score_rows, rows, hidden_rows, aux, len(items))
+            except Exception as e:  # noqa: BLE001 - this sequence's failure, not its neighbours'
+                self.fail_sequence(it.seq, e, "choosing its next tokens")
+
+    def finish_item(self, it: WorkItem, score_rows: torch.Tensor | None, rows: torch.Tensor | None,
+                    hidden_rows: torch.Tensor | None, aux: torch.Tensor | None, batch_size: int) -> None:
+        """One item after the forward: score_rows the prompt rows whose logprobs echo asked for
+        (None: not asked in this chunk), rows [1 + k, vocab] its logits (None: a prefill chunk
+        that does not complete), hidden_rows the same rows' hidden states or None."""
+        seq = it.seq
+        seq.target_passes += 1
+        if score_rows is not None:  # the prompt's logprobs: plain numbers kept, the rows let go
+            p0, p1 = it.score
+            seq.prompt_logprobs += token_logprobs(score_rows, seq.params, seq.prompt_ids[p0 + 1:p1 + 1],
+                                                  seq.request.prompt_logprobs)
+            seq.prompt_scored = p1
+        if aux is not None:
+            if not it.completes:
+                self.speculator.observe_features(seq, it, aux)
+        if not it.completes:
+            seq.num_cached = it.start + len(it.chunk)
             self.commit(seq, seq.num_cached)
-            before = len(seq.text)
-            kept = seq.append_tokens(new_tokens)
-            lps = None
-            if seq.request.logprobs is not None:
-                lps = seq.pending_logprobs[:len(kept)]
-                seq.logprobs += lps
-            if self.sink.enabled and (was_decode or it.n_draft):
-                self.record_step(seq, it, accepted, len(kept), len(items))
-            if hidden_rows is not None and not seq.finished:
-                # the row whose logits chose the new last token: the last accepted node
-                # (chain: draft `accepted`; tree: that node's index); 0 when none was accepted
-                row = it.draft.last_row if it.n_draft and getattr(it.draft, "last_row", None) is not None \
-                    else accepted
-                self.speculator.observe_hidden(seq, hidden_rows[row])
-            if seq.handle is not None:
-                seq.handle._emit(Event(kept, seq.text[before:], seq.finished, seq.finish_reason, lps))
-            if seq.finished:
-                self.release(seq)
+            return
+        # the model's own rows: a NaN/inf here is this sequence's failure, found before the
+        # shared recycling table or any drafter reads them
+        check_logits(rows, "the target's logits")
+        was_decode = len(it.chunk) == 1 and seq.output_ids
+        if self.speculator is not None:  # token recycling reads the rows it verifies
+            self.speculator.observe_logits(seq, [it.chunk[-1], *(it.draft.tokens if it.n_draft else ())], rows)
+        # penalties, logit_bias and the grammar, identically for plain and verify rows
+        rows = process_logits(rows, seq.params, seq.output_ids, draft_paths(it.draft if it.n_draft else None),
+                              seq.constraint)
+        if it.n_draft:
+            accepted, new_tokens = self.speculator.verify(seq, it.draft, rows)
+        else:
+            accepted, new_tokens = 0, [plain_next_token(seq, rows[0])]
+        if seq.request.logprobs is not None:  # the rows that chose the new tokens
+            chosen = [0, *seq.spec_state.accepted_nodes] if it.n_draft and it.draft.parents is not None \
+                else list(range(len(new_tokens)))
+            seq.pending_logprobs = token_logprobs(rows[chosen[:len(new_tokens)]], seq.params, new_tokens,
+                                                  seq.request.logprobs)
+        if aux is not None:  # before compact: it moves the accepted nodes' K/V
+            self.speculator.observe_features(seq, it, aux, accepted)
+        if was_decode or it.n_draft:
+            seq.verify_passes += 1
+        # K/V valid: the chunk plus the accepted drafts; the new last token is pending
+        seq.num_cached = it.start + len(it.chunk) + accepted
+        if it.n_draft and getattr(it.draft, "depths", None) is not None:
+            self.speculator.compact(seq, it, self.cache, accepted)
+        self.commit(seq, seq.num_cached)
+        before = len(seq.text)
+        kept = seq.append_tokens(new_tokens)
+        lps = None
+        if seq.request.logprobs is not None:
+            lps = seq.pending_logprobs[:len(kept)]
+            seq.logprobs += lps
+        if self.sink.enabled and (was_decode or it.n_draft):
+            self.record_step(seq, it, accepted, len(kept), batch_size)
+        if hidden_rows is not None and not seq.finished:
+            # the row whose logits chose the new last token: the last accepted node
+            # (chain: draft `accepted`; tree: that node's index); 0 when none was accepted
+            row = it.draft.last_row if it.n_draft and getattr(it.draft, "last_row", None) is not None \
+                else accepted
+            self.speculator.observe_hidden(seq, hidden_rows[row])
+        if seq.handle is not None:
+            seq.handle._emit(Event(kept, seq.text[before:], seq.finished, seq.finish_reason, lps))
+        if seq.finished:
+            self.release(seq)
 
     def record_step(self, seq: Sequence, it: WorkItem, accepted: int, emitted: int, batch_size: int) -> None:
         """One decode pass of seq, for the telemetry sink (only called when one is attached)."""

@@ -29,6 +29,9 @@ class Request:
     request_id: str | None = None
     response_format: Any = None  # structured output: an OpenAI response_format dict or a ResponseFormat
     logprobs: int | None = None  # None: none; N >= 0: each token's logprob and the N most likely
+    # None: none; N >= 0: each prompt token's logprob (from the second on) and the N most likely,
+    # computed by the request's own prefill (completions' echo + logprobs)
+    prompt_logprobs: int | None = None
     shares_prompt_with: Any = None  # a Handle with the same prompt (n > 1 choices): its prefill is reused
     content_type: str | None = None  # code | structured | summarization | chat | ...; None: classified
 
@@ -59,6 +62,8 @@ class Sequence:
         self.constraint = None  # sampling.constraint.Constraint when the request asks for structured output
         self.logprobs: list = []  # per output token, when request.logprobs is set
         self.pending_logprobs: list = []  # the last step's, aligned with the tokens it chose
+        self.prompt_logprobs: list = []  # prompt tokens 1.. when request.prompt_logprobs is set (plain numbers)
+        self.prompt_scored = 0  # prompt positions whose next-token logprob is in prompt_logprobs
         self.generator = torch.Generator().manual_seed(params.seed)
         self.eos_ids = () if params.ignore_eos else tuple(eos_ids) + tuple(params.stop_token_ids)
         self.max_total_len = max_total_len
@@ -140,11 +145,17 @@ class Sequence:
         self.t_last = now
         return kept
 
-    def fail(self, message: str) -> None:
-        """End the request with an error its handle reports (finish reason "error")."""
+    def fail(self, message: str, status: int = 500) -> None:
+        """End the request with an error its handle reports (finish reason "error"): the
+        message names the cause; status is what a front end answers, 400 when the request's
+        own values caused it (its grammar hit the grammar engine's limits, ...), 500 when the
+        engine did. A request that already ended keeps its result (no second final event)."""
+        if self.handle is not None and self.handle.done.is_set():
+            return
         self.finished, self.finish_reason = True, "error"
         if self.handle:
             self.handle.error = message
+            self.handle.error_status = status
             self.handle._emit(Event([], "", True, "error"))
 
     def count_by_position(self, counts: list[int], accepted: int) -> None:
@@ -213,6 +224,7 @@ class Handle:
         self._events: queue.Queue[Event] = queue.Queue()
         self.done = threading.Event()
         self.error: str | None = None
+        self.error_status = 500  # with `error`: 400 when the request's own values caused it (Sequence.fail)
         # called (on the engine's thread) after each event is queued: lets an asyncio front
         # end wake its waiter with loop.call_soon_threadsafe instead of blocking on get()
         self.listener: Callable[[], None] | None = None
@@ -267,7 +279,7 @@ class Handle:
         return {"text": s.text, "token_ids": list(s.output_ids), "finish_reason": s.finish_reason,
                 "stats": s.stats(), **({"logprobs": logprob_records(s.logprobs)} if s.request.logprobs is not None
                                        else {}),
-                **({"error": self.error} if self.error else {})}
+                **({"error": self.error, "error_status": self.error_status} if self.error else {})}
 
 
 def logprob_records(items: list) -> list[dict[str, Any]]:

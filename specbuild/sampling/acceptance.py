@@ -28,6 +28,10 @@ Rules (lossless):
   the residual (renormalised). Each emitted token is distributed exactly as the target.
 - greedy: accept while the draft equals the target's argmax (ties: lowest id, as
   torch.argmax and warp_probs), then the target's argmax.
+
+Numerics: every function refuses a NaN/+inf row, or a row with no possible token, with
+`errors.NumericsError` (params.check_logits / check_probs) before deciding anything; the
+engine fails that one request. Shape and dtype mistakes stay ValueError (caller bugs).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-from specbuild.sampling.params import sample_from
+from specbuild.sampling.params import check_logits, check_probs, sample_from
 
 __all__ = [
     "ChainResult", "TreeResult",
@@ -119,6 +123,7 @@ def verify_chain_greedy(
 ) -> ChainResult:
     """Accept while draft i equals the target's argmax at i; then the target's argmax."""
     k, _ = _check_chain(draft_ids, None, target_logits, None, "target_logits")
+    check_logits(target_logits, "target_logits")
     best = target_logits.argmax(-1).tolist()  # [k + 1]
     drafts = draft_ids.tolist()
     accepted = 0
@@ -150,6 +155,9 @@ def verify_chain_sampled(
     token with zero target probability is never accepted). k = 0 just samples the target.
     """
     _check_chain(draft_ids, draft_probs, target_probs, uniforms)
+    check_probs(target_probs, "target_probs")
+    if draft_probs is not None:
+        check_probs(draft_probs, "draft_probs")
     k = draft_ids.shape[0]
     drafts = draft_ids.tolist()
     pos = torch.arange(k, device=draft_ids.device)
@@ -219,6 +227,7 @@ def verify_tree_greedy(
     """Longest path whose every node equals the target's argmax at its parent (first such
     child wins), then the target's argmax at the last accepted node."""
     children, _ = _check_tree(parents, node_tokens, target_logits, None)
+    check_logits(target_logits, "target_logits")
     best = target_logits.argmax(-1).tolist()
     tokens = node_tokens.tolist()
     node, path = 0, []
@@ -239,6 +248,7 @@ def verify_tree_sampled(
 ) -> TreeResult:
     """Lossless recursive rejection over siblings (what the engine runs per sequence)."""
     children, _ = _check_tree(parents, node_tokens, target_probs, uniforms)
+    check_probs(target_probs, "target_probs")
     n = len(children)
     tokens = node_tokens.tolist()
     tests = uniforms.double().tolist()
@@ -255,7 +265,10 @@ def verify_tree_sampled(
             break
         path.append(chosen)
         node = chosen
-    assert float(residual.sum()) > 0.0, "a candidate holding all residual mass is always accepted"
+    if not float(residual.sum()) > 0.0:
+        # a candidate holding all the residual mass is accepted (u < 1), so only rounding of
+        # u * sum against that mass can empty it: draw from the node's row, as the chain does
+        residual = target_probs[node].double()
     next_token = int(sample_from(residual[None], uniforms[n - 1:]).item())
     return TreeResult(tuple(path), next_token, tuple(tokens[c] for c in path) + (next_token,))
 
@@ -281,6 +294,7 @@ def verify_tree_typical(
     if not posterior_alpha > 0.0:
         raise ValueError(f"posterior_alpha={posterior_alpha} must be > 0")
     children, depths = _check_tree(parents, node_tokens, target_probs, uniforms)
+    check_probs(target_probs, "target_probs")
     n = len(children)
     probs = target_probs.double()
     entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [n] nats

@@ -27,6 +27,15 @@ Lossless under speculation means the constraint is applied to the logits before
 verified inside a draft: `Constraint.masks_for_paths` gives the mask after each draft path
 (a chain's prefixes, a tree's node paths) and leaves the matcher where it was; the caller then
 `advance`s by the tokens actually accepted.
+
+Bounded at admission: the grammar engine works within its parser limits (llguidance's
+defaults: 50,000 Earley items and 200,000 units of lexer fuel per step, 500,000 grammar
+symbols). A grammar is compiled and taken one step at submission (`GrammarBackend.probe`:
+the first mask, the forced tokens, the first allowed token consumed), so one that exceeds a
+limit at once, or whose language is empty (no text matches it), is refused there with a
+RequestError naming `response_format` (HTTP 400). One that hits a limit later, mid-request,
+raises the same error from that request's step (`GrammarLimitError`), and the engine fails
+that request alone.
 """
 
 from __future__ import annotations
@@ -122,41 +131,87 @@ class GrammarBackend:
     def _compile(self, fmt: ResponseFormat):
         matcher = self._ll.LLMatcher(self.tokenizer, self.grammar_text(fmt), log_level=0)
         if matcher.is_error():
-            raise RequestError(f"response_format {fmt.kind} does not compile: {matcher.get_error()[:300]}")
+            raise RequestError(f"response_format {fmt.kind} does not compile: {first_line(matcher.get_error())}")
+        self.probe(fmt, matcher)
         return matcher
 
+    def probe(self, fmt: ResponseFormat, matcher) -> None:
+        """Take the grammar's first step on a copy of `matcher`: the first mask, the forced
+        tokens and the first allowed token. Raises RequestError naming response_format when
+        the grammar engine gives up there (a parser limit) or no text matches the grammar
+        (the language is empty: the engine stops with an error at once)."""
+        c = Constraint(self, matcher.deep_copy(), fmt.kind)
+        allowed = c.allowed(check=False)
+        if c.matcher.is_error():
+            why = first_line(c.matcher.get_error())
+            if why.startswith("NoExtension") or not bool(allowed.any()):
+                raise RequestError(f"response_format {fmt.kind} matches no text (its language is empty): "
+                                   "nothing could be generated under it")
+            raise RequestError(f"response_format {fmt.kind} exceeds the grammar engine's limits at the first "
+                               f"token: {why}")
+        c.forced(1 << 20, check=False)
+        first = [int(t) for t in allowed.nonzero().flatten()[:1]]
+        if first and not c.matcher.is_stopped():
+            c.matcher.consume_token(first[0])
+        if c.matcher.is_error():
+            raise RequestError(f"response_format {fmt.kind} exceeds the grammar engine's limits at the first "
+                               f"token: {first_line(c.matcher.get_error())}")
+
     def constraint(self, fmt: ResponseFormat) -> "Constraint":
-        return Constraint(self, self._template(fmt).deep_copy())
+        return Constraint(self, self._template(fmt).deep_copy(), fmt.kind)
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    return (str(text).splitlines() or [""])[0][:limit]
+
+
+class GrammarLimitError(RequestError):
+    """A request's grammar stopped the grammar engine mid-request (a parser limit): that
+    request's error, answered 400 naming response_format."""
 
 
 class Constraint:
     """One sequence's grammar state. Not thread-safe; owned by the sequence's step loop."""
 
-    def __init__(self, backend: GrammarBackend, matcher) -> None:
+    def __init__(self, backend: GrammarBackend, matcher, kind: str = "grammar") -> None:
         from llguidance.numpy import fill_next_token_bitmask
 
-        self._fill = fill_next_token_bitmask
+        self._fill_raw = fill_next_token_bitmask
+        self.kind = kind
         self.vocab_size = backend.vocab_size
         self.matcher = matcher
         self._words = (self.vocab_size + 31) // 32
         self.mask_seconds = 0.0  # time spent computing masks (and forced tokens) for this sequence
         self.masks = 0  # rows masked
 
+    # ---- errors ---------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise GrammarLimitError when the grammar engine has stopped on this grammar (it
+        then allows only the stop token, which would end the request silently)."""
+        if self.matcher.is_error():
+            raise GrammarLimitError(f"response_format {self.kind}: the grammar engine stopped on this grammar: "
+                                    f"{first_line(self.matcher.get_error())}")
+
+    def _fill(self, matcher, bits: np.ndarray, row: int) -> None:
+        self._fill_raw(matcher, bits, row)
+        self.check()
+
     # ---- one position -------------------------------------------------------------------
     def bitmask(self, rows: int = 1) -> np.ndarray:
         return np.zeros((rows, self._words), dtype=np.int32)
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self, check: bool = True) -> torch.Tensor:
         """bool [vocab]: the tokens the grammar allows next."""
         bits = self.bitmask()
-        self._fill(self.matcher, bits, 0)
+        (self._fill if check else self._fill_raw)(self.matcher, bits, 0)
         return unpack(bits, self.vocab_size)[0]
 
     def advance(self, token: int) -> None:
         """Accept one emitted token (it was sampled under the mask, so the grammar takes it)."""
         if not self.matcher.consume_token(int(token)):
+            self.check()  # the grammar engine gave up (a limit): the request's error
             raise RuntimeError(f"token {token} is not allowed by the grammar here: the mask was not applied "
-                               f"({self.matcher.get_error()})")
+                               f"({first_line(self.matcher.get_error())})")
 
     def rollback(self, n: int) -> None:
         if n:
@@ -164,7 +219,9 @@ class Constraint:
 
     @property
     def finished(self) -> bool:
-        """The grammar is complete and took its stop token: nothing more may be generated."""
+        """The grammar is complete and took its stop token: nothing more may be generated.
+        Raises GrammarLimitError when the grammar engine stopped on an error instead."""
+        self.check()
         return self.matcher.is_stopped()
 
     # ---- along a draft -------------------------------------------------------------------
@@ -177,6 +234,7 @@ class Constraint:
         next position; row i the position after draft[:i]) for the `valid` draft tokens the
         grammar allows in a row; rows past `valid` are all False. The matcher ends where it
         started."""
+        self.check()
         bits = self.bitmask(len(draft) + 1)
         self._fill(self.matcher, bits, 0)
         valid = 0
@@ -196,6 +254,7 @@ class Constraint:
         verification (its refused token has probability 0 there), so its row is left
         unconstrained (all True) rather than all False, which would make its logits all -inf.
         The matcher ends where it started."""
+        self.check()
         t0 = time.perf_counter()
         bits = self.bitmask(len(paths))
         reachable = [True] * len(paths)
@@ -206,6 +265,7 @@ class Constraint:
             else:
                 reachable[i] = False
             self.rollback(n)
+        self.check()  # a draft path that stopped the grammar engine stops it for the request
         allowed = unpack(bits, self.vocab_size)
         for i, ok in enumerate(reachable):
             if not ok:
@@ -214,7 +274,7 @@ class Constraint:
         self.masks += len(paths)
         return allowed
 
-    def forced(self, limit: int) -> list[int]:
+    def forced(self, limit: int, check: bool = True) -> list[int]:
         """Up to `limit` tokens the grammar forces from here (a free draft: the target still
         verifies them, so a forced tokenization the model would not pick is only rejected)."""
         if limit <= 0 or self.matcher.is_stopped():
@@ -222,6 +282,8 @@ class Constraint:
         t0 = time.perf_counter()
         out = [int(t) for t in self.matcher.compute_ff_tokens()[:limit]]
         self.mask_seconds += time.perf_counter() - t0
+        if check:
+            self.check()
         return out
 
 

@@ -14,9 +14,13 @@ from typing import Any
 
 import torch
 
-from specbuild.errors import RequestError
+from specbuild.errors import NumericsError, RequestError
 
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS is the same 1e-5): logits / T
+# overflows float32 near T = 1e-37 (a 40-unit logit is 4e38), which made every probability
+# NaN, and a temperature this small already puts all the mass on the argmax up to rounding
+TEMPERATURE_FLOOR = 1e-5
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_STOP_STRINGS = 16  # per request (HTTP, Triton, CLI)
 MAX_STOP_CHARS = 256
@@ -26,7 +30,9 @@ MAX_STOP_CHARS = 256
 class SamplingParams:
     """Per-request sampling settings.
 
-    temperature 0 means greedy (argmax). top_k 0 and top_p 1.0 disable those filters.
+    temperature 0 means greedy (argmax); so does any temperature below TEMPERATURE_FLOOR
+    (1e-5), which is stored as 0. top_k 0 and top_p 1.0 disable those filters; top_k and
+    top_p always keep at least one token (the most likely).
     seed None means: draw one at submission and report it, so any output can be redone.
     """
 
@@ -47,6 +53,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
             raise RequestError(f"temperature={self.temperature!r} is out of range [0, 100]")
+        if self.temperature < TEMPERATURE_FLOOR:  # greedy: see TEMPERATURE_FLOOR
+            object.__setattr__(self, "temperature", 0.0)
         if not isinstance(self.top_k, int) or not 0 <= self.top_k <= 1 << 20:
             raise RequestError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -159,14 +167,51 @@ def token_logprobs(logits: torch.Tensor, params: SamplingParams, tokens: list[in
     return out
 
 
+def check_logits(logits: torch.Tensor, what: str = "logits") -> None:
+    """Raise NumericsError unless every row of `logits` [..., vocab] is usable: no NaN, no
+    +inf, and at least one entry above -inf (-inf alone marks a token as impossible). One
+    reduction (amax propagates NaN), so it costs a fraction of the softmax it guards."""
+    if logits.numel() == 0:
+        return
+    top = logits.detach().amax(-1)
+    if bool(torch.isfinite(top).all()):
+        return
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    row = int((~torch.isfinite(top.reshape(-1))).nonzero()[0, 0])
+    r = flat[row]
+    why = "NaN" if bool(torch.isnan(r).any()) else "+inf" if bool(torch.isposinf(r).any()) \
+        else "no finite entry (every token -inf)"
+    raise NumericsError(f"{what} row {row} of {flat.shape[0]} holds {why}: no token can be chosen from it")
+
+
+def check_probs(probs: torch.Tensor, what: str = "probabilities") -> None:
+    """Raise NumericsError unless every row of `probs` [..., vocab] is a usable distribution
+    up to scale: finite, non-negative, with positive mass."""
+    if probs.numel() == 0:
+        return
+    p = probs.detach()
+    total, low = p.sum(-1), p.amin(-1)
+    ok = torch.isfinite(total) & (total > 0) & (low >= 0)
+    if bool(ok.all()):
+        return
+    row = int((~ok.reshape(-1)).nonzero()[0, 0])
+    t, lo = float(total.reshape(-1)[row]), float(low.reshape(-1)[row])
+    raise NumericsError(f"{what} row {row} of {ok.numel()} is not a distribution (sum {t}, min {lo}): "
+                        "no token can be drawn from it")
+
+
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits -> the distribution the request samples from.
 
     logits: [..., vocab] (any float dtype). Returns float32 probabilities [..., vocab].
     Greedy returns the one-hot of the argmax (ties: lowest id, as torch.argmax does).
-    Order: temperature, then top-k, then top-p over the tempered distribution.
+    Order: temperature, then top-k, then top-p over the tempered distribution; top-k and
+    top-p never drop the most likely token (ties: the lowest id), so a degenerate top_p
+    (a float32 zero) leaves the greedy token. Raises NumericsError (check_logits) on a
+    NaN/+inf row, or a row every token of which is impossible.
     """
     logits = logits.float()
+    check_logits(logits)
     if params.greedy:
         out = torch.zeros_like(logits)
         out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
@@ -178,13 +223,17 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # stable: ties keep index order, so the first kept token is torch.argmax's
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        # keep the smallest prefix whose mass reaches top_p, and always the first token (a
+        # top_p below float32's smallest number compares as 0 and would drop every token)
         drop_sorted = before >= params.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
+    check_probs(probs)
     return probs
 
 
@@ -194,6 +243,7 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     Taking the uniforms as input (drawn from the request's generator) keeps sampling a pure
     function, which is what makes seeded runs reproducible in any batch.
     """
+    check_probs(probs)
     cdf = torch.cumsum(probs.double(), dim=-1)
     total = cdf[..., -1:]
     idx = torch.searchsorted(cdf, (uniform.double().unsqueeze(-1) * total), right=True).squeeze(-1)

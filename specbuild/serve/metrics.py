@@ -191,6 +191,12 @@ class ServerMetrics:
         gauges.append(ReadCounter(p + "telemetry_rows_dropped_total", "Telemetry rows dropped because the "
                                   "store's writer queue was full or a write failed (no sample: telemetry off).",
                                   lambda: engine.stats().get("telemetry_rows_dropped")))
+        gauges.append(ReadCounter(p + "step_failures_total", "Engine steps that failed outside any one request; "
+                                  "the requests of that step failed with 500 (see the server log for their ids).",
+                                  lambda: engine.stats().get("step_failures")))
+        gauges.append(ReadCounter(p + "sequence_failures_total", "Requests failed alone inside an engine step "
+                                  "(their sampling, grammar or numerics); the rest of the batch went on.",
+                                  lambda: engine.stats().get("sequence_failures")))
         self.all: list[Metric] = [self.requests, self.rejected, self.prompt_tokens, self.generation_tokens,
                                   self.drafted, self.accepted, self.verify_passes, self.gamma_steps,
                                   self.gamma_sum, self.ttft, self.tpot, self.e2e, *gauges]

@@ -13,7 +13,10 @@ event loop never blocks on the engine: parsing, chat rendering, tokenizing and `
 in a worker thread, and a request's events reach its coroutine through `Handle.listener`
 (the engine thread calls `loop.call_soon_threadsafe`). Each request also watches its
 connection: when the client goes away its request is aborted (KV blocks freed) at once,
-while it streams, while it waits for a whole answer, or while it is still queued.
+while it streams, while it waits for a whole answer, or while it is still queued; the abort
+runs on a thread of its own (it takes the engine lock, which a step holds). `/health` runs
+on the event loop (lock-free reads), never behind the worker pool. echo + logprobs is an
+ordinary request: the engine scores the prompt during the request's own prefill.
 
 Back-pressure: when `max_queue` requests already wait for admission, new ones get 429 with
 Retry-After. Bad bodies get 4xx with `{"error": {message, type, param, code}}`, `param`
@@ -45,6 +48,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal, Union
 
@@ -59,6 +63,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specbuild.engine.sequence import Handle, Request
 from specbuild.errors import RequestError
 from specbuild.sampling.params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from specbuild.serve.http_guard import ConnectionLimits, RequestLimit, guarded_protocol, raise_open_files
 from specbuild.serve.metrics import CONTENT_TYPE, ServerMetrics
 from specbuild.speculation.config import GAMMA_LIMIT, METHODS
 from specbuild.speculation.tree import MAX_DEPTH, MAX_INLINE_NODES, MAX_RANK, TreeError, load_tree
@@ -98,8 +103,14 @@ class ServeConfig:
     retry_after_s: int = 1
     max_body_bytes: int = 4 << 20
     body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
-    max_connections: int = 1024  # uvicorn answers 503 beyond this many connections + tasks
     keep_alive_s: int = 60  # idle keep-alive connections close after this
+    # the connection layer (serve/http_guard.py): a head's deadline, size and header count, the
+    # open-socket cap (longest-idle closed beyond it), requests handled at once (503 beyond)
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 128
+    max_connections: int = 8192
+    max_inflight: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -108,8 +119,14 @@ class ServeConfig:
             raise ValueError(f"max_queue={self.max_queue} is out of range [1, {1 << 20}]")
         if not 0.05 <= self.body_timeout_s <= 3600:
             raise ValueError(f"body_timeout_s={self.body_timeout_s} is out of range [0.05, 3600]")
-        if not 1 <= self.max_connections <= 1 << 20:
-            raise ValueError(f"max_connections={self.max_connections} is out of range [1, {1 << 20}]")
+        if not 1 <= self.max_inflight <= 1 << 20:
+            raise ValueError(f"max_inflight={self.max_inflight} is out of range [1, {1 << 20}]")
+        self.connection_limits()  # range checks of the connection layer's settings
+
+    def connection_limits(self, max_connections: int | None = None) -> ConnectionLimits:
+        return ConnectionLimits(header_timeout_s=self.header_timeout_s, max_header_bytes=self.max_header_bytes,
+                                max_headers=self.max_headers,
+                                max_connections=self.max_connections if max_connections is None else max_connections)
 
 
 class ApiError(StarletteHTTPException):
@@ -243,20 +260,54 @@ class ChatRequest(CommonFields):
 
 
 # ---- parsing -----------------------------------------------------------------------------------
-def request_error(e: RequestError, default_param: str | None) -> ApiError:
-    """Map an engine/config RequestError to 400, naming the field its message starts with."""
+# the field a RequestError is about, by how its message starts (engine, sampling and config
+# messages); first match wins, then a leading "name=", then the caller's default
+PARAM_BY_PREFIX = (("response_format", "response_format"), ("logit_bias", "logit_bias"), ("stop string", "stop"),
+                   ("unknown speculation", "speculation"), ("speculation", "speculation"), ("tree", "tree"),
+                   ("typical", "typical"), ("ngram", "ngram"), ("unknown sampling", None))
+
+
+def request_error(e: RequestError, default_param: str | None, body: BaseModel | None = None) -> ApiError:
+    """Map an engine/config RequestError to 400, naming the field it is about. With the body,
+    a speculation field the client gave inside `speculation` (not at the top level) is named
+    `speculation`."""
     msg = str(e)
+    prefixed = [param for prefix, param in PARAM_BY_PREFIX if msg.startswith(prefix)]
     m = re.match(r"(\w+)=", msg)
-    param = m.group(1) if m else default_param
-    if msg.startswith("speculation") or msg.startswith("unknown speculation"):
+    if re.match(r"\d+ stop strings", msg):
+        param: str | None = "stop"
+    elif prefixed:
+        param = prefixed[0]
+    else:
+        param = m.group(1) if m else default_param
+    if param == "ngram":  # "ngram sizes [a, b] must satisfy ...": the one given (min first)
+        given = [f for f in ("ngram_min", "ngram_max") if body is not None and getattr(body, f, None) is not None]
+        param = given[0] if given else "speculation"
+    if param in SpeculationFields.model_fields and body is not None and getattr(body, param, None) is None \
+            and getattr(body, "speculation", None) is not None:
         param = "speculation"
-    elif msg.startswith("stop string") or re.match(r"\d+ stop strings", msg):
-        param = "stop"
-    elif msg.startswith("tree"):
-        param = "tree"
-    elif msg.startswith("unknown sampling"):
-        param = None
     return ApiError(400, msg, param=param)
+
+
+def check_logit_bias(bias: dict[str, float], vocab_size: int) -> None:
+    """logit_bias keys are token ids written in plain ASCII decimal, inside the vocabulary
+    (int() alone would read "٥" or "1_000" as ids; an id past the vocabulary was ignored)."""
+    for key in bias:
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            raise ApiError(400, f"logit_bias key {key[:40]!r} is not a token id: keys are token ids in plain "
+                                f"decimal digits (0-9), in [0, {vocab_size})", param="logit_bias")
+        if int(key) >= vocab_size:
+            raise ApiError(400, f"logit_bias key {key!r}: token id {int(key)} is out of range [0, {vocab_size}) "
+                                "(the vocabulary)", param="logit_bias")
+
+
+def engine_error(handle: Handle) -> ApiError:
+    """A request the engine failed alone (Sequence.fail): 400 naming response_format when its
+    grammar caused it, other 4xx as the engine says; else 500."""
+    status, msg = getattr(handle, "error_status", 500), handle.error or "the engine failed this request"
+    if 400 <= status < 500:
+        return ApiError(status, msg, param="response_format" if msg.startswith("response_format") else None)
+    return ApiError(500, msg, type_="server_error")
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -306,8 +357,10 @@ def check_neutral(body: BaseModel) -> None:
                                param=name)
 
 
-def parse_sampling(body: CommonFields, defaults: SamplingParams, chat: bool) -> SamplingParams:
+def parse_sampling(body: CommonFields, defaults: SamplingParams, chat: bool, vocab_size: int) -> SamplingParams:
     stop = body.stop
+    if body.logit_bias:
+        check_logit_bias(body.logit_bias, vocab_size)
     max_tokens = body.max_completion_tokens if chat else None  # type: ignore[attr-defined]
     fields = {"max_tokens": max_tokens if max_tokens is not None else body.max_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
@@ -318,7 +371,7 @@ def parse_sampling(body: CommonFields, defaults: SamplingParams, chat: bool) -> 
     try:
         return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None}, defaults)
     except RequestError as e:
-        raise request_error(e, None) from None
+        raise request_error(e, None, body) from None
 
 
 def parse_speculation(body: CommonFields) -> dict[str, Any] | None:
@@ -377,9 +430,9 @@ class Call:
     created: int
     n: int = 1
     echo: str | None = None  # completions echo: the prompt text to put before each answer
-    echo_ids: list[int] | None = None  # with echo + logprobs: the prompt's tokens and their logprobs
-    echo_logprobs: list | None = None
+    echo_scores: bool = False  # echo + logprobs: each choice's prefill scores the prompt (Sequence.prompt_logprobs)
     logprobs: str | None = None  # "chat" | "completions": how to shape them; None: not asked for
+    body: BaseModel | None = None  # the parsed body (errors name the field the client wrote)
 
     def requests(self) -> list[Request]:
         """One engine request per choice: independent samples, each with its own seed."""
@@ -412,6 +465,7 @@ class OpenAIServer:
         self.sock: socket.socket | None = None
         self.uvicorn: uvicorn.Server | None = None
         self._served = threading.Event()
+        self._aborter = ThreadPoolExecutor(1, thread_name_prefix="specbuild-abort")  # finish(): aborts, in order
         self.app = self.make_app()
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -428,10 +482,11 @@ class OpenAIServer:
             raise
         self.sock = sock
         quiet_uvicorn()
+        # sockets: as many as the open-file limit allows once raised (soft -> hard)
+        limits = self.config.connection_limits(max(16, raise_open_files(self.config.max_connections)))
         self.uvicorn = uvicorn.Server(uvicorn.Config(
-            self.app, log_config=None, access_log=False, lifespan="off", ws="none",
-            timeout_keep_alive=self.config.keep_alive_s, timeout_graceful_shutdown=3,
-            limit_concurrency=self.config.max_connections))
+            self.app, log_config=None, access_log=False, lifespan="off", ws="none", http=guarded_protocol(limits),
+            timeout_keep_alive=self.config.keep_alive_s, timeout_graceful_shutdown=3))
         self.engine.start()
         return self.url
 
@@ -466,6 +521,7 @@ class OpenAIServer:
             self._served.wait(timeout=10)
         if self.sock is not None:
             self.sock.close()
+        self._aborter.shutdown(wait=True)
         self.engine.stop()
 
     # ---- requests ----------------------------------------------------------------------
@@ -479,13 +535,13 @@ class OpenAIServer:
         options = body.stream_options
         if options is not None and not stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        sampling = parse_sampling(body, self.engine.default_sampling, chat)
+        sampling = parse_sampling(body, self.engine.default_sampling, chat, self.engine.target_config.vocab_size)
         if chat:
-            try:
-                text = self.engine.render_chat(flatten_messages(body.messages))  # type: ignore[union-attr]
+            try:  # message text is text: only the template emits control tokens
+                ids = self.engine.encode_chat(flatten_messages(body.messages))  # type: ignore[union-attr]
             except RequestError as e:
                 raise ApiError(400, str(e), param="messages") from None
-            request = Request(prompt_ids=self.engine.encode(text, add_special_tokens=False))
+            request = Request(prompt_ids=ids)
         else:
             request = parse_prompt(body)  # type: ignore[arg-type]
         prefix = "chatcmpl" if chat else "cmpl"
@@ -509,21 +565,16 @@ class OpenAIServer:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         elif not chat and body.logprobs is not None:  # type: ignore[union-attr]
             request.logprobs, logprobs = body.logprobs, "completions"  # type: ignore[union-attr]
-        echo = echo_ids = echo_lps = None
+        echo, echo_scores = None, False
         if not chat and body.echo:  # type: ignore[union-attr]
             echo = request.prompt if request.prompt is not None else self.engine.tokenizer.decode(request.prompt_ids)
-            if logprobs:  # the prompt's own logprobs (OpenAI: the first token's is null)
-                if not hasattr(self.engine, "prompt_logprobs"):
+            if logprobs:  # the prompt's own logprobs (OpenAI: the first token's is null), by its prefill
+                if not getattr(self.engine, "supports_prompt_logprobs", False):
                     raise ApiError(400, "echo with logprobs is not supported on this backend (torch only)", param="echo")
-                echo_ids = request.prompt_ids if request.prompt_ids is not None else self.engine.encode(request.prompt)
-                request.prompt, request.prompt_ids = None, list(echo_ids)
-                try:
-                    echo_lps = self.engine.prompt_logprobs(echo_ids, sampling, request.logprobs or 0)
-                except RequestError as e:
-                    raise request_error(e, "prompt") from None
+                request.prompt_logprobs, echo_scores = request.logprobs or 0, True
         return Call(endpoint, request, stream, bool(options and options.include_usage), bool(body.return_token_ids),
-                    request.request_id, int(time.time()), n=n, echo=echo, logprobs=logprobs, echo_ids=echo_ids,
-                    echo_logprobs=echo_lps)
+                    request.request_id, int(time.time()), n=n, echo=echo, logprobs=logprobs, echo_scores=echo_scores,
+                    body=body)
 
     def submit(self, call: Call) -> list[Handle]:
         """Queue the request's choices, or raise ApiError (429 when the queue is full, 400 when
@@ -547,7 +598,7 @@ class OpenAIServer:
             except RequestError as e:
                 for h in handles:
                     self.engine.abort(h)
-                raise request_error(e, "messages" if call.endpoint == "chat" else "prompt") from None
+                raise request_error(e, "messages" if call.endpoint == "chat" else "prompt", call.body) from None
             self.active.update(handles)
         return handles
 
@@ -555,14 +606,28 @@ class OpenAIServer:
         call = self.parse(body, endpoint)
         return call, self.submit(call)
 
-    def finish(self, handle: Handle) -> None:
-        """Abort the request if it is still running (the client went away)."""
+    def finish(self, handle: Handle, then: Callable[[], None] | None = None) -> None:
+        """Abort the request if it is still running (the client went away), then call `then`
+        (the request's metrics: counted once its blocks are free and its finish reason set).
+        The abort runs on the abort thread: the event loop never waits for the engine lock."""
         handle.listener = None
         with self._lock:
             self.active.discard(handle)
-        if not handle.seq.finished:
+        if handle.seq.finished:
+            if then is not None:
+                then()
+            return
+
+        def abort() -> None:
             self.engine.abort(handle)
-            log.info("request %s aborted: the client went away", handle.request_id)
+            if then is not None:
+                then()
+
+        log.info("request %s aborted: the client went away", handle.request_id)
+        try:
+            self._aborter.submit(abort)
+        except RuntimeError:  # shut down (the server is stopping): abort here
+            abort()
 
     def health(self) -> tuple[int, dict[str, Any]]:
         engine = self.engine
@@ -604,13 +669,13 @@ class OpenAIServer:
             events.close()
         for h in handles:
             if h.seq.finish_reason == "error":
-                raise ApiError(500, h.error or "the engine failed this request", type_="server_error")
+                raise engine_error(h)
             if h.seq.finish_reason == "abort":
                 raise ApiError(503, "the request was aborted (server shutting down)", type_="server_error",
                                code="aborted")
         tok = self.engine.tokenizer
         choices = [choice(call, (call.echo or "") + h.seq.text, h.seq.output_ids, h.seq.finish_reason, True, index=i,
-                          logprobs=join_logprobs(echo_logprobs(call, tok),
+                          logprobs=join_logprobs(echo_logprobs(call, tok, h.seq),
                                                  shape_logprobs(call, tok, h.seq.output_ids, h.seq.logprobs, h.seq.text)))
                    for i, h in enumerate(handles)]
         return JSONResponse(envelope(call, self.model_name, choices, False, usage=usage([h.seq for h in handles])))
@@ -667,8 +732,8 @@ class OpenAIServer:
             return found[0]
 
         @app.get("/health", tags=["specbuild"])
-        async def health():
-            status, info = await run_in_threadpool(self.health)
+        async def health():  # on the event loop: lock-free reads, never behind the worker pool
+            status, info = self.health()
             return JSONResponse(info, status)
 
         @app.get("/metrics", tags=["specbuild"])
@@ -676,7 +741,8 @@ class OpenAIServer:
             text = await run_in_threadpool(self.metrics.render)
             return Response(text.encode(), media_type=CONTENT_TYPE)
 
-        return BodyGuard(app, self.config)  # type: ignore[return-value]
+        return RequestLimit(BodyGuard(app, self.config), self.config.max_inflight,  # type: ignore[return-value]
+                            self.config.retry_after_s)
 
 
 def quiet_uvicorn() -> None:
@@ -704,7 +770,7 @@ class Events:
         self.server, self.call, self.handles = server, call, handles
         self.ready = asyncio.Event()
         self.gone = False
-        self.recorded = False
+        self.recorded: set[int] = set()  # id()s of the handles counted (from the loop or the abort thread)
         loop = asyncio.get_running_loop()
 
         def wake() -> None:
@@ -728,8 +794,6 @@ class Events:
     def record(self, handle: Handle | None = None) -> None:
         """Metrics for each finished choice, once; before its last bytes go out, so that a
         client that reads /metrics after its response sees its request counted."""
-        if not isinstance(self.recorded, set):
-            self.recorded = set()
         for h in [handle] if handle is not None else self.handles:
             if id(h) not in self.recorded:
                 self.recorded.add(id(h))
@@ -761,8 +825,7 @@ class Events:
     def close(self) -> None:
         self.watcher.cancel()
         for handle in self.handles:
-            self.server.finish(handle)
-        self.record()
+            self.server.finish(handle, then=lambda h=handle: self.record(h))
 
 
 class SSEResponse(Response):
@@ -798,17 +861,21 @@ class SSEResponse(Response):
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}
                 yield sse(envelope(call, model, [first], True))
-            elif call.echo:
-                yield sse(envelope(call, model, [choice(call, call.echo, None, None, False, index=i,
-                                                        logprobs=echo_logprobs(call, tok))], True))
+            elif call.echo and not call.echo_scores:
+                yield sse(envelope(call, model, [choice(call, call.echo, None, None, False, index=i)], True))
+        unechoed = set(range(len(handles))) if call.echo_scores else set()
         async for i, event in self.events:
-            if event.text or (call.return_token_ids and event.token_ids):
+            if i in unechoed:  # its prefill is done (an event came): the prompt's logprobs are known
+                unechoed.discard(i)
+                yield sse(envelope(call, model, [choice(call, call.echo, None, None, False, index=i,
+                                                        logprobs=echo_logprobs(call, tok, handles[i].seq))], True))
+            # a token whose text is still incomplete (part of a character) still has its ids and logprobs
+            if event.text or (event.token_ids and (call.return_token_ids or call.logprobs)):
                 lp = shape_logprobs(call, tok, event.token_ids, event.logprobs or [], event.text)
                 yield sse(envelope(call, model, [choice(call, event.text, event.token_ids, None, False, index=i,
                                                         logprobs=lp)], True))
             if event.finished and event.finish_reason == "error":
-                yield sse(ApiError(500, handles[i].error or "the engine failed this request",
-                                   type_="server_error").body())
+                yield sse(engine_error(handles[i]).body())
             elif event.finished:
                 yield sse(envelope(call, model, [choice(call, None, [] if call.return_token_ids else None,
                                                         event.finish_reason, False, index=i)], True,
@@ -896,11 +963,12 @@ def usage(seqs: list) -> dict[str, Any]:
     return out
 
 
-def echo_logprobs(call: Call, tokenizer) -> dict[str, Any] | None:
-    """The echoed prompt's part of a completions logprobs object (the first token's is null)."""
-    if call.echo_ids is None:
+def echo_logprobs(call: Call, tokenizer, seq) -> dict[str, Any] | None:
+    """The echoed prompt's part of a completions logprobs object (the first token's is null),
+    from the choice's sequence: its prompt ids and the logprobs its prefill computed."""
+    if not call.echo_scores:
         return None
-    ids, items = call.echo_ids, call.echo_logprobs or []
+    ids, items = seq.prompt_ids, seq.prompt_logprobs
 
     def piece(i: int) -> str:
         return tokenizer.decode([i], skip_special_tokens=False)

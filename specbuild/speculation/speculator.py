@@ -198,7 +198,7 @@ class Speculator:
 
     def choose_method(self, seq) -> str | None:
         method = seq.spec.method if seq.spec is not None else "none"
-        if method == "none":
+        if method == "none" or method in seq.spec_state.draft_failed:
             return None
         if method != "auto":
             return method
@@ -206,6 +206,8 @@ class Speculator:
             return None
         best, best_rate = None, 0.0
         for name in self.proposers:
+            if name in seq.spec_state.draft_failed:
+                continue
             cm = self.cost_model(seq, name)
             alpha = self.controller.alpha(seq, name)
             g = best_gamma(alpha, max(1, seq.spec.gamma_min), max(1, seq.spec.gamma_max), cm)
@@ -228,46 +230,96 @@ class Speculator:
             return cm
         return TreeCostModel(cm, nodes_within_depth(validate(getattr(seq.spec, "tree", None))))
 
-    def propose(self, seqs: list) -> dict:
+    def propose(self, seqs: list, on_error=None) -> dict:
+        """{seq: Draft} for the sequences that draft this step. A drafter that raises on a
+        batch is retried one sequence at a time, so only the sequence it fails on loses its
+        drafts (and decodes plainly from then on: see draft_failed); on_error(seq, exc,
+        while_) takes a sequence's own failure (its grammar) and that sequence is left out;
+        without on_error such a failure raises."""
         by_method: dict[str, list] = {}
         out = {}
         for seq in seqs:
-            forced = self.forced_draft(seq)
-            if forced is not None:  # the grammar's forced tokens: a free draft, whatever the method
-                out[seq] = forced
-                seq.gammas.append(len(forced))
+            try:
+                choice = self.plan_draft(seq)
+            except Exception as e:
+                if on_error is None:
+                    raise
+                on_error(seq, e, "choosing its drafts (its grammar's forced tokens, method, depth)")
                 continue
-            method = self.choose_method(seq)
-            seq.spec_state.method = method
-            if method is None:
-                seq.gammas.append(0)
-                continue
-            gamma = self.controller.next(seq, method, self.cost_model(seq, method))
-            # never draft past the sequence's room (its max tokens or the context limit)
-            gamma = max(0, min(gamma, self.max_draft_len, seq.remaining - 1))
-            seq.gammas.append(gamma)
-            if gamma > 0:
-                by_method.setdefault(method, []).append((seq, gamma))
+            if isinstance(choice, Draft):  # the grammar's forced tokens: a free draft, whatever the method
+                out[seq] = choice
+            elif choice is not None:
+                by_method.setdefault(choice[0], []).append((seq, choice[1]))
         for method, pairs in by_method.items():
             t0 = time.perf_counter()
             try:
                 drafts = self.proposers[method].propose([s for s, _ in pairs], [g for _, g in pairs])
-            except Exception as e:  # a drafter's failure costs its sequences one plain step, not the request
-                log.exception("drafter %s failed; %d sequence(s) decode plainly this step", method, len(pairs))
-                drafts = [None] * len(pairs)
-                for seq, _ in pairs:
-                    self.proposers[method].rollback(seq, seq.num_cached)
-                    if self.emit is not None:
-                        self.emit(seq, "draft_failure", {"method": method, "error": f"{type(e).__name__}: {e}"[:200],
-                                                         "fallback": "plain"})
+            except Exception as e:  # noqa: BLE001 - find the sequence it belongs to
+                drafts = self.propose_apart(method, pairs, e)
             self.last_draft_ms[method] = (time.perf_counter() - t0) * 1e3
             for (seq, gamma), draft in zip(pairs, drafts):
-                draft = self.within_grammar(seq, draft)
+                try:
+                    draft = self.within_grammar(seq, draft)
+                except Exception as e:
+                    if on_error is None:
+                        raise
+                    on_error(seq, e, "checking its drafts against its grammar")
+                    continue
                 if draft is not None and len(draft) > 0:
                     out[seq] = draft
                 else:
                     self.controller.record(seq, method, 0, 0)
         return out
+
+    def plan_draft(self, seq) -> "Draft | tuple[str, int] | None":
+        """seq's drafting this step: the grammar's forced tokens (a Draft), (method, gamma > 0),
+        or None (plain). Records the choice (spec_state.method, gammas)."""
+        forced = self.forced_draft(seq)
+        if forced is not None:
+            seq.gammas.append(len(forced))
+            return forced
+        method = self.choose_method(seq)
+        seq.spec_state.method = method
+        if method is None:
+            seq.gammas.append(0)
+            return None
+        gamma = self.controller.next(seq, method, self.cost_model(seq, method))
+        # never draft past the sequence's room (its max tokens or the context limit)
+        gamma = max(0, min(gamma, self.max_draft_len, seq.remaining - 1))
+        seq.gammas.append(gamma)
+        return (method, gamma) if gamma > 0 else None
+
+    def propose_apart(self, method: str, pairs: list, batch_error: Exception) -> list:
+        """The drafter `method` raised on a batch: every sequence's drafter state goes back to
+        what the target holds, then each is drafted alone. A sequence it fails on alone gets
+        no draft and drafts no more with `method` (a plain step is lossless; a drafter that
+        keeps failing on one sequence would otherwise cost every step a retry); its state is
+        freed. The others get their drafts."""
+        prop = self.proposers[method]
+        log.warning("drafter %s failed on a batch of %d (%s: %s); drafting each alone", method, len(pairs),
+                    type(batch_error).__name__, str(batch_error)[:200])
+        for seq, _ in pairs:
+            prop.rollback(seq, seq.num_cached)
+        drafts = []
+        for seq, gamma in pairs:
+            try:
+                drafts.append(prop.propose([seq], [gamma])[0])
+                continue
+            except Exception as e:  # noqa: BLE001 - this sequence's drafter failure only
+                rid = seq.handle.request_id if getattr(seq, "handle", None) is not None else f"seq-{seq.seq_id}"
+                log.error("drafter %s failed on request %s; it decodes plainly from here", method, rid, exc_info=e)
+                error = e
+            drafts.append(None)
+            try:
+                prop.rollback(seq, seq.num_cached)
+                prop.release(seq)
+            except Exception:  # noqa: BLE001 - logged; the sequence no longer uses this drafter
+                log.exception("drafter %s could not drop request %s's state", method, rid)
+            seq.spec_state.draft_failed = seq.spec_state.draft_failed | {method}
+            if self.emit is not None:
+                self.emit(seq, "draft_failure", {"method": method, "error": f"{type(error).__name__}: {error}"[:200],
+                                                 "fallback": "plain"})
+        return drafts
 
     def within_grammar(self, seq, draft: Draft | None) -> Draft | None:
         """A chain draft cut at its first token the request's grammar refuses (that token and

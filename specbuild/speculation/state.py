@@ -24,6 +24,9 @@ class SpecState:
     # choice is final, and the drafters' per-step bookkeeping (recycling's table, EAGLE's
     # features) is skipped for the sequence
     auto_plain: bool = False
+    # Speculator: drafters that raised on this sequence alone (propose_apart); it drafts with
+    # them no more and decodes plainly instead (lossless), its neighbours unaffected
+    draft_failed: frozenset[str] = frozenset()
     # GammaController: recent (drafted, accepted) per method; the one acceptance estimate
     gamma: GammaState | None = None
     # DraftModelProposer: tokens of this sequence held in the draft model's cache

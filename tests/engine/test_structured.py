@@ -189,3 +189,23 @@ def test_choices_share_the_prompts_prefill(engine, method):
     assert all(r["stats"]["stat_shared_prefill_tokens"] == len(prompt) - 1 for r in shared[1:])
     if method == "draft":
         assert sum(r["stats"]["accepted"] for r in shared) > 0
+
+
+def test_grammars_are_bounded_at_admission(engine):
+    """A grammar the grammar engine gives up on at its first token ("Too many items"), and a
+    regex whose language is empty, are refused at submit naming response_format (HTTP 400),
+    with nothing queued; they used to fail at the first token (500 for the whole batch) and
+    answer 200 with empty text. A language holding only the empty string is still served."""
+    cases = [({"type": "grammar", "grammar": 'start: "a"{100000}'}, "exceeds the grammar engine's limits"),
+             ({"type": "regex", "regex": r"[^\s\S]"}, "matches no text"),
+             ({"type": "regex", "regex": "[a&&b]"}, "matches no text")]
+    for fmt, why in cases:
+        with pytest.raises(RequestError, match=f"^response_format {fmt['type']} .*{why}"):
+            engine.submit(Request(prompt_ids=[5, 6], response_format=fmt))
+    assert not engine.waiting and engine.cache.used_blocks == 0
+    empty = engine.generate([Request(prompt_ids=[5, 6], response_format={"type": "regex", "regex": "a{0}"},
+                                     sampling=SamplingParams(max_tokens=8))])[0]
+    assert empty["text"] == "" and empty["finish_reason"] == "stop" and "error" not in empty
+    ok = engine.generate([Request(prompt_ids=[5, 6], response_format={"type": "grammar", "grammar": 'start: "a"{40}'},
+                                  sampling=SamplingParams(max_tokens=60))])[0]
+    assert ok["text"] == "a" * 40 and ok["finish_reason"] == "stop"

@@ -124,15 +124,18 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 # ---- `specbuild serve` in a subprocess ----------------------------------------------------------
 class ServerProcess:
     """`specbuild serve` on a free loopback port; the port is read from its output. `env`: the
-    subprocess's environment (default: this one's); `timeout`: seconds until it prints its URL."""
+    subprocess's environment (default: this one's); `timeout`: seconds until it prints its URL;
+    `cwd`: its working directory, which `python -c` puts first on sys.path (another tree's, to
+    run that tree's code)."""
 
-    def __init__(self, bundle: str, log_path: str, *args: str, env: dict | None = None, timeout: float = 60) -> None:
+    def __init__(self, bundle: str, log_path: str, *args: str, env: dict | None = None, timeout: float = 60,
+                 cwd: str = REPO) -> None:
         self.log_path = log_path
         self.log = open(log_path, "w")
         # the console script's entry point (not `-m specbuild.cli`, which imports cli twice)
         cmd = [sys.executable, "-c", "from specbuild.cli import main; main()", "serve", bundle, "--host", "127.0.0.1", "--port", "0",
                "--threads", "1", "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
         self.port = self._wait_for_url(deadline=time.monotonic() + timeout)
         deadline = time.monotonic() + 10
         while get(self.port, "/health")[0] != 200:

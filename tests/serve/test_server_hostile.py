@@ -155,6 +155,31 @@ def test_every_bound_has_a_limit_named_in_a_4xx(server, extra, param, limit):
     assert err["error"]["param"] == param and limit in err["error"]["message"], err
 
 
+PARAMS = [  # (body, the field `param` names, a piece of the message)
+    ({"response_format": {"type": "xml"}}, "response_format", "'xml'"),
+    ({"response_format": {"type": "regex", "regex": "(("}}, "response_format", "regex"),
+    ({"response_format": {"type": "regex"}}, "response_format", "regex"),
+    ({"typical": True, "speculation": "ngram"}, "typical", "medusa"),
+    ({"speculation": {"method": "ngram", "typical": True}}, "speculation", "medusa"),
+    ({"speculation": "ngram", "ngram_min": 5, "ngram_max": 2}, "ngram_min", "ngram_min <= ngram_max"),
+    ({"speculation": "ngram", "ngram_max": 1, "ngram_min": 2}, "ngram_min", "ngram_min <= ngram_max"),
+    ({"speculation": {"method": "ngram", "ngram_min": 6, "ngram_max": 3}}, "speculation", "ngram_min <= ngram_max"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "'abc'"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias", "'-1'"),
+    ({"logit_bias": {"\u0665": 1}}, "logit_bias", "plain decimal digits (0-9)"),  # ARABIC-INDIC FIVE
+    ({"logit_bias": {"1_000": 1}}, "logit_bias", "plain decimal digits (0-9)"),
+    ({"logit_bias": {" 5": 1}}, "logit_bias", "plain decimal digits (0-9)"),
+    ({"logit_bias": {"5": 1, "320": -1}}, "logit_bias", "token id 320 is out of range [0, 320)"),
+]
+
+
+@pytest.mark.parametrize("extra, param, piece", PARAMS, ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(PARAMS)])
+def test_errors_name_the_field_the_client_wrote(server, extra, param, piece):
+    status, _, err = post(server.port, "/v1/completions", {"prompt": "hi", "max_tokens": 4, **extra})
+    assert status == 400, err
+    assert err["error"]["param"] == param and piece in err["error"]["message"], err
+
+
 def test_hostile_bodies_answered_4xx(server):
     huge_exponent = b'{"prompt": "hi", "temperature": 1e400}'
     deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -312,6 +337,33 @@ def test_soak_ci_sized(server, bundle):
     drafted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("specbuild_accepted_tokens_total"))
     assert drafted > 0  # speculation ran and some drafts were accepted
+
+
+HTTP_ATTACKS = ["idle_sockets", "huge_headers", "echo_logprobs", "role_injection", "disconnects"]
+
+
+def test_hostile_soak_ci_sized(bundle, tmp_path):
+    """scripts/soak_hostile.py's attacks on the HTTP front, short phases: no innocent request
+    failed or changed its answer, the server survived (latencies are the script's to print)."""
+    import resource
+
+    import soak_hostile
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    attacks = list(HTTP_ATTACKS)
+    if hard != resource.RLIM_INFINITY and hard < 1030 + 256:
+        attacks.remove("idle_sockets")  # this machine cannot hold that many sockets on the client side
+    elif soft != resource.RLIM_INFINITY and soft < 1030 + 256:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    result = soak_hostile.soak_server_tree(bundle, soak_hostile.innocent_jobs(bundle), attacks, 2.0, 2,
+                                           str(tmp_path / "soak.log"), None, say=lambda m: None)
+    assert result["server_survived"]
+    rows = result["rows"]
+    assert set(attacks) <= set(rows)
+    for name, row in rows.items():
+        assert row["innocent_failed"] == 0, (name, row["failures"])
+    assert rows["huge_headers"]["attack_outcomes"].get("HTTP/1.1 431", 0) >= 2, rows["huge_headers"]
+    assert sum(r["innocent_requests"] for r in rows.values()) > len(rows)  # innocents ran throughout
 
 
 def test_triton_inputs_get_the_same_stop_limits(engine):

@@ -201,3 +201,34 @@ def test_eagle_drafts_are_charged_their_measured_cost(trained):
     costs = engine.speculator.controller.costs
     assert costs["eagle"].draft_cost > 0
     assert costs["ngram"].draft_cost == 0.0  # a table lookup is not timed as a model
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_eagle_faults_stay_in_their_request(trained, monkeypatch, sampled):
+    """tests/engine/test_fault_isolation.py's checks on the trained EAGLE bundle: a fault in
+    one request (its head, verification, NaN rows) leaves its neighbours' tokens unchanged."""
+    from faults import check_isolation
+
+    engine = Engine(trained["with_head"], EngineConfig(max_batch_size=4))
+    prompts = trained["prompts"][:2] + [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8]]
+    check_isolation(engine, "eagle", prompts, monkeypatch, sampled, drafts_independent=True)
+
+
+def test_a_tree_on_an_eagle_request_is_refused(trained):
+    from specbuild.errors import RequestError
+
+    engine = Engine(trained["with_head"], EngineConfig(max_batch_size=2))
+    with pytest.raises(RequestError, match="tree=.*applies to speculation methods medusa, recycle, auto, not 'eagle'"):
+        engine.submit(Request(prompt_ids=[5, 6], speculation={"method": "eagle", "tree": [[0], [0, 0]]}))
+    with pytest.raises(RequestError, match="not 'ngram'"):
+        engine.submit(Request(prompt_ids=[5, 6], speculation={"method": "ngram", "tree": "chain_2"}))
+    assert engine.cache.used_blocks == 0 and not engine.waiting
+
+
+def test_eagle_extreme_sampling_parameters(trained):
+    """Temperature 1e-38, top_p 1e-45, top_k 1 and the other extremes on EAGLE trees: a 4xx,
+    the greedy or the seeded answer (tests/helpers/extreme.py)."""
+    from extreme import check_extreme
+
+    engine = Engine(trained["with_head"], EngineConfig(max_batch_size=2))
+    check_extreme(engine, ["none", "eagle"], trained["prompts"][0], examples=10)

@@ -114,3 +114,17 @@ def test_the_check_rejects_a_broken_tree_rule(bundle, monkeypatch):
     r = check(engine, PROMPTS[0], 1.0, 3, SpeculationConfig.make(None, method="recycle", gamma=3, tree="chain_3"), 600)
     assert r.drafted > 0 and r.accepted < r.drafted
     assert r.p_value < 1e-4, r
+
+
+def test_inline_tree_paths_are_read_as_the_readme_documents(bundle):
+    """A request's `tree` may be inline paths (README, `tree`); recycling refused them as
+    "not a preset". Greedy with an inline tree equals plain and drafts get accepted; a bad
+    inline tree is refused naming the rank limit."""
+    engine = Engine(bundle, EngineConfig(max_batch_size=4))
+    plain = run(engine, "none")
+    inline = ((0,), (0, 0), (1,), (0, 0, 0))
+    spec = run(engine, "recycle", tree=inline)
+    assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    assert sum(r["stats"]["drafted"] for r in spec) > 0 and sum(r["stats"]["accepted"] for r in spec) > 0
+    with pytest.raises(RequestError, match="rank"):  # ranks fit 4 bits (tree.MAX_RANK)
+        engine.submit(Request(prompt_ids=[5, 6], speculation={"method": "recycle", "tree": [[99]]}))

@@ -286,3 +286,27 @@ def test_bfloat16_tree_speculation_equals_plain_with_batched_invariant_attention
         assert sum(r["stats"]["drafted"] for r in spec) > 0 and sum(r["stats"]["accepted"] for r in spec) > 0
     chain = run(engine_bf16, method="ngram")
     assert [r["token_ids"] for r in chain] == [r["token_ids"] for r in plain]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_medusa_faults_stay_in_their_request(medusa_bundle, monkeypatch, sampled):
+    """tests/engine/test_fault_isolation.py's checks on the trained Medusa bundle: a fault
+    in one request (heads, verification, NaN rows) leaves its neighbours' tokens unchanged."""
+    from faults import check_isolation
+
+    engine = Engine(medusa_bundle, EngineConfig(max_batch_size=4))
+    prompts = [engine.encode(" ".join(f"word{(3 * j) % 23}" for j in range(10))), [40, 41, 42],
+               engine.encode(" ".join(f"word{(7 * j) % 23}" for j in range(12))),
+               engine.encode(" ".join(f"word{(14 + j) % 23}" for j in range(12)))]  # the heads' own training text
+    check_isolation(engine, "medusa", prompts, monkeypatch, sampled, drafts_independent=True)
+
+
+def test_medusa_extreme_sampling_parameters(medusa_bundle):
+    """The issue's trigger (temperature 1e-38 made every Medusa tree verification raise, for
+    every request in the batch) and the other extremes: a 4xx, the greedy or the seeded
+    answer (tests/helpers/extreme.py)."""
+    from extreme import check_extreme
+
+    engine = Engine(medusa_bundle, EngineConfig(max_batch_size=2))
+    check_extreme(engine, ["none", "medusa"], engine.encode(" ".join(f"word{(3 * j) % 23}" for j in range(10))),
+                  examples=10)

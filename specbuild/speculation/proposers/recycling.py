@@ -31,7 +31,7 @@ import torch
 from specbuild.errors import RequestError
 from specbuild.speculation.proposers.base import Draft
 from specbuild.speculation.proposers.ngram import lookup
-from specbuild.speculation.tree import MAX_RANK, TreeError, TreeSpec, load_tree
+from specbuild.speculation.tree import MAX_RANK, TreeError, TreeSpec, request_tree
 
 # Node budgets for the default trees, keyed by the most nodes the bundle verifies. Path
 # values: per-rank hit rates measured for the table on Spec-Bench train answers of the
@@ -49,8 +49,8 @@ def default_tree(max_nodes: int) -> TreeSpec:
 
 
 @functools.lru_cache(maxsize=64)
-def _load_cached(name: str) -> TreeSpec:
-    return load_tree(name)
+def _load_cached(name_or_paths: str | tuple) -> TreeSpec:
+    return request_tree(name_or_paths)  # a preset name or inline paths (README: `tree`), never a file
 
 
 @functools.lru_cache(maxsize=256)
@@ -108,7 +108,7 @@ class RecyclingProposer:
         if tree is None:
             return self.default_tree
         try:
-            spec = tree if isinstance(tree, TreeSpec) else _load_cached(str(tree))
+            spec = tree if isinstance(tree, TreeSpec) else _load_cached(tree if isinstance(tree, tuple) else str(tree))
         except TreeError as err:
             raise RequestError(str(err)) from err
         if max(spec.ranks) >= self.k:

@@ -1,0 +1,148 @@
+"""Numerics that cannot go NaN (sampling/params.py, sampling/acceptance.py): temperatures
+below the floor are greedy, degenerate top_p / top_k keep the most likely token, and a
+NaN/inf row reaching the sampler or any acceptance rule raises NumericsError (the engine
+fails that one request) instead of an assertion or a silently wrong token. Property tests
+(hypothesis) over extreme parameters, for the warping alone and through the engine for
+every method the draft-pair bundle serves (Medusa and EAGLE: beside their bundles)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from specbuild.errors import NumericsError, RequestError
+from specbuild.sampling.acceptance import (verify_chain_greedy, verify_chain_sampled, verify_tree_greedy,
+                                           verify_tree_sampled, verify_tree_typical)
+from specbuild.sampling.params import TEMPERATURE_FLOOR, SamplingParams, sample_from, warp_probs
+
+VOCAB = 24
+FAST = settings(max_examples=60, deadline=None, database=None)
+
+
+def params_or_none(**kw):
+    try:
+        return SamplingParams(**kw)
+    except RequestError:
+        return None
+
+
+@st.composite
+def logit_rows(draw):
+    """[2, VOCAB] logits from tame to huge (|x| up to 1e30), some -inf, never all -inf."""
+    scale = draw(st.sampled_from([1.0, 40.0, 1e4, 1e30]))
+    vals = draw(st.lists(st.floats(-1.0, 1.0), min_size=2 * VOCAB, max_size=2 * VOCAB))
+    x = torch.tensor(vals, dtype=torch.float32).reshape(2, VOCAB) * scale
+    masked = draw(st.lists(st.integers(0, VOCAB - 1), max_size=VOCAB - 1))
+    x[:, masked] = float("-inf")
+    return x
+
+
+@FAST
+@given(x=logit_rows(),
+       temperature=st.sampled_from([1e-45, 1e-38, 1e-20, 9.9e-6, 1e-5, 1e-3, 0.5, 1.0, 100.0]),
+       top_p=st.sampled_from([1e-45, 1e-40, 1e-30, 1e-8, 0.3, 0.9, 1.0]), top_k=st.sampled_from([0, 1, 2, 5]))
+def test_warped_rows_are_always_distributions(x, temperature, top_p, top_k):
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    probs = warp_probs(x, params)
+    assert bool(torch.isfinite(probs).all()) and bool((probs >= 0).all())
+    assert torch.allclose(probs.sum(-1), torch.ones(2), atol=1e-5)
+    best = x.argmax(-1)
+    assert bool((probs.gather(-1, best[:, None]) > 0).all())  # the most likely token is never dropped
+    if temperature < TEMPERATURE_FLOOR:
+        assert params.greedy and params.temperature == 0.0
+        assert torch.equal(probs, torch.nn.functional.one_hot(best, VOCAB).float())
+    elif top_p <= 1e-30:  # below any token's mass: only the most likely token stays (ties: lowest id)
+        tempered = torch.softmax(x / temperature, -1)
+        kept = probs.argmax(-1)
+        assert probs.max(-1).values.tolist() == [1.0, 1.0]
+        assert torch.equal(tempered.gather(-1, kept[:, None])[:, 0], tempered.max(-1).values)
+    elif top_k == 1:  # the top logit (and any exact tie with it) only
+        assert bool(((probs > 0) == (x == x.max(-1, keepdim=True).values)).all())
+
+def test_the_floor_is_greedy_and_documented():
+    for t in (1e-45, 1e-38, 1e-6, TEMPERATURE_FLOOR / 2):
+        assert SamplingParams(temperature=t).greedy
+    assert not SamplingParams(temperature=TEMPERATURE_FLOOR).greedy
+    x = torch.tensor([[40.0, 39.0, -3.0]])
+    # the old overflow: logits / 1e-38 is inf - inf in the softmax
+    assert math.isnan(torch.softmax(x / 1e-38, -1)[0, 0])
+    assert warp_probs(x, SamplingParams(temperature=1e-38)).tolist() == [[1.0, 0.0, 0.0]]
+    # a top_p below float32's smallest number compared as 0 and dropped every token (NaN)
+    assert warp_probs(x, SamplingParams(temperature=1.0, top_p=1e-46)).tolist() == [[1.0, 0.0, 0.0]]
+    for bad in (1e38, float("inf"), float("nan"), -1e-45):
+        with pytest.raises(RequestError, match="temperature"):
+            SamplingParams(temperature=bad)
+    with pytest.raises(RequestError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+def test_ties_keep_the_lowest_id_like_argmax():
+    x = torch.tensor([[1.0, 5.0, 5.0, 5.0, 0.0]])
+    assert warp_probs(x, SamplingParams(temperature=1.0, top_p=1e-45)).argmax().item() == 1
+
+
+def nan_row(n: int, where: str) -> torch.Tensor:
+    x = torch.randn(n, VOCAB).softmax(-1)
+    if where == "nan":
+        x[n - 1, 3] = float("nan")
+    elif where == "inf":
+        x[n - 1, 3] = float("inf")
+    elif where == "empty":
+        x[n - 1] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("where", ["nan", "inf", "empty"])
+def test_every_acceptance_rule_refuses_non_finite_rows(where):
+    ids = torch.tensor([1, 2])
+    parents = (-1, 0, 0)
+    nodes = torch.tensor([0, 1, 2])
+    u3 = torch.full((3,), 0.5, dtype=torch.float64)
+    probs = nan_row(3, where)
+    logits = probs.clone()
+    if where == "empty":
+        logits[2] = float("-inf")
+    calls = [lambda: verify_chain_greedy(ids, logits),
+             lambda: verify_chain_sampled(ids, None, probs, u3),
+             lambda: verify_chain_sampled(ids, nan_row(2, where), nan_row(3, "none"), u3),
+             lambda: verify_tree_greedy(parents, nodes, logits),
+             lambda: verify_tree_sampled(parents, nodes, probs, u3),
+             lambda: verify_tree_typical(parents, nodes, probs, u3),
+             lambda: sample_from(probs, u3),
+             lambda: warp_probs(logits, SamplingParams(temperature=0.8)),
+             lambda: warp_probs(logits, SamplingParams())]
+    for call in calls:
+        with pytest.raises(NumericsError, match="row"):
+            call()
+
+
+def test_tree_rounding_never_asserts():
+    """All residual mass on a child that a uniform at 1 - 2^-53 still rejects (rounding of
+    u * sum against that mass): the step draws from the row instead of asserting."""
+    probs = torch.zeros(2, VOCAB, dtype=torch.float64)
+    probs[0, 5] = 1.0
+    probs[1, 7] = 1.0
+    u = torch.tensor([1.0 - 2 ** -53, 0.25], dtype=torch.float64)
+    res = verify_tree_sampled((-1, 0), torch.tensor([0, 5]), probs, u)
+    assert res.tokens[-1] in (5, 7)
+
+
+# ---- through the engine -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from tiny import draft_pair_bundle
+
+    from specbuild.engine.engine import Engine, EngineConfig
+
+    return Engine(draft_pair_bundle(tmp_path_factory.mktemp("numerics")), EngineConfig(max_batch_size=2))
+
+
+def test_extreme_parameters_through_every_method(engine):
+    from extreme import check_extreme
+
+    seen = check_extreme(engine, ["none", "ngram", "draft", "recycle"], [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8],
+                         examples=16)
+    assert sum(seen.values()) >= 16
