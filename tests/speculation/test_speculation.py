@@ -257,6 +257,9 @@ def test_cost_calibration_is_cached_per_machine_and_bundle_and_done_at_load(tmp_
 
     monkeypatch.setenv("SPECBUILD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("SPECBUILD_COST_CACHE", raising=False)
+    # the live check runs (its forwards are counted) but never rejects: on a busy test machine
+    # one live forward can be far from the cached median (tests/model/test_costcache.py tests rejection)
+    monkeypatch.setattr("specbuild.speculation.speculator.LIVE_CHECK_FACTOR", float("inf"))
     assert cache_dir() == str(tmp_path / "cache")
     bundles = [compile_bundle(make_tiny_hf(str(tmp_path / f"hf{s}"), seed=s), str(tmp_path / f"b{s}"),
                               CompileOptions(max_seq_len=128)) for s in (1, 2)]
