@@ -391,9 +391,11 @@ def phase_figures(records: list[dict], phase: str, base: dict[str, float]) -> di
     added = [(r["s"] - base.get(r["kind"], 0.0), r["kind"]) for r in mine]
     worst = max(added, default=(0.0, None))
     failed = [r for r in mine if not r["ok"]]
+    by_kind = {kind: round(max(a for a, k in added if k == kind) * 1000, 1) for kind in sorted({k for _, k in added})}
     return {"innocent_requests": len(mine), "innocent_failed": len(failed),
             "innocent_answers_changed": sum("answer changed" in r["why"] for r in failed),
             "worst_added_latency_ms": round(worst[0] * 1000, 1), "worst_kind": worst[1],
+            "worst_added_ms_by_kind": by_kind,
             "failures": sorted({r["why"] for r in failed})[:5]}
 
 
@@ -427,10 +429,11 @@ def main() -> int:
             print(f"[{label}] PYTHONPATH={path}")
             results[label] = res = soak_server_tree(bundle, jobs, attacks, args.phase_seconds, args.innocents,
                                                     os.path.join(tmp, f"{label}.log"), path)
-            print(f"  {'attack':17} {'innocent':>8} {'failed':>6} {'changed':>7} {'worst added ms':>14}  (kind)")
+            print(f"  {'attack':17} {'innocent':>8} {'failed':>6} {'changed':>7} {'worst added ms':>14}  (by kind)")
             for name, row in res["rows"].items():
                 print(f"  {name:17} {row['innocent_requests']:8d} {row['innocent_failed']:6d} "
-                      f"{row['innocent_answers_changed']:7d} {row['worst_added_latency_ms']:14.1f}  ({row['worst_kind']})")
+                      f"{row['innocent_answers_changed']:7d} {row['worst_added_latency_ms']:14.1f}  "
+                      f"{row['worst_added_ms_by_kind']}")
                 for why in row["failures"]:
                     print(f"      {why}")
             print(f"  server survived: {res['server_survived']}")

@@ -167,14 +167,18 @@ def resolve_backend(bundle_dir: str, backend: str = "auto") -> tuple[str, str]:
     return ("tensorrt-llm", "engines built and TensorRT-LLM available") if ok else ("torch", reason)
 
 
-def open_engine(bundle_dir: str, config: EngineConfig = EngineConfig(), backend: str = "auto"):
+def open_engine(bundle_dir: str, config: EngineConfig = EngineConfig(), backend: str = "auto", **plugins):
     """The bundle's serving backend: `TorchEngine` or `trtllm_engine.TrtllmEngine`.
+    plugins: `drafters` / `planning` for the torch engine (MineDraft: dist/minedraft.plugin).
 
     Under `mpirun -n tp*pp` every rank calls this; on the TensorRT-LLM backend only rank 0
     (`engine.is_leader`) takes requests, the others wait in `parallel.follow_leader(engine)`."""
     name, _ = resolve_backend(bundle_dir, backend)
     if name == "torch":
-        return TorchEngine(bundle_dir, config)
+        return TorchEngine(bundle_dir, config, **plugins)
+    if plugins:
+        raise ValueError(f"{', '.join(sorted(plugins))} plug into specbuild's own scheduler: the torch backend "
+                         f"only (this bundle opens on {name})")
     if trtllm_path(bundle_dir)[0] == "llmapi":  # TensorRT-LLM >= 1.0 without built engines (or >= 1.3)
         from specbuild.backends.tensorrt_llm_api import TrtllmApiEngine
 

@@ -104,7 +104,14 @@ def engine_limits(engine_config: dict) -> dict[str, Any]:
             "gather_generation_logits": bool(build.get("gather_generation_logits", False)),
             "tp": tp, "pp": pp, "world_size": int(mapping.get("world_size", tp * pp)),
             "gpus_per_node": int(mapping.get("gpus_per_node", 8)),
-            "num_medusa_heads": int(pre.get("num_medusa_heads") or 0), "vocab_size": pre.get("vocab_size")}
+            "num_medusa_heads": int(pre.get("num_medusa_heads") or 0), "vocab_size": pre.get("vocab_size"),
+            "paged_context_fmha": _paged_context_fmha(build)}
+
+
+def _paged_context_fmha(build: dict) -> bool | None:
+    """build_config.plugin_config.use_paged_context_fmha as recorded (None: not recorded)."""
+    plugin = build.get("plugin_config") or {}
+    return None if "use_paged_context_fmha" not in plugin else bool(plugin["use_paged_context_fmha"])
 
 
 def check_engine_limits(engine_config: dict, *, role: str = "target", max_batch_size: int | None = None,
@@ -156,6 +163,16 @@ def check_engine_limits(engine_config: dict, *, role: str = "target", max_batch_
     if vocab_size is not None and lim["vocab_size"] is not None and int(lim["vocab_size"]) != vocab_size:
         problems.append(f"vocab_size {lim['vocab_size']} != the bundle's {vocab_size}: it was built from another "
                         "checkpoint; rebuild from this bundle's trtllm/build.sh")
+    if lim["paged_context_fmha"] is False:
+        # the executor runs with KV block reuse, which TensorRT-LLM turns off for an engine without paged context
+        # FMHA (trtGptModelInflightBatching.cpp, fixExecutorConfig; compiler/trtllm_build.py cites it)
+        if "draft_tokens_external" in lim["modes"]:
+            problems.append("it was built without --use_paged_context_fmha enable, so TensorRT-LLM turns KV cache "
+                            "block reuse off, which a draft/target target needs; rebuild with "
+                            "--use_paged_context_fmha enable (specbuild compile writes it into trtllm/build.sh)")
+        else:
+            log.warning("the %s engine was built without --use_paged_context_fmha enable: TensorRT-LLM turns KV "
+                        "cache block reuse off for it (rebuild with the flag to reuse prompt prefixes)", role)
     problems += engine_kernel_problems(engine_config, role=role, mode=mode)
     if problems:
         raise EngineLimitError(f"the {role} engine cannot serve this bundle: " + "; ".join(problems))
@@ -283,6 +300,7 @@ def read_engine_config(engine_dir: str) -> dict:
 # so that tests can run the real adapter (and the CLI under mpirun) without TensorRT-LLM or a GPU
 # (tests/trtllm_stub.py). Never set it in production: the stand-in decodes with the torch engine.
 TEST_STUB_ENV = "SPECBUILD_TEST_TRTLLM_BINDINGS"
+LLMAPI_STUB_ENV = "SPECBUILD_TEST_TRTLLM_LLMAPI"  # the LLM API's stand-in (backends/tensorrt_llm_api.py)
 TEST_STUB_MARK = "SPECBUILD_TEST_STUB"  # the stand-in must say it is one (guard against a mistaken value)
 
 

@@ -10,9 +10,25 @@ engine serves one method besides `none` (which then runs through the same specul
 greedy output is the target's either way):
 
     draft    DraftTargetDecodingConfig(max_draft_len, speculative_model_dir=trtllm/hf/draft)
-    ngram    UserProvidedDecodingConfig(max_draft_len, drafter=specbuild's prompt lookup), or
-             NGramDecodingConfig(max_draft_len, max_matching_ngram_size) with ngram_impl="trtllm"
-    eagle3   Eagle3DecodingConfig(max_draft_len, speculative_model_dir=an EAGLE-3 head dir)
+    ngram    NGramDecodingConfig(max_draft_len, max_matching_ngram_size) (the default), or
+             UserProvidedDecodingConfig(max_draft_len, drafter=specbuild's prompt lookup) with
+             ngram_impl="specbuild" (backends/tensorrt_llm_drafter.py: a module-level class, so it
+             pickles into TensorRT-LLM's executor worker)
+    eagle3   Eagle3DecodingConfig(max_draft_len, speculative_model_dir=an EAGLE-3 head dir), or
+             EagleDecodingConfig(..., eagle3_one_model=True) on releases without it (eagle3_config_class)
+
+Why NGramDecodingConfig is the default for ngram: it is TensorRT-LLM's own n-gram drafter, run
+inside its executor with nothing of specbuild's crossing the process boundary, and NVIDIA keeps
+it (a later hw_agnostic/test_user_provided.py speaks of "the retired host NGram drafter" that a
+user-provided one now only imitates, i.e. NGram itself moved on); greedy output is the target's
+either way. specbuild's own lookup stays available (ngram_impl="specbuild") where proposals must
+match the torch backend's.
+
+Kernels: a speculating target on the LLM API's default TRTLLM attention runs in multi-token
+query mode on SM < 120 (formats/trtllm_support.llmapi_kernel_problems, which cites
+`_torch/speculative/interface.py`), so a target whose query group per rank is not a power of
+two (SmolLM2-135M: 9/3) is refused at load with the tensor_parallel_size values that work;
+`attn_backend="FLASHINFER"` avoids that path.
 
 Medusa is not in the PyTorch backend's speculative support: Medusa bundles need the engine
 path (backends/tensorrt_llm.py, tensorrt_llm>=0.19,<1.3).
@@ -36,7 +52,6 @@ from __future__ import annotations
 
 import collections
 import importlib
-import inspect
 import logging
 import os
 import queue
@@ -46,7 +61,7 @@ from typing import Any
 
 from specbuild.backends.guarantees import guarantees
 from specbuild.bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
-from specbuild.backends.tensorrt_llm import ExecutorEngine, load_stand_in, refuse_torch_only
+from specbuild.backends.tensorrt_llm import LLMAPI_STUB_ENV, ExecutorEngine, load_stand_in, refuse_torch_only
 from specbuild.engine.base import validated_prompt_ids
 from specbuild.engine.engine import EngineConfig
 from specbuild.engine.sequence import Event, Request, Sequence
@@ -59,7 +74,7 @@ log = logging.getLogger("specbuild.trtllm_api")
 API_METHODS = ("draft", "ngram", "eagle3")
 # Test-only, like backends/tensorrt_llm.TEST_STUB_ENV: "module:factory" returning a stand-in for
 # the `tensorrt_llm` package (tests/helpers/trtllm_api_stub.py); it must say it is one.
-TEST_STUB_ENV = "SPECBUILD_TEST_TRTLLM_LLMAPI"
+TEST_STUB_ENV = LLMAPI_STUB_ENV
 
 
 def _stand_in():
@@ -92,7 +107,7 @@ def _submodule(pkg, name: str):
 
 
 def speculative_config(pkg, method: str, *, max_draft_len: int, models: dict[str, str], drafter=None,
-                       ngram_impl: str = "specbuild", ngram_max: int = 3):
+                       ngram_impl: str = "trtllm", ngram_max: int = 3):
     """The LLM's speculative_config for `method` (none -> None), with TensorRT-LLM's own classes."""
     if method == "none":
         return None
@@ -104,39 +119,77 @@ def speculative_config(pkg, method: str, *, max_draft_len: int, models: dict[str
     if method == "ngram":
         return llmapi.UserProvidedDecodingConfig(max_draft_len=max_draft_len, drafter=drafter)
     if method == "eagle3":
-        if not hasattr(llmapi, "Eagle3DecodingConfig"):
-            raise BundleError(f"TensorRT-LLM {getattr(pkg, '__version__', '?')} has no Eagle3DecodingConfig "
-                              "(its EAGLE-3 is EagleDecodingConfig(eagle3_one_model=...)): install a newer "
-                              "tensorrt_llm for EAGLE-3 on the LLM-API path")
-        return llmapi.Eagle3DecodingConfig(max_draft_len=max_draft_len, speculative_model_dir=models["eagle3"])
+        cls, extra = eagle3_config_class(pkg)
+        return cls(max_draft_len=max_draft_len, speculative_model_dir=models["eagle3"], **extra)
     raise BundleError(f"method {method!r} has no LLM-API speculative config (known: none, {', '.join(API_METHODS)})")
 
 
-def make_drafter(pkg, max_draft_len: int, ngram_min: int, ngram_max: int):
-    """A `Drafter` (tensorrt_llm._torch.speculative.drafter) proposing specbuild's prompt lookup
-    (speculation/proposers/ngram.lookup) for every generation request; it keeps no state."""
-    import numpy as np
+# Eagle3DecodingConfig(EagleDecodingConfig) with decoding_type "Eagle3" is in the later llmapi/llm_args.py files;
+# tensorrt_llm/llmapi/__init__.py at commit 5ca85aff (a 1.x file: it still exports TrtLlmArgs, i.e. before the
+# engine path's removal) exports EagleDecodingConfig, DraftTargetDecodingConfig, NGramDecodingConfig and
+# UserProvidedDecodingConfig but no Eagle3DecodingConfig; there EAGLE-3 is EagleDecodingConfig(eagle3_one_model=
+# True) (llm_args.py: `eagle3_one_model: Optional[bool] = True`, spec_dec_mode EAGLE3_ONE_MODEL when set, else
+# EAGLE3). The first release exporting Eagle3DecodingConfig could not be read; but an llm_args.py that defines it
+# still imports `from ..builder import BuildConfig, EngineConfig`, i.e. it predates the engine path's removal, so
+# every release without the engine path (1.3 on, formats/trtllm_support.ENGINE_PATH_END) has it: there specbuild
+# requires it.
+EAGLE3_CLASS_FROM = (1, 3)
 
-    from specbuild.speculation.proposers.ngram import lookup
+
+def eagle3_config_class(pkg) -> tuple[type, dict]:
+    """(class, extra keywords) of the EAGLE-3 speculative_config of the installed release, chosen
+    by its version: from 1.3 `Eagle3DecodingConfig`; before, `Eagle3DecodingConfig` where the
+    release exports it, else `EagleDecodingConfig(eagle3_one_model=True)`. BundleError naming the
+    version where the release has neither."""
+    from specbuild.formats.trtllm_support import release
+
+    version = str(getattr(pkg, "__version__", "unknown"))
+    rel = release(version) or ()
+    llmapi = _submodule(pkg, "llmapi")
+    if hasattr(llmapi, "Eagle3DecodingConfig"):
+        return llmapi.Eagle3DecodingConfig, {}
+    if rel[:2] >= EAGLE3_CLASS_FROM:
+        raise BundleError(f"TensorRT-LLM {version} exports no tensorrt_llm.llmapi.Eagle3DecodingConfig, which its "
+                          "release line should have: reinstall tensorrt_llm, or serve EAGLE-3 on --backend torch")
+    eagle = getattr(llmapi, "EagleDecodingConfig", None)
+    if eagle is not None and _has_field(eagle, "eagle3_one_model"):
+        return eagle, {"eagle3_one_model": True}
+    raise BundleError(f"TensorRT-LLM {version} has neither Eagle3DecodingConfig nor EagleDecodingConfig with "
+                      "eagle3_one_model in tensorrt_llm.llmapi, so no EAGLE-3 on its LLM API: install "
+                      f"tensorrt_llm>={'.'.join(map(str, EAGLE3_CLASS_FROM))} (or a 1.x release whose "
+                      "EagleDecodingConfig takes eagle3_one_model), or serve EAGLE-3 on --backend torch")
+
+
+def _has_field(cls: type, name: str) -> bool:
+    fields = getattr(cls, "model_fields", None)  # pydantic v2 (the real configs)
+    if isinstance(fields, dict):
+        return name in fields
+    return name in (getattr(cls, "fields", None) or {}) or hasattr(cls, name)  # the stand-in's
+
+
+def make_drafter(pkg, max_draft_len: int, ngram_min: int, ngram_max: int):
+    """A `Drafter` (tensorrt_llm._torch.speculative.drafter) proposing specbuild's prompt lookup;
+    a module-level class (backends/tensorrt_llm_drafter.py) so it pickles into the worker."""
+    from specbuild.backends.tensorrt_llm_drafter import PromptLookupDrafter
 
     base = _submodule(pkg, "_torch.speculative.drafter").Drafter
-    takes_len = "max_draft_len" in inspect.signature(base.__init__).parameters
+    if not issubclass(PromptLookupDrafter, base):
+        raise BundleError("specbuild's prompt-lookup drafter was imported against another TensorRT-LLM Drafter "
+                          "class than the one now loaded: restart the process")
+    return PromptLookupDrafter(max_draft_len, ngram_min, ngram_max)
 
-    class SpecbuildDrafter(base):
-        def __init__(self):
-            if takes_len:  # 1.1+: Drafter(max_draft_len, max_total_draft_tokens, ...)
-                super().__init__(max_draft_len=max_draft_len, max_total_draft_tokens=max_draft_len)
-            else:  # 1.0: Drafter(max_concurrency=None)
-                super().__init__()
-            self.max_draft_len = max_draft_len
 
-        def prepare_draft_tokens(self, scheduled_requests, resource_manager=None) -> None:
-            for req in scheduled_requests.generation_requests:
-                tokens = lookup(np.asarray(list(req.get_tokens(0)), dtype=np.int64), ngram_min, ngram_max,
-                                max_draft_len)
-                req.py_draft_tokens = list(tokens)
+def cuda_sm() -> int | None:
+    """major*10 + minor of GPU 0 (90 for Hopper), or None without CUDA."""
+    try:
+        import torch
 
-    return SpecbuildDrafter()
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(0)
+            return major * 10 + minor
+    except Exception:  # a broken CUDA install: unknown, treated as SM < 120 by the checks
+        return None
+    return None
 
 
 class TrtllmApiEngine(ExecutorEngine):
@@ -151,7 +204,7 @@ class TrtllmApiEngine(ExecutorEngine):
     poll_ms = 2
 
     def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig(), *, method: str | None = None,
-                 eagle3_dir: str | None = None, ngram_impl: str = "specbuild") -> None:
+                 eagle3_dir: str | None = None, ngram_impl: str = "trtllm", attn_backend: str | None = None) -> None:
         t0 = time.perf_counter()
         from tokenizers import Tokenizer
 
@@ -185,9 +238,13 @@ class TrtllmApiEngine(ExecutorEngine):
             raise BundleError(f"method {method!r} needs its model: {'compile with --draft' if method == 'draft' else 'pass eagle3_dir (an EAGLE-3 head directory)'}")
         self.method = method
         self.max_draft_len = int(bundle_limits["max_draft_len"] or default.gamma_max) if method != "none" else 0
+        if ngram_impl not in ("trtllm", "specbuild"):
+            raise BundleError(f"ngram_impl {ngram_impl!r}: use 'trtllm' (NGramDecodingConfig) or 'specbuild' "
+                              "(specbuild's prompt lookup through UserProvidedDecodingConfig)")
         self.ngram_impl = ngram_impl
 
         self._pkg = llmapi_package()
+        self._check_kernels(method, int(api.get("tp", 1)), attn_backend)
         drafter = None
         if method == "ngram" and ngram_impl == "specbuild":
             drafter = make_drafter(self._pkg, self.max_draft_len, default.ngram_min, default.ngram_max)
@@ -199,6 +256,8 @@ class TrtllmApiEngine(ExecutorEngine):
                                   max_seq_len=self.max_seq_len + self.max_draft_len)
         if spec is not None:
             kw["speculative_config"] = spec
+        if attn_backend is not None:
+            kw["attn_backend"] = attn_backend
         self.llm = self._pkg.LLM(model=models["target"], **kw)
         self.is_leader, self.rank = True, 0  # the LLM API spawns its own MPI workers
         sp = self.meta.special_tokens
@@ -216,6 +275,17 @@ class TrtllmApiEngine(ExecutorEngine):
         self._iterations: dict[int, int] = {}  # id(seq) -> generation iterations seen
         self.load_seconds = time.perf_counter() - t0
 
+    def _check_kernels(self, method: str, tp: int, attn_backend: str | None) -> None:
+        """Refuse, before the LLM starts, a speculating target the installed release would send to
+        XQA kernels it has none for (formats/trtllm_support.llmapi_kernel_problems)."""
+        from specbuild.formats.trtllm_support import llmapi_kernel_problems
+
+        problems = llmapi_kernel_problems(self.target_config, method=method, version=str(self._pkg.__version__),
+                                          dtype=self.trt_meta.get("dtype", "bfloat16"), tp=tp, sm=cuda_sm(),
+                                          attn_backend=attn_backend)
+        if problems:
+            raise BundleError("this bundle's target would fail on TensorRT-LLM's LLM API: " + "; ".join(problems))
+
     # ---- what this engine serves ------------------------------------------------------------
     @property
     def methods(self) -> list[str]:
@@ -227,7 +297,7 @@ class TrtllmApiEngine(ExecutorEngine):
             how = {"draft": "TensorRT-LLM DraftTargetDecodingConfig (PyTorch backend)",
                    "ngram": "specbuild's prompt lookup through UserProvidedDecodingConfig" if self.ngram_impl ==
                    "specbuild" else "TensorRT-LLM NGramDecodingConfig",
-                   "eagle3": "TensorRT-LLM Eagle3DecodingConfig"}[self.method]
+                   "eagle3": f"TensorRT-LLM {eagle3_config_class(self._pkg)[0].__name__} (EAGLE-3)"}[self.method]
             table["methods"][self.method] = {"greedy": "lossless", "sampled": "refused",
                                              "acceptance": how + "; drafts accepted while equal to the target's "
                                                                  "argmax (sampled speculation is not checked here)"}

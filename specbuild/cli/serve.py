@@ -14,9 +14,9 @@ of the engine (`parallel.follow_leader`, as `generate` does) until rank 0 shuts 
 all exit 0. Launch it without -disable-auto-cleanup (a dead rank must take the job down).
 
 With --parallel-draft, rank 0 serves HTTP and verifies, rank 1 runs the draft model and
-never binds a port (MineDraft: runtime/minedraft.py; roles: runtime/parallel.py).
-scripts/mpirun_serve.sh has the exact mpirun line. MineDraft replaces the torch engine's
-scheduler, so --parallel-draft runs on the torch backend (auto means torch there;
+never binds a port (MineDraft: dist/minedraft.py; roles: dist/context.py).
+scripts/mpirun_serve.sh has the exact mpirun line. The torch engine opens with MineDraft's
+remote drafter and planning policy, so --parallel-draft runs on the torch backend (auto means torch there;
 --backend tensorrt-llm is refused). Other world sizes are refused at start-up, on every
 rank, with one line naming the world size, what the bundle needs and the command to use.
 
@@ -100,23 +100,29 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s{tag} %(levelname)s %(name)s: %(message)s")
     if ctx.role == "drafter":
         serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout)
-    transport = engine = sink = None
+    transport = engine = sink = minedraft = None
     try:
         from specbuild.backends.select import open_engine
         from specbuild.engine.engine import EngineConfig
         from specbuild.serve.openai_http import OpenAIServer, ServeConfig
 
         config = ServeConfig(**config_kwargs)
+        if ctx.role == "verifier":  # the engine opens with MineDraft's drafter and planning policy
+            from specbuild.dist.minedraft import MpiTransport, plugin
+
+            transport = MpiTransport(ctx)
+            minedraft = plugin(bundle, transport, draft_timeout)
         engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
                                                   kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
-                                                  load_draft=ctx.role != "verifier", compile=compile_),
-                             backend="torch" if parallel_draft else backend)
+                                                  compile=compile_),
+                             backend="torch" if parallel_draft else backend,
+                             **(minedraft.open_kwargs() if minedraft is not None else {}))
         if ctx.role == "worker":
             serve_engine_part(ctx, engine)
         sink = open_telemetry(engine, telemetry, "serve")
         app = OpenAIServer(engine, config)
-        if ctx.role == "verifier":
-            transport = connect_draft_rank(ctx, engine, app, draft_timeout)
+        if minedraft is not None:
+            connect_draft_rank(ctx, engine, app, minedraft)
         url = app.bind()
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {'' if ctx.rank == 0 else f'rank {ctx.rank}: '}{e}", err=True)
@@ -208,30 +214,29 @@ def serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, 
         rc = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(rc)  # no MPI_Finalize: see runtime/parallel.py
+    os._exit(rc)  # no MPI_Finalize: see dist/context.py
 
 
-def connect_draft_rank(ctx, engine, app, draft_timeout):
-    """Rank 0: MineDraft scheduler over the MPI link, after the draft rank's hello."""
-    from specbuild.dist.minedraft import MpiTransport, install
+def connect_draft_rank(ctx, engine, app, minedraft) -> None:
+    """Rank 0: wait for the draft rank's hello, check it, make the draft rank the default
+    method, and report it in /health."""
     from specbuild.speculation.config import SpeculationConfig
 
-    transport = MpiTransport(ctx)
-    scheduler = install(engine, transport, draft_timeout)
-    hello = transport.handshake(timeout_s=600)
+    hello = minedraft.transport.handshake(timeout_s=600)
     if not hello:
         raise SpecbuildError(f"the draft rank did not start: {ctx.reason}")
     if hello["vocab"] != engine.target_config.vocab_size:
         raise SpecbuildError(f"the draft rank drafts over {hello['vocab']} tokens, the target has "
                              f"{engine.target_config.vocab_size}")
-    if engine.default_speculation.method == "none":  # requests without a setting use the draft rank
+    if engine.default_speculation.method not in ("draft", "auto"):  # requests without a setting use the draft rank
+        logging.getLogger("specbuild.serve").info("requests without a speculation setting use the draft rank "
+                                                  "(the bundle's default is %r)", engine.default_speculation.method)
         engine.default_speculation = SpeculationConfig.make(engine.default_speculation, method="draft")
 
     def health() -> dict:
-        out = scheduler.health()
+        out = minedraft.health()
         out["draft_rank"]["pid"] = hello["pid"]
         out["draft_rank"]["verifier_pid"] = os.getpid()  # rank 0 (under its guard)
         return out
 
     app.health_checks.append(health)
-    return transport

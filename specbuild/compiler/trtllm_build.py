@@ -15,10 +15,21 @@ Flags (shared/reference/tensorrt-llm.md §2, examples/draft_target_model/README.
 examples/medusa/README.md of NVIDIA/TensorRT-LLM): every role gets --max_batch_size,
 --max_seq_len and --max_input_len (= max_seq_len, so the build never sees the default 1024
 above a shorter max_seq_len); Medusa: --speculative_decoding_mode medusa (max_draft_len is
-read from the checkpoint); draft/target: --use_paged_context_fmha enable on both, the target
---speculative_decoding_mode draft_tokens_external --max_draft_len K; with logits-based
-acceptance both gather generation logits (the target's to verify, the draft's to be
-returned for rejection sampling).
+read from the checkpoint); draft/target: the target --speculative_decoding_mode
+draft_tokens_external --max_draft_len K; with logits-based acceptance both gather generation
+logits (the target's to verify, the draft's to be returned for rejection sampling).
+
+Every engine gets --use_paged_context_fmha enable, because the executor runs every engine with
+KV block reuse on (backends/tensorrt_llm.py) and block reuse needs paged context FMHA:
+`cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp` (commit 00825c4e,
+executorConfigIsValid / fixExecutorConfig) turns reuse off with "KV cache reuse disabled because
+model was not built with paged context FMHA support", and an older stored version of that file
+stops instead ("When KV cache block reuse is set, model has to be built with paged context FMHA
+support"); a draft/target target without reuse then fails "KV cache block reuse must be enabled
+for speculative decoding target model". The flag's default was off in older releases
+(`tensorrt_llm/plugin/plugin.py`, commit 035b99e0 and earlier: `_use_paged_context_fmha`
+default False, so the CLI default is "disable") and on in later ones ("Allow advanced features
+like KV cache reuse and chunked context"), so passing it is harmless where it is the default.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ TRTLLM_DIR = "trtllm"
 META_FILE = "trtllm.json"
 BUILD_SCRIPT = "build.sh"
 EXECUTABLE = "trtllm-build"
+PAGED_CONTEXT_FMHA = "--use_paged_context_fmha"
 
 
 def _positive(name: str, value: Any) -> int:
@@ -70,17 +82,16 @@ def build_commands(*, target_checkpoint: str, target_engine: str, draft_checkpoi
                 "--max_batch_size", str(max_batch_size), "--max_seq_len", str(max_seq_len),
                 "--max_input_len", str(max_seq_len)]
 
-    target = base(target_checkpoint, target_engine)
+    paged = [PAGED_CONTEXT_FMHA, "enable"]  # every engine runs with KV block reuse (module docstring)
+    target = base(target_checkpoint, target_engine) + paged
     if medusa:
         return {"target": target + ["--speculative_decoding_mode", "medusa"]}
     if draft_checkpoint is None:
         return {"target": target}
     k = _positive("max_draft_len", max_draft_len)
     logits = ["--gather_generation_logits"] if gather_generation_logits else []
-    paged = ["--use_paged_context_fmha", "enable"]
     return {
-        "target": target + paged + ["--speculative_decoding_mode", "draft_tokens_external",
-                                    "--max_draft_len", str(k)] + logits,
+        "target": target + ["--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(k)] + logits,
         "draft": base(draft_checkpoint, draft_engine) + paged + logits,
     }
 

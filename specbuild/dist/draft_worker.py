@@ -33,12 +33,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specbuild.sampling.params import SamplingParams
+from specbuild.speculation.proposers.remote import FAILED, OK, RESYNC, Order, ReplyTiming
 from specbuild.speculation.state import SpecState
 
 log = logging.getLogger("specbuild.draft_worker")
@@ -47,7 +47,6 @@ KIND_DRAFT, KIND_RELEASE, KIND_STOP, KIND_PREFILL = 1, 2, 3, 4
 TAG_REQUEST, TAG_REPLY, TAG_PROBS, TAG_HELLO = 11, 12, 13, 14
 REQ_HEAD, REQ_FIELDS = 4, 9
 REP_HEAD, REP_FIELDS = 6, 3
-OK, RESYNC, FAILED = 0, 1, 2
 HELLO_LEN = 4  # pid, vocab, draft cache blocks, 0
 DRAFT_SEED_SALT = 0x5DEECE66D  # the drafter's uniforms: a stream apart from the verifier's
 
@@ -58,28 +57,6 @@ def f2i(x: float) -> int:
 
 def i2f(x: int) -> float:
     return float(np.array([x], dtype=np.int64).view(np.float64)[0])
-
-
-@dataclass
-class ReplyTiming:
-    draft_seconds: float
-    seen_at: float  # time.monotonic() on the draft rank (0: unknown)
-    ready_at: float
-
-
-@dataclass
-class Order:
-    """One sequence's part of a draft request."""
-
-    seq_id: int
-    keep: int
-    sent_before: int
-    new_tokens: list[int]
-    gamma: int
-    top_k: int = 0
-    seed: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
 
 
 def encode_request(kind: int, step: int, orders: list[Order], releases: list[int]) -> np.ndarray:
@@ -239,12 +216,86 @@ class DraftWorker:
         return kind, encode_reply(step, results, self.vocab, time.perf_counter() - t0, seen_at)
 
 
+# the drafters the draft rank serves: a draft model (with its own embedding/output rows or
+# sharing the target's). Medusa and EAGLE heads read the target's hidden states of every
+# step, so they stay on rank 0 and run there as ordinary speculation (dist/minedraft.py).
+DRAFT_RANK_METHODS = ("draft",)
+
+
+def no_draft_message(bundle_dir: str, roles: dict) -> str:
+    """Why --parallel-draft refuses a bundle without a draft model (on both ranks)."""
+    others = [r for r in ("medusa", "eagle") if r in roles]
+    hint = (f"; Medusa and EAGLE heads (this bundle has {', '.join(others)}) read the target's hidden states, so "
+            "they run beside the target: serve it without mpirun and --parallel-draft") if others else ""
+    return (f"bundle {bundle_dir!r} has no draft model, the only drafter the draft rank runs (--parallel-draft "
+            f"needs one: compile with --draft){hint}")
+
+
+def shared_target_names(role: dict) -> list[str]:
+    """The target tensors a draft role's `shares` names ({"embed": "target/embed", ...})."""
+    names = []
+    for name, ref in (role.get("shares") or {}).items():
+        owner, _, tensor = str(ref).partition("/")
+        if owner != "target" or not tensor:
+            from specbuild.errors import BundleError
+
+            raise BundleError(f"draft role shares {name!r} from {ref!r}; the draft rank reads only the target's "
+                              "tensors ('target/<name>')")
+        if tensor not in names:
+            names.append(tensor)
+    return names
+
+
+def load_target_tensors(target_dir: str, names: list[str], device: str) -> dict:
+    """Only the target tensors `names` (runtime names), as engine.load_weights would give
+    them (plain tensors, or QLinear objects where the target's quant.json lists a format),
+    without reading the target's other weights: the draft rank holds the draft model and the
+    rows it shares, not a second target (SmolLM2-135M: 113 MB of embedding, not 538 MB)."""
+    import json
+
+    from safetensors import safe_open
+
+    from specbuild.errors import BundleError
+    from specbuild.model.qlinear import build_qlinears, ensure_aligned
+
+    path = os.path.join(target_dir, "weights.safetensors")
+    if not os.path.isfile(path):
+        raise BundleError(f"{target_dir!r} has no weights.safetensors")
+    quant = None
+    quant_path = os.path.join(target_dir, "quant.json")
+    if os.path.isfile(quant_path):
+        with open(quant_path) as f:
+            quant = json.load(f)
+    entries = (quant or {}).get("tensors", {})
+    with safe_open(path, framework="pt", device=device) as f:
+        keys = set(f.keys())
+        wanted = []
+        for name in names:
+            fmt = entries.get(name, {}).get("format", "dense")
+            parts = [name] if name in keys else [f"{name}.{s}" for s in ("qweight", "scales", "zeros")
+                                                  if f"{name}.{s}" in keys]
+            if not parts:
+                raise BundleError(f"the draft shares target/{name}, which the target's weights do not hold "
+                                  f"({path!r}, format {fmt!r})")
+            wanted += parts
+        if quant is not None and "norm" in keys:  # build_qlinears takes the hidden dtype from it
+            wanted.append("norm")
+        tensors = {k: ensure_aligned(f.get_tensor(k)) for k in wanted}
+    if quant is not None:
+        tensors = build_qlinears(tensors, {**quant, "tensors": {n: e for n, e in entries.items() if n in names}})
+        embed = tensors.get("embed")
+        if embed is not None and not isinstance(embed, torch.Tensor) and ("lm_head" in entries or "lm_head" in keys):
+            embed.rescore_top = 0  # as the whole target builds it: an untied embedding is not an output layer
+    return {n: tensors[n] for n in names}
+
+
 def load_draft_proposer(bundle_dir: str, config):
     """The bundle's draft model behind a DraftModelProposer, built as Engine.make_speculator
-    builds it (same cache size). config: EngineConfig. Returns (proposer, target vocab)."""
+    builds it (same cache size, the same shared embedding / output rows and vocab_map, read
+    from the target's file). config: EngineConfig. Returns (proposer, target vocab)."""
     from specbuild.bundle import read_meta, read_model_config
     from specbuild.errors import BundleError
-    from specbuild.engine.engine import attach_format_plans, load_weights
+    from specbuild.engine.engine import attach_format_plans, load_weights, shared_draft_weights
     from specbuild.model.decoder import Decoder
     from specbuild.speculation.proposers.draft_model import DraftModelProposer
 
@@ -252,18 +303,21 @@ def load_draft_proposer(bundle_dir: str, config):
         torch.set_num_threads(config.threads)
     meta = read_meta(bundle_dir)
     if "draft" not in meta.roles:
-        raise BundleError(f"bundle {bundle_dir!r} has no draft model; --parallel-draft needs one "
-                          "(compile with --draft)")
+        raise BundleError(no_draft_message(bundle_dir, meta.roles))
     limits = meta.limits
     max_batch = config.max_batch_size or limits.max_batch_size
     kv_tokens = config.kv_cache_tokens or max_batch * (limits.max_seq_len + limits.max_draft_len + 16)
     num_blocks = -(-kv_tokens // config.block_size)
-    target_vocab = read_model_config(os.path.join(bundle_dir, meta.roles["target"]["path"])).vocab_size
-    draft_dir = os.path.join(bundle_dir, meta.roles["draft"]["path"])
-    model = Decoder(read_model_config(draft_dir), load_weights(draft_dir, config.device),
-                    limits.max_seq_len + limits.max_draft_len + 2, device=config.device)
+    target_dir = os.path.join(bundle_dir, meta.roles["target"]["path"])
+    target_vocab = read_model_config(target_dir).vocab_size
+    role = meta.roles["draft"]
+    draft_dir = os.path.join(bundle_dir, role["path"])
+    shared = load_target_tensors(target_dir, shared_target_names(role), config.device)
+    weights, vocab_map = shared_draft_weights(bundle_dir, role, load_weights(draft_dir, config.device), shared)
+    model = Decoder(read_model_config(draft_dir), weights, limits.max_seq_len + limits.max_draft_len + 2,
+                    device=config.device)
     attach_format_plans(model, limits.max_draft_len)
-    return DraftModelProposer(model, num_blocks, target_vocab, config.block_size), target_vocab
+    return DraftModelProposer(model, num_blocks, target_vocab, config.block_size, vocab_map=vocab_map), target_vocab
 
 
 def run_draft_rank(ctx, bundle_dir: str, config, timeout_s: float) -> int:

@@ -34,6 +34,12 @@ over (the alternation makes them available one turn ahead), a copy of the lm_hea
 they cost little next to a verification pass: hiding them does not repay the extra target
 passes that two half-size batches take, so they stay on rank 0 (ordinary speculation).
 
+How it plugs in (`plugin`, before the engine opens): the remote drafter is an ordinary
+proposer (speculation/proposers/remote.py) given to the engine as its "draft" drafter, over a
+link (MpiTransport here; LoopbackTransport in process), and the two-batch split is a planning
+policy (`TwoBatchPlanning`) given to the engine's scheduler, which runs it each step. Nothing
+of an opened engine is replaced, so whatever is attached to it (a telemetry sink) stays.
+
 Faults: the remote drafter never raises. A lost or late draft rank (DistContext abandons
 the link) or a failed sequence yields no drafts, which the scheduler verifies as plain
 decoding; `health()` reports it for /health.
@@ -42,24 +48,26 @@ decoding; `health()` reports it for /health.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
 
 from specbuild.dist import draft_worker as W
-from specbuild.speculation.state import NO_ROLLBACK
-from specbuild.speculation.proposers.base import Draft
-from specbuild.engine.scheduler import Scheduler
+from specbuild.speculation.proposers.remote import RemoteDraftProposer
 
 log = logging.getLogger("specbuild.minedraft")
 
 
 class MpiTransport:
-    """Rank 0's end of the link over a DistContext."""
+    """Rank 0's end of the draft link over a DistContext (the interface RemoteDraftProposer
+    documents): orders go out as draft_worker's int64 requests, replies are decoded here."""
 
     def __init__(self, ctx) -> None:
         self.ctx = ctx
         self.ahead: list = []  # sends not awaited (prefill notices); complete once a later reply came
+        self.codec_seconds = 0.0
+        self.vocab = 0  # the width of a reply's probability rows: the target's vocabulary (MineDraft sets it)
 
     @property
     def healthy(self) -> bool:
@@ -69,31 +77,36 @@ class MpiTransport:
     def reason(self) -> str | None:
         return self.ctx.reason
 
-    def post(self, request: np.ndarray, meta_len: int, prob_rows: int, vocab: int):
+    def post(self, step: int, orders: list, releases: list[int], prob_rows: int):
         """Pre-post the reply's receives, then send the request. Returns a ticket."""
-        meta = np.empty(meta_len, dtype=np.int64)
-        probs = np.empty((prob_rows, vocab), dtype=np.float32)
+        tc = time.perf_counter()
+        request = W.encode_request(W.KIND_DRAFT, step, orders, releases)
+        self.codec_seconds += time.perf_counter() - tc
+        meta = np.empty(W.REP_HEAD + sum(W.REP_FIELDS + o.gamma for o in orders), dtype=np.int64)
+        probs = np.empty((prob_rows, self.vocab), dtype=np.float32)
         pendings = [self.ctx.irecv(meta, W.TAG_REPLY), self.ctx.irecv(probs, W.TAG_PROBS),
                     self.ctx.isend(request, W.TAG_REQUEST)]
         return pendings, meta, probs
 
-    def collect(self, ticket, deadline: float):
+    def collect(self, ticket, deadline: float, sampled: set[int]):
         pendings, meta, probs = ticket
         if not self.ctx.wait(pendings, deadline):
             return None
         if self.ahead:  # the draft rank read them before this request (MPI keeps the order): done
             self.ctx.wait(self.ahead, time.monotonic() + 1.0)
             self.ahead = []
-        meta = meta[:int(meta[3])]
-        return meta, probs
+        tc = time.perf_counter()
+        _, results, timing = W.decode_reply(meta[:int(meta[3])], probs, sampled)
+        self.codec_seconds += time.perf_counter() - tc
+        return results, timing
 
-    def notify(self, request: np.ndarray) -> None:
-        self.ctx.notify(request, W.TAG_REQUEST)
+    def notify(self, step: int, releases: list[int]) -> None:
+        self.ctx.notify(W.encode_request(W.KIND_RELEASE, step, [], releases), W.TAG_REQUEST)
 
-    def send_ahead(self, request: np.ndarray) -> None:
+    def send_ahead(self, step: int, orders: list, releases: list[int]) -> None:
         """Send without waiting: a large prefill notice must not hold the verifier while the
         draft rank is busy drafting. A lost link shows up at the next reply's deadline."""
-        pending = self.ctx.isend(request, W.TAG_REQUEST)
+        pending = self.ctx.isend(W.encode_request(W.KIND_PREFILL, step, orders, releases), W.TAG_REQUEST)
         if pending is not None:
             self.ahead.append(pending)
 
@@ -112,202 +125,49 @@ class MpiTransport:
 
 
 class LoopbackTransport:
-    """In-process link to a DraftWorker (tests, and a reference for the MPI path).
-    `fail_after` requests, it behaves as a dead draft rank."""
+    """In-process link to a DraftWorker through the same wire format (tests, and a reference
+    for the MPI path). `fail_after` requests, it behaves as a dead draft rank."""
 
     def __init__(self, worker: "W.DraftWorker", fail_after: int | None = None) -> None:
         self.worker = worker
         self.fail_after = fail_after
         self.reason: str | None = None
         self.posted = 0
+        self.codec_seconds = 0.0
 
     @property
     def healthy(self) -> bool:
         return self.reason is None
 
-    def post(self, request: np.ndarray, meta_len: int, prob_rows: int, vocab: int):
+    def post(self, step: int, orders: list, releases: list[int], prob_rows: int):
         self.posted += 1
         if self.fail_after is not None and self.posted > self.fail_after:
             self.reason = "loopback drafter killed"
             return None
-        _, reply = self.worker.handle(request)
+        _, reply = self.worker.handle(W.encode_request(W.KIND_DRAFT, step, orders, releases))
         return reply
 
-    def collect(self, ticket, deadline: float):
-        return ticket
-
-    def notify(self, request: np.ndarray) -> None:
-        if self.healthy:
-            self.worker.handle(request)
-
-    send_ahead = notify
-
-
-class RemoteDraftProposer:
-    """The Proposer protocol over a transport. `propose` uses drafts prefetched by the
-    MineDraft step when they are still valid; otherwise (ordinary speculation) it makes a
-    synchronous round trip, unless `sync_allowed` is False (inside a MineDraft step)."""
-
-    name = "draft"
-
-    def __init__(self, transport, vocab: int, timeout_s: float = 5.0) -> None:
-        self.transport = transport
-        self.vocab = vocab
-        self.timeout_s = timeout_s
-        self.prefetched: dict[int, tuple[int, Draft]] = {}  # seq_id -> (text length it drafted from, draft)
-        self.releases: list[int] = []
-        self.sync_allowed = True
-        self.step = 0
-        # seconds, summed over requests: drafting on the draft rank; request send -> seen there
-        # (transfer + its polling); reply ready -> collected here, counted from the later of
-        # "ready" and "verifier free to look" (transfer + our polling); encode/decode here
-        self.stats = {"requests": 0, "sequences": 0, "draft_seconds": 0.0, "round_trip_seconds": 0.0,
-                      "request_latency_seconds": 0.0, "reply_latency_seconds": 0.0, "codec_seconds": 0.0,
-                      "failed_sequences": 0, "resyncs": 0, "prefilled_sequences": 0}
-
-    @property
-    def healthy(self) -> bool:
-        return self.transport.healthy
-
-    # ---- the split round trip ------------------------------------------------------------
-    def send(self, pairs: list[tuple[object, int]]):
-        """Ask for drafts of (seq, gamma) pairs; returns a ticket for `receive` (None: nothing sent)."""
-        pairs = [(s, g) for s, g in pairs if g > 0 and not s.spec_state.remote_failed]
-        if not pairs or not self.healthy:
-            return None
-        self.step += 1
-        orders = []
-        for seq, gamma in pairs:
-            ids = seq.all_ids
-            st = seq.spec_state
-            sent = st.remote_sent or 0
-            p = seq.params
-            # the draft cache may hold at most the committed text (never past len - 1)
-            keep = min(st.remote_keep, len(ids) - 1) if sent else 0
-            orders.append(W.Order(seq.seq_id, keep, sent, ids[sent:], gamma, p.top_k, p.seed,
-                                  float(p.temperature), float(p.top_p)))
-            st.remote_sent, st.remote_keep = len(ids), NO_ROLLBACK
-            st.remote_drafted = True  # the draft cache now holds K/V of drafted tokens
-        tc = time.perf_counter()
-        request = W.encode_request(W.KIND_DRAFT, self.step, orders, self.releases)
-        self.stats["codec_seconds"] += time.perf_counter() - tc
-        self.releases = []
-        meta_len = W.REP_HEAD + sum(W.REP_FIELDS + g for _, g in pairs)
-        prob_rows = sum(g for s, g in pairs if not s.params.greedy)
-        t0 = time.monotonic()
-        ticket = self.transport.post(request, meta_len, prob_rows, self.vocab)
-        if ticket is None:
-            return None
-        return ticket, t0, {s.seq_id: s for s, _ in pairs}
-
-    def prefill(self, seqs: list) -> int:
-        """Send the prompts of sequences the target is prefilling, so that the draft rank fills
-        its cache meanwhile (no reply is awaited). Only the committed text goes: the prompt,
-        fixed while it is prefilled. Returns how many were sent."""
-        seqs = [s for s in seqs if s.spec_state.remote_sent is None and not s.spec_state.remote_failed]
-        if not seqs or not self.healthy:
-            return 0
-        orders = []
-        for seq in seqs:
-            p = seq.params
-            orders.append(W.Order(seq.seq_id, 0, 0, list(seq.all_ids), 0, p.top_k, p.seed,
-                                  float(p.temperature), float(p.top_p)))
-            st = seq.spec_state
-            st.remote_sent, st.remote_keep = len(seq.all_ids), NO_ROLLBACK
-            st.remote_drafted = False  # only committed text so far: valid at any target length
-        self.transport.send_ahead(W.encode_request(W.KIND_PREFILL, self.step, orders, self.releases))
-        self.releases = []
-        self.stats["prefilled_sequences"] += len(orders)
-        return len(orders)
-
-    def receive(self, sent) -> None:
-        """Collect the drafts of `send` by its deadline into `prefetched`."""
-        if sent is None:
-            return
-        ticket, t0, seqs = sent
-        t_free = time.monotonic()  # the verifier starts looking for the reply
-        # the deadline runs from here: a long verification of the other batch is not the drafter's fault
-        reply = self.transport.collect(ticket, t_free + self.timeout_s)
-        t_got = time.monotonic()
-        if reply is None:
-            log.warning("no drafts from the draft rank (%s): continuing with plain decoding", self.transport.reason)
-            return
-        meta, probs = reply
-        sampled = {i for i, s in seqs.items() if not s.params.greedy}
-        tc = time.perf_counter()
+    def collect(self, ticket, deadline: float, sampled: set[int]):
+        meta, probs = ticket
         _, results, timing = W.decode_reply(meta, probs, sampled)
-        self.stats["codec_seconds"] += time.perf_counter() - tc
-        self.stats["requests"] += 1
-        self.stats["sequences"] += len(results)
-        self.stats["draft_seconds"] += timing.draft_seconds
-        self.stats["round_trip_seconds"] += t_got - t0
-        if timing.seen_at:  # CLOCK_MONOTONIC is one clock for every process on the host
-            self.stats["request_latency_seconds"] += max(0.0, timing.seen_at - t0)
-            self.stats["reply_latency_seconds"] += max(0.0, t_got - max(timing.ready_at, t_free))
-        for seq_id, (status, tokens, draft_probs) in results.items():
-            seq = seqs[seq_id]
-            if status == W.RESYNC:
-                seq.spec_state.remote_sent, seq.spec_state.remote_keep = 0, 0
-                self.stats["resyncs"] += 1
-            elif status == W.FAILED:
-                seq.spec_state.remote_failed = True
-                self.stats["failed_sequences"] += 1
-                log.warning("sequence %d: the drafter failed on it; decoding it plainly from now on", seq_id)
-            elif tokens and not seq.finished:  # (an abort may have come in the meantime)
-                self.prefetched[seq_id] = (len(seq.all_ids), Draft(tokens, draft_probs, method="draft"))
+        return results, timing
 
-    # ---- Proposer protocol -------------------------------------------------------------------
-    def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
-        missing = [(s, g) for s, g in zip(seqs, gammas) if g > 0 and not self._valid(s)]
-        if missing and self.sync_allowed:
-            self.receive(self.send(missing))
-        out: list[Draft | None] = []
-        for seq, gamma in zip(seqs, gammas):
-            entry = self.prefetched.pop(seq.seq_id, None)
-            if entry is None or gamma <= 0 or entry[0] != len(seq.all_ids):
-                out.append(None)
-                continue
-            draft = entry[1]
-            if len(draft.tokens) > gamma:  # a prefix of a sampled chain is a valid draft
-                draft = Draft(draft.tokens[:gamma], None if draft.probs is None else draft.probs[:gamma],
-                              method="draft")
-            out.append(draft)
-        return out
+    def notify(self, step: int, releases: list[int]) -> None:
+        if self.healthy:
+            self.worker.handle(W.encode_request(W.KIND_RELEASE, step, [], releases))
 
-    def has_draft(self, seq) -> bool:
-        return self._valid(seq)
-
-    def _valid(self, seq) -> bool:
-        entry = self.prefetched.get(seq.seq_id)
-        return entry is not None and entry[0] == len(seq.all_ids)
-
-    def rollback(self, seq, length: int) -> None:
-        # a draft cache that holds only committed text (a prefilled prompt) is valid at any
-        # target length: the target's chunked prefill must not trim it
-        st = seq.spec_state
-        if st.remote_sent is not None and st.remote_drafted:
-            st.remote_keep = min(st.remote_keep, length)
-
-    def release(self, seq) -> None:
-        self.prefetched.pop(seq.seq_id, None)
-        st = seq.spec_state
-        if st.remote_sent is not None:
-            st.remote_sent, st.remote_keep = None, NO_ROLLBACK
-            self.releases.append(seq.seq_id)
-
-    def flush_releases(self) -> None:
-        if self.releases and self.healthy:
-            self.transport.notify(W.encode_request(W.KIND_RELEASE, self.step, [], self.releases))
-        self.releases = []
+    def send_ahead(self, step: int, orders: list, releases: list[int]) -> None:
+        if self.healthy:
+            self.worker.handle(W.encode_request(W.KIND_PREFILL, step, orders, releases))
 
 
-class MineDraftScheduler(Scheduler):
-    """Scheduler whose draft-model requests alternate between two batches (see module doc)."""
+class TwoBatchPlanning:
+    """The scheduler's planning policy under MineDraft: draft-model requests alternate
+    between two batches (see the module doc). `step(scheduler)` runs one engine step through
+    the scheduler's own admission and `Scheduler.step` (with the batch being drafted left out),
+    so everything the plain step does (telemetry, hidden states, faults) happens here too."""
 
-    def __init__(self, base: Scheduler, remote: RemoteDraftProposer) -> None:
-        super().__init__(base.model, base.cache, base.max_batch_size, base.max_seq_len, base.prefill_chunk,
-                         base.speculator)
-        self.waiting, self.running, self.budget_blocks = base.waiting, base.running, base.budget_blocks
+    def __init__(self, remote: RemoteDraftProposer) -> None:
         self.remote = remote
         self.batches: tuple[list, list] = ([], [])
         self.turn = 0  # the batch verified this step; 1 - turn is drafted
@@ -318,15 +178,15 @@ class MineDraftScheduler(Scheduler):
     def uses_draft(self, seq) -> bool:
         return seq.spec is not None and seq.spec.method in ("draft", "auto") and not seq.spec_state.remote_failed
 
-    def sync_batches(self) -> None:
+    def sync_batches(self, running: list) -> None:
         """Recycle sequences that left, place new decoders (balance counter), rebalance."""
-        live = {id(s) for s in self.running if not s.finished and s.num_cached >= len(s.all_ids) - 1
+        live = {id(s) for s in running if not s.finished and s.num_cached >= len(s.all_ids) - 1
                 and self.uses_draft(s)}
         for batch in self.batches:
             batch[:] = [s for s in batch if id(s) in live]
         placed = {id(s) for b in self.batches for s in b}
         drafted, verified = self.batches[1 - self.turn], self.batches[self.turn]
-        for seq in self.running:
+        for seq in running:
             if id(seq) in live and id(seq) not in placed:
                 (drafted if len(drafted) <= len(verified) else verified).append(seq)
         for big, small in ((drafted, verified), (verified, drafted)):
@@ -337,9 +197,8 @@ class MineDraftScheduler(Scheduler):
         assert not {id(s) for s in self.batches[0]} & {id(s) for s in self.batches[1]}
         self.balance = len(self.batches[0]) - len(self.batches[1])
 
-    def draft_orders(self, batch: list) -> list[tuple[object, int]]:
+    def draft_orders(self, spec, batch: list) -> list[tuple[object, int]]:
         """(seq, gamma) for the batch to draft: the speculator's method and depth choices."""
-        spec = self.speculator
         pairs = []
         for seq in batch:
             if spec.choose_method(seq) != "draft":
@@ -348,24 +207,24 @@ class MineDraftScheduler(Scheduler):
             pairs.append((seq, max(0, min(gamma, spec.max_draft_len, seq.remaining - 1))))
         return pairs
 
-    def step(self) -> int:
-        self.admit()
-        if not self.running:
+    def step(self, scheduler) -> int:
+        scheduler.admit()
+        if not scheduler.running:
             self.remote.flush_releases()
             return 0
-        self.check_lengths()
-        self.sync_batches()
+        scheduler.check_lengths()
+        self.sync_batches(scheduler.running)
         verified, drafted = self.batches[self.turn], self.batches[1 - self.turn]
         # prompts the target prefills this step go to the draft rank too, so that its cache
         # fills meanwhile instead of inside the sequence's first draft round trip
-        prefilling = [s for s in self.running if s.num_cached < len(s.all_ids) - 1 and self.uses_draft(s)]
+        prefilling = [s for s in scheduler.running if s.num_cached < len(s.all_ids) - 1 and self.uses_draft(s)]
         if not (verified and drafted and self.remote.healthy):
             self.stats["ordinary_steps"] += 1
             self.remote.sync_allowed = True
             placed = verified or drafted
             if not placed:  # no draft round trip in this step to queue behind the prefill
                 self.remote.prefill(prefilling)
-            n = super().step()
+            n = scheduler.step()
             if placed:
                 self.remote.prefill([s for s in prefilling if not s.finished])
         else:
@@ -376,17 +235,20 @@ class MineDraftScheduler(Scheduler):
             # started decoding, the previous step was ordinary, it was resynced) is drafted now,
             # on the idle draft rank, before the other batch's request; otherwise it would get one
             # token from this pass instead of its accepted run
-            missing = [(s, g) for s, g in self.draft_orders(verified) if g > 0 and not self.remote.has_draft(s)]
+            missing = [(s, g) for s, g in self.draft_orders(scheduler.speculator, verified)
+                       if g > 0 and not self.remote.has_draft(s)]
             if missing:
                 t_sync = time.monotonic()
                 self.remote.receive(self.remote.send(missing))
                 self.stats["sync_drafted_sequences"] += len(missing)
                 self.stats["sync_draft_seconds"] += time.monotonic() - t_sync
-            sent = self.remote.send(self.draft_orders(drafted))
+            sent = self.remote.send(self.draft_orders(scheduler.speculator, drafted))
             self.remote.prefill(prefilling)  # after the drafts: the worker serves those first
             self.remote.sync_allowed = False
             t0 = time.monotonic()
-            n = self.verify_except({id(s) for s in drafted})
+            # the base step (plan / forward / finish, hidden states included) over every running
+            # sequence but the batch being drafted; admission was done above
+            n = scheduler.step(exclude={id(s) for s in drafted}, admit=False)
             t1 = time.monotonic()
             self.remote.receive(sent)
             self.stats["verify_seconds"] += t1 - t0
@@ -395,11 +257,6 @@ class MineDraftScheduler(Scheduler):
         self.remote.flush_releases()
         return n
 
-    def verify_except(self, skip: set[int]) -> int:
-        """The base step (plan / forward / finish, hidden states included) over every running
-        sequence but `skip`; admission was done by `step`."""
-        return Scheduler.step(self, exclude=skip, admit=False)
-
     def health(self) -> dict:
         remote = self.remote
         info = {"state": "ok" if remote.healthy else "lost", "reason": remote.transport.reason,
@@ -407,14 +264,38 @@ class MineDraftScheduler(Scheduler):
         return {"status": "ok" if remote.healthy else "degraded", "draft_rank": info}
 
 
-def install(engine, transport, timeout_s: float = 5.0) -> MineDraftScheduler:
-    """Swap the engine's drafter for the remote one and its scheduler for MineDraft's
-    (before `engine.start()`). Returns the new scheduler."""
-    if "draft" not in engine.meta.roles:  # the local draft model is not loaded (load_draft=False)
-        from specbuild.errors import BundleError
+class MineDraft:
+    """What an engine opens with to run MineDraft: `drafters` (the remote drafter as the
+    "draft" method) and `planning` (the two-batch policy). See `plugin`."""
 
-        raise BundleError(f"bundle {engine.bundle_dir!r} has no draft model; --parallel-draft needs one")
-    remote = RemoteDraftProposer(transport, engine.target_config.vocab_size, timeout_s)
-    engine.speculator.proposers["draft"] = remote
-    engine.scheduler = MineDraftScheduler(engine.scheduler, remote)
-    return engine.scheduler
+    def __init__(self, transport, vocab: int, timeout_s: float = 5.0) -> None:
+        if hasattr(transport, "vocab"):
+            transport.vocab = vocab
+        self.transport = transport
+        self.proposer = RemoteDraftProposer(transport, vocab, timeout_s)
+        self.planning = TwoBatchPlanning(self.proposer)
+
+    @property
+    def drafters(self) -> dict:
+        return {"draft": self.proposer}
+
+    def open_kwargs(self) -> dict:
+        """Keyword arguments for Engine / open_engine."""
+        return {"drafters": self.drafters, "planning": self.planning}
+
+    def health(self) -> dict:
+        return self.planning.health()
+
+
+def plugin(bundle_dir: str, transport, timeout_s: float = 5.0) -> MineDraft:
+    """MineDraft for `bundle_dir` over `transport`, to hand to the engine when it opens:
+    `open_engine(bundle, config, **plugin(bundle, transport).open_kwargs())`. Refuses a bundle
+    without a draft model (the only drafter the draft rank runs) with the reason."""
+    from specbuild.bundle import read_meta, read_model_config
+    from specbuild.errors import BundleError
+
+    meta = read_meta(bundle_dir)
+    if "draft" not in meta.roles:
+        raise BundleError(W.no_draft_message(bundle_dir, meta.roles))
+    vocab = read_model_config(os.path.join(bundle_dir, meta.roles["target"]["path"])).vocab_size
+    return MineDraft(transport, vocab, timeout_s)

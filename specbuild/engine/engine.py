@@ -156,8 +156,14 @@ class Engine(BaseEngine):
     # (engine/scheduler.py), so it is validated, queued, batched and aborted like any request
     supports_prompt_logprobs = True
 
-    def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig(), drafters: dict | None = None,
+                 planning=None) -> None:
+        """drafters: method name -> Proposer, used instead of (or beside) the bundle's own (a
+        "draft" given here means the bundle's draft model is not loaded); planning: the
+        scheduler's planning policy (Scheduler.run_step). MineDraft opens with both
+        (dist/minedraft.plugin)."""
         t0 = time.perf_counter()
+        self.drafters = dict(drafters or {})
         if config.threads:
             torch.set_num_threads(config.threads)
         self.bundle_dir = bundle_dir
@@ -222,7 +228,8 @@ class Engine(BaseEngine):
             self.default_speculation, gamma_max=min(self.default_speculation.gamma_max, limits.max_draft_len))
         self._init_loop(threading.Lock())
         self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len,
-                                   config.prefill_chunk, self.speculator, waiting=self.waiting, running=self.running)
+                                   config.prefill_chunk, self.speculator, waiting=self.waiting, running=self.running,
+                                   planning=planning)
         self.policies = None  # speculation.policy.PolicyTable (set_policies) or None
         self.load_seconds = time.perf_counter() - t0
 
@@ -240,7 +247,7 @@ class Engine(BaseEngine):
 
         proposers = {"ngram": NgramProposer(),
                      "recycle": RecyclingProposer(self.target_config.vocab_size, max_nodes=self.meta.limits.max_draft_len)}
-        if "draft" in self.meta.roles and self.config.load_draft:
+        if "draft" in self.meta.roles and self.config.load_draft and "draft" not in self.drafters:
             draft_dir = os.path.join(self.bundle_dir, self.meta.roles["draft"]["path"])
             draft_config = read_model_config(draft_dir)
             weights, vocab_map = shared_draft_weights(self.bundle_dir, self.meta.roles["draft"],
@@ -263,6 +270,7 @@ class Engine(BaseEngine):
             head = load_eagle(self.bundle_dir, self.meta.roles["eagle"], self.model.w,
                               self.max_seq_len + self.meta.limits.max_draft_len + 2, self.config.device)
             proposers["eagle"] = EagleProposer(head, self.target_config.vocab_size, self.meta.limits.max_draft_len)
+        proposers.update(self.drafters)
         return Speculator(self.model, self.cache, proposers, self.meta.limits.max_draft_len, self.max_seq_len,
                           binning=self.config.binning)
 
@@ -390,7 +398,7 @@ class Engine(BaseEngine):
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> int:
         with self._lock:
-            return self.scheduler.step()
+            return self.scheduler.run_step()
 
     def _fail_running(self, message: str) -> None:
         """Release and fail every running request (called with the lock held)."""

@@ -160,7 +160,7 @@ class Scheduler:
 
     def __init__(self, model: Decoder, cache: PagedKVCache, max_batch_size: int, max_seq_len: int,
                  prefill_chunk: int = 256, speculator=None, waiting: collections.deque | None = None,
-                 running: list | None = None) -> None:
+                 running: list | None = None, planning=None) -> None:
         self.model = model
         self.cache = cache
         self.max_batch_size = max_batch_size
@@ -174,6 +174,9 @@ class Scheduler:
         self.passes = 0
         self.sink = NULL_SINK  # telemetry (engine/events.py); Engine.set_sink attaches one
         self._target_ms = 0.0  # the last group's target forward, for the sink's step rows
+        # a planning policy given at open: its step(scheduler) runs each engine step through this
+        # scheduler (MineDraft's two batches, dist/minedraft.TwoBatchPlanning); None: step()
+        self.planning = planning
         # requests failed alone inside a step (sequence) and forwards whose whole batch failed (step)
         self.failures = {"sequence": 0, "step": 0}
 
@@ -358,6 +361,10 @@ class Scheduler:
                 seq.prompt_logprobs, seq.prompt_scored = list(src.prompt_logprobs), src.prompt_scored
             seq.prefill_source = None
             seq.extra_stats["stat_shared_prefill_tokens"] = n
+
+    def run_step(self) -> int:
+        """One step of the engine loop: the planning policy's, else `step()`."""
+        return self.planning.step(self) if self.planning is not None else self.step()
 
     def step(self, exclude: Collection[int] = (), admit: bool = True) -> int:
         """One batched step. Returns the number of sequences that advanced.

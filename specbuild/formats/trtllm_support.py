@@ -20,16 +20,47 @@ where the file says so); no run on a real TensorRT-LLM has checked them here.
   `cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/`, which has one
   `instantiation/decoderMaskedMultiheadAttention{N}_{half,bf16,float}.cu` per size and none
   for 16).
-- Speculative generation feeds several query tokens per request (`multi_query_tokens`), which
-  only XQA serves: `decoderXQARunner.cpp` (commit 02947a22) takes the JIT kernels only on
+- Which modes reach the speculative XQA kernels (engine path). Medusa and EAGLE engines feed
+  a token tree: the engine gets `spec_decoding_position_offsets` / `spec_decoding_packed_mask`
+  inputs, and the attention plugin's `is_spec_decoding_enabled` field is set from
+  `spec_decoding_packed_mask is not None` (read in a stored gpt_attention plugin builder whose
+  path the index did not name; `tensorrt_llm/functional.py` holds gpt_attention). Draft/target engines
+  (`draft_tokens_external`) get neither: `tensorrt_llm/models/generation_mixin.py` (commit
+  03ec464e) builds them only `if speculative_decoding_draft_tokens_external == False and
+  max_draft_len > 0` ("Use positional offsets and packed mask only when not in SpS spec
+  decoding"). The target verifies the drafts as a context chunk over its reused KV blocks, so
+  the XQA group rule and XQA's dtype rule below are for Medusa/EAGLE (tree) engines only.
+- Speculative (tree) generation feeds several query tokens per request (`multi_query_tokens`),
+  which only XQA serves: `decoderXQARunner.cpp` (commit 02947a22) takes the JIT kernels only on
   Hopper with an FP8 KV cache and `64 % group == 0`, otherwise the precompiled ones, whose
   "MultiQueryToken kernels can support any num_q_heads_over_kv that is power of 2"
   (`decoderXQAImplPrecompiled.cpp`, commit 000a01de = v1.0.0rc4). Both sets are powers of two
   (<= 64 for JIT). The group is per rank: q heads / tp over max(kv heads, tp) / tp.
 - Dtypes: Medusa FP16/BF16 and draft/target FP16/BF16/FP8 in the speculative-decoding support
-  matrix; XQA has fp16/bf16 kernels, and in fp32 the attention plugin falls back to unfused
+  matrix (`examples/draft_target_model/README.md`: "FP16 / BF16 / FP8 (both draft and target
+  model)"); XQA has fp16/bf16 kernels, and in fp32 the attention plugin falls back to unfused
   attention (`plugins/gptAttentionCommon`). FP8 needs a quantized checkpoint, which specbuild
-  does not write, so the engine path takes float16 or bfloat16 for any speculative mode.
+  does not write, so the engine path takes float16 or bfloat16 for any speculative mode: for
+  Medusa/EAGLE because of XQA, for draft/target because the support matrix lists no float32
+  (its target also needs paged context FMHA for KV block reuse, a fused-attention feature).
+- LLM-API path (PyTorch backend), `tensorrt_llm/_torch/speculative/interface.py` (commit
+  00b6d5a2): `attention_need_spec_dec_mode` puts the target of every two-model mode (draft
+  target, NGram, user-provided drafter, two-model EAGLE-3) into "multi-token query mode" on
+  TRTLLM attention (`use_case_2 = not use_one_engine() and not is_draft_model ... and
+  is_trtllm_attention`), and one-model EAGLE-3 always (`use_case_1 = self.use_one_engine()`;
+  other stored versions gate it on `get_sm_version() < 120` as well, so on SM >= 120 the EAGLE-3
+  refusal below may be one a release would not make); `extend_ctx` (generation
+  requests with drafts treated as chunked context instead) is False on TRTLLM attention where
+  `xqa_supported = get_sm_version() < 120`. So on SM < 120 with the LLM API's default TRTLLM
+  attention a speculating target goes through the same multi-query XQA kernels (group and
+  dtype rules above); on SM >= 120 two-model targets go through chunked context instead, and a
+  non-TRTLLM attention backend (`attn_backend="FLASHINFER"`, which NVIDIA's own
+  `tests/unittest/_torch/speculative/test_user_provided.py` runs) never takes that path. One
+  older stored `interface.py` (release unknown) returns spec-dec mode only for EAGLE-3 and
+  treats drafts as chunked context except on SM 100 (`get_sm_version() != 100`); no release
+  boundary could be read, so `llmapi_kernel_problems` applies the later rule to every 1.x
+  release: on such an older release it refuses a target that would have run (say so, with
+  the fix, rather than fail at the first step on a newer one).
 - Lengths: `tensorrt_llm/builder.py` adds max_draft_len to max_seq_len for every speculative
   mode ("Increasing max_seq_len ... by max_draft_len"), so a built engine records more than the
   `--max_seq_len` flag.
@@ -57,6 +88,8 @@ LLMAPI_PATH_PIN = "tensorrt_llm>=1.0"
 SPECULATIVE_DTYPES = ("float16", "bfloat16")
 MMHA_HEAD_SIZES = (32, 48, 64, 80, 96, 104, 112, 128, 144, 160, 192, 224, 256)
 SPECULATIVE_MODES = ("medusa", "draft_tokens_external", "eagle")
+TREE_MODES = ("medusa", "eagle")  # packed mask -> the spec-decoding (multi-query) XQA path; not draft/target
+XQA_FREE_SM = 120  # interface.py: xqa_supported = get_sm_version() < 120 (two-model targets use chunked context above)
 REMOVAL_DOC = "docs/source/legacy/tensorrt-backend-removal.md"
 
 
@@ -118,27 +151,61 @@ def xqa_group(num_heads: int, num_kv_heads: int, tp: int = 1) -> int:
 
 
 def kernel_problems(config: Any, *, role: str, mode: str, dtype: str, tp: int = 1) -> list[str]:
-    """What the attention kernels refuse for this model as `role` in speculative `mode`
-    (none | draft_tokens_external | medusa | eagle); each entry names the flag to change.
-    `config` is a ModelConfig (head_dim, num_heads, num_kv_heads)."""
+    """What the attention kernels refuse for this model as `role` in engine-path speculative
+    `mode` (none | draft_tokens_external | medusa | eagle); each entry names the flag to change.
+    `config` is a ModelConfig (head_dim, num_heads, num_kv_heads). The XQA rules (dtype, group)
+    are for the tree modes only; draft/target gets the support matrix's dtype rule."""
     out: list[str] = []
-    speculative = mode in SPECULATIVE_MODES
     if config.head_dim not in MMHA_HEAD_SIZES:
         out.append(f"the {role}'s head size {config.head_dim} has no TensorRT-LLM attention kernel (masked MHA "
                    f"takes {', '.join(map(str, MMHA_HEAD_SIZES))}): use another model")
-    if speculative and dtype not in SPECULATIVE_DTYPES:
-        out.append(f"--trtllm-dtype {dtype}: {mode} speculation on TensorRT-LLM runs its generation through XQA "
-                   f"kernels, which have float16/bfloat16 only (Medusa and draft/target support FP16/BF16; float32 "
-                   "falls back to unfused attention): use --trtllm-dtype bfloat16 or float16")
-    if speculative:
-        group = xqa_group(config.num_heads, config.num_kv_heads, tp)
-        if group & (group - 1) or group > 64:
-            out.append(f"the {role} has {config.num_heads} query heads over {config.num_kv_heads} KV heads: "
-                       f"{group} query heads per KV head at tp={tp}, and TensorRT-LLM's speculative (multi-query) "
-                       "XQA kernels take power-of-two groups only (decoderXQAImplPrecompiled; the Hopper JIT needs "
-                       f"64 % group == 0): use a model with a power-of-two group, or a --tp that makes it one "
-                       f"({', '.join(map(str, _group_fixing_tps(config))) or 'none exists'})")
+    if mode in TREE_MODES:
+        out += _xqa_problems(config, role=role, what=f"{mode} speculation on TensorRT-LLM", dtype=dtype, tp=tp,
+                             fix="--tp")
+    elif mode == "draft_tokens_external" and dtype not in SPECULATIVE_DTYPES:
+        out.append(f"--trtllm-dtype {dtype}: draft/target speculation on TensorRT-LLM is supported in FP16/BF16/FP8 "
+                   "only (examples/draft_target_model/README.md support matrix; the target needs paged context FMHA "
+                   "for KV block reuse): use --trtllm-dtype bfloat16 or float16")
     return out
+
+
+def _xqa_problems(config: Any, *, role: str, what: str, dtype: str, tp: int, fix: str) -> list[str]:
+    out: list[str] = []
+    if dtype not in SPECULATIVE_DTYPES:
+        out.append(f"--trtllm-dtype {dtype}: {what} runs its generation through XQA kernels, which have "
+                   "float16/bfloat16 only (Medusa and draft/target support FP16/BF16; float32 falls back to unfused "
+                   "attention): use --trtllm-dtype bfloat16 or float16")
+    group = xqa_group(config.num_heads, config.num_kv_heads, tp)
+    if group & (group - 1) or group > 64:
+        out.append(f"the {role} has {config.num_heads} query heads over {config.num_kv_heads} KV heads: "
+                   f"{group} query heads per KV head at tp={tp}, and {what} needs TensorRT-LLM's speculative "
+                   "(multi-query) XQA kernels, which take power-of-two groups only (decoderXQAImplPrecompiled; the "
+                   f"Hopper JIT needs 64 % group == 0): use a model with a power-of-two group, or a {fix} that makes "
+                   f"it one ({', '.join(map(str, _group_fixing_tps(config))) or 'none exists'})")
+    return out
+
+
+def llmapi_kernel_problems(config: Any, *, method: str, version: str, dtype: str, tp: int = 1,
+                           sm: int | None = None, attn_backend: str | None = None) -> list[str]:
+    """What the LLM API (PyTorch backend) of TensorRT-LLM `version` would refuse at its first
+    speculative step for this target: with `method` speculating on TRTLLM attention (the
+    default, attn_backend None) the target runs in multi-token query mode, i.e. on the XQA
+    kernels, on SM < 120 (sm: major*10+minor of the GPU, None when unknown = assume < 120), and
+    one-model EAGLE-3 on every SM (interface.py; see the module docstring). `config` has
+    head_dim, num_heads, num_kv_heads."""
+    out: list[str] = []
+    if config.head_dim not in MMHA_HEAD_SIZES:
+        out.append(f"the target's head size {config.head_dim} has no TensorRT-LLM attention kernel (masked MHA "
+                   f"takes {', '.join(map(str, MMHA_HEAD_SIZES))}): use another model")
+    if method == "none" or (attn_backend or "TRTLLM").upper() != "TRTLLM":
+        return out
+    if method != "eagle3" and sm is not None and sm >= XQA_FREE_SM:
+        return out  # extend_ctx: the drafts go through chunked context, not the multi-query XQA kernels
+    where = "" if sm is None else f" on SM {sm}"
+    problems = _xqa_problems(config, role="target", what=f"{method} speculation on TensorRT-LLM {version}'s LLM API "
+                             f"(multi-token query mode on TRTLLM attention{where}, _torch/speculative/interface.py)",
+                             dtype=dtype, tp=tp, fix="tensor_parallel_size (--tp)")
+    return [p + "; or attn_backend='FLASHINFER', which does not take that path" for p in problems]
 
 
 def _group_fixing_tps(config: Any) -> list[int]:

@@ -174,10 +174,33 @@ def test_engine_kernels_checked_at_load():
     check_engine_limits(with_model(engine_config("none"), dtype="float32"))  # plain fp32 has kernels
     with pytest.raises(EngineLimitError, match="head size 16 has no TensorRT-LLM attention kernel"):
         check_engine_limits(with_model(engine_config("none"), head_size=16))
-    smol = with_model(engine_config("draft_tokens_external", 4), num_attention_heads=9, num_key_value_heads=3,
-                      head_size=64, hidden_size=576)
+    smol = dict(num_attention_heads=9, num_key_value_heads=3, head_size=64, hidden_size=576)
     with pytest.raises(EngineLimitError, match=r"9 query heads over 3 KV heads: 3 query heads per KV head at tp=1"):
-        check_engine_limits(smol, mode="draft_tokens_external", max_draft_len=4)
+        check_engine_limits(with_model(engine_config("medusa", heads=4, ckpt_draft=9), **smol), mode="medusa",
+                            tree=TREE)
+    # issue 31 row 1: a draft/target target gets no packed mask (generation_mixin.py), so no XQA group rule
+    check_engine_limits(with_model(engine_config("draft_tokens_external", 4), **smol), mode="draft_tokens_external",
+                        max_draft_len=4)
+
+
+def test_block_reuse_needs_paged_context_fmha(caplog):
+    """Issue 31 row 5: an engine without paged context FMHA has its KV block reuse turned off by
+    TensorRT-LLM; a draft/target target needs reuse, so it is refused with the flag to rebuild."""
+    def built(mode, paged, **kw):
+        cfg = engine_config(mode, **kw)
+        cfg["build_config"]["plugin_config"] = {"use_paged_context_fmha": paged}
+        return cfg
+
+    assert engine_limits(engine_config())["paged_context_fmha"] is None  # not recorded: nothing claimed
+    with pytest.raises(EngineLimitError, match=r"built without --use_paged_context_fmha enable, so TensorRT-LLM "
+                                               r"turns KV cache block reuse off.*rebuild with --use_paged_context_fmha"):
+        check_engine_limits(built("draft_tokens_external", False, max_draft_len=4), mode="draft_tokens_external",
+                            max_draft_len=4)
+    check_engine_limits(built("draft_tokens_external", True, max_draft_len=4), mode="draft_tokens_external",
+                        max_draft_len=4)
+    with caplog.at_level("WARNING", logger="specbuild.trtllm"):
+        check_engine_limits(built("none", False))  # plain: served, reuse lost, said once
+    assert "built without --use_paged_context_fmha enable" in caplog.text
 
 
 def test_engine_path_versions():
@@ -211,3 +234,25 @@ def test_draft_logits_fit_the_targets_padded_vocabulary():
     assert out.shape == (2, 304) and torch.equal(out[:, :301], logits[:, :301])
     assert (out[:, 301:] == torch.finfo(torch.float32).min).all()
     assert fit_draft_logits(None, 301, 304) is None
+
+
+def test_stand_in_turns_reuse_off_without_paged_context_fmha(tmp_path):
+    """The engine-path stand-in does what trtGptModelInflightBatching.cpp does: block reuse off
+    (warned) for an engine without paged context FMHA, and then a draft/target target fails."""
+    import json
+
+    from trtllm_stub import StubExecutor, _Rec
+
+    def engine(mode, paged, **kw):
+        cfg = engine_config(mode, **kw)
+        cfg["build_config"]["plugin_config"] = {"use_paged_context_fmha": paged}
+        path = tmp_path / f"{mode}-{paged}" / "trtllm" / "engines" / "target"
+        path.mkdir(parents=True)
+        (path / "config.json").write_text(json.dumps(cfg))
+        return str(path)
+
+    reuse = _Rec(kv_cache_config=_Rec(enable_block_reuse=True), decoding_config=_Rec())
+    with pytest.raises(RuntimeError, match="KV cache block reuse must be enabled for speculative decoding target"):
+        StubExecutor(engine("draft_tokens_external", False, max_draft_len=4), "decoder_only", reuse)
+    assert StubExecutor(engine("draft_tokens_external", True, max_draft_len=4), "decoder_only", reuse).block_reuse
+    assert StubExecutor(engine("none", False), "decoder_only", reuse).block_reuse is False

@@ -7,6 +7,7 @@ import json
 import os
 import stat
 import subprocess
+import shlex
 import sys
 
 import pytest
@@ -44,6 +45,7 @@ def test_flags_medusa():
     cmds = build_commands(target_checkpoint="c/t", target_engine="e/t", medusa=True, max_batch_size=4, max_seq_len=512)
     assert list(cmds) == ["target"] and cmds["target"][0] == "trtllm-build"
     assert flags(cmds["target"]) == {"checkpoint_dir": "c/t", "output_dir": "e/t", **LIMITS,
+                                     "use_paged_context_fmha": "enable",  # the executor turns KV block reuse on
                                      "speculative_decoding_mode": "medusa"}  # max_draft_len: from the checkpoint
 
 
@@ -61,7 +63,8 @@ def test_flags_draft_target(gather):
 
 def test_flags_plain_and_errors():
     cmds = build_commands(target_checkpoint="c/t", target_engine="e/t", max_batch_size=4, max_seq_len=512)
-    assert flags(cmds["target"]) == {"checkpoint_dir": "c/t", "output_dir": "e/t", **LIMITS}
+    assert flags(cmds["target"]) == {"checkpoint_dir": "c/t", "output_dir": "e/t", **LIMITS,
+                                     "use_paged_context_fmha": "enable"}
     with pytest.raises(ValueError, match="max_draft_len=None"):
         build_commands(target_checkpoint="c", target_engine="e", draft_checkpoint="d", draft_engine="f",
                        max_batch_size=1, max_seq_len=64)
@@ -255,10 +258,14 @@ def group3_dir(tmp_path_factory):  # SmolLM2's shape in small: 3 query heads per
 def test_speculative_engines_must_be_half_precision(tmp_path, target_dir, draft_dir):
     """Row 2: Medusa and draft/target engines in float32 (the old e2e script and tests) are refused."""
     target, draft = read_hf_dir(target_dir), read_hf_dir(draft_dir)
-    for extra in ({"draft": draft, "max_draft_len": 4}, {"medusa": medusa_heads()}):
-        with pytest.raises(ValueError, match=r"--trtllm-dtype float32: .* XQA kernels, which have float16/bfloat16 "
-                                             r"only.*use --trtllm-dtype bfloat16 or float16"):
-            write_trtllm_bundle_part(str(tmp_path / "x"), target, dtype="float32", max_seq_len=64, **extra)
+    with pytest.raises(ValueError, match=r"--trtllm-dtype float32: medusa speculation .* XQA kernels, which have "
+                                         r"float16/bfloat16 only.*use --trtllm-dtype bfloat16 or float16"):
+        write_trtllm_bundle_part(str(tmp_path / "x"), target, dtype="float32", max_seq_len=64, medusa=medusa_heads())
+    # draft/target does not reach XQA's speculative path; its float32 refusal is the support matrix's
+    with pytest.raises(ValueError, match=r"--trtllm-dtype float32: draft/target speculation on TensorRT-LLM is "
+                                         r"supported in FP16/BF16/FP8 only \(examples/draft_target_model"):
+        write_trtllm_bundle_part(str(tmp_path / "x"), target, dtype="float32", max_seq_len=64, draft=draft,
+                                 max_draft_len=4)
     assert not (tmp_path / "x").exists()
     # plain decoding has fp32 kernels; half precision serves every mode
     assert write_trtllm_bundle_part(str(tmp_path / "p"), target, dtype="float32", max_seq_len=64)["mode"] == "none"
@@ -290,6 +297,38 @@ def test_xqa_group_sizes(tmp_path, group3_dir):
     write_trtllm_bundle_part(str(tmp_path / "plain"), ckpt, dtype="bfloat16", max_seq_len=64)
     meta = write_trtllm_bundle_part(str(tmp_path / "tp6"), ckpt, medusa=heads, dtype="bfloat16", max_seq_len=64, tp=6)
     assert meta["roles"]["target"]["world_size"] == 6
+
+
+def test_draft_target_does_not_take_the_xqa_group_rule(tmp_path, group3_dir, draft_dir):
+    """Issue 31 row 1: draft/target engines get no packed mask (generation_mixin.py builds the
+    spec-decoding inputs only when not draft_tokens_external), so a group of 3 is accepted there
+    at tp 1, with its build commands, while Medusa on the same model is still refused."""
+    from specbuild.formats.trtllm_support import kernel_problems
+
+    ckpt = read_hf_dir(group3_dir)
+    meta = write_trtllm_bundle_part(str(tmp_path / "dt"), ckpt, draft=ckpt, dtype="float16", max_seq_len=64,
+                                    max_draft_len=4)
+    assert meta["mode"] == "draft_tokens_external"
+    t = flags(meta["build_commands"]["target"])
+    assert (t["speculative_decoding_mode"], t["max_draft_len"], t["use_paged_context_fmha"]) == (
+        "draft_tokens_external", "4", "enable")
+    for mode, refused in (("draft_tokens_external", False), ("none", False), ("medusa", True), ("eagle", True)):
+        problems = kernel_problems(ckpt.config, role="target", mode=mode, dtype="bfloat16")
+        assert bool(problems) is refused and all("3 query heads per KV head" in p for p in problems), (mode, problems)
+
+
+def test_every_engine_is_built_with_paged_context_fmha(tmp_path, target_dir, draft_dir):
+    """Issue 31 row 5: the executor turns KV block reuse on for every engine, and reuse needs
+    paged context FMHA (off by default in older releases): plain and Medusa engines get the
+    flag too, in trtllm.json and in build.sh."""
+    target, draft = read_hf_dir(target_dir), read_hf_dir(draft_dir)
+    for name, extra in (("plain", {}), ("medusa", {"medusa": medusa_heads()}),
+                        ("draft", {"draft": draft, "max_draft_len": 3})):
+        meta = write_trtllm_bundle_part(str(tmp_path / name), target, dtype="float16", max_seq_len=64, **extra)
+        script = open(tmp_path / name / "trtllm" / "build.sh").read()
+        for role, argv in meta["build_commands"].items():
+            assert flags(argv)["use_paged_context_fmha"] == "enable", (name, role)
+            assert shlex.join(argv) in script
 
 
 def test_medusa_is_tensor_parallel_only(tmp_path, target_dir):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
+import pytest
 from tiny import make_tiny_hf
 
 
@@ -101,3 +103,48 @@ def test_compile_refuses_what_a_gpu_would_refuse(tmp_path):
                       "tensorrt-llm", *extra)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert not out.exists()
+
+
+def _doc_compile_examples() -> list[list[str]]:
+    """The `specbuild compile ... --backend tensorrt-llm` examples of README.md and docs/*.md
+    (continuation lines joined, comments dropped), as argv after `specbuild`."""
+    import glob
+    import shlex
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = []
+    for path in [os.path.join(root, "README.md")] + sorted(glob.glob(os.path.join(root, "docs", "*.md"))):
+        lines = open(path).read().splitlines()
+        i = 0
+        while i < len(lines):
+            line = lines[i].strip()
+            if line.startswith("specbuild compile "):
+                text = line
+                while text.split("#")[0].rstrip().endswith("\\") and i + 1 < len(lines):
+                    i += 1
+                    text = text.split("#")[0].rstrip()[:-1] + " " + lines[i].strip()
+                argv = shlex.split(text, comments=True)[1:]
+                if "tensorrt-llm" in argv:
+                    out.append(argv)
+            i += 1
+    return out
+
+
+@pytest.mark.integration
+def test_documented_tensorrt_llm_compile_examples_are_accepted(tmp_path, smollm2_gguf):
+    """Issue 31 row 1: the README's `compile --target smollm2-135m --draft smollm2-135m --backend
+    tensorrt-llm` (SmolLM2: 9 query heads over 3 KV heads) was refused for an XQA rule that
+    draft/target engines never meet; every documented TensorRT-LLM compile example runs."""
+    examples = _doc_compile_examples()
+    assert any("--draft" in argv for argv in examples), examples  # the README's draft/target example is found
+    for n, argv in enumerate(examples):
+        out = str(tmp_path / f"b{n}")
+        argv = list(argv)
+        argv[argv.index("--out") + 1] = out
+        r = specbuild(*argv)
+        assert r.returncode == 0, (argv, r.stderr[-2000:])
+        meta = json.load(open(os.path.join(out, "trtllm", "trtllm.json")))
+        if "--draft" in argv:
+            assert meta["mode"] == "draft_tokens_external"
+            assert "--use_paged_context_fmha" in meta["build_commands"]["target"]
+        shutil.rmtree(out)  # ~2 GB each

@@ -67,6 +67,7 @@ def fault(engine, kind: str, monkeypatch, method: str | None = None, after: int 
             def finish_items(items, logits, hidden=None, aux=None):
                 r = 0
                 for it in items:
+                    r += getattr(it, "score_rows", 0)  # echo + logprobs: the prompt's rows come first
                     if not it.completes:
                         continue
                     if is_culprit(it.seq, after):
@@ -154,14 +155,16 @@ def innocents_unchanged(engine, kind: str, method: str, prompts, monkeypatch, cu
 
 
 
-def check_isolation(engine, method: str, prompts, monkeypatch, sampled: bool, drafts_independent: bool) -> None:
+def check_isolation(engine, method: str, prompts, monkeypatch, sampled: bool, drafts_independent: bool,
+                    max_tokens: int = 20, **spec) -> None:
     """Every kind of fault in request 1 of `prompts` under `method` (greedy or seeded):
     verify and nan fail the culprit alone (500 naming the cause) after its first tokens,
     which match the clean run's; proposer costs the culprit only its drafts. The neighbours'
     tokens equal the clean run's throughout (innocents_unchanged). drafts_independent: the
     neighbours' drafts do not depend on the culprit (all but token recycling's shared table),
-    so their draft counts must be the clean run's too."""
+    so their draft counts must be the clean run's too. spec: e.g. gamma (fixed depth)."""
     sampling = {"temperature": 0.9} if sampled else {}
+    sampling.update(spec, max_tokens=max_tokens)
     clean = engine.generate(requests(prompts, method, 1, **sampling))
     if method != "none":  # the batch really speculates (greedy: and drafts get accepted)
         assert sum(r["stats"]["drafted"] for r in clean) > 0
@@ -171,7 +174,7 @@ def check_isolation(engine, method: str, prompts, monkeypatch, sampled: bool, dr
         bad = faulted[1]
         assert bad["finish_reason"] == "error" and bad["error_status"] == 500, bad
         assert where in bad["error"] and "choosing its next tokens" in bad["error"], bad["error"]
-        assert 3 <= len(bad["token_ids"]) < 20  # it ran until the fault, then stopped
+        assert 3 <= len(bad["token_ids"]) < max_tokens  # it ran until the fault, then stopped
         assert bad["token_ids"] == clean[1]["token_ids"][:len(bad["token_ids"])]
     if method == "none":
         return

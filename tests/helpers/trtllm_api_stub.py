@@ -13,6 +13,13 @@ prompt_adapter_request, streaming, ...)`, a result iterated one engine iteration
 DraftTarget and Eagle3); `Drafter.prepare_draft_tokens(scheduled_requests, resource_manager)`
 setting `py_draft_tokens` on each generation request (`get_tokens(0)`, `py_request_id`).
 
+What the real LLM API enforces, and the stand-in too: the speculative config is pickled into the
+executor worker unless TLLM_WORKER_USE_SINGLE_PROCESS=1 (so a drafter must pickle); a speculating
+target on TRTLLM attention needs an XQA kernel (power-of-two query group per rank, fp16/bf16) as
+on SM < 120; a user-provided drafter whose drafts are padded must set
+`_needs_padding_kv_extension`; `Eagle3DecodingConfig` is exported from 1.3 only (before:
+`EagleDecodingConfig(eagle3_one_model=True)`), and STUB_HIDDEN removes names for a test.
+
 Tokens come from the torch oracle (greedy; sampled requests are answered greedily too, which
 the adapter refuses on speculating engines anyway). Drafts: the user-provided drafter's own;
 DraftTarget / Eagle3 / NGram propose the oracle's continuation with every third token corrupted,
@@ -25,14 +32,17 @@ import abc
 import dataclasses
 import json
 import os
+import pickle
 import types
 from typing import Any, List, Optional
 
 from trtllm_stub import oracle
 
 STUB_VERSION = "1.2.0"
+STUB_HIDDEN: set[str] = set()  # llmapi names a test removes, to stand in for a release without them
+EAGLE3_CLASS_FROM = (1, 3)  # the stand-in exports Eagle3DecodingConfig from this release (before: EagleDecodingConfig)
 _TORCH_LLM_ARGS = {"speculative_config", "max_batch_size", "max_seq_len", "max_num_tokens", "kv_cache_config",
-                   "enable_chunked_prefill", "disable_overlap_scheduler", "cuda_graph_config"}
+                   "enable_chunked_prefill", "disable_overlap_scheduler", "cuda_graph_config", "attn_backend"}
 
 
 class _Base:
@@ -84,14 +94,21 @@ class NGramDecodingConfig(DecodingBaseConfig):
         self._needs_len("NGram")
 
 
-class Eagle3DecodingConfig(DecodingBaseConfig):
+class EagleDecodingConfig(DecodingBaseConfig):
+    """1.x llm_args.py: EAGLE-3 is this class with eagle3_one_model (default True) where the release
+    has no Eagle3DecodingConfig."""
+
     fields = {**DecodingBaseConfig.fields, "eagle_choices": None, "greedy_sampling": True, "eagle3_one_model": True,
               "num_eagle_layers": None}
-    decoding_type = "Eagle3"
+    decoding_type = "Eagle"
 
     def validate(self):
         if self.speculative_model is None:
             raise ValueError("Draft model must be provided for EAGLE")
+
+
+class Eagle3DecodingConfig(EagleDecodingConfig):
+    decoding_type = "Eagle3"
 
 
 class UserProvidedDecodingConfig(DecodingBaseConfig):
@@ -107,6 +124,10 @@ class KvCacheConfig(_Base):
 
 
 class Drafter(abc.ABC):
+    # later drafter.py: TorchSampler drafters (NGram, two-model, user-provided) must set this True, or the
+    # padding of draft tokens for CUDA graphs is not covered by the KV cache (the stand-in checks it, below)
+    _needs_padding_kv_extension: bool = False
+
     def __init__(self, max_draft_len: int = None, max_total_draft_tokens: int = None,
                  max_concurrency: Optional[int] = None, draft_len_schedule=None) -> None:
         self.max_draft_len = max_draft_len
@@ -204,6 +225,10 @@ class StubResult:
             spec.drafter.prepare_draft_tokens(types.SimpleNamespace(generation_requests=[req], context_requests=[]))
             drafts = list(req.py_draft_tokens)
             assert len(drafts) <= k, f"the drafter proposed {len(drafts)} > max_draft_len {k}"
+            if len(drafts) < k and not spec.drafter._needs_padding_kv_extension:
+                # pad_draft_tokens_for_cuda_graph pads to max_draft_len; TorchSampler rewinds by the padded length
+                raise RuntimeError("draft tokens padded for CUDA graphs past the KV cache capacity: a TorchSampler "
+                                   "drafter must set _needs_padding_kv_extension = True")
         else:  # the model's own drafter: right but for every third token
             drafts = [(t + 1) % self.llm.vocab if (done + i) % 3 == 2 else t for i, t in enumerate(truth[:k])]
         self.llm.drafts_proposed += len(drafts)
@@ -219,8 +244,6 @@ class LLM:
     def __init__(self, model, tokenizer=None, tokenizer_mode="auto", skip_tokenizer_init=False,
                  trust_remote_code=False, tensor_parallel_size=1, dtype="auto", revision=None,
                  tokenizer_revision=None, **kwargs):
-        from specbuild.formats.trtllm_support import kernel_problems
-
         unknown = set(kwargs) - _TORCH_LLM_ARGS
         if unknown:
             raise ValueError(f"Failed to parse the arguments for the LLM constructor: {sorted(unknown)}")
@@ -233,14 +256,22 @@ class LLM:
             if getattr(self.spec, "speculative_model", None) is not None and not os.path.isfile(
                     os.path.join(str(self.spec.speculative_model), "config.json")):
                 raise ValueError(f"speculative_model {self.spec.speculative_model} has no config.json")
+            if os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") != "1":
+                # executor/executor.py: the executor runs in a worker process (mpi4py) that gets the LLM's arguments
+                # pickled; what does not pickle by reference (a class defined in a function) fails here
+                self.spec = pickle.loads(pickle.dumps(self.spec))
+                kwargs = {**kwargs, "speculative_config": self.spec}
             heads = hf["num_attention_heads"]
             shape = types.SimpleNamespace(num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
                                           head_dim=hf.get("head_dim") or hf["hidden_size"] // heads)
-            problems = kernel_problems(shape, role="target", mode="draft_tokens_external",
-                                       dtype=hf.get("torch_dtype") if dtype == "auto" else dtype,
-                                       tp=tensor_parallel_size)
-            if problems:  # the same attention kernels serve speculative generation on the PyTorch backend
-                raise RuntimeError("No available XQA kernels are found for speculative decoding mode: " + problems[0])
+            group = (heads // tensor_parallel_size) // (max(shape.num_kv_heads, tensor_parallel_size)
+                                                         // tensor_parallel_size)
+            dt = hf.get("torch_dtype") if dtype == "auto" else dtype
+            # _torch/speculative/interface.py: a speculating target on TRTLLM attention runs in multi-token query mode
+            # (XQA) below SM 120; the stand-in plays a Hopper GPU
+            if (kwargs.get("attn_backend") or "TRTLLM") == "TRTLLM" and (group & (group - 1) or
+                                                                          dt not in ("float16", "bfloat16")):
+                raise RuntimeError("No available XQA kernels are found for speculative decoding mode.")
         self.model, self.skip_tokenizer_init, self.kwargs = str(model), skip_tokenizer_init, kwargs
         self.bundle = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(str(model)))))
         self.vocab = int(hf["vocab_size"])
@@ -281,9 +312,15 @@ def package() -> types.ModuleType:
     pkg.SPECBUILD_TEST_STUB = True
     pkg.LLM, pkg.SamplingParams = LLM, SamplingParams
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
-    for cls in (LLM, KvCacheConfig, DraftTargetDecodingConfig, NGramDecodingConfig, Eagle3DecodingConfig,
-                UserProvidedDecodingConfig):
-        setattr(llmapi, cls.__name__, cls)
+    from specbuild.formats.trtllm_support import release
+
+    classes = [LLM, KvCacheConfig, DraftTargetDecodingConfig, NGramDecodingConfig, EagleDecodingConfig,
+               UserProvidedDecodingConfig]
+    if (release(STUB_VERSION) or ())[:2] >= EAGLE3_CLASS_FROM:  # llmapi/__init__.py at 5ca85aff (1.x): not exported
+        classes.append(Eagle3DecodingConfig)
+    for cls in classes:
+        if cls.__name__ not in STUB_HIDDEN:
+            setattr(llmapi, cls.__name__, cls)
     pkg.llmapi = llmapi
     drafter = types.ModuleType("tensorrt_llm._torch.speculative.drafter")
     drafter.Drafter = Drafter

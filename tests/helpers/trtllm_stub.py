@@ -62,8 +62,10 @@ class StubResponse:
 def kernel_error(pretrained: dict, speculative: bool) -> str | None:
     """What TensorRT-LLM's attention answers at the first generation step of an engine with this
     pretrained_config (rules: specbuild/formats/trtllm_support.py, read in NVIDIA/TensorRT-LLM):
-    "unsupported head_size" outside the masked-MHA sizes; for speculative (multi-query)
-    generation, no XQA kernel for a float32 engine or a non-power-of-two group per rank."""
+    "unsupported head_size" outside the masked-MHA sizes; for speculative tree (Medusa/EAGLE)
+    generation (`speculative`), which alone takes the spec-decoding XQA path (generation_mixin.py
+    gives draft/target engines no packed mask, so their drafts are not `speculative` here), no
+    XQA kernel for a float32 engine or a non-power-of-two group per rank."""
     from specbuild.formats.trtllm_support import MMHA_HEAD_SIZES, SPECULATIVE_DTYPES, xqa_group
 
     heads = int(pretrained["num_attention_heads"])
@@ -78,13 +80,20 @@ def kernel_error(pretrained: dict, speculative: bool) -> str | None:
     return None
 
 
+def paged_context_fmha(engine_config: dict) -> bool | None:
+    """build_config.plugin_config.use_paged_context_fmha of an engine config (None: not recorded)."""
+    plugin = (engine_config.get("build_config") or {}).get("plugin_config") or {}
+    return None if "use_paged_context_fmha" not in plugin else bool(plugin["use_paged_context_fmha"])
+
+
 class StubExecutor:
     """Greedy executor: tokens from the torch oracle; drafts accepted while equal to its
     argmax, one more token after; streaming answers one engine iteration per await (Medusa
     iterations yield 3, 1, 2, ... tokens); a draft-role engine corrupts every third token.
 
     It enforces what the real runtime enforces (see kernel_error and __init__): kernels per head
-    size, dtype and XQA group; KV block reuse for a draft/target target; Medusa tp-only; prompt +
+    size, and dtype and XQA group for Medusa; KV block reuse (which needs an engine built with paged
+    context FMHA) for a draft/target target; Medusa tp-only; prompt +
     max_tokens + drafts within the engine's recorded max_seq_len; draft logits sized to the
     target's padded vocabulary."""
 
@@ -100,7 +109,14 @@ class StubExecutor:
         self.medusa = getattr(config.decoding_config, "decoding_mode", None) == "medusa"
         if self.medusa and self.limits["pp"] > 1:
             raise RuntimeError("[TensorRT-LLM][ERROR] Medusa does not support pipeline parallelism")
-        if "draft_tokens_external" in self.limits["modes"] and not config.kv_cache_config.enable_block_reuse:
+        # trtGptModelInflightBatching.cpp (fixExecutorConfig): block reuse is turned off, with a warning, for an
+        # engine built without paged context FMHA; a draft/target target then fails its reuse check
+        self.block_reuse = bool(config.kv_cache_config.enable_block_reuse)
+        if self.block_reuse and paged_context_fmha(self.engine_config) is False:
+            print("[TensorRT-LLM][WARNING] Fixing executorConfig: KV cache reuse disabled because model was not "
+                  "built with paged context FMHA support", file=sys.stderr)
+            self.block_reuse = False
+        if "draft_tokens_external" in self.limits["modes"] and not self.block_reuse:
             raise RuntimeError("[TensorRT-LLM][ERROR] KV cache block reuse must be enabled for speculative "
                                "decoding target model")
         self.config, self.requests, self.pending, self.next_id, self.shut = config, [], {}, 1, False
@@ -110,7 +126,7 @@ class StubExecutor:
         """The error the real executor answers this request with, or None."""
         drafts = req.external_draft_tokens_config.tokens if req.external_draft_tokens_config else []
         pre = self.engine_config.get("pretrained_config") or {}
-        error = kernel_error(pre, speculative=self.medusa or bool(drafts)) if "num_attention_heads" in pre else None
+        error = kernel_error(pre, speculative=self.medusa) if "num_attention_heads" in pre else None
         if error:
             return error
         need = len(req.input_token_ids) + req.max_tokens + len(drafts)

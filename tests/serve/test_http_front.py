@@ -279,3 +279,43 @@ def test_echo_logprobs_streamed_equal_the_whole_answer(narrow):
     assert first["text"] == body["prompt"]  # the echo comes first, with the prompt's logprobs
     got = sum((c["choices"][0]["logprobs"]["token_logprobs"] for c in chunks if c["choices"][0].get("logprobs")), [])
     assert got == whole["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def test_a_disconnect_never_holds_the_event_loop(bundle):
+    """The abort of a request whose client left takes the engine lock; it runs on its own
+    thread, so while it waits the server still answers (an in-process server whose engine's
+    abort is held at a gate until the test has its /health answer)."""
+    import http.client
+
+    from specbuild.engine.engine import Engine, EngineConfig
+    from specbuild.serve.openai_http import OpenAIServer, ServeConfig
+
+    engine = Engine(bundle, EngineConfig(threads=1))
+    gate, entered = threading.Event(), threading.Event()
+    abort = engine.abort
+
+    def held_abort(handle) -> None:
+        entered.set()
+        gate.wait(60)
+        abort(handle)
+
+    engine.abort = held_abort
+    app = OpenAIServer(engine, ServeConfig(port=0))
+    app.bind()
+    serving = threading.Thread(target=app.serve_forever, daemon=True)
+    serving.start()
+    try:
+        conn, resp = open_stream(app.port, "/v1/completions", {"prompt": "hold", "max_tokens": 900, "ignore_eos": True})
+        resp.readline()
+        conn.close()  # the client leaves: its abort waits at the gate
+        wait_until(entered.is_set, 30, "the abort to start")
+        probe = http.client.HTTPConnection("127.0.0.1", app.port, timeout=10)
+        probe.request("GET", "/health")
+        answer = probe.getresponse()
+        assert answer.status == 200 and not gate.is_set()  # answered while the abort still waits
+        probe.close()
+    finally:
+        gate.set()
+        app.shutdown()
+        serving.join(timeout=10)
+    assert engine.cache.used_blocks == 0
