@@ -1,13 +1,15 @@
-"""Eager vs compiled layer stack (EngineConfig.compile), interleaved in one process.
+"""Eager vs compiled layer stack (EngineConfig.compile), per linear kernel, interleaved in one process.
 
-One engine loads the bundle with compile=True; each round times the same engine with its
-compiled stack switched off (eager) and on, then llama.cpp on the bundle's GGUF source when
-llama-cpp-python imports, so all three see the same machine state (this 2-core VM's timings
-drift by 20% between processes). Per round: plain greedy ms/token over `--tokens` tokens
-(engine.generate, method none; prefill excluded) and one forward of N rows after 64 cached
-tokens (best of 7). Prints medians over rounds, the CPU model and its flags.
+One engine per candidate kernel of the int4/int8 weights (`--kernels`: torch's, specbuild's:
+SPECBUILD_CPU_KERNEL while it loads) loads the bundle with compile=True; each round times every
+engine with its compiled stack switched off (eager) and on, then llama.cpp on the bundle's GGUF
+source when llama-cpp-python imports, so all see the same machine state (this 2-core VM's
+timings drift by 20% between processes). Per round: plain greedy ms/token over `--tokens`
+tokens (engine.generate, method none; prefill excluded) and one forward of N rows after 64
+cached tokens (best of 7). Prints medians over rounds, the CPU model and its flags, and the
+load average.
 
-    python scripts/bench_compile.py BUNDLE [--rounds 5] [--threads 2] [--tokens 64] [--json]
+    python scripts/bench_compile.py BUNDLE [--rounds 5] [--threads 2] [--tokens 64] [--kernels torch,specbuild] [--json]
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--kernels", default="torch,specbuild", help="comma-separated: torch, specbuild, avx2")
+    ap.add_argument("--no-compile", action="store_true", help="eager rows only (no compile at load)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -46,32 +50,43 @@ def main() -> None:
     from specbuild.engine.engine import Engine, EngineConfig
     from specbuild.model.timing import forward_costs
 
-    engine = Engine(args.bundle, EngineConfig(threads=args.threads, max_batch_size=1, compile=True))
+    from specbuild.model import cpu_kernels
+
+    engines = {}
+    for kernel in args.kernels.split(","):
+        os.environ["SPECBUILD_CPU_KERNEL"] = kernel
+        cpu_kernels.reset_choices()
+        engines[kernel] = Engine(args.bundle, EngineConfig(threads=args.threads, max_batch_size=1,
+                                                           compile=not args.no_compile))
+    engine = next(iter(engines.values()))
     prompt_text = engine.render_chat([{"role": "user", "content": "Tell me a story about a dragon and a knight."}])
     prompt = engine.encode(prompt_text, add_special_tokens=False)
     source = read_meta(args.bundle).roles["target"].get("source") or ""
     peer = not args.no_llama_cpp and source.endswith(".gguf")
-    compiled = engine.model.compiled
-    rows: dict[str, list] = {"eager": [], "compiled": [], "llama.cpp": []}
+    compiled = {k: e.model.compiled for k, e in engines.items()}
+    modes = ("eager",) if args.no_compile else ("eager", "compiled")
+    rows: dict[str, list] = {f"{k} {m}": [] for k in engines for m in modes}
+    rows["llama.cpp"] = []
     for r in range(args.rounds):
-        for mode in ("eager", "compiled"):
-            engine.model.compiled = None if mode == "eager" else compiled
-            decode = statistics.median(decode_step_ms(engine, prompt, args.tokens, 2))
-            costs = forward_costs(engine.model, engine.cache, WIDTHS, repeats=7)
-            rows[mode].append({"decode_ms": decode, **{f"w{w}": costs[w]["min_ms"] for w in WIDTHS}})
+        for kernel, engine in engines.items():
+            for mode in modes:
+                engine.model.compiled = None if mode == "eager" else compiled[kernel]
+                decode = statistics.median(decode_step_ms(engine, prompt, args.tokens, 2))
+                costs = forward_costs(engine.model, engine.cache, WIDTHS, repeats=7)
+                rows[f"{kernel} {mode}"].append({"decode_ms": decode, **{f"w{w}": costs[w]["min_ms"] for w in WIDTHS}})
         if peer:
             got = llama_cpp_row(source, args.threads, prompt_text, args.tokens, 2)
             if got is None:
                 peer = False
             else:
                 rows["llama.cpp"].append({"decode_ms": got["step_ms"]})
-        print(f"round {r + 1}/{args.rounds}: eager {rows['eager'][-1]['decode_ms']:.2f}, compiled "
-              f"{rows['compiled'][-1]['decode_ms']:.2f}" + (f", llama.cpp {rows['llama.cpp'][-1]['decode_ms']:.2f}"
-                                                             if rows["llama.cpp"] else "") + " ms/token",
-              file=sys.stderr, flush=True)
-    engine.model.compiled = compiled
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]['decode_ms']:.2f}" for k, v in rows.items() if v)
+              + f" ms/token; load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+    for kernel, engine in engines.items():
+        engine.model.compiled = compiled[kernel]
     report = {"bundle": args.bundle, "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
-              "compile_s": engine.compile_seconds, "cpu": cpu_info(), "load_average": os.getloadavg(),
+              "compile_s": {k: e.compile_seconds for k, e in engines.items()}, "cpu": cpu_info(),
+              "kernel_status": cpu_kernels.status(), "load_average": os.getloadavg(),
               "medians": {m: {k: round(statistics.median(x[k] for x in v), 2) for k in v[0]} for m, v in rows.items() if v}}
     if args.json:
         print(json.dumps(report, indent=2))
@@ -79,10 +94,10 @@ def main() -> None:
     cpu = report["cpu"]
     print(f"{args.bundle}: {args.threads} thread(s), {args.rounds} interleaved rounds, medians; CPU {cpu['model']}")
     print(f"flags: {cpu['flags']}")
-    print(f"compile at load: {report['compile_s']:.1f} s; load average at end {report['load_average'][0]:.2f}")
-    print(f"{'':10s} {'decode ms/token':>16s} " + " ".join(f"{'w' + str(w):>7s}" for w in WIDTHS) + "  w5/w1  w17/w1")
+    print(f"compile at load: {report['compile_s']} s; load average at end {report['load_average'][0]:.2f}")
+    print(f"{'':20s} {'decode ms/token':>16s} " + " ".join(f"{'w' + str(w):>7s}" for w in WIDTHS) + "  w5/w1  w17/w1")
     for mode, med in report["medians"].items():
-        line = f"{mode:10s} {med['decode_ms']:16.2f} "
+        line = f"{mode:20s} {med['decode_ms']:16.2f} "
         if "w1" in med:
             line += " ".join(f"{med['w' + str(w)]:7.2f}" for w in WIDTHS)
             line += f"  {med['w5'] / med['w1']:5.2f}  {med['w17'] / med['w1']:6.2f}"

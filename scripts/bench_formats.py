@@ -3,14 +3,29 @@
 by width, perplexity and greedy agreement with float32 (see specbuild/bench/formats.py).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/bench_formats.py --target smollm2-135m --threads 2
+
+--kernels: only the linear kernels (torch's int4/int8 weight-only kernels and specbuild's at
+each ISA level this CPU has) over random weights of SmolLM2-135M's shapes, interleaved rounds,
+GB/s at widths 1, 5, 17, with the CPU model and flags:
+
+    .venv/bin/python scripts/bench_formats.py --kernels --threads 2 --rounds 7
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 
+
+def cpu_info() -> dict:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"model": "unknown", "flags": ""}
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return {"model": fields.get("Model name", "unknown").strip(), "flags": fields.get("Flags", "").strip()}
 
 
 def main() -> int:
@@ -26,9 +41,27 @@ def main() -> int:
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--ppl-tokens", type=int, default=512)
     ap.add_argument("--json", default=None, help="also write the report here")
+    ap.add_argument("--kernels", action="store_true", help="the linear kernels alone (see above)")
+    ap.add_argument("--rounds", type=int, default=7, help="--kernels: interleaved rounds")
+    ap.add_argument("--activations", default="bfloat16", choices=["bfloat16", "float32"], help="--kernels: input dtype")
     args = ap.parse_args()
 
     import torch
+
+    if args.kernels:
+        from specbuild.bench.formats import format_kernel_report, kernel_rounds
+        from specbuild.model import cpu_kernels
+
+        torch.set_num_threads(args.threads)
+        report = kernel_rounds(rounds=args.rounds, act_dtype=getattr(torch, args.activations))
+        report["cpu"] = cpu_info()
+        report["kernel_status"] = cpu_kernels.status()
+        print(f"CPU {report['cpu']['model']}; flags: {report['cpu']['flags']}")
+        print(format_kernel_report(report))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+        return 0
 
     from specbuild.bench.formats import DEFAULT_FORMATS, format_report, run_formats_bench
 

@@ -26,6 +26,16 @@ if "SPECBUILD_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["SPECBUILD_CACHE_DIR"] = tempfile.mkdtemp(prefix="specbuild-test-cache-")
+# int4/int8 weights run specbuild's CPU kernel in every test where it can be built (not the
+# load-time measurement's pick, which varies with the load); tests/model/test_cpu_kernels.py
+# covers torch's kernel as the fallback
+if "SPECBUILD_CPU_KERNEL" not in os.environ:
+    import platform
+    import shutil
+
+    if platform.machine().lower() in ("x86_64", "amd64") and any(
+            shutil.which(c) for c in (os.environ.get("CXX") or "c++", "g++", "clang++")):
+        os.environ["SPECBUILD_CPU_KERNEL"] = "specbuild"
 
 import pytest  # noqa: E402
 

@@ -274,3 +274,101 @@ def format_report(report: dict) -> str:
         if r["plans"]:
             lines.append(f"  {r['format']}: " + "; ".join(f"{g}: {d}" for g, d in r["plans"].items()))
     return "\n".join(lines)
+
+
+# ---- the linear kernels alone, interleaved -----------------------------------------------------
+# SmolLM2-135M's 30 layers (qkv as q/k/v, o, gate, up, down) and its lm_head
+LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+LM_HEAD_SHAPE = (49152, 576)
+
+
+def kernel_candidates(act_dtype: torch.dtype = torch.bfloat16, layers: int = 30, group: int = 32) -> dict:
+    """name -> (bytes one pass reads, fn(width) running every weight once): torch's int4 and
+    int8 weight-only kernels and specbuild's at each ISA level this CPU runs, over random
+    weights of SmolLM2-135M's shapes (int4 for the layers, int8 for the lm_head)."""
+    from specbuild.model import cpu_kernels
+
+    gen = torch.Generator().manual_seed(0)
+    levels = [lv for lv in (2, 1) if lv <= cpu_kernels.isa()] if cpu_kernels.status()["available"] else []
+    int4 = {"torch": [], **{f"specbuild {cpu_kernels.ISA_NAMES[lv]}": [] for lv in levels}}
+    f32 = act_dtype != torch.bfloat16
+    for n, k in LAYER_SHAPES * layers:
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+        s = (torch.rand(n, k // group, generator=gen) * 0.02).to(act_dtype)
+        z = (torch.randn(n, k // group, generator=gen) * 0.01).to(act_dtype)
+        tp = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        sz = torch.stack([s, z], -1).transpose(0, 1).contiguous()
+        int4["torch"].append((k, tp.numel() + sz.numel() * sz.element_size(),
+                              lambda x, tp=tp, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, tp, group, sz)))
+        if levels:
+            packed = cpu_kernels.repack_int4(q, s, z, group, f32)
+            for lv in levels:
+                int4[f"specbuild {cpu_kernels.ISA_NAMES[lv]}"].append(
+                    (k, packed.numel(), lambda x, p=packed, n=n, lv=lv: cpu_kernels.int4_mm(x, p, n, group, f32, lv)))
+    n, k = LM_HEAD_SHAPE
+    q8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    s8 = (torch.rand(n, generator=gen) * 0.01).to(act_dtype)
+    head = {"torch": [(k, q8.numel() + s8.numel() * s8.element_size(),
+                       lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, s8))]}
+    if levels:
+        p8 = cpu_kernels.repack_int8(q8, s8)
+        for lv in levels:
+            head[f"specbuild {cpu_kernels.ISA_NAMES[lv]}"] = [(k, p8.numel(), lambda x, lv=lv: cpu_kernels.int8_mm(x, p8, n, lv))]
+    out = {}
+    for group_name, cands in (("int4 layers", int4), ("int8 lm_head", head)):
+        for name, items in cands.items():
+            out[(group_name, name)] = items
+    return out
+
+
+def kernel_rounds(widths=(1, 5, 17), rounds: int = 7, act_dtype: torch.dtype = torch.bfloat16,
+                  layers: int = 30) -> dict:
+    """Every candidate kernel over the same weights, round-robin within each round (so all
+    see the same machine state), per width: median ms, GB/s (the candidate's own bytes over
+    its median time) and the ratio to torch's kernel; the load average before and after.
+    One thread: CPU time of this process (what other processes' load cannot inflate by
+    descheduling it); more: wall time."""
+    cands = kernel_candidates(act_dtype, layers)
+    gen = torch.Generator().manual_seed(1)
+    load_before = os.getloadavg()
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    times: dict = {(key, w): [] for key in cands for w in widths}
+    for w in widths:
+        xs = {k: torch.randn(w, k, generator=gen).to(act_dtype) for k in (576, 1536)}
+        for r in range(rounds + 1):
+            for key, items in cands.items():
+                t0 = clock()
+                for k, _, fn in items:
+                    fn(xs[k])
+                if r:  # the first round warms up
+                    times[(key, w)].append((clock() - t0) * 1e3)
+    rows = []
+    for (group, name), items in cands.items():
+        nbytes = sum(b for _, b, _ in items)
+        row = {"weights": group, "kernel": name, "mb": round(nbytes / 1e6, 1)}
+        for w in widths:
+            ms = statistics.median(times[((group, name), w)])
+            base = statistics.median(times[((group, "torch"), w)])
+            row[f"w{w}_ms"] = round(ms, 3)
+            row[f"w{w}_gb_per_s"] = round(nbytes / ms / 1e6, 1)
+            row[f"w{w}_vs_torch"] = round(base / ms, 2)
+        rows.append(row)
+    return {"rows": rows, "widths": list(widths), "rounds": rounds, "threads": torch.get_num_threads(),
+            "clock": "process CPU time" if clock is time.process_time else "wall",
+            "act": str(act_dtype).removeprefix("torch."), "load_before": load_before, "load_after": os.getloadavg()}
+
+
+def format_kernel_report(report: dict) -> str:
+    ws = report["widths"]
+    lines = [f"{report['threads']} thread(s), {report['act']} inputs, {report['rounds']} interleaved rounds, medians of "
+             f"{report['clock']}; "
+             f"load average {report['load_before'][0]:.2f} before, {report['load_after'][0]:.2f} after",
+             f"{'weights':13s} {'kernel':24s} {'MB':>6s} " + " ".join(f"{'w' + str(w) + ' ms':>9s} {'GB/s':>6s} {'x':>5s}"
+                                                                      for w in ws) + "  w5/w1  w17/w1"]
+    for r in report["rows"]:
+        line = f"{r['weights']:13s} {r['kernel']:24s} {r['mb']:6.1f} " + " ".join(
+            f"{r[f'w{w}_ms']:9.2f} {r[f'w{w}_gb_per_s']:6.1f} {r[f'w{w}_vs_torch']:5.2f}" for w in ws)
+        if 1 in ws and 5 in ws and 17 in ws:
+            line += f"  {r['w5_ms'] / r['w1_ms']:5.2f}  {r['w17_ms'] / r['w1_ms']:6.2f}"
+        lines.append(line)
+    return "\n".join(lines)

@@ -3,10 +3,13 @@
 A `QLinear` is one weight [out_features, in_features] held in one or more formats:
 
     dense     a float32/bfloat16/float16 tensor, F.linear
-    int8      int8 values [N, K] + a scale per row [N]; torch's `_weight_int8pack_mm`
+    int8      int8 values [N, K] + a scale per row [N]; specbuild's CPU kernel or torch's
+              `_weight_int8pack_mm` (chosen like int4's)
     int4      values 0..15 [N, K] with a scale and a zero per group of `group_size` inputs
-              (weight = (q - 8) * scale + zero); torch's `_weight_int4pack_mm_for_cpu`
-              (`_weight_int4pack_mm` on CUDA), packed at load into torch's own layout
+              (weight = (q - 8) * scale + zero); on CPU specbuild's own kernel
+              (model/cpu_kernels.py, where it measures faster at load) or torch's
+              `_weight_int4pack_mm_for_cpu` (`_weight_int4pack_mm` on CUDA), packed at load
+              into the chosen kernel's layout
 
 Every format rounds its input to the weight's activation dtype (`act_dtype`) and its
 output back to it, so an int4 weight and a float32 copy of its dequantised values give
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from specbuild.model import cpu_kernels
 
 ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RESCORE_TOP = 64  # lm_head outputs per row recomputed in float32 (see QLinear.rescored)
@@ -102,14 +107,20 @@ class Int8Format:
 
     kind = name = "int8"
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, act_dtype: torch.dtype) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, act_dtype: torch.dtype,
+                 kernel: bool = True) -> None:
         # fresh (aligned) memory: safetensors maps tensors at any offset, and the kernel
         # crashes on unaligned weights (seen with torch 2.13 at 4 rows)
         self.qweight = ensure_aligned(qweight.to(torch.int8))
         self.scales = ensure_aligned(scales.to(act_dtype))
         self.act_dtype = act_dtype
+        # specbuild's kernel (its ISA level) and its layout, or 0: torch's kernel
+        self.kernel = cpu_kernels.choose("int8", act_dtype, self.qweight.device) if kernel else 0
+        self.cpu_packed = cpu_kernels.repack_int8(self.qweight, self.scales) if self.kernel else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] act -> [T, N] act
+        if self.kernel:
+            return torch.ops.specbuild_cpu.int8_mm(x, self.cpu_packed, self.qweight.shape[0], self.kernel)
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +131,8 @@ class Int8Format:
 
     @property
     def nbytes(self) -> int:
+        if self.cpu_packed is not None:
+            return self.cpu_packed.numel()
         return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
 
 
@@ -139,7 +152,7 @@ class Int8DynFormat(Int8Format):
     quantizes_inputs = True
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
-        super().__init__(qweight, scales.float(), torch.float32)
+        super().__init__(qweight, scales.float(), torch.float32, kernel=False)
         self.qweight_kn = aligned(self.qweight.t())  # [K, N]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] float32 -> [T, N] float32
@@ -159,8 +172,10 @@ class Int8DynFormat(Int8Format):
 
 class Int4Format:
     """Grouped int4 with scale and zero. Keeps the portable nibbles [N, K / 2] for the
-    reference and for copies; packs into torch's kernel layout (which depends on the device
-    and the torch version) at construction. N is padded to a multiple of 16 for the kernel."""
+    reference and for copies; packs at construction into the layout of the kernel that runs
+    it: specbuild's CPU kernel (cpu_kernels.choose: where it measured faster at load) or
+    torch's (whose layout depends on the device and the torch version). N is padded to a
+    multiple of 16 for either kernel."""
 
     kind = name = "int4"
 
@@ -175,8 +190,14 @@ class Int4Format:
         self.nibbles = nibbles.contiguous()
         self.scales, self.zeros = scales.to(act_dtype).contiguous(), zeros.to(act_dtype).contiguous()
         self.act_dtype = act_dtype
-        pad = -n % 16
         q = unpack_nibbles(self.nibbles)
+        self.kernel = cpu_kernels.choose("int4", act_dtype, q.device) if group_size % 8 == 0 else 0
+        self.cpu_packed = self.packed = self.scales_zeros = None
+        if self.kernel:  # specbuild's kernel: its layout only
+            self.cpu_packed = cpu_kernels.repack_int4(q, self.scales, self.zeros, group_size,
+                                                      act_dtype != torch.bfloat16)
+            return
+        pad = -n % 16
         scales_zeros = torch.stack([self.scales, self.zeros], dim=-1)  # [N, K / G, 2]
         if pad:
             q = torch.cat([q, torch.full((pad, k), 8, dtype=q.dtype, device=q.device)])
@@ -196,6 +217,9 @@ class Int4Format:
             self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] act -> [T, N] act
+        if self.kernel:
+            return torch.ops.specbuild_cpu.int4_mm(x, self.cpu_packed, self.out_features, self.group_size,
+                                                   self.act_dtype != torch.bfloat16, self.kernel)
         out = self._mm(x.contiguous(), self.packed, self.group_size, self.scales_zeros)
         return out[:, : self.out_features] if out.shape[1] != self.out_features else out
 
@@ -208,6 +232,8 @@ class Int4Format:
     @property
     def nbytes(self) -> int:
         """Bytes a forward reads: the packed values and the scales/zeros."""
+        if self.cpu_packed is not None:
+            return self.cpu_packed.numel()
         return self.packed.numel() * self.packed.element_size() + \
             self.scales_zeros.numel() * self.scales_zeros.element_size()
 
@@ -449,7 +475,7 @@ def self_check(q: QLinear, rows: int = 3, seed: int = 0) -> float:
 
 def _device(q: QLinear) -> torch.device:
     impl = q.formats[q.primary]
-    return (impl.weight if impl.kind == "dense" else impl.qweight if impl.kind == "int8" else impl.packed).device
+    return (impl.weight if impl.kind == "dense" else impl.qweight if impl.kind == "int8" else impl.nibbles).device
 
 
 # ---- load: bundle tensors -> QLinear objects ---------------------------------------------------

@@ -246,9 +246,10 @@ def test_tree_cost_model_charges_every_node_within_the_depth():
 def test_cost_calibration_is_cached_per_machine_and_bundle_and_done_at_load(tmp_path, monkeypatch):
     """The speculator's verify costs are measured at engine load (no request pays for them),
     kept under $SPECBUILD_CACHE_DIR keyed by machine and model fingerprint, and a second
-    engine on the same bundle reads them back (its only forwards: one untimed warm-up per
-    width, so kernels are set up before the first request, not timed again); another
-    bundle (other weights) gets its own entry."""
+    engine on the same bundle reads them back (its only forwards: the live check of the
+    cached width-1 cost, one untimed and one timed, and one untimed warm-up per width, so
+    kernels are set up before the first request); another bundle (other weights) gets its
+    own entry."""
     from specbuild.compiler.compile import compile_bundle
     from specbuild.model.decoder import Decoder
     from specbuild.model.timing import cache_dir, model_fingerprint
@@ -256,6 +257,9 @@ def test_cost_calibration_is_cached_per_machine_and_bundle_and_done_at_load(tmp_
 
     monkeypatch.setenv("SPECBUILD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("SPECBUILD_COST_CACHE", raising=False)
+    # the live check runs (its forwards are counted) but never rejects: on a busy test machine
+    # one live forward can be far from the cached median (tests/model/test_costcache.py tests rejection)
+    monkeypatch.setattr("specbuild.speculation.speculator.LIVE_CHECK_FACTOR", float("inf"))
     assert cache_dir() == str(tmp_path / "cache")
     bundles = [compile_bundle(make_tiny_hf(str(tmp_path / f"hf{s}"), seed=s), str(tmp_path / f"b{s}"),
                               CompileOptions(max_seq_len=128)) for s in (1, 2)]
@@ -273,7 +277,7 @@ def test_cost_calibration_is_cached_per_machine_and_bundle_and_done_at_load(tmp_
     assert len(calibrations()) == 1
     calls.clear()
     second = Engine(bundles[0], EngineConfig(max_batch_size=1))
-    assert len(calls) == 5 and second.speculator.controller.costs["ngram"].verify_cost == \
+    assert len(calls) == 7 and second.speculator.controller.costs["ngram"].verify_cost == \
         first.speculator.controller.costs["ngram"].verify_cost
     other = Engine(bundles[1], EngineConfig(max_batch_size=1))
     assert model_fingerprint(other.model) != model_fingerprint(first.model) and calls

@@ -1,0 +1,315 @@
+"""specbuild's own CPU kernels for int4 and int8 weight-only linears, built at first use.
+
+Why a kernel of the project's own: torch's `_weight_int4pack_mm_for_cpu` streams the
+weights at 10-13 GB/s on 2-core AVX-512 servers (an Intel Xeon and an AMD EPYC measured;
+memory copies run at 40-60 GB/s), and its cost grows almost linearly with the rows of a
+verify pass. llama.cpp's ggml kernels (the other candidate, through llama-cpp-python) quantise
+the activations to int8 blocks, which changes the arithmetic that defines the target model, and
+come as a whole runtime rather than a linear a torch graph can call; no maintained library on
+the registries offers a torch-callable int4 x bfloat16 linear for x86 CPUs with a fixed,
+row-count independent summation order. cpu_kernels.cpp holds the kernels; docs/cpu-kernels.md
+the design and the measurements.
+
+    available()              the kernel library, or None (with why in status())
+    status()                 a dict: available, isa, reason, the build path
+    repack_int4(...)         nibbles/scales/zeros -> the layout int4_mm streams
+    repack_int8(...)         int8 rows + scales -> the layout int8_mm streams
+    int4_mm / int8_mm        the ops (torch.ops.specbuild_cpu.*; opaque to torch.compile)
+
+Build: the C++ source is compiled once per (torch version, source, compiler) into
+kernel_dir()/<key>/ with the compiler `--compile` already needs ($CXX, else c++/g++),
+against torch's headers and its own OpenMP runtime, and loaded with torch.ops.load_library.
+(torch.utils.cpp_extension.load would need the ninja build tool; the one command it would run
+is run here directly.) Without a compiler, or when the build fails, the int4/int8 formats run
+torch's kernels and status()["reason"] says why.
+
+$SPECBUILD_CPU_KERNEL: `auto` (default: ours where a quick measurement at load finds it faster),
+`torch` (never ours), `specbuild` (ours wherever the CPU has AVX2; an error when it cannot be
+built), `avx2` (ours, the AVX2 code path even on an AVX-512 CPU: for tests and comparisons).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from specbuild.errors import BundleError
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
+COLS = 16  # output columns per block (cpu_kernels.cpp)
+ISA_NAMES = {1: "AVX2", 2: "AVX-512 BF16"}
+_lock = threading.Lock()
+_state: dict = {}
+_choices: dict = {}  # (kind, act dtype) -> ISA level (0: torch's kernel)
+
+
+class KernelBuildError(BundleError):
+    """specbuild's CPU kernels could not be built or loaded (and SPECBUILD_CPU_KERNEL asked for them)."""
+
+
+def mode() -> str:
+    value = os.environ.get("SPECBUILD_CPU_KERNEL", "auto").strip().lower() or "auto"
+    if value not in ("auto", "torch", "specbuild", "avx2"):
+        raise BundleError(f"SPECBUILD_CPU_KERNEL={value!r} is not one of auto, torch, specbuild, avx2")
+    return value
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def build_key(cxx: str) -> str:
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = cxx
+    h = hashlib.sha256(src + version.encode() + torch.__version__.encode() + repr(sys.version_info[:2]).encode())
+    return f"torch{torch.__version__.replace('+', '_')}-{h.hexdigest()[:16]}"
+
+
+def kernel_dir() -> str:
+    """Where built kernels are kept: $SPECBUILD_KERNEL_DIR, else $XDG_CACHE_HOME/specbuild/kernels,
+    else ~/.cache/specbuild/kernels (apart from the cost cache: a build is keyed by its inputs
+    and never goes stale, so tests that give the cost cache a fresh directory share it)."""
+    return os.environ.get("SPECBUILD_KERNEL_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "specbuild", "kernels")
+
+
+def build(cxx: str | None = None) -> str:
+    """Compile cpu_kernels.cpp (once per key) and return the shared library's path; raises
+    KernelBuildError with the compiler's message when there is no compiler or it fails."""
+    from torch.utils import cpp_extension
+
+    cxx = cxx or _compiler()
+    if cxx is None:
+        raise KernelBuildError("no C++ compiler found ($CXX, c++, g++ or clang++): specbuild's CPU kernels need one "
+                               "(the same one `--compile` uses); install g++ or set CXX")
+    out_dir = os.path.join(kernel_dir(), build_key(cxx))
+    lib = os.path.join(out_dir, "specbuild_cpu.so")
+    if os.path.exists(lib):
+        return lib
+    os.makedirs(out_dir, exist_ok=True)
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    tmp = f"{lib}.{os.getpid()}.tmp"
+    cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-DNDEBUG",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *[f"-I{p}" for p in cpp_extension.include_paths()], SOURCE, "-o", tmp,
+           f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"building specbuild's CPU kernels with {cxx} failed: {e}") from e
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise KernelBuildError(f"building specbuild's CPU kernels with {cxx} failed (exit {proc.returncode}):\n{tail}")
+    os.replace(tmp, lib)
+    return lib
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("specbuild_cpu::int4_mm")
+    def _(x, packed, n, group_size, f32_scales, isa):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("specbuild_cpu::int8_mm")
+    def _(x, packed, n, isa):
+        return x.new_empty(x.shape[0], n)
+
+
+def _load() -> dict:
+    """Build and load once per process; the state dict (available, isa, reason, path)."""
+    with _lock:
+        if _state:
+            return _state
+        state = {"available": False, "isa": 0, "reason": "", "path": None}
+        try:
+            import platform
+
+            if platform.machine().lower() not in ("x86_64", "amd64"):
+                raise KernelBuildError(f"specbuild's CPU kernels are x86-64 only (this is {platform.machine()})")
+            path = build()
+            torch.ops.load_library(path)
+            _register_fakes()
+            isa = int(torch.ops.specbuild_cpu.isa_level())
+            if isa == 0:
+                raise KernelBuildError("this CPU has neither AVX2+FMA nor AVX-512: specbuild's CPU kernels need one")
+            state.update(available=True, isa=isa, path=path, reason=f"built at {path}")
+        except KernelBuildError as e:
+            state["reason"] = str(e)
+        except (OSError, RuntimeError) as e:  # load_library / op registration
+            state["reason"] = f"loading specbuild's CPU kernels failed: {e}"
+        _state.update(state)
+        return _state
+
+
+def status() -> dict:
+    return dict(_load())
+
+
+def isa() -> int:
+    """The ISA level the kernels run at in this process: 2 AVX-512 BF16, 1 AVX2 (forced by
+    SPECBUILD_CPU_KERNEL=avx2 or all the CPU has), 0 unavailable."""
+    st = _load()
+    if not st["available"]:
+        return 0
+    return 1 if mode() == "avx2" else st["isa"]
+
+
+# ---- layouts ---------------------------------------------------------------------------------
+def repack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                f32_scales: bool) -> torch.Tensor:
+    """q: [N, K] values 0..15; scales, zeros: [N, K / group_size]. Returns the 1-d uint8 buffer
+    int4_mm streams (layout in cpu_kernels.cpp): per block of 16 columns, per group, the
+    nibble octets then 16 scales and 16 zeros (float32 when f32_scales, else bfloat16). The
+    columns past N (to a multiple of 16) hold zeros."""
+    n, k = q.shape
+    g = group_size
+    if k % g or g % 8:
+        raise ValueError(f"int4 kernel: group_size {g} must be a multiple of 8 dividing in_features {k}")
+    pad = -n % COLS
+    q = q.to(torch.int16)
+    sdt = torch.float32 if f32_scales else torch.bfloat16
+    scales, zeros = scales.to(sdt), zeros.to(sdt)
+    if pad:
+        q = torch.cat([q, q.new_full((pad, k), 8)])
+        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+        zeros = torch.cat([zeros, zeros.new_zeros(pad, zeros.shape[1])])
+    nb, ng = (n + pad) // COLS, k // g
+    # [nb, col, ng, octet, j, parity]: input 8 * octet + 2 * j + parity of the group
+    v = q.view(nb, COLS, ng, g // 8, 4, 2).permute(0, 2, 3, 1, 5, 4)  # [nb, ng, octet, col, parity, j]
+    words = v[..., 0] | (v[..., 1] << 4) | (v[..., 2] << 8) | (v[..., 3] << 12)  # int16 (wraps: bits kept)
+    nibbles = words.contiguous().view(torch.uint8).view(nb, ng, g * 8)
+    s = scales.view(nb, COLS, ng).permute(0, 2, 1).contiguous().view(torch.uint8).view(nb, ng, -1)
+    z = zeros.view(nb, COLS, ng).permute(0, 2, 1).contiguous().view(torch.uint8).view(nb, ng, -1)
+    return _aligned(torch.cat([nibbles, s, z], -1).reshape(-1))
+
+
+def repack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """qweight: [N, K] int8; scales: [N]. Returns the 1-d int8 buffer int8_mm streams: per
+    block of 16 columns, K rows of 16 values then 16 float32 scales (columns past N zero)."""
+    n, k = qweight.shape
+    pad = -n % COLS
+    qw, sc = qweight.to(torch.int8), scales.float()
+    if pad:
+        qw = torch.cat([qw, qw.new_zeros(pad, k)])
+        sc = torch.cat([sc, sc.new_zeros(pad)])
+    nb = (n + pad) // COLS
+    values = qw.view(nb, COLS, k).transpose(1, 2).reshape(nb, k * COLS)
+    s = sc.view(nb, COLS).contiguous().view(torch.int8).view(nb, COLS * 4)
+    return _aligned(torch.cat([values, s], 1).reshape(-1))
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t).copy_(t)
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, n: int, group_size: int, f32_scales: bool, isa_level: int):
+    if not _state:
+        _load()
+    return torch.ops.specbuild_cpu.int4_mm(x, packed, n, group_size, f32_scales, isa_level)
+
+
+def int8_mm(x: torch.Tensor, packed: torch.Tensor, n: int, isa_level: int):
+    if not _state:
+        _load()
+    return torch.ops.specbuild_cpu.int8_mm(x, packed, n, isa_level)
+
+
+# ---- which kernel runs ---------------------------------------------------------------------
+SAMPLE_SHAPES = ((576, 576), (1536, 576), (576, 1536))  # SmolLM2-135M-like; the choice is per CPU, not per model
+SAMPLE_WIDTHS = (1, 5)
+
+
+def _sample_costs(kind: str, act_dtype: torch.dtype, level: int, repeats: int = 5) -> dict[str, float]:
+    """Milliseconds for one pass over a few sample weights at SAMPLE_WIDTHS (summed), torch's
+    kernel and ours interleaved, best of `repeats` rounds."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [s for s in SAMPLE_SHAPES for _ in range(4)]
+    ours, theirs = [], []
+    for n, k in shapes:
+        if kind == "int4":
+            q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+            s = torch.rand(n, k // 32, generator=gen).to(act_dtype) * 0.01
+            z = torch.rand(n, k // 32, generator=gen).to(act_dtype) * 0.01
+            packed = repack_int4(q, s, z, 32, act_dtype != torch.bfloat16)
+            tp = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+            sz = torch.stack([s, z], -1).transpose(0, 1).contiguous()
+            f32 = act_dtype != torch.bfloat16
+            ours.append((k, lambda x, p=packed, n=n, f=f32: int4_mm(x, p, n, 32, f, level)))
+            theirs.append((k, lambda x, p=tp, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, 32, sz)))
+        else:
+            q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+            s = torch.rand(n, generator=gen).to(act_dtype) * 0.01
+            packed = repack_int8(q, s)
+            ours.append((k, lambda x, p=packed, n=n: int8_mm(x, p, n, level)))
+            theirs.append((k, lambda x, q=q, s=s: torch.ops.aten._weight_int8pack_mm(x, q, s)))
+    total = {"specbuild": 0.0, "torch": 0.0}
+    for w in SAMPLE_WIDTHS:
+        xs = {k: torch.randn(w, k, generator=gen).to(act_dtype) for k in (576, 1536)}
+        best = {"specbuild": float("inf"), "torch": float("inf")}
+        for r in range(repeats + 1):
+            for name, fns in (("specbuild", ours), ("torch", theirs)):
+                t0 = time.perf_counter()
+                for k, fn in fns:
+                    fn(xs[k])
+                if r:
+                    best[name] = min(best[name], time.perf_counter() - t0)
+        for name in total:
+            total[name] += best[name] * 1e3
+    return total
+
+
+def choose(kind: str, act_dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
+    """The ISA level of specbuild's kernel for `kind` ("int4", "int8") weights with `act_dtype`
+    inputs on `device`, or 0 for torch's kernel; decided once per process and kind (a quick
+    interleaved measurement on sample weights under SPECBUILD_CPU_KERNEL=auto) and announced
+    in one line on stderr."""
+    if torch.device(device).type != "cpu" or act_dtype not in (torch.bfloat16, torch.float32):
+        return 0
+    key = (kind, act_dtype)
+    with _lock:
+        if key in _choices:
+            return _choices[key]
+    m = mode()
+    if m == "torch":
+        return _announce(key, 0, "SPECBUILD_CPU_KERNEL=torch")
+    level = isa()
+    if level == 0:
+        if m in ("specbuild", "avx2"):
+            raise KernelBuildError(f"SPECBUILD_CPU_KERNEL={m}: {status()['reason']}")
+        return _announce(key, 0, status()["reason"].splitlines()[0])
+    if m in ("specbuild", "avx2"):
+        return _announce(key, level, f"SPECBUILD_CPU_KERNEL={m}")
+    costs = _sample_costs(kind, act_dtype, level)
+    why = (f"sample weights at widths {'/'.join(map(str, SAMPLE_WIDTHS))}: specbuild {costs['specbuild']:.2f} ms, "
+           f"torch {costs['torch']:.2f} ms")
+    return _announce(key, level if costs["specbuild"] < costs["torch"] else 0, why)
+
+
+def _announce(key: tuple, level: int, why: str) -> int:
+    kind, act = key
+    with _lock:
+        if key not in _choices:
+            _choices[key] = level
+            which = f"specbuild's {ISA_NAMES[level]} kernel" if level else "torch's kernel"
+            act_name = str(act).removeprefix("torch.")
+            print(f"specbuild: {kind} linears ({act_name} inputs) run {which} ({why})", file=sys.stderr)
+        return _choices[key]
+
+
+def reset_choices() -> None:
+    """Forget the per-process choices (tests that change SPECBUILD_CPU_KERNEL)."""
+    with _lock:
+        _choices.clear()

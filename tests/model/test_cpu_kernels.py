@@ -1,0 +1,210 @@
+"""specbuild's CPU int4/int8 kernels (model/cpu_kernels.py): against a float64 reference of
+the dequantised weights, row invariance bit for bit across widths 1..17 and positions (every
+ISA path this CPU runs), torch.compile calling them as opaque ops, the choice at load, the
+fallback to torch's kernels when the extension cannot be built, and greedy speculation equal
+to plain decoding with the kernel in use."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from specbuild.compiler.quantize import quantize_int4, quantize_int8
+from specbuild.model import cpu_kernels
+from specbuild.model.qlinear import Int4Format, Int8Format, dequantize_int4, pack_nibbles
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+pytestmark = pytest.mark.skipif(not X86, reason="specbuild's CPU kernels are x86-64 only")
+
+
+def levels() -> list[int]:
+    st = cpu_kernels.status()
+    if not st["available"] and cpu_kernels._compiler() is not None:
+        pytest.fail(f"a compiler exists but the kernels did not build: {st['reason']}")
+    if not st["available"]:
+        pytest.skip(st["reason"])
+    return [lv for lv in (1, 2) if lv <= st["isa"]]
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """Every int4/int8 format built in the test runs specbuild's kernel (not a measured choice)."""
+    monkeypatch.setenv("SPECBUILD_CPU_KERNEL", "specbuild")
+    cpu_kernels.reset_choices()
+    yield
+    cpu_kernels.reset_choices()
+
+
+def int4_case(n, k, group, act, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, scales, zeros = quantize_int4(torch.randn(n, k, generator=gen), group, act)
+    w64 = dequantize_int4(q, scales, zeros, group).double()
+    return q, scales, zeros, w64
+
+
+@pytest.mark.parametrize("n,k,group", [(40, 96, 32), (200, 256, 64), (7, 128, 128), (576, 576, 32)])
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_int4_matches_a_float64_reference(n, k, group, act):
+    q, scales, zeros, w64 = int4_case(n, k, group, act, seed=n + k)
+    x = torch.randn(9, k).to(act)
+    ref = x.double() @ w64.T
+    for level in levels():
+        packed = cpu_kernels.repack_int4(q, scales, zeros, group, act != torch.bfloat16)
+        out = cpu_kernels.int4_mm(x, packed, n, group, act != torch.bfloat16, level)
+        assert out.dtype == act and out.shape == (9, n)
+        err = float((out.double() - ref).abs().max() / ref.abs().max())
+        # bfloat16 outputs are rounded to 8 bits; float32 ones only by summation order
+        assert err < (2 ** -7 if act == torch.bfloat16 else 1e-5), (level, err)
+
+
+@pytest.mark.parametrize("n,k", [(40, 96), (200, 257), (49152 // 64, 576)])
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_int8_matches_a_float64_reference(n, k, act):
+    q, scales = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(k)), act)
+    ref_w = q.double() * scales.double().unsqueeze(1)
+    x = torch.randn(5, k).to(act)
+    ref = x.double() @ ref_w.T
+    for level in levels():
+        out = cpu_kernels.int8_mm(x, cpu_kernels.repack_int8(q, scales), n, level)
+        err = float((out.double() - ref).abs().max() / ref.abs().max())
+        assert err < (2 ** -7 if act == torch.bfloat16 else 1e-5), (level, err)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_rows_are_invariant_to_width_and_position(kind, act):
+    """Each row of a call of w rows (w = 1..17, at every offset) equals that row computed alone,
+    bit for bit: the kernels' tiles of 8/4/2/1 rows and 1..8 column blocks never change a row's
+    arithmetic."""
+    n, k = 72, 192
+    x = torch.randn(17, k).to(act)
+    if kind == "int4":
+        q, scales, zeros, _ = int4_case(n, k, 32, act)
+        packed = cpu_kernels.repack_int4(q, scales, zeros, 32, act != torch.bfloat16)
+        def run(xs, level):
+            return cpu_kernels.int4_mm(xs, packed, n, 32, act != torch.bfloat16, level)
+    else:
+        q, scales = quantize_int8(torch.randn(n, k), act)
+        packed = cpu_kernels.repack_int8(q, scales)
+        def run(xs, level):
+            return cpu_kernels.int8_mm(xs, packed, n, level)
+    for level in levels():
+        alone = torch.cat([run(x[i:i + 1], level) for i in range(17)])
+        for w in range(1, 18):
+            for start in range(0, 17 - w + 1):
+                assert torch.equal(run(x[start:start + w], level), alone[start:start + w]), (level, w, start)
+
+
+def test_the_int8_paths_give_the_same_bits():
+    """The AVX-512 int8 code runs one-row tiles through the AVX2 code; that is safe only
+    because both do the same operations per output element."""
+    if 2 not in levels():
+        pytest.skip("needs AVX-512 BF16")
+    q, scales = quantize_int8(torch.randn(200, 577), torch.bfloat16)
+    packed = cpu_kernels.repack_int8(q, scales)
+    for act in (torch.bfloat16, torch.float32):
+        x = torch.randn(17, 577).to(act)
+        assert torch.equal(cpu_kernels.int8_mm(x, packed, 200, 1), cpu_kernels.int8_mm(x, packed, 200, 2))
+
+
+def test_bad_inputs_name_the_value():
+    levels()
+    q, scales, zeros, _ = int4_case(32, 64, 32, torch.bfloat16)
+    packed = cpu_kernels.repack_int4(q, scales, zeros, 32, False)
+    with pytest.raises(RuntimeError, match="packed has"):
+        cpu_kernels.int4_mm(torch.randn(2, 96).bfloat16(), packed, 32, 32, False, 1)
+    with pytest.raises(RuntimeError, match="isa must be"):
+        cpu_kernels.int4_mm(torch.randn(2, 64).bfloat16(), packed, 32, 32, False, 7)
+    with pytest.raises(ValueError, match="group_size 12"):
+        cpu_kernels.repack_int4(q, scales, zeros, 12, False)
+
+
+def test_formats_run_the_kernel_and_compile_calls_it_as_an_opaque_op(forced):
+    levels()
+    q, scales, zeros, _ = int4_case(48, 128, 32, torch.bfloat16)
+    int4 = Int4Format(pack_nibbles(q), scales, zeros, 32, torch.bfloat16)
+    q8, s8 = quantize_int8(torch.randn(80, 48), torch.bfloat16)
+    int8 = Int8Format(q8, s8, torch.bfloat16)
+    assert int4.kernel and int8.kernel and int4.packed is None
+    assert int4.nbytes == 48 * 128 // 2 + 48 * (128 // 32) * 2 * 2  # nibbles + a bf16 scale and zero per group
+
+    def f(x):
+        return int8(torch.nn.functional.silu(int4(x)[:, :48]))
+
+    x = torch.randn(5, 128).bfloat16()
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(compiled(x), f(x))
+    assert torch.equal(compiled(x[:3]), f(x[:3]))
+
+
+def test_torch_mode_and_the_load_line(monkeypatch, capsys):
+    monkeypatch.setenv("SPECBUILD_CPU_KERNEL", "torch")
+    cpu_kernels.reset_choices()
+    try:
+        q, scales, zeros, _ = int4_case(48, 128, 32, torch.bfloat16)
+        impl = Int4Format(pack_nibbles(q), scales, zeros, 32, torch.bfloat16)
+        Int4Format(pack_nibbles(q), scales, zeros, 32, torch.bfloat16)
+        assert impl.kernel == 0 and impl.packed is not None
+        lines = [l for l in capsys.readouterr().err.splitlines() if "int4 linears" in l]
+        assert lines == ["specbuild: int4 linears (bfloat16 inputs) run torch's kernel (SPECBUILD_CPU_KERNEL=torch)"]
+    finally:
+        cpu_kernels.reset_choices()
+
+
+def test_without_a_compiler_the_formats_fall_back_to_torch(monkeypatch, tmp_path, capsys):
+    """The extension cannot be built (no compiler, nothing built before): int4 and int8 run
+    torch's kernels and still match their references; asking for specbuild's kernel is a
+    clear error."""
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "_choices", {})
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    monkeypatch.setenv("SPECBUILD_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECBUILD_CPU_KERNEL", "auto")
+    st = cpu_kernels.status()
+    assert not st["available"] and "no C++ compiler" in st["reason"]
+    q, scales, zeros, w64 = int4_case(40, 96, 32, torch.bfloat16)
+    impl = Int4Format(pack_nibbles(q), scales, zeros, 32, torch.bfloat16)
+    assert impl.kernel == 0
+    x = torch.randn(3, 96).bfloat16()
+    assert float((impl(x).double() - x.double() @ w64.T).abs().max()) < 0.05 * float((x.double() @ w64.T).abs().max())
+    q8, s8 = quantize_int8(torch.randn(40, 96), torch.bfloat16)
+    assert Int8Format(q8, s8, torch.bfloat16).kernel == 0
+    assert "torch's kernel (no C++ compiler" in capsys.readouterr().err
+    monkeypatch.setenv("SPECBUILD_CPU_KERNEL", "specbuild")
+    monkeypatch.setattr(cpu_kernels, "_choices", {})
+    with pytest.raises(cpu_kernels.KernelBuildError, match=r"no C\+\+ compiler"):
+        cpu_kernels.choose("int4", torch.bfloat16)
+    monkeypatch.setenv("SPECBUILD_CPU_KERNEL", "fastest")
+    with pytest.raises(Exception, match="'fastest' is not one of auto, torch, specbuild, avx2"):
+        cpu_kernels.choose("int8", torch.bfloat16)
+
+
+def test_greedy_speculation_equals_plain_decoding_on_the_kernel(forced, tmp_path):
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
+    from specbuild.engine.engine import Engine, EngineConfig
+    from specbuild.engine.sequence import Request
+    from specbuild.sampling.params import SamplingParams
+    from specbuild.speculation.config import SpeculationConfig
+    from tiny import make_tiny_hf, perturbed_copy
+
+    levels()
+    target = make_tiny_hf(str(tmp_path / "target"), scale=4.0, seed=3)
+    draft = perturbed_copy(target, str(tmp_path / "draft"), noise=0.08)
+    bundle = compile_bundle(target, str(tmp_path / "int4"), CompileOptions(
+        max_draft_len=8, dtype="float32", quantize="int4", lm_head_format="int8"), draft=draft)
+    engine = Engine(bundle, EngineConfig(max_batch_size=4))
+    qlinears = [v for v in engine.model.w.values() if hasattr(v, "formats")]
+    assert qlinears and all(v.formats[v.primary].kernel for v in qlinears)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10], [20, 21, 22, 20, 21, 22, 20], list(range(30, 70))]
+
+    def generate(method):
+        return engine.generate([Request(prompt_ids=p, speculation=SpeculationConfig.make(None, method=method, gamma=4),
+                                        sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts])
+
+    plain = [r["token_ids"] for r in generate("none")]
+    for method in ("draft", "ngram"):
+        out = generate(method)
+        assert [r["token_ids"] for r in out] == plain, method
+        assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0
