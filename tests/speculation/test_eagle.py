@@ -232,3 +232,19 @@ def test_eagle_extreme_sampling_parameters(trained):
 
     engine = Engine(trained["with_head"], EngineConfig(max_batch_size=2))
     check_extreme(engine, ["none", "eagle"], trained["prompts"][0], examples=10)
+
+
+def test_the_head_is_not_served_compiled(trained):
+    """Under compile=True the EAGLE head is refused by name with the reason (its verify graph, the
+    one that also hands out auxiliary layers, left plain decoding's greedy output on the int4
+    SmolLM2 bundle), and the other methods still match plain decoding."""
+    from specbuild.errors import RequestError
+
+    engine = Engine(trained["with_head"], EngineConfig(max_batch_size=2, compile=True))
+    assert "eagle" not in engine.methods and "eagle" in engine.unavailable
+    with pytest.raises(RequestError, match="'eagle': the EAGLE head is not served with compile=True"):
+        engine.submit(Request(prompt_ids=[5, 6], speculation={"method": "eagle"}))
+    assert engine.cache.used_blocks == 0 and not engine.waiting
+    plain = run(engine, "none", trained["prompts"][:2], max_tokens=12)
+    looked = run(engine, "ngram", trained["prompts"][:2], max_tokens=12)
+    assert [r["token_ids"] for r in looked] == [r["token_ids"] for r in plain]
