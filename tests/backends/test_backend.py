@@ -618,9 +618,12 @@ def test_http_server_on_the_tensorrt_llm_backend(trtllm_runs_here, stub_bundle, 
         assert full["choices"][0]["token_ids"] == expected and full["choices"][0]["finish_reason"] == "length"
         usage = full["usage"]
         assert usage["completion_tokens"] == 12 and 0 < usage["accepted_tokens"] < usage["drafted_tokens"]
-        chunks = stream(port, "/v1/completions", {**body, "speculation": "ngram"})
-        assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == expected
-        assert chunks[-1]["usage"]["drafted_tokens"] > 0
+        chunks = stream(port, "/v1/completions", {**body, "speculation": "ngram",
+                                                  "stream_options": {"include_usage": True}})
+        # usage once, in a last chunk with no choices (OpenAI's include_usage)
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["drafted_tokens"] > 0
+        assert sum((c["choices"][0]["token_ids"] for c in chunks[:-1]), []) == expected
+        assert all("usage" not in c or c["usage"] is None for c in chunks[:-1])
 
         # sampled speculation with the draft engine: refused, naming the compile flag
         status, _, err = post(port, "/v1/completions", {**body, "temperature": 0.7})
