@@ -21,7 +21,7 @@ so the subclass sets it), `Drafter(max_draft_len, max_total_draft_tokens, ...)` 
 base class declares `_needs_padding_kv_extension` (later drafter.py: "Drafters that use
 TorchSampler (NGram, two-model) compute py_rewind_len from len(py_draft_tokens), which includes
 padding. They must set this to True"), this drafter sets it True, as NVIDIA's own user-provided
-prompt-lookup drafter does (`tests/unittest/_torch/speculative/hw_agnostic/test_user_provided.py`,
+prompt-lookup drafter does (`NVIDIA/TensorRT-LLM/tests/unittest/_torch/speculative/hw_agnostic/test_user_provided.py`,
 commit a1a20970: `_needs_padding_kv_extension = True`): a user-provided drafter's requests are
 sampled by TorchSampler.
 """

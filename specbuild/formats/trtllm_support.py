@@ -55,7 +55,7 @@ where the file says so); no run on a real TensorRT-LLM has checked them here.
   attention a speculating target goes through the same multi-query XQA kernels (group and
   dtype rules above); on SM >= 120 two-model targets go through chunked context instead, and a
   non-TRTLLM attention backend (`attn_backend="FLASHINFER"`, which NVIDIA's own
-  `tests/unittest/_torch/speculative/test_user_provided.py` runs) never takes that path. One
+  `NVIDIA/TensorRT-LLM/tests/unittest/_torch/speculative/test_user_provided.py` runs) never takes that path. One
   older stored `interface.py` (release unknown) returns spec-dec mode only for EAGLE-3 and
   treats drafts as chunked context except on SM 100 (`get_sm_version() != 100`); no release
   boundary could be read, so `llmapi_kernel_problems` applies the later rule to every 1.x

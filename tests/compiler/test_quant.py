@@ -251,9 +251,9 @@ def test_smollm2_int4_speculation_equals_plain(smollm2_gguf, tmp_path_factory):
 
 @pytest.mark.integration
 def test_smollm2_q4_1_with_float32_activations_is_the_gguf(smollm2_gguf, smollm2_bundle, tmp_path_factory):
-    """--activations float32 carries every Q4_1 block exactly; torch's int4 kernel is slow
-    with float32 inputs, so the cost table runs the (exact) float32 copy at every width and
-    the logits are the float32 bundle's."""
+    """--activations float32 carries every Q4_1 block exactly, and the logits are the float32
+    bundle's whichever exact plan the cost table picks (the float32 copy, or the int4 weights
+    on specbuild's CPU kernel)."""
     from specbuild.model.decoder import weight_bytes
     from specbuild.bench.verify_dist import last_logits
 
@@ -263,8 +263,13 @@ def test_smollm2_q4_1_with_float32_activations_is_the_gguf(smollm2_gguf, smollm2
         quant = json.load(f)
     assert quant["conversions"] == {"exact": 121} and quant["bytes_by_format"]["int4"] > 0
     engine = Engine(bundle, EngineConfig(threads=2, max_batch_size=1))
-    assert engine.model.plans["layers"].formats == ("float32",)
-    assert weight_bytes(engine.model.w, True) > 500e6  # what width-1 steps read: the float32 copies
+    # torch's int4 kernel is slow with float32 inputs, so the plan takes the exact float32 copy;
+    # where specbuild's own CPU kernel runs (it dequantises float32 inputs' weights exactly) the
+    # int4 weights themselves may measure faster and be kept
+    formats = engine.model.plans["layers"].formats
+    assert formats in (("float32",), ("int4",))
+    if formats == ("float32",):
+        assert weight_bytes(engine.model.w, True) > 500e6  # what width-1 steps read: the float32 copies
     plain = Engine(smollm2_bundle, EngineConfig(threads=2, max_batch_size=1))
     ids = plain.encode("The capital of France is")
     assert float((last_logits(engine, ids) - last_logits(plain, ids)).abs().max()) < 1e-4

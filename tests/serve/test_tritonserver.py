@@ -514,7 +514,8 @@ def test_suffix_served_by_name(server, engine):
     result = client.infer(PLAIN, make_inputs(tritonclient_http, prompt, MAX_TOKENS, speculation="suffix",
                                              return_perf_metrics=True))
     assert text_of(result) == ref["text"] == reference(engine, [prompt])[0]["text"]
-    drafted, accepted = int(result.as_numpy("total_draft_tokens")[0]), int(result.as_numpy("total_accepted_draft_tokens")[0])
+    drafted = int(result.as_numpy("total_draft_tokens").reshape(-1)[0])
+    accepted = int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
     assert drafted > 0 and 0 < accepted <= drafted
 
 
