@@ -358,17 +358,9 @@ def chi2_sf(stat: float, dof: int) -> float:
 
 def scipy_free_pooled_chisquare(observed: dict, expected_probs: dict, n: int):
     """verify_dist.pooled_chisquare with chi2_sf in place of scipy.stats.chi2.sf."""
-    import math
+    from specbuild.bench.verify_dist import pooled_statistic
 
-    if any(k not in expected_probs for k in observed):
-        return math.inf, 0, 0.0
-    big = [k for k, p in expected_probs.items() if p * n >= 5]
-    small = [k for k in expected_probs if k not in big]
-    cells = [(observed.get(k, 0), expected_probs[k] * n) for k in big]
-    if small:
-        cells.append((sum(observed.get(k, 0) for k in small), sum(expected_probs[k] for k in small) * n))
-    stat = sum((o - e) ** 2 / e for o, e in cells if e > 0)
-    dof = max(len(cells) - 1, 1)
+    stat, dof = pooled_statistic(observed, expected_probs, n)
     return stat, dof, chi2_sf(stat, dof)
 
 

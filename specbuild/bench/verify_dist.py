@@ -62,16 +62,22 @@ def pooled_chisquare(observed: dict, expected_probs: dict, n: int) -> tuple[floa
     An observed outcome the exact distribution gives zero probability fails outright."""
     from scipy.stats import chi2
 
+    stat, dof = pooled_statistic(observed, expected_probs, n)
+    return stat, dof, 0.0 if math.isinf(stat) else float(chi2.sf(stat, dof))
+
+
+def pooled_statistic(observed: dict, expected_probs: dict, n: int) -> tuple[float, int]:
+    """pooled_chisquare's (statistic, degrees of freedom) without the p-value: (inf, 0) when an
+    observed outcome has zero exact probability."""
     if any(k not in expected_probs for k in observed):
-        return math.inf, 0, 0.0
+        return math.inf, 0
     big = [k for k, p in expected_probs.items() if p * n >= 5]
     small = [k for k in expected_probs if k not in big]
     cells = [(observed.get(k, 0), expected_probs[k] * n) for k in big]
     if small:
         cells.append((sum(observed.get(k, 0) for k in small), sum(expected_probs[k] for k in small) * n))
     stat = sum((o - e) ** 2 / e for o, e in cells if e > 0)
-    dof = max(len(cells) - 1, 1)
-    return stat, dof, float(chi2.sf(stat, dof))
+    return stat, max(len(cells) - 1, 1)
 
 
 @dataclass(frozen=True)
