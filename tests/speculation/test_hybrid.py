@@ -10,30 +10,18 @@ import types
 import pytest
 
 from specbuild.bench.verify_dist import check
-from specbuild.compiler.compile import CompileOptions, compile_bundle
 from specbuild.engine.engine import Engine, EngineConfig
-from specbuild.engine.sequence import Request
-from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
 from specbuild.speculation.proposers.hybrid import PROBE, WINDOW, HybridProposer
 from specbuild.speculation.proposers.suffix import tree_draft
-from tiny import make_tiny_hf
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 70))]
+# the tiny float64 bundle, prompts and runner the suffix tests use (one definition)
+from test_suffix import PROMPTS, run, tiny_bundle
 
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("hybrid")
-    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
-    return compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float64", max_draft_len=10))
-
-
-def run(engine, method, prompts=PROMPTS, max_tokens=40, gamma=None, **sampling):
-    spec = SpeculationConfig.make(None, method=method, gamma=gamma)
-    reqs = [Request(prompt_ids=p, speculation=spec,
-                    sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)) for p in prompts]
-    return engine.generate(reqs)
+    return tiny_bundle(tmp_path_factory, "hybrid")
 
 
 class Fixed:

@@ -23,11 +23,16 @@ from tiny import make_tiny_hf
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 70))]
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("suffix")
+def tiny_bundle(tmp_path_factory, name: str) -> str:
+    """The tiny float64 bundle these tests and the hybrid tests run on."""
+    root = tmp_path_factory.mktemp(name)
     target = make_tiny_hf(str(root / "target"), scale=4.0, seed=3)
     return compile_bundle(target, str(root / "bundle"), CompileOptions(dtype="float64", max_draft_len=10))
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> str:
+    return tiny_bundle(tmp_path_factory, "suffix")
 
 
 def run(engine, method, prompts=PROMPTS, max_tokens=40, gamma=None, **sampling):
