@@ -15,17 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 
-
-def cpu_info() -> dict:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {"model": "unknown", "flags": ""}
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return {"model": fields.get("Model name", "unknown").strip(), "flags": fields.get("Flags", "").strip()}
+from bench_compile import cpu_info  # the same lscpu model and flags line (scripts/ is on sys.path)
 
 
 def main() -> int:
