@@ -20,6 +20,13 @@ output is constrained by a Lark grammar for llguidance (`call_grammar`): one cal
 `<tool_call>` that starts must be a valid call (a lazy trigger lexeme, llguidance's
 tool-calling form), so nothing is forced until the model itself opens a call.
 
+Ending. A call identical to an earlier one of the same answer ends the answer at its closing
+tag and is dropped (`sampling.constraint.CallsConstraint`, in the engine's step, so plain and
+speculative decoding stop at the same token): small models otherwise repeat their call until
+max_tokens cuts the last one. Under required / named the answer is calls only: what a
+max_tokens cut leaves of an unfinished call is neither content nor a call (finish reason
+"length"); under auto it stays text.
+
 Written by hand: the template text, the grammar and the <tool_call> parser are a few dozen
 lines each over jinja2 and llguidance; the libraries that do this (vLLM's tool parsers,
 transformers' templates) pull in whole serving stacks.
@@ -35,7 +42,7 @@ from typing import Any
 
 from specbuild.engine.chat import TEMPLATE_VARIABLES, render_chat
 from specbuild.errors import RequestError
-from specbuild.sampling.constraint import MAX_SPEC_CHARS
+from specbuild.sampling.constraint import MAX_SPEC_CHARS, ResponseFormat
 
 MAX_PARALLEL = 8  # calls in one answer with parallel_tool_calls
 
@@ -111,7 +118,9 @@ class HermesParser:
 
     @classmethod
     def parse(cls, text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content: the text outside the calls, None when only calls; calls)."""
+        """(content: the text outside the calls, None when only calls; calls). A call that
+        repeats an earlier one (same name and arguments) is dropped: it is where a tool grammar
+        ends the output (sampling.constraint.CallsConstraint)."""
         calls, kept, at = [], [], 0
         for m in cls.PATTERN.finditer(text):
             call = cls.parse_call(m.group(1), names)
@@ -119,7 +128,8 @@ class HermesParser:
                 continue
             kept.append(text[at:m.start()])
             at = m.end()
-            calls.append(call)
+            if call not in calls:
+                calls.append(call)
         kept.append(text[at:])
         content = "".join(kept)
         if calls:
@@ -167,7 +177,7 @@ class StreamParser:
             call = self.parser.parse_call(body.strip(), self.use.names)
             if call is None:
                 out.append({"content": self.buffer[:end + len(close)]})
-            else:
+            elif call not in self.calls:  # a repeated call ends the output and is dropped (as `parse`)
                 out.append(self.use.call_delta(call, len(self.calls)))
                 self.calls.append(call)
             self.buffer = self.buffer[end + len(close):]
@@ -177,11 +187,13 @@ class StreamParser:
         return [d for d in out if d.get("content") != ""]
 
     def finish(self) -> list[dict[str, Any]]:
-        """What is held back, as content (an unfinished call stays text)."""
+        """What is held back, as content (an unfinished call stays text), except under a
+        required or named choice, whose output is calls only: what is left there is a call
+        max_tokens cut, dropped (finish reason "length")."""
         rest, self.buffer = self.buffer, ""
-        if self.calls:
+        if self.calls or self.use.calls_only:
             rest = rest.strip()
-        return [{"content": rest}] if rest else []
+        return [{"content": rest}] if rest and not self.use.calls_only else []
 
 
 def held_prefix(text: str, tag: str) -> int:
@@ -202,8 +214,13 @@ class ToolUse:
     parallel: bool = True
     legacy: bool = False  # functions/function_call: answer with message.function_call
     parser: str = "hermes"
-    response_format: dict[str, Any] | None = None  # the grammar of required / named choices
+    response_format: ResponseFormat | None = None  # the grammar of the calls (CallsConstraint)
     names: set[str] = field(default_factory=set)
+
+    @property
+    def calls_only(self) -> bool:
+        """required or a named function: the grammar allows calls and nothing else."""
+        return self.choice != "auto"
 
     def call_delta(self, call: dict[str, Any], index: int) -> dict[str, Any]:
         if self.legacy:
@@ -224,6 +241,8 @@ class ToolUse:
         content, calls = PARSERS[self.parser].parse(seq.text, self.names)
         if not self.parallel:
             calls = calls[:1]
+        if self.calls_only:  # any text left is a call max_tokens cut (finish reason "length"): dropped
+            content = None
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls and self.legacy:
             message["function_call"] = calls[0]
@@ -278,7 +297,7 @@ def parse_tool_use(body: Any, response_format: Any, parser: str = "hermes") -> T
     if len(grammar) > MAX_SPEC_CHARS:
         raise RequestError(f"tools: the grammar of these tools is {len(grammar)} characters; at most "
                            f"{MAX_SPEC_CHARS} (fewer or smaller parameter schemas)")
-    use.response_format = {"type": "grammar", "grammar": grammar}
+    use.response_format = ResponseFormat("grammar", grammar, calls=(PARSERS[parser].OPEN, PARSERS[parser].CLOSE))
     return use
 
 
