@@ -4,14 +4,14 @@ Client libraries written for OpenAI, vLLM and SGLang send more than this server 
 so the policy is vLLM's, made explicit:
 
 - **implemented**: OpenAI's fields and specbuild's extensions (openai_http's request models),
-  and the vLLM extras that map onto what the engine does: `min_tokens`, `stop_token_ids`,
+  and the vLLM extras that map onto what the engine does: `min_tokens`, `repetition_penalty`, `stop_token_ids`,
   `chat_template_kwargs`, `add_generation_prompt`, `stream_options.continuous_usage_stats`,
   and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (mapped to a
   `response_format`, `guided_response_format`).
 - **accepted, no effect by definition** (`NOOP`): OpenAI fields about storage, billing,
   routing or the caller (`store`, `metadata`, `user`, `service_tier`, ...).
 - **accepted at their neutral value only** (`NEUTRAL`): vLLM extras that would change the
-  output but are not implemented here (`min_p`, `repetition_penalty`, beam search, ...); any
+  output but are not implemented here (`min_p`, `length_penalty`, beam search, ...); any
   other value is a 400 naming the field and the value served, never silently ignored.
 - **unknown**: dropped before validation, logged, and listed in the response header
   `x-specbuild-ignored-fields`; `specbuild serve --strict-fields` refuses them with 400 instead
@@ -47,7 +47,6 @@ NOOP = ("store", "metadata", "user", "service_tier", "safety_identifier", "promp
 NEUTRAL: dict[str, Any] = {
     "suffix": "",
     "min_p": 0.0,
-    "repetition_penalty": 1.0,
     "length_penalty": 1.0,
     "use_beam_search": False,
     "include_stop_str_in_output": False,

@@ -262,6 +262,9 @@ class CommonFields(SpeculationFields):
     guided_decoding_backend: Name | None = None
     # vLLM extras, implemented
     min_tokens: Annotated[int, Field(ge=0, le=LIMIT_MAX_TOKENS)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = Field(
+        None, description="vLLM's: logits of tokens in the prompt or the output so far divided by it (when "
+                          "positive) or multiplied by it; 1 disables it")
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=LIMIT_TOKEN_ID)]],
                               Field(max_length=fields_policy.MAX_STOP_TOKEN_IDS)] | None = None
     guided_json: Union[dict[str, Any], FormatText] | None = None
@@ -272,7 +275,6 @@ class CommonFields(SpeculationFields):
     add_special_tokens: bool | None = None
     # vLLM extras served at their neutral value only (openai_fields.NEUTRAL)
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = None
     length_penalty: float | None = None
     use_beam_search: bool | None = None
     include_stop_str_in_output: bool | None = None
@@ -497,7 +499,7 @@ def parse_sampling(body: CommonFields, defaults: SamplingParams, chat: bool, voc
               "frequency_penalty": body.frequency_penalty,
               "logit_bias": tuple(body.logit_bias.items()) if body.logit_bias else None,
               "stop_token_ids": tuple(body.stop_token_ids) if body.stop_token_ids else None,
-              "min_tokens": body.min_tokens or None}
+              "min_tokens": body.min_tokens or None, "repetition_penalty": body.repetition_penalty}
     bad = [t for t in body.stop_token_ids or () if t >= vocab_size]
     if bad:
         raise ApiError(400, f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab_size})",
@@ -818,6 +820,10 @@ class OpenAIServer:
             request = prompt.request
             request.request_id = call_id if p == 0 else f"{call_id}-{p * n}"
             request.sampling = sampling
+            if sampling.repetition_penalty != 1.0:  # vLLM's: over the prompt's tokens too (the engine's encoding)
+                if request.prompt_ids is None:
+                    request.prompt_ids, request.prompt = self.engine.encode(request.prompt), None
+                request.sampling = dataclasses.replace(sampling, repetition_ids=tuple(request.prompt_ids))
             request.speculation = speculation
             request.content_type = body.content_type
             request.response_format = fmt

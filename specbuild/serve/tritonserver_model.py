@@ -26,14 +26,16 @@ the config's max_batch_size > 0; batch 1): exclude_input_in_output (false: the p
 the generated text in a non-streamed answer, as the ensemble; absent: generated text only),
 return_log_probs (-> cum_log_probs, output_log_probs: the sampling distribution's, as the HTTP
 server's logprobs), random_seed (= seed), min_length (= min_tokens), presence_penalty,
-frequency_penalty, pad_id (nothing is padded here); beam_width, num_return_sequences,
-repetition_penalty, length_penalty, return_context_logits, return_generation_logits,
+frequency_penalty, repetition_penalty (over the prompt's and the output's tokens, as
+TensorRT-LLM's and vLLM's), pad_id (nothing is padded here); beam_width, num_return_sequences,
+length_penalty, return_context_logits, return_generation_logits,
 bad_words and embedding_bias_* only at their neutral values (else an INVALID_ARG error
 naming the input and the value served).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -55,7 +57,7 @@ PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_t
 LOGPROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
 ALL_OUTPUTS = ("text_output",) + PERF_OUTPUTS + LOGPROB_OUTPUTS
 # TensorRT-LLM ensemble inputs served only at these values: name -> (neutral, numpy kinds)
-NEUTRAL_INPUTS = {"beam_width": (1, "iu"), "num_return_sequences": (1, "iu"), "repetition_penalty": (1.0, "f"),
+NEUTRAL_INPUTS = {"beam_width": (1, "iu"), "num_return_sequences": (1, "iu"),
                   "length_penalty": (1.0, "f"), "return_context_logits": (False, "b"),
                   "return_generation_logits": (False, "b")}
 POLL_S = 0.1
@@ -128,7 +130,7 @@ def parse_inputs(tensors: dict[str, np.ndarray]) -> Parsed:
     sampling: dict[str, Any] = {"max_tokens": int(max_tokens)}
     for name, kinds, cast in (("temperature", "f", float), ("top_k", "iu", int), ("top_p", "f", float),
                               ("seed", "iu", int), ("presence_penalty", "f", float), ("frequency_penalty", "f", float),
-                              ("min_length", "iu", int)):
+                              ("min_length", "iu", int), ("repetition_penalty", "f", float)):
         value = scalar(tensors, name, kinds)
         if value is not None:
             sampling["min_tokens" if name == "min_length" else name] = cast(value)
@@ -207,8 +209,12 @@ def build_request(parsed: Parsed, engine, request_id: str | None = None):
     if sampling.get("min_tokens"):  # no end-of-sequence or stop token before min_length
         sampling["min_tokens_ids"] = tuple(getattr(engine, "eos_ids", ())) + tuple(sampling.get("stop_token_ids", ()))
     params = SamplingParams.from_dict(sampling, engine.default_sampling)
+    prompt, prompt_ids = parsed.prompt, None
+    if params.repetition_penalty != 1.0:  # it counts the prompt's tokens: the engine's encoding of it
+        prompt, prompt_ids = None, engine.encode(parsed.prompt)
+        params = dataclasses.replace(params, repetition_ids=tuple(prompt_ids))
     spec = SpeculationConfig.make(engine.default_speculation, **parsed.speculation) if parsed.speculation else None
-    return Request(prompt=parsed.prompt, sampling=params, speculation=spec, request_id=request_id or None,
+    return Request(prompt=prompt, prompt_ids=prompt_ids, sampling=params, speculation=spec, request_id=request_id or None,
                    response_format=parsed.response_format, content_type=check_content_type(parsed.content_type),
                    logprobs=0 if parsed.logprobs else None)
 

@@ -236,3 +236,23 @@ def test_a_repeated_tool_call_ends_the_output_losslessly(engine):
         assert p["finish_reason"] == "stop" and f["token_ids"][:len(p["token_ids"])] == p["token_ids"]
         bodies = HermesParser.PATTERN.findall(p["text"])
         assert bodies[-1] in bodies[:-1] and len(set(bodies)) == len(bodies) - 1  # ends at the first repeat
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_repetition_penalty_is_lossless_under_speculation(engine, method):
+    """vLLM's repetition_penalty over the prompt (repetition_ids) and the output: speculation
+    equals plain decoding under it, and it changes the output (the prompt's tokens count)."""
+    def go(m, penalty=1.0, with_prompt=True):
+        spec = SpeculationConfig.make(None, method=m, gamma=None if m == "none" else 3)
+        return engine.generate([Request(prompt_ids=p, speculation=spec, sampling=SamplingParams(
+            max_tokens=40, ignore_eos=True, repetition_penalty=penalty,
+            repetition_ids=tuple(p) if with_prompt else ())) for p in PROMPTS])
+
+    ids = {}
+    for with_prompt in (True, False):
+        plain, spec = go("none", 1.15, with_prompt), go(method, 1.15, with_prompt)
+        assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+        assert sum(r["stats"]["drafted"] for r in spec) > 0 and sum(r["stats"]["accepted"] for r in spec) > 0
+        ids[with_prompt] = [r["token_ids"] for r in plain]
+    free = [r["token_ids"] for r in go("none")]
+    assert ids[True] != free and ids[False] != free and ids[True] != ids[False]

@@ -98,8 +98,8 @@ def test_neutral_only_extras(server):
     ok = {"prompt": PROMPT, "max_tokens": 2, "repetition_penalty": 1.0, "min_p": 0.0, "skip_special_tokens": True,
           "use_beam_search": False}
     assert post(server.port, "/v1/completions", ok)[0] == 200
-    status, _, out = post(server.port, "/v1/completions", {**ok, "repetition_penalty": 1.3})
-    assert status == 400 and out["error"]["param"] == "repetition_penalty" and "1.3" in out["error"]["message"]
+    status, _, out = post(server.port, "/v1/completions", {**ok, "min_p": 0.3})
+    assert status == 400 and out["error"]["param"] == "min_p" and "0.3" in out["error"]["message"]
     status, _, out = post(server.port, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "echo": True})
     assert status == 400 and out["error"]["param"] == "echo"
 
@@ -117,6 +117,30 @@ def test_min_tokens_and_stop_token_ids(server, engine):
     ref = engine_ids(engine, PROMPT, 40, stop_token_ids=(stop_at,), min_tokens=10,
                      min_tokens_ids=tuple(engine.eos_ids) + (stop_at,))
     assert ids == ref  # min_tokens is lossless under speculation
+
+
+def test_repetition_penalty(server, engine):
+    """vLLM's repetition_penalty: over the prompt's tokens and the output's, the same tokens
+    with and without speculation, and the engine's with the prompt's ids (chat: the rendered
+    prompt's; completions text: the engine's encoding)."""
+    free = engine_ids(engine, PROMPT, 30, ignore_eos=True)
+    ref = engine_ids(engine, PROMPT, 30, ignore_eos=True, repetition_penalty=1.3, repetition_ids=tuple(PROMPT))
+    assert ref != free
+    for method in ("none", "draft"):
+        status, _, out = post(server.port, "/v1/completions", {
+            "prompt": PROMPT, "max_tokens": 30, "ignore_eos": True, "return_token_ids": True,
+            "repetition_penalty": 1.3, "speculation": method})
+        assert status == 200 and out["choices"][0]["token_ids"] == ref, out
+        if method == "draft":
+            assert out["usage"]["drafted_tokens"] > 0 and out["usage"]["accepted_tokens"] > 0
+    text = engine.tokenizer.decode(PROMPT)
+    status, _, out = post(server.port, "/v1/completions", {"prompt": text, "max_tokens": 30, "ignore_eos": True,
+                                                           "return_token_ids": True, "repetition_penalty": 1.3})
+    ids = engine.encode(text)
+    assert out["choices"][0]["token_ids"] == engine_ids(engine, ids, 30, ignore_eos=True, repetition_penalty=1.3,
+                                                        repetition_ids=tuple(ids))
+    status, _, out = post(server.port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "repetition_penalty": 0})
+    assert status == 400 and out["error"]["param"] == "repetition_penalty"
 
 
 @pytest.mark.parametrize("field, value, check", [

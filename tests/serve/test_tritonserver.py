@@ -550,6 +550,13 @@ def test_tensorrt_llm_ensemble_client_shapes_and_inputs(server, engine):
     result = client.infer(PLAIN, make_inputs(tritonclient_http, prompt, MAX_TOKENS, exclude_input_in_output=False,
                                              temperature=0.0))
     assert text_of(result) == prompt + ref["text"]
+    # repetition_penalty: over the prompt's tokens (the engine's encoding) and the output's, as the ensemble's
+    ids = engine.encode(prompt)
+    rep = engine.generate([Request(prompt_ids=ids, sampling=SamplingParams(
+        max_tokens=MAX_TOKENS, repetition_penalty=1.3, repetition_ids=tuple(ids)))])[0]
+    result = client.infer(PLAIN, make_inputs(tritonclient_http, prompt, MAX_TOKENS, exclude_input_in_output=True,
+                                             temperature=0.0, repetition_penalty=1.3))
+    assert text_of(result) == rep["text"]
     # the gRPC stream (genai-perf --service-kind triton --backend tensorrtllm --streaming)
     stream = GrpcStream(server.grpc)
     try:
@@ -560,7 +567,7 @@ def test_tensorrt_llm_ensemble_client_shapes_and_inputs(server, engine):
         stream.close()
     assert "".join(text_of(r) for _, r in responses) == ref["text"] and len(responses) > 2
     # what is not served is refused by name; a batch of two is refused with the limit
-    for bad, needle in ((dict(beam_width=4), "beam_width=4"), (dict(repetition_penalty=1.2), "repetition_penalty"),
+    for bad, needle in ((dict(beam_width=4), "beam_width=4"), (dict(length_penalty=1.2), "length_penalty"),
                         (dict(bad_words=(np.array([b"cat"], dtype=np.object_), "BYTES")), "bad_words")):
         with pytest.raises(tritonclient_http.InferenceServerException, match=needle):
             client.infer(PLAIN, make_inputs(tritonclient_http, prompt, 4, **bad))
