@@ -46,14 +46,29 @@ def test_stream_parser_matches_the_final_parse_at_any_chunking(text):
             at += step
         deltas += parser.finish()
         content = "".join(d.get("content", "") for d in deltas)
-        calls = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
+        calls = accumulate(deltas)
         assert calls == want_calls
-        assert [d["tool_calls"][0]["index"] for d in deltas if "tool_calls" in d] == list(range(len(calls)))
+        assert [d["tool_calls"][0]["index"] for d in deltas if "tool_calls" in d and "id" in d["tool_calls"][0]] == \
+            list(range(len(calls)))
+        if want_calls:  # streamed as generated: several deltas per call
+            assert sum("tool_calls" in d for d in deltas) > len(want_calls)
         if want_calls:  # streamed text cannot be trimmed afterwards: equal up to the whitespace around calls
             assert (content.strip() or None) == want_content
         else:
             assert content == want_content
         assert all("<tool_call>" not in d.get("content", "") for d in deltas) or not want_calls
+
+
+def accumulate(deltas: list[dict]) -> list[dict]:
+    """What the openai client's stream helpers do with tool_calls deltas: per index, the first
+    delta's name, every delta's arguments appended."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for t in d.get("tool_calls", []):
+            slot = calls.setdefault(t["index"], {"name": "", "arguments": ""})
+            slot["name"] += t["function"].get("name", "")
+            slot["arguments"] += t["function"].get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
 
 
 def test_held_prefix():
@@ -176,6 +191,17 @@ def test_required_answers_hold_calls_only_even_when_cut():
     deltas = auto.push(cut) + auto.finish()
     assert "".join(d.get("content", "") for d in deltas) == cut[len(CALL) + 1:]
     # a repeated call is not streamed twice
-    rep = StreamParser(required)
-    deltas = rep.push(CALL + "\n" + CALL) + rep.finish()
-    assert sum("tool_calls" in d for d in deltas) == 1
+    for step in (1, 3, 200):  # a repeat is held back while it could still be one, then dropped
+        rep, deltas = StreamParser(required), []
+        text = CALL + "\n" + CALL
+        for at in range(0, len(text), step):
+            deltas += rep.push(text[at:at + step])
+        deltas += rep.finish()
+        assert accumulate(deltas) == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+        assert {d["tool_calls"][0]["index"] for d in deltas if "tool_calls" in d} == {0}
+    # a call that starts like an earlier one is sent once it differs
+    rep, deltas = StreamParser(required), []
+    text = CALL + "\n" + CALL.replace("Paris", "Pari")
+    for ch in text:
+        deltas += rep.push(ch)
+    assert [c["arguments"] for c in accumulate(deltas + rep.finish())] == ['{"city": "Paris"}', '{"city": "Pari"}']
