@@ -6,10 +6,14 @@ so the policy is vLLM's, made explicit:
 - **implemented**: OpenAI's fields and specbuild's extensions (openai_http's request models),
   and the vLLM extras that map onto what the engine does: `min_tokens`, `repetition_penalty`, `stop_token_ids`,
   `chat_template_kwargs`, `add_generation_prompt`, `stream_options.continuous_usage_stats`,
+  `skip_special_tokens` (false: the text keeps special tokens, the ending stop token excepted),
   and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (mapped to a
   `response_format`, `guided_response_format`).
 - **accepted, no effect by definition** (`NOOP`): OpenAI fields about storage, billing,
-  routing or the caller (`store`, `metadata`, `user`, `service_tier`, ...).
+  routing or the caller (`store`, `metadata`, `user`, `service_tier`, ...), and vLLM's
+  `spaces_between_special_tokens`, which only its slow (Python) tokenizers' detokenizer reads:
+  the bundle's tokenizer is a `tokenizers` one, whose decoder joins special tokens as the
+  tokenizer defines.
 - **accepted at their neutral value only** (`NEUTRAL`): vLLM extras that would change the
   output but are not implemented here (`min_p`, `length_penalty`, beam search, ...); any
   other value is a 400 naming the field and the value served, never silently ignored.
@@ -41,7 +45,7 @@ MAX_STOP_TOKEN_IDS = 64
 
 # OpenAI fields that change nothing this server computes (storage, billing, routing, the caller)
 NOOP = ("store", "metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key",
-        "reasoning_effort", "verbosity", "guided_decoding_backend", "request_id")
+        "reasoning_effort", "verbosity", "guided_decoding_backend", "request_id", "spaces_between_special_tokens")
 
 # vLLM/OpenAI fields whose neutral value is the only one served: (value, what other values would need)
 NEUTRAL: dict[str, Any] = {
@@ -50,14 +54,12 @@ NEUTRAL: dict[str, Any] = {
     "length_penalty": 1.0,
     "use_beam_search": False,
     "include_stop_str_in_output": False,
-    "skip_special_tokens": True,
     "continue_final_message": False,
     "echo": False,  # on chat (completions' echo is implemented)
     "prompt_logprobs": None,
     "truncate_prompt_tokens": None,
     "guided_whitespace_pattern": None,
     "priority": 0,
-    "spaces_between_special_tokens": True,
 }
 
 

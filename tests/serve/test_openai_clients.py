@@ -143,6 +143,35 @@ def test_repetition_penalty(server, engine):
     assert status == 400 and out["error"]["param"] == "repetition_penalty"
 
 
+def test_skip_special_tokens_false_keeps_them(server, engine):
+    """skip_special_tokens false: special tokens the model generates stay in the text (whole
+    and streamed alike), the end-of-sequence token that ends the answer does not (vLLM's);
+    spaces_between_special_tokens is accepted (no effect with a fast tokenizer)."""
+    tok = engine.tokenizer
+    special = tok.token_to_id("<|im_start|>")
+    eos = int(engine.eos_ids[0])
+    assert special not in engine.eos_ids
+    body = {"prompt": PROMPT, "max_tokens": 4, "logit_bias": {str(special): 100}, "return_token_ids": True}
+    status, _, kept = post(server.port, "/v1/completions", {**body, "skip_special_tokens": False,
+                                                            "spaces_between_special_tokens": False})
+    status2, _, skipped = post(server.port, "/v1/completions", body)
+    assert status == status2 == 200 and kept["choices"][0]["token_ids"] == [special] * 4
+    assert kept["choices"][0]["text"] == "<|im_start|>" * 4 and skipped["choices"][0]["text"] == ""
+    chunks = stream(server.port, "/v1/completions", {**body, "skip_special_tokens": False, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == "<|im_start|>" * 4
+    # the end-of-sequence token that ends the answer is not text; one generated before it is
+    ended = {"prompt": PROMPT, "max_tokens": 4, "logit_bias": {str(eos): 100}, "skip_special_tokens": False}
+    status, _, out = post(server.port, "/v1/completions", ended)
+    assert status == 200 and out["choices"][0]["text"] == "" and out["choices"][0]["finish_reason"] == "stop"
+    status, _, out = post(server.port, "/v1/completions", {**ended, "ignore_eos": True})
+    assert out["choices"][0]["text"] == tok.decode([eos], skip_special_tokens=False) * 4
+    chat = post(server.port, "/v1/chat/completions", {"messages": USER, "max_tokens": 3, "skip_special_tokens": False,
+                                                      "logit_bias": {str(special): 100}})[2]
+    assert chat["choices"][0]["message"]["content"] == "<|im_start|>" * 3
+    status, _, err = post(server.port, "/v1/completions", {**body, "skip_special_tokens": False, "stop": ["x"]})
+    assert status == 400 and err["error"]["param"] == "skip_special_tokens" and "stop" in err["error"]["message"]
+
+
 @pytest.mark.parametrize("field, value, check", [
     ("guided_choice", ["yes!", "no!"], lambda t: t in ("yes!", "no!")),
     ("guided_regex", "[ab]{3}!", lambda t: len(t) == 4 and set(t[:3]) <= {"a", "b"} and t[3] == "!"),
