@@ -327,6 +327,18 @@ def test_legacy_functions(client):
     c = out.choices[0]
     assert c.finish_reason == "function_call" and c.message.function_call.name == "forecast"
     assert validates(c.message.function_call.arguments, PARAMS) == (True, "")
+    # streamed: function_call deltas, the name first, the arguments in pieces
+    name, args, pieces, finish = "", "", 0, None
+    for chunk in client.chat.completions.create(model="bundle", messages=USER, max_tokens=800, stream=True,
+                                                functions=[t["function"] for t in TOOLS],
+                                                function_call={"name": "forecast"}):
+        for ch in chunk.choices:
+            if ch.delta.function_call is not None:
+                name += ch.delta.function_call.name or ""
+                args += ch.delta.function_call.arguments or ""
+                pieces += bool(ch.delta.function_call.arguments)
+            finish = ch.finish_reason or finish
+    assert (name, args, finish) == ("forecast", c.message.function_call.arguments, "function_call") and pieces > 2
 
 
 def test_tool_turns_render_back(client, server):
