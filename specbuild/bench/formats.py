@@ -59,7 +59,7 @@ def sequence_logits(model, cache, ids: list[int], chunk: int = 128) -> torch.Ten
             mask[:, start:] = torch.ones(w, w, dtype=torch.bool).tril()
             batch = ForwardBatch(torch.tensor(ids[start:end], device=dev), torch.arange(start, end, device=dev),
                                  slots[start:end], slots[:end], mask.to(dev), torch.arange(w, device=dev))
-            out.append(model.forward(batch, cache))
+            out.append(model.forward(batch, cache).logits)
     return torch.cat(out)
 
 

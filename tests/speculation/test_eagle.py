@@ -61,9 +61,11 @@ def test_decoder_hands_out_aux_features_only_when_asked(trained):
         slots = cache.slots(-5, 0, n)
         batch = ForwardBatch(torch.tensor(ids), torch.arange(n), slots, slots, torch.ones(n, n, dtype=torch.bool).tril(),
                              torch.tensor([n - 1]))
-        plain = engine.model.forward(batch, cache)
-        assert isinstance(plain, torch.Tensor)  # no aux_layers: the return is unchanged
-        logits, feats = engine.model.forward(batch, cache, aux_layers=(0, 1, 0), aux_rows=torch.tensor([1, 4]))
+        out = engine.model.forward(batch, cache)
+        plain = out.logits
+        assert out.aux is None and out.hidden is None  # no aux_layers: nothing extra
+        out = engine.model.forward(batch, cache, aux_layers=(0, 1, 0), aux_rows=torch.tensor([1, 4]))
+        logits, feats = out.logits, out.aux
     finally:
         cache.release(-5)
     h = engine.target_config.hidden_size

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 
-from specbuild.speculation.proposers.base import Draft
+from specbuild.speculation.proposers.base import Draft, DrafterBase, Needs, Observation
 from specbuild.speculation.proposers.suffix import tree_draft
 
 WINDOW = 8  # offering steps without an accepted candidate before a drafter is no longer asked
@@ -34,13 +34,12 @@ DECAY = 0.9  # weight of older steps in the rolling per-depth estimates
 class _Track:
     """One sequence's rolling acceptance per drafter and depth."""
 
-    __slots__ = ("rates", "misses", "skipped", "seen")
+    __slots__ = ("rates", "misses", "skipped")
 
     def __init__(self) -> None:
         self.rates: dict[str, list[list[float]]] = {}  # drafter -> per depth [offered, accepted] (decayed)
         self.misses: dict[str, int] = {}  # drafter -> offering steps in a row with nothing accepted
         self.skipped: dict[str, int] = {}  # drafter -> steps not asked since the last probe
-        self.seen = None  # the candidate_sources object already learned from
 
     def rate(self, drafter: str, depth: int) -> float:
         rows = self.rates.get(drafter)
@@ -70,11 +69,13 @@ class _Track:
             self.misses[drafter] = 0 if got else self.misses.get(drafter, 0) + 1
 
 
-class HybridProposer:
+class HybridProposer(DrafterBase):
     """Proposer protocol (base.py) over the engine's suffix and recycling proposers (their
-    stores and tables are shared with the methods of those names)."""
+    stores and tables are shared with the methods of those names, and learn from hybrid's
+    requests too: Needs.parts)."""
 
     name = "hybrid"
+    needs = Needs(tree=True, parts=("suffix", "recycle"))
 
     def __init__(self, suffix, recycle, max_nodes: int = 8) -> None:
         self.suffix, self.recycle = suffix, recycle
@@ -100,10 +101,6 @@ class HybridProposer:
         track = self.tracks.get(seq.seq_id)
         if track is None:
             track = self.tracks[seq.seq_id] = _Track()
-        last = seq.spec_state.candidate_sources if getattr(seq, "spec_state", None) is not None else None
-        if last is not None and last is not track.seen and seq.spec_state.method == self.name:
-            track.learn(last)
-            track.seen = last
         if gamma <= 0:
             return None
         drafts: list[tuple[str, Draft]] = []
@@ -178,8 +175,17 @@ class HybridProposer:
     def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
         return [self.draft_for(seq, gamma) for seq, gamma in zip(seqs, gammas)]
 
-    def rollback(self, seq, length: int) -> None:
-        pass
+    def observe(self, seq, obs: Observation) -> None:
+        """Each drafter's acceptance by depth, from the verified draft's candidate sources."""
+        if obs.method == self.name and obs.sources is not None:
+            track = self.tracks.get(seq.seq_id)
+            if track is None:
+                track = self.tracks[seq.seq_id] = _Track()
+            track.learn(obs.sources)
 
     def release(self, seq) -> None:
         self.tracks.pop(seq.seq_id, None)
+
+
+def build(ctx) -> HybridProposer:
+    return HybridProposer(ctx.built["suffix"], ctx.built["recycle"], max(1, ctx.max_draft_len))
