@@ -170,6 +170,22 @@ def test_greedy_eagle_equals_plain_and_accepts(trained):
     assert engine.cache.free_blocks == engine.cache.num_blocks
 
 
+def test_hybrid_merges_the_heads_candidates_losslessly(trained):
+    """With a head in the bundle, `hybrid` asks it too: the head reads the features of
+    hybrid's requests (its Needs, through the parts hybrid declares) and its trees join the
+    merged one; greedy output stays plain decoding's."""
+    engine = Engine(trained["with_head"], EngineConfig(max_batch_size=4))
+    hyb = engine.speculator.proposers["hybrid"]
+    assert hyb.eagle is engine.speculator.proposers["eagle"] and "eagle" in hyb.needs.parts
+    prompts = trained["prompts"] + [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21]]
+    plain = run(engine, "none", prompts)
+    spec = run(engine, "hybrid", prompts)
+    assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    assert hyb.got["eagle"] > 0  # the head had features to draft from: they reached it
+    assert sum(r["stats"]["drafted"] for r in spec) > 0 and sum(r["stats"]["accepted"] for r in spec) > 0
+    assert hyb.eagle.states == {} and engine.cache.free_blocks == engine.cache.num_blocks
+
+
 def test_sampled_eagle_trees_match_exact_distribution(trained):
     engine = Engine(trained["with_head"], EngineConfig(max_batch_size=8))
     r = check(engine, trained["prompts"][0], 1.0, 3, SpeculationConfig.make(None, method="eagle", gamma=3), 600)

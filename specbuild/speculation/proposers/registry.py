@@ -19,10 +19,10 @@ DRAFTERS: dict[str, str] = {
     "suffix": _PKG + "suffix",
     "ngram": _PKG + "ngram",
     "recycle": _PKG + "recycling",
-    "hybrid": _PKG + "hybrid",
     "draft": _PKG + "draft_model",
     "medusa": _PKG + "medusa",
     "eagle": _PKG + "eagle",
+    "hybrid": _PKG + "hybrid",  # after the drafters it merges
 }
 
 
