@@ -3,7 +3,11 @@ functions each) with tool_choice "required", per speculation method: the share o
 whose calls parse and validate against their function's schema, whether greedy tokens equal
 plain decoding's, tokens per target pass, and the grammar's mask cost per token.
 
-    python scripts/bench_tools.py BUNDLE [--methods none,draft,ngram] [--limit 30] [--max-tokens 200] [--out F.json]
+    python scripts/bench_tools.py BUNDLE [--methods unforced,none,draft,ngram] [--limit 30] [--max-tokens 200] [--out F.json]
+
+`unforced` is plain decoding with no speculation at all: `none` still verifies the tokens the
+call grammar forces as a free draft (Speculator.forced_draft), so `unforced` against `none`
+measures what speculating on forced tokens gains.
 
 An answer counts as valid when the message the client gets (`ToolUse.final_choice`) has at
 least one call, no content, and every call validates against its function's schema;
@@ -29,6 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from specbuild.bench.structured import validates  # noqa: E402
 from specbuild.engine.engine import Engine, EngineConfig  # noqa: E402
 from specbuild.serve.openai_http import ChatRequest, OpenAIServer  # noqa: E402
+
+
+# a row with no speculation at all: method none with the grammar's forced tokens not drafted
+# (by default every method, none included, verifies the tokens a grammar forces as a free draft)
+UNFORCED = "unforced"
 
 
 def load_prompts() -> list[dict]:
@@ -74,10 +83,16 @@ def main() -> None:
     for p in prompts:
         for method in methods:  # interleaved: drift on a shared host hits every method alike
             body = ChatRequest.model_validate({"messages": p["messages"], "tools": p["tools"], "tool_choice": "required",
-                                               "parallel_tool_calls": not args.no_parallel, "max_tokens": args.max_tokens, "temperature": 0, "speculation": method})
+                                               "parallel_tool_calls": not args.no_parallel, "max_tokens": args.max_tokens, "temperature": 0,
+                                               "speculation": "none" if method == UNFORCED else method})
             call = server.parse(body, "chat")
             t0 = time.perf_counter()
-            out = engine.generate([call.request])[0]
+            if method == UNFORCED:  # no speculation at all: the grammar's forced tokens are not drafted
+                engine.speculator.forced_draft = lambda seq: None
+            try:
+                out = engine.generate([call.request])[0]
+            finally:
+                engine.speculator.__dict__.pop("forced_draft", None)
             wall = time.perf_counter() - t0
             answer = call.tools.final_choice(call, Done(out), 0, None)
             ok, why = check(answer["message"], p["tools"])
