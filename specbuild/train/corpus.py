@@ -64,15 +64,16 @@ TOPICS = ("photosynthesis", "the French Revolution", "black holes", "compound in
           "ancient Egypt", "recycling", "public libraries", "friendship", "earthquakes", "the internet",
           "coffee", "marathon training", "a city park", "plate tectonics", "budget travel", "DNA",
           "the Olympic Games", "remote work")
-SEED_TASKS = {
-    "question": "Write one question that a curious student might ask about {topic}. Reply with the question only.",
-    "rewrite": "Write a short paragraph about {topic}, then on a new line ask for it to be rewritten in a more "
-               "formal style. Reply with the paragraph and the request only.",
-    "summary": "Write a paragraph of four sentences about {topic}, followed by the line 'Summarize the text above "
-               "in one sentence.' Reply with nothing else.",
-    "code": "Write one short programming task in Python related to {topic} (a function to implement). Reply with "
-            "the task only.",
-    "math": "Write one arithmetic word problem about {topic} with numbers in it. Reply with the problem only.",
+SEED_TASKS = {  # kind: (what the target is asked to write, the instruction appended to what it wrote)
+    "question": ("Write one question that a curious student might ask about {topic}. Reply with the question only.",
+                 ""),
+    "rewrite": ("Write a short paragraph about {topic}. Reply with the paragraph only.",
+                "\n\nRewrite the text above in a more formal style."),
+    "summary": ("Write a paragraph of four sentences about {topic}. Reply with the paragraph only.",
+                "\n\nSummarize the text above in one sentence."),
+    "code": ("Write one short programming task in Python related to {topic} (a function to implement). Reply with "
+             "the task only.", ""),
+    "math": ("Write one arithmetic word problem about {topic} with numbers in it. Reply with the problem only.", ""),
 }
 LOCAL_TASKS = {
     "code": ("Explain what this Python code does:\n\n```python\n{x}\n```",
@@ -227,14 +228,17 @@ def self_instruct_jobs(cfg: CorpusConfig) -> list[dict]:
     jobs = []
     for i in range(cfg.self_instruct):
         kind, topic = kinds[i % len(kinds)], TOPICS[(i // len(kinds)) % len(TOPICS)]
-        jobs.append({"id": f"si{i}", "text": SEED_TASKS[kind].format(topic=topic), "temperature": 1.0,
+        jobs.append({"id": f"si{i}", "text": SEED_TASKS[kind][0].format(topic=topic), "temperature": 1.0,
                      "kind": kind, "max_tokens": min(SELF_INSTRUCT_TOKENS, cfg.max_answer_tokens)})
     return jobs
 
 
-def clean_task(text: str) -> str | None:
-    text = text.strip().strip('"').strip()
-    return text if 16 <= len(text) <= 800 else None
+def clean_task(record: dict) -> str | None:
+    """The task the target wrote (16..800 characters), with its kind's instruction appended."""
+    text = record.get("answer_text", "").strip().strip('"').strip()
+    if not 16 <= len(text) <= 800:
+        return None
+    return text + SEED_TASKS.get(record.get("kind"), ("", ""))[1]
 
 
 # ---- generation -----------------------------------------------------------------------------------
@@ -350,7 +354,7 @@ def build_corpus(bundle_dir: str, out_dir: str, cfg: CorpusConfig = CorpusConfig
         log(f"--time-limit {cfg.time_limit} reached while the target wrote tasks; run again to continue")
         return write_manifest(out_dir, bundle_dir, cfg, [], [], {}, False, compile, time.perf_counter() - t0)
     written = sorted(read_jsonl(si_path), key=lambda r: int(str(r["id"])[2:]))
-    si = [{"source": "self_instruct", "text": t} for t in (clean_task(r.get("answer_text", "")) for r in written) if t]
+    si = [{"source": "self_instruct", "text": t} for t in map(clean_task, written) if t]
 
     # round robin over the sources, so that --limit takes some of each
     lists = [lst for lst in ((sb if cfg.spec_bench else []), si, local_prompts(cfg)) if lst]

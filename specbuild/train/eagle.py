@@ -380,7 +380,7 @@ def beats(new: dict, old: dict) -> bool:
 
 def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: EagleTrainConfig = EagleTrainConfig(),
                 resume: bool = False, progress: bool = True, log=print, corpus: str | None = None,
-                ship: str | None = None) -> dict:
+                ship: str | None = None, features_dir: str | None = None) -> dict:
     """Answers (or a built corpus), feature shards, training with held-out evaluation after
     each epoch, the head in DIR; with `ship`, the head also replaces the one in `ship` when
     its held-out acceptance beats that one's on the same held-out chains (module docstring)."""
@@ -397,12 +397,16 @@ def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Eagle
     aux = eagle3.default_aux_layers(tc.num_layers)
     os.makedirs(out_dir, exist_ok=True)
     ckpt = os.path.join(out_dir, "checkpoint.pt")
-    feat_dir = os.path.join(out_dir, FEATURES_DIR)
+    # a shared features_dir (several runs over one corpus: a scale curve) keeps every shard whose
+    # sequences are unchanged (their ids and lengths are in its metadata)
+    feat_dir = features_dir or os.path.join(out_dir, FEATURES_DIR)
+    reuse = resume or features_dir is not None
     if not resume:
         for name in ("answers_greedy.jsonl", "answers_sampled.jsonl", "answers_eval.jsonl", "checkpoint.pt"):
             if os.path.exists(os.path.join(out_dir, name)):
                 os.remove(os.path.join(out_dir, name))
-        shutil.rmtree(feat_dir, ignore_errors=True)
+        if features_dir is None:
+            shutil.rmtree(feat_dir, ignore_errors=True)
     if corpus is not None:
         from specbuild.train.corpus import load_corpus
 
@@ -426,10 +430,10 @@ def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Eagle
             if held else []
     if not seqs:
         raise SpecbuildError("no training answers: every prompt was too long or the target answered with < 2 tokens")
-    index = write_shards(engine, seqs, aux, feat_dir, "shard", cfg.shard_positions, resume, progress, "features")
+    index = write_shards(engine, seqs, aux, feat_dir, "shard", cfg.shard_positions, reuse, progress, "features")
     eval_data = []
     if eval_seqs:
-        for entry in write_shards(engine, eval_seqs, aux, feat_dir, "heldout", cfg.shard_positions, resume, progress,
+        for entry in write_shards(engine, eval_seqs, aux, feat_dir, "heldout", cfg.shard_positions, reuse, progress,
                                   "held-out features"):
             eval_data += read_shard(os.path.join(feat_dir, entry["file"]))
     chosen = choose_positions(seqs, cfg.max_positions, cfg.seed)

@@ -203,7 +203,7 @@ def test_ship_keeps_the_better_head(tmp_path, tiny_bundle, corpus):
     assert all(torch.equal(after[k], shipped[k]) for k in shipped)  # the better head stays
 
 
-def test_end_to_end_build_train_ship_decode(tmp_path, tiny, tiny_bundle, local_root):
+def test_end_to_end_build_train_ship_decode(tmp_path, tiny, tiny_bundle, local_root, capsys):
     """scripts/build_eagle_corpus.py -> specbuild train-eagle --corpus --ship -> compile --eagle
     -> greedy eagle decoding equal to plain, with drafts proposed and accepted."""
     from specbuild.compiler.compile import CompileOptions, compile_bundle
@@ -221,12 +221,18 @@ def test_end_to_end_build_train_ship_decode(tmp_path, tiny, tiny_bundle, local_r
                           "--ignore-eos", "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["totals"]["answers"] == 12
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "build_eagle_corpus.py"), tiny_bundle,
-                          "--out", c, "--temperatures", "hot"], capture_output=True, text=True, env=env, timeout=300)
-    assert bad.returncode == 2 and "--temperatures 'hot'" in bad.stderr
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        from build_eagle_corpus import main
+    finally:
+        sys.path.pop(0)
+    assert main([tiny_bundle, "--out", c, "--temperatures", "hot"]) == 2
+    assert "--temperatures 'hot'" in capsys.readouterr().err
+    assert main([tiny_bundle, "--out", c, "--batch", "0"]) == 2
+    assert "--batch 0 is out of range" in capsys.readouterr().err
     head, ship = str(tmp_path / "head"), str(tmp_path / "ship")
     run = subprocess.run([sys.executable, "-m", "specbuild.cli", "train-eagle", tiny_bundle, "--corpus", c, "--out",
-                          head, "--draft-vocab", "200", "--steps", "150", "--lr", "3e-3", "--ship", ship,
+                          head, "--draft-vocab", "200", "--steps", "80", "--lr", "3e-3", "--ship", ship,
                           "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
     rep = json.loads(run.stdout)
@@ -242,3 +248,14 @@ def test_end_to_end_build_train_ship_decode(tmp_path, tiny, tiny_bundle, local_r
     assert spec[0]["token_ids"] == plain[0]["token_ids"]
     st = spec[0]["stats"]
     assert st["drafted"] > 0 and st["accepted"] > 0, st
+
+
+def test_self_instruct_tasks_get_their_kinds_instruction():
+    jobs = cp.self_instruct_jobs(cp.CorpusConfig(self_instruct=10))
+    assert [j["kind"] for j in jobs[:5]] == list(cp.SEED_TASKS) and "photosynthesis" in jobs[0]["text"]
+    assert jobs[5]["text"] != jobs[0]["text"]  # the next topic
+    para = "Bees make honey from the nectar of flowers they visit."
+    assert cp.clean_task({"kind": "summary", "answer_text": f' "{para}" '}).endswith(
+        "Summarize the text above in one sentence.")
+    assert cp.clean_task({"kind": "question", "answer_text": para}) == para
+    assert cp.clean_task({"kind": "question", "answer_text": "short"}) is None
