@@ -33,6 +33,7 @@ the EAGLE-3 layout (formats/eagle3.py) plus report.json.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -128,13 +129,22 @@ def shard_groups(seqs: list[dict], shard_positions: int) -> list[list[int]]:
     return groups
 
 
+def features_fingerprint(bundle_dir: str, aux_layers) -> str:
+    """What the features depend on beside the tokens: the bundle (its bundle.json: target,
+    formats, dtype) and the aux layers."""
+    with open(os.path.join(bundle_dir, "bundle.json"), "rb") as f:
+        meta = f.read()
+    return hashlib.sha1(meta + json.dumps(list(aux_layers)).encode()).hexdigest()[:16]
+
+
 def write_shards(engine, seqs: list[dict], aux_layers, root: str, prefix: str, shard_positions: int, resume: bool,
-                 progress: bool, desc: str) -> list[dict]:
+                 progress: bool, desc: str, fingerprint: str = "") -> tuple[list[dict], int]:
     """Target features of `seqs` in safetensors shards `root/<prefix>_NNNNN.safetensors` of at
     most `shard_positions` positions each (ids int32, feats [N, 3H] and hidden [N, H] bfloat16,
     offsets, answer_start), so that training reads one shard at a time. A shard whose
-    sequences (ids and lengths, in its metadata) are unchanged is kept when resuming. Returns
-    the index: per shard {"file", "lengths", "positions"}, also written to root/<prefix>.json."""
+    sequences (ids, a hash of their tokens, `fingerprint`: the bundle and aux layers; in its
+    metadata) are unchanged is kept when resuming. Returns (the index: per shard {"file",
+    "lengths", "positions", "seqs"}, also written to root/<prefix>.json; shards computed now)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -144,7 +154,10 @@ def write_shards(engine, seqs: list[dict], aux_layers, root: str, prefix: str, s
     index, todo = [], []
     for k, group in enumerate(groups):
         name = f"{prefix}_{k:05d}.safetensors"
-        key = json.dumps([[str(seqs[i]["id"]), len(seqs[i]["prompt_ids"]), len(seqs[i]["answer_ids"])] for i in group])
+        tokens = hashlib.sha1(json.dumps([seqs[i]["prompt_ids"] + seqs[i]["answer_ids"] for i in group]).encode())
+        key = json.dumps({"fingerprint": fingerprint, "tokens": tokens.hexdigest(),
+                          "seqs": [[str(seqs[i]["id"]), len(seqs[i]["prompt_ids"]), len(seqs[i]["answer_ids"])]
+                                   for i in group]})
         lengths = [len(seqs[i]["prompt_ids"]) + len(seqs[i]["answer_ids"]) for i in group]
         index.append({"file": name, "lengths": lengths, "positions": sum(lengths), "seqs": group})
         path = os.path.join(root, name)
@@ -178,7 +191,7 @@ def write_shards(engine, seqs: list[dict], aux_layers, root: str, prefix: str, s
             os.remove(os.path.join(root, name))
     with open(os.path.join(root, prefix + ".json"), "w") as f:
         json.dump(index, f)
-    return index
+    return index, len(todo)
 
 
 def read_shard(path: str) -> list[dict]:
@@ -430,11 +443,14 @@ def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Eagle
             if held else []
     if not seqs:
         raise SpecbuildError("no training answers: every prompt was too long or the target answered with < 2 tokens")
-    index = write_shards(engine, seqs, aux, feat_dir, "shard", cfg.shard_positions, reuse, progress, "features")
+    fp = features_fingerprint(bundle_dir, aux)
+    index, written = write_shards(engine, seqs, aux, feat_dir, "shard", cfg.shard_positions, reuse, progress,
+                                  "features", fp)
     eval_data = []
     if eval_seqs:
-        for entry in write_shards(engine, eval_seqs, aux, feat_dir, "heldout", cfg.shard_positions, reuse, progress,
-                                  "held-out features"):
+        held_index, _ = write_shards(engine, eval_seqs, aux, feat_dir, "heldout", cfg.shard_positions, reuse, progress,
+                                     "held-out features", fp)
+        for entry in held_index:
             eval_data += read_shard(os.path.join(feat_dir, entry["file"]))
     chosen = choose_positions(seqs, cfg.max_positions, cfg.seed)
     train_positions = sum(len(seqs[i]["prompt_ids"]) + len(seqs[i]["answer_ids"]) for i in chosen)
@@ -491,7 +507,8 @@ def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Eagle
                                 max_position_embeddings=tc.max_position_embeddings, aux_layers=aux)
     eagle3.write_eagle3(out_dir, config, weights)
     report = {"data": how, "train_sequences": len(chosen), "train_rows": train_positions,
-              "corpus_sequences": len(seqs), "feature_shards": len(index), "shard_loads": stream.loads,
+              "corpus_sequences": len(seqs), "feature_shards": len(index), "shards_computed": written,
+              "shard_loads": stream.loads,
               "eval_sequences": len(eval_data), "steps": step, "total_steps": total,
               "windows_per_epoch": stream.per_epoch, "train_seconds": round(train_seconds, 1),
               "seconds": round(time.perf_counter() - t_start, 1), "aux_layers": list(aux),

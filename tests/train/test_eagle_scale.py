@@ -259,3 +259,20 @@ def test_self_instruct_tasks_get_their_kinds_instruction():
         "Summarize the text above in one sentence.")
     assert cp.clean_task({"kind": "question", "answer_text": para}) == para
     assert cp.clean_task({"kind": "question", "answer_text": "short"}) is None
+
+
+def test_shared_features_dir_reuses_shards_of_the_same_bundle_only(tmp_path, tiny, tiny_bundle, corpus):
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
+
+    feat = str(tmp_path / "feat")
+    first = train_eagle(tiny_bundle, None, str(tmp_path / "a"), train_cfg(steps=1), progress=False, log=lambda m: None,
+                        corpus=corpus["dir"], features_dir=feat)
+    assert first["shards_computed"] == first["feature_shards"] >= 3
+    again = train_eagle(tiny_bundle, None, str(tmp_path / "b"), train_cfg(steps=1, max_positions=300), progress=False,
+                        log=lambda m: None, corpus=corpus["dir"], features_dir=feat)
+    assert again["shards_computed"] == 0 and again["train_rows"] <= 300
+    other = compile_bundle(tiny["target"], str(tmp_path / "bundle_bf16"),
+                           CompileOptions(dtype="bfloat16", max_draft_len=10, max_seq_len=256))
+    moved = train_eagle(other, None, str(tmp_path / "c"), train_cfg(steps=1), progress=False, log=lambda m: None,
+                        corpus=corpus["dir"], features_dir=feat)
+    assert moved["shards_computed"] == moved["feature_shards"]  # another bundle: its own features
