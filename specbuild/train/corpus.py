@@ -378,7 +378,11 @@ def build_corpus(bundle_dir: str, out_dir: str, cfg: CorpusConfig = CorpusConfig
         prompts.append({"id": prompt_id(c["source"], c["text"]), **c, "prompt_ids": ids})
     if cfg.limit is not None:
         prompts = prompts[:cfg.limit]
-    held = [{"id": prompt_id(h["source"], h["text"]), **h, "prompt_ids": chat_ids(h["text"])} for h in heldout]
+    held = []
+    for h in heldout:  # the same length rule as the training prompts (and train-eagle's held-out set)
+        ids = chat_ids(h["text"])
+        if len(ids) <= cfg.max_prompt_tokens and len(ids) + cfg.max_answer_tokens <= engine.max_seq_len:
+            held.append({"id": prompt_id(h["source"], h["text"]), **h, "prompt_ids": ids})
     for name, rows in ((PROMPTS, prompts), (HELDOUT, held)):
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             for p in rows:

@@ -82,7 +82,7 @@ def test_corpus_sources_manifest_and_no_eval_prompt(corpus, eval_turns):
     assert m["totals"]["prompts"] == 8 and m["totals"]["answers"] == 16  # --limit 8, two temperatures
     assert m["answers_by_temperature"] == {"0": 8, "1": 8}
     assert m["dropped"]["eval_split"] >= 1 and m["dropped"]["duplicate"] >= 1
-    assert m["heldout"]["prompts"] == 3 and m["heldout"]["answers"] == 3
+    assert m["heldout"]["answers"] == m["heldout"]["prompts"] >= 1
     assert m["files"]["answers.jsonl"] == os.path.getsize(os.path.join(out, "answers.jsonl"))
     prompts = cp.read_jsonl(os.path.join(out, cp.PROMPTS))
     held = cp.read_jsonl(os.path.join(out, cp.HELDOUT))
@@ -96,8 +96,14 @@ def test_corpus_sources_manifest_and_no_eval_prompt(corpus, eval_turns):
             assert p["qid"] in train_ids
     assert len({cp.fold(p["text"]) for p in prompts + held}) == len(prompts) + len(held)
     assert not {p["id"] for p in held} & {a["prompt_id"] for a in cp.read_jsonl(os.path.join(out, cp.ANSWERS))}
-    # the held-out prompts are train-eagle's own held-out Spec-Bench prompts (seeded order)
-    assert [h["qid"] for h in held] == [str(r["id"]) for r in split[0][:3]]
+    # the held-out prompts are train-eagle's own held-out Spec-Bench prompts (seeded order), those that fit
+    from specbuild.engine.engine import Engine
+
+    engine = Engine(m["bundle"])
+    fits = [str(r["id"]) for r in split[0][:3]
+            if len(engine.encode(engine.render_chat([{"role": "user", "content": r["text"]}]),
+                                 add_special_tokens=False)) <= 200]
+    assert fits and [h["qid"] for h in held] == fits and m["heldout"]["prompts"] == len(fits)
 
 
 def test_corpus_resumes_where_it_stopped(tmp_path, tiny_bundle, local_root, corpus):
