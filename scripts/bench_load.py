@@ -98,7 +98,7 @@ class Server:
             cmd = [MPIRUN, "-disable-auto-cleanup", "-n", "2", *CLI, *args, "--parallel-draft"]
         self.log_path = log_path
         self.log = open(log_path, "w")
-        env = {**os.environ, "GOMP_SPINCOUNT": "10000"}
+        env = dict(os.environ)  # the wait policy: specbuild's choice at start (model/threads.py) unless set here
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                      start_new_session=True)
         deadline = time.monotonic() + 180

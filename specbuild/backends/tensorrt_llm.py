@@ -374,7 +374,7 @@ def refuse_torch_only(request: Request, params: SamplingParams) -> None:
     a RequestError naming them, for both TensorRT-LLM paths."""
     unsupported = [name for name, on in (("response_format", request.response_format is not None),
                                          ("logprobs", request.logprobs is not None),
-                                         ("presence_penalty/frequency_penalty/logit_bias", params.adjusts)) if on]
+                                         ("presence_penalty/frequency_penalty/logit_bias/min_tokens/repetition_penalty", params.adjusts)) if on]
     if unsupported:
         raise RequestError(f"{', '.join(unsupported)}: not supported on the tensorrt-llm backend in this version; "
                            "serve the bundle with --backend torch for them")

@@ -59,7 +59,7 @@ def sequence_logits(model, cache, ids: list[int], chunk: int = 128) -> torch.Ten
             mask[:, start:] = torch.ones(w, w, dtype=torch.bool).tril()
             batch = ForwardBatch(torch.tensor(ids[start:end], device=dev), torch.arange(start, end, device=dev),
                                  slots[start:end], slots[:end], mask.to(dev), torch.arange(w, device=dev))
-            out.append(model.forward(batch, cache))
+            out.append(model.forward(batch, cache).logits)
     return torch.cat(out)
 
 
@@ -143,27 +143,88 @@ def measure_format(name: str, bundle: str, threads: int, texts: dict, widths, de
     return row
 
 
-def llama_cpp_row(gguf: str, threads: int, prompt_text: str, decode_tokens: int, repeats: int) -> dict | None:
-    """llama.cpp on the same GGUF (greedy, batch 1), when llama-cpp-python imports. n_batch=1:
-    its native build crashes on batched prompt evaluation on some CPUs."""
+def llama_cpp_missing() -> str | None:
+    """Why llama.cpp cannot be a peer row here (None: it can). llama-cpp-python is optional:
+    it builds llama.cpp from source at install (~7-10 min on 2 cores), so it is not part of
+    scripts/setup.sh; docs/cpu-kernels.md says how to install it."""
     try:
-        import llama_cpp
+        import llama_cpp  # noqa: F401
     except ImportError:
+        return "llama-cpp-python is not installed (optional: pip install llama-cpp-python, see docs/cpu-kernels.md)"
+    return None
+
+
+def gguf_tensor_bytes(path: str) -> int:
+    """Bytes of a GGUF file's tensors (its weights as llama.cpp reads them; a tied output
+    layer is the token embedding, counted once)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+
+
+class LlamaCppPeer:
+    """llama.cpp (llama-cpp-python) on a GGUF file as it is, measured like specbuild's rows:
+    plain greedy decoding ms/token (llama.cpp's eval of one token after another, the argmax of
+    its logits in between: no sampler chain or detokenizer in the timing) and one batched eval
+    of w tokens after `context` cached ones (best of `repeats`; llama.cpp's KV cache is cut
+    back to the context between tries). n_batch: as given, else 64 when a child process
+    survives a batched eval (its native build crashes there on some CPUs), else 1 (then a
+    width-w eval is w one-token evals)."""
+
+    def __init__(self, gguf: str, threads: int, n_batch: int | None = None, n_ctx: int = 1024) -> None:
+        import llama_cpp
+
+        from specbuild.bench.specbench import llama_cpp_batch_ok
+
+        self.n_batch = n_batch or (64 if llama_cpp_batch_ok(gguf, threads) else 1)
+        self.llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                                   n_batch=self.n_batch, logits_all=True, verbose=False)
+        self.version = getattr(llama_cpp, "__version__", "")
+        self.weight_bytes = gguf_tensor_bytes(gguf)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    def decode_ms(self, prompt: list[int], tokens: int) -> float:
+        """Per-token ms of plain greedy decoding after `prompt` (its evaluation excluded)."""
+        import numpy as np
+
+        self.llm.reset()
+        self.llm.eval(prompt)
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            self.llm.eval([int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))])
+        return (time.perf_counter() - t0) / tokens * 1e3
+
+    def width_costs(self, context: list[int], widths, repeats: int = 7) -> dict[int, float]:
+        """Width -> best ms of one eval of that many tokens after `context` cached tokens."""
+        self.llm.reset()
+        self.llm.eval(context)
+        n = self.llm.n_tokens
+        out = {}
+        for w in widths:
+            best = float("inf")
+            for _ in range(repeats):
+                self.llm.n_tokens = n  # the next eval removes the KV entries past n first
+                t0 = time.perf_counter()
+                self.llm.eval([100 + i for i in range(w)])
+                best = min(best, time.perf_counter() - t0)
+            out[w] = best * 1e3
+        self.llm.n_tokens = n
+        return out
+
+
+def llama_cpp_row(gguf: str, threads: int, prompt_text: str, decode_tokens: int, repeats: int) -> dict | None:
+    """llama.cpp on the same GGUF (greedy, batch 1), when llama-cpp-python imports, else None."""
+    if llama_cpp_missing():
         return None
-    llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_batch=1, n_ctx=1024, verbose=False)
-    steps = []
-    for _ in range(repeats):
-        first = None
-        n = 0
-        for _chunk in llm.create_completion(prompt_text, max_tokens=decode_tokens, temperature=0.0, stream=True):
-            n += 1
-            if first is None:
-                first = time.perf_counter()
-        if n > 1:
-            steps.append((time.perf_counter() - first) / (n - 1) * 1e3)
+    peer = LlamaCppPeer(gguf, threads)
+    prompt = peer.tokenize(prompt_text)
+    steps = [peer.decode_ms(prompt, decode_tokens) for _ in range(repeats)]
     step = statistics.median(steps)
     return {"format": "llama.cpp (GGUF as is)", "step_ms": round(step, 2), "tokens_per_s": round(1e3 / step, 1),
-            "step_ms_samples": steps, "version": getattr(llama_cpp, "__version__", "")}
+            "step_ms_samples": steps, "version": peer.version, "n_batch": peer.n_batch,
+            "weight_bytes": peer.weight_bytes}
 
 
 def run_formats_bench(source: str, formats: dict[str, dict] | None = None, threads: int = 2,

@@ -38,7 +38,7 @@ def last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
         mask = torch.ones(n, n, dtype=torch.bool).tril().to(cache.device)
         batch = ForwardBatch(torch.tensor(ids, device=cache.device), torch.arange(n, device=cache.device),
                              slots, slots, mask, torch.tensor([n - 1], device=cache.device))
-        return engine.model.forward(batch, cache)[0]
+        return engine.model.forward(batch, cache).logits[0]
 
 
 def exact_joint(engine: Engine, prompt_ids: list[int], params: SamplingParams, n_tokens: int) -> dict:

@@ -39,7 +39,6 @@ import torch
 
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.proposers.remote import FAILED, OK, RESYNC, Order, ReplyTiming
-from specbuild.speculation.state import SpecState
 
 log = logging.getLogger("specbuild.draft_worker")
 
@@ -122,7 +121,6 @@ class MirrorSeq:
         self.seq_id = seq_id
         self.params = params
         self.all_ids: list[int] = []
-        self.spec_state = SpecState()  # DraftModelProposer's draft_len
         self.generator = torch.Generator().manual_seed((params.seed ^ DRAFT_SEED_SALT) % (1 << 63))
 
     def uniforms(self, n: int) -> torch.Tensor:

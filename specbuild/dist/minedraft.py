@@ -176,7 +176,7 @@ class TwoBatchPlanning:
                       "imbalance_sum": 0, "batch_sum": 0, "sync_drafted_sequences": 0, "sync_draft_seconds": 0.0}
 
     def uses_draft(self, seq) -> bool:
-        return seq.spec is not None and seq.spec.method in ("draft", "auto") and not seq.spec_state.remote_failed
+        return seq.spec is not None and seq.spec.method in ("draft", "auto") and not self.remote.failed(seq)
 
     def sync_batches(self, running: list) -> None:
         """Recycle sequences that left, place new decoders (balance counter), rebalance."""
@@ -199,13 +199,7 @@ class TwoBatchPlanning:
 
     def draft_orders(self, spec, batch: list) -> list[tuple[object, int]]:
         """(seq, gamma) for the batch to draft: the speculator's method and depth choices."""
-        pairs = []
-        for seq in batch:
-            if spec.choose_method(seq) != "draft":
-                continue
-            gamma = spec.controller.next(seq, "draft")
-            pairs.append((seq, max(0, min(gamma, spec.max_draft_len, seq.remaining - 1))))
-        return pairs
+        return [(seq, spec.depth_for(seq, "draft")) for seq in batch if spec.choose_method(seq) == "draft"]
 
     def step(self, scheduler) -> int:
         scheduler.admit()

@@ -41,12 +41,16 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     block_size: int = 16
     prefill_chunk: int = 256
-    binning: str = "ragged"  # ragged (one flattened pass) | padded | bins (planned micro-batches)
+    # ragged (one flattened pass, the default and fastest measured) | padded | bins (planned
+    # micro-batches): the other two are kept to be measured against it (scripts/bench_binning.py)
+    binning: str = "ragged"
     load_draft: bool = True  # False: the draft model runs elsewhere (MineDraft's draft rank)
     # auto: on CPU each dtype's float linears are stored in the layout measured cheaper at
     # load (qlinear.choose_layouts: float32 transposed, ~1.35x faster at 5-11 rows on the
     # machines measured; bfloat16 as rows, oneDNN's transposed kernel 1.6x slower there);
-    # rows: as the bundle stores them
+    # rows: as the bundle stores them (no start-up measurement; and a float32 layout changes
+    # the last bits of results, so rows gives the same bits on every machine, e.g. to compare
+    # machines or reproduce a result)
     weight_layouts: str = "auto"
     # run the target's layer stack compiled (torch.compile; model/compiled.py): fused glue, the
     # same kernels; every forward then runs compiled, so speculation stays lossless. Costs a
@@ -147,7 +151,7 @@ def shared_draft_weights(bundle_dir: str, role: dict, weights: dict, target_w: d
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
-TREE_METHODS = ("medusa", "recycle", "auto")  # the methods a request's `tree` applies to (auto may pick either)
+FIXED_TREE_METHODS = ("medusa", "recycle")  # built-in drafters of a request-chosen tree (named in errors)
 
 
 def check_logprobs(request: Request) -> None:
@@ -216,8 +220,7 @@ class Engine(BaseEngine):
 
             try:
                 self.model.compile()
-                aux = [()] + ([tuple(self.speculator.aux_layers)] if getattr(self.speculator, "aux_layers", None)
-                              else [])
+                aux = [()] + ([self.speculator.aux_layers] if self.speculator.aux_layers else [])
                 self.compile_seconds = warm_up_compiled(self.model, self.cache, aux)
                 # draft models too (their proposals only decide speed; the target's pass decides tokens)
                 for prop in self.speculator.proposers.values():
@@ -238,9 +241,9 @@ class Engine(BaseEngine):
         self.default_speculation = SpeculationConfig.make(
             self.default_speculation, gamma_max=min(self.default_speculation.gamma_max, limits.max_draft_len))
         self._init_loop(threading.Lock())
-        self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len,
-                                   config.prefill_chunk, self.speculator, waiting=self.waiting, running=self.running,
-                                   planning=planning)
+        self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len, self.speculator,
+                                   config.prefill_chunk, waiting=self.waiting, running=self.running,
+                                   planning=planning, binning=config.binning)
         self.policies = None  # speculation.policy.PolicyTable (set_policies) or None
         self.load_seconds = time.perf_counter() - t0
 
@@ -249,59 +252,30 @@ class Engine(BaseEngine):
         return cls(bundle_dir, EngineConfig(**kwargs))
 
     def make_speculator(self):
-        """Drafters from the bundle's roles (prompt lookup always), behind one Speculator;
-        a role that cannot be served in this configuration is named in self.unavailable with why."""
-        self.unavailable: dict[str, str] = {}
-        from specbuild.speculation.proposers.draft_model import DraftModelProposer
-        from specbuild.speculation.proposers.ngram import NgramProposer
+        """The drafters of proposers/registry.py that this bundle and configuration serve
+        (prompt lookup always), behind one Speculator; a drafter that cannot be served in this
+        configuration is named in self.unavailable with why."""
+        from specbuild.speculation.proposers.base import DrafterContext
+        from specbuild.speculation.proposers.registry import build_all
         from specbuild.speculation.speculator import Speculator
 
-        from specbuild.speculation.proposers.recycling import RecyclingProposer
-        from specbuild.speculation.proposers.suffix import SuffixProposer
+        limits = self.meta.limits
+        ctx = DrafterContext(self.bundle_dir, self.meta, self.config, self.model, self.cache, limits.max_draft_len,
+                             self.max_seq_len, self.load_role_model)
+        proposers, self.unavailable = build_all(ctx, self.drafters)
+        return Speculator(self.model, self.cache, proposers, limits.max_draft_len, self.max_seq_len)
 
-        # suffix first: `auto` takes the first of equally rated drafters, and suffix decoding's
-        # matches include prompt lookup's (the request's own text) plus earlier requests'
-        proposers = {"suffix": SuffixProposer(max(1, self.meta.limits.max_draft_len), self.config.suffix_store_tokens,
-                                              self.config.suffix_scope, self.config.suffix_prompts),
-                     "ngram": NgramProposer(),
-                     "recycle": RecyclingProposer(self.target_config.vocab_size, max_nodes=self.meta.limits.max_draft_len)}
-        from specbuild.speculation.proposers.hybrid import HybridProposer
-
-        proposers["hybrid"] = HybridProposer(proposers["suffix"], proposers["recycle"], max(1, self.meta.limits.max_draft_len))
-        if "draft" in self.meta.roles and self.config.load_draft and "draft" not in self.drafters:
-            draft_dir = os.path.join(self.bundle_dir, self.meta.roles["draft"]["path"])
-            draft_config = read_model_config(draft_dir)
-            weights, vocab_map = shared_draft_weights(self.bundle_dir, self.meta.roles["draft"],
-                                                      load_weights(draft_dir, self.config.device), self.model.w)
-            draft_model = Decoder(draft_config, weights,
-                                  self.max_seq_len + self.meta.limits.max_draft_len + 2, device=self.config.device)
-            attach_format_plans(draft_model, self.meta.limits.max_draft_len)
-            proposers["draft"] = DraftModelProposer(draft_model, self.cache.num_blocks, self.target_config.vocab_size,
-                                                    self.config.block_size, vocab_map=vocab_map)
-        if "medusa" in self.meta.roles:
-            from specbuild.speculation.medusa_heads import load_medusa
-            from specbuild.speculation.proposers.medusa import MedusaProposer
-
-            role = load_medusa(self.bundle_dir, self.model.w, self.config.device)
-            proposers["medusa"] = MedusaProposer(role.heads, role.tree)
-        if "eagle" in self.meta.roles and self.config.compile:
-            # measured on the int4 SmolLM2 bundle: under compile=True an EAGLE request's greedy
-            # output left plain decoding's on one prompt in three (eager: identical). The head's
-            # verify passes ask the layer stack for its auxiliary layers, another compiled graph
-            # whose bits differ from the plain graph's; until that graph is shown bit-identical
-            # the head is not served compiled (lossless first)
-            self.unavailable["eagle"] = ("the EAGLE head is not served with compile=True (--compile): its verify graph "
-                                         "is not yet bit-identical to plain decoding's; run without --compile")
-        elif "eagle" in self.meta.roles:
-            from specbuild.speculation.eagle_head import load_eagle
-            from specbuild.speculation.proposers.eagle import EagleProposer
-
-            head = load_eagle(self.bundle_dir, self.meta.roles["eagle"], self.model.w,
-                              self.max_seq_len + self.meta.limits.max_draft_len + 2, self.config.device)
-            proposers["eagle"] = EagleProposer(head, self.target_config.vocab_size, self.meta.limits.max_draft_len)
-        proposers.update(self.drafters)
-        return Speculator(self.model, self.cache, proposers, self.meta.limits.max_draft_len, self.max_seq_len,
-                          binning=self.config.binning)
+    def load_role_model(self, role_name: str) -> tuple[Decoder, torch.Tensor | None]:
+        """A decoder role of the bundle (a draft model): its weights with the target's shared
+        tensors filled in, its formats planned; and its vocab_map or None."""
+        role = self.meta.roles[role_name]
+        role_dir = os.path.join(self.bundle_dir, role["path"])
+        weights, vocab_map = shared_draft_weights(self.bundle_dir, role, load_weights(role_dir, self.config.device),
+                                                  self.model.w)
+        model = Decoder(read_model_config(role_dir), weights, self.max_seq_len + self.meta.limits.max_draft_len + 2,
+                        device=self.config.device)
+        attach_format_plans(model, self.meta.limits.max_draft_len)
+        return model, vocab_map
 
     # ---- requests ---------------------------------------------------------------------
     def _new_sequence(self, request: Request) -> Sequence:
@@ -347,29 +321,30 @@ class Engine(BaseEngine):
         if spec.method != "none" and spec.gamma_max > self.meta.limits.max_draft_len:
             raise RequestError(f"gamma_max={spec.gamma_max} exceeds the bundle's max_draft_len "
                                f"{self.meta.limits.max_draft_len}; recompile with --max-draft-len")
-        if spec.tree is not None and spec.tree != self.default_speculation.tree and spec.method not in TREE_METHODS:
+        tree_methods = (*self.tree_methods(all_known=True), "auto")
+        if spec.tree is not None and spec.tree != self.default_speculation.tree and spec.method not in tree_methods:
             # EAGLE grows its tree each step from the head's scores within a node budget set by the
             # measured verify cost (proposers/eagle.py); a fixed tree has no place there, and chains
             # (ngram, draft) have none: refused rather than silently ignored
             raise RequestError(f"tree={str(spec.tree)[:60]!r} applies to speculation methods "
-                               f"{', '.join(TREE_METHODS)}, not {spec.method!r}"
+                               f"{', '.join(tree_methods)}, not {spec.method!r}"
                                + (" (EAGLE builds its own tree each step from the head's scores)"
                                   if spec.method == "eagle" else ""))
-        medusa = self.speculator.proposers.get("medusa")
-        recycle = self.speculator.proposers.get("recycle")
-        if spec.method == "recycle" and hasattr(recycle, "validate_tree"):
-            tree = recycle.validate_tree(spec.tree)
-            if tree.num_drafts > self.meta.limits.max_draft_len:
-                raise RequestError(f"tree {tree.name or spec.tree!r} has {tree.num_drafts} nodes; the bundle's "
-                                   f"max_draft_len is {self.meta.limits.max_draft_len} (recompile with "
-                                   "--max-draft-len)")
-        if spec.method in ("medusa", "auto") and hasattr(medusa, "validate_tree"):
-            tree = medusa.validate_tree(spec.tree)
-            if tree.num_drafts > self.meta.limits.max_draft_len:
-                raise RequestError(f"tree {tree.name or spec.tree!r} has {tree.num_drafts} nodes; the bundle's "
-                                   f"max_draft_len is {self.meta.limits.max_draft_len} (recompile with "
-                                   "--max-draft-len)")
+        for name in self.tree_methods():  # drafters that draft a fixed tree the request may name
+            prop = self.speculator.proposers[name]
+            if spec.method in (name, "auto"):
+                tree = prop.validate_tree(spec.tree)
+                if tree.num_drafts > self.meta.limits.max_draft_len:
+                    raise RequestError(f"tree {tree.name or spec.tree!r} has {tree.num_drafts} nodes; the bundle's "
+                                       f"max_draft_len is {self.meta.limits.max_draft_len} (recompile with "
+                                       "--max-draft-len)")
         return spec
+
+    def tree_methods(self, all_known: bool = False) -> list[str]:
+        """The drafters whose tree a request may choose (they have validate_tree: Medusa, token
+        recycling); all_known also names the built-in ones this bundle lacks."""
+        have = [n for n, p in self.speculator.proposers.items() if hasattr(p, "validate_tree")]
+        return list(dict.fromkeys([*FIXED_TREE_METHODS, *have])) if all_known else have
 
     # ---- telemetry and gamma policies (engine/events.py, speculation/policy.py) ---------------
     @property

@@ -96,6 +96,16 @@ class ForwardBatch:
     prompt_rows: torch.Tensor | None = None
 
 
+@dataclass
+class ForwardOutput:
+    """What Decoder.forward returns: always logits; hidden states and auxiliary layers only
+    when asked."""
+
+    logits: torch.Tensor  # [R, vocab] float32, for batch.logit_rows
+    hidden: torch.Tensor | None = None  # [R, hidden] final-normed (return_hidden=True): Medusa heads
+    aux: torch.Tensor | None = None  # [A, len(aux_layers) * hidden] at aux_rows (EAGLE-3 heads)
+
+
 def sub_batch(batch: ForwardBatch, r0: int, r1: int) -> ForwardBatch:
     """Rows r0..r1-1 of a forward (their K/V still written, every key they see still read);
     its logit rows are not kept (compiled_rows takes hidden states, not logits)."""
@@ -184,11 +194,12 @@ class Decoder:
                 aux_layers: tuple[int, ...] = (), aux_rows: torch.Tensor | None = None):
         """Run the batch. Writes K/V of the new tokens into `cache` (at write_slots).
 
-        Returns logits [R, vocab] (float32) for `batch.logit_rows`; with return_hidden also
-        the final-normed hidden states [R, hidden] of those rows (for Medusa heads). With
-        `aux_layers` (EAGLE-3 heads) and `aux_rows` ([A] rows of T) it returns a last item,
-        the residual stream entering each of those layers at those rows, concatenated
-        [A, len(aux_layers) * hidden]; with no aux_layers nothing extra is computed.
+        Returns a ForwardOutput: logits [R, vocab] (float32) for `batch.logit_rows`; with
+        return_hidden also the final-normed hidden states [R, hidden] of those rows (for
+        Medusa heads). With `aux_layers` (EAGLE-3 heads) and `aux_rows` ([A] rows of T) its
+        `aux` is the residual stream entering each of those layers at those rows,
+        concatenated [A, len(aux_layers) * hidden]; with no aux_layers nothing extra is
+        computed.
         """
         c, w = self.config, self.w
         t = batch.input_ids.shape[0]
@@ -207,13 +218,12 @@ class Decoder:
                         self.rows_per_call.get("lm_head")).float()
         if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype in (torch.bfloat16, torch.float16):
             logits = rescore_top(logits, hidden, self.lm_head)
-        out = (logits, hidden) if return_hidden else logits
+        feats = None
         if aux_layers:
             # in aux_layers' order (a layer named twice is gathered once per mention)
             order = sorted(set(aux_layers))
             feats = torch.cat([aux[order.index(layer)] for layer in aux_layers], dim=-1)
-            return (*out, feats) if return_hidden else (out, feats)
-        return out
+        return ForwardOutput(logits, hidden if return_hidden else None, feats)
 
     def compiled_rows(self, batch: ForwardBatch, cache: PagedKVCache, fmt: str | None, aux_layers: tuple[int, ...]):
         """The layer stack through the compiled graph (compile()), its rows per call bounded

@@ -40,6 +40,7 @@ that request alone.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -64,6 +65,10 @@ class ResponseFormat:
     kind: str
     spec: str = ""
     name: str = ""
+    # tool calls (serve/tools.py): the (open, close) tags of one call; a call that repeats an
+    # earlier one of the same output ends the output there (`CallsConstraint`). Set only by the
+    # server, never from a client's response_format.
+    calls: tuple[str, str] | None = None
 
     @classmethod
     def parse(cls, value: Any) -> "ResponseFormat | None":
@@ -158,7 +163,10 @@ class GrammarBackend:
                                f"token: {first_line(c.matcher.get_error())}")
 
     def constraint(self, fmt: ResponseFormat) -> "Constraint":
-        return Constraint(self, self._template(fmt).deep_copy(), fmt.kind)
+        matcher = self._template(dataclasses.replace(fmt, calls=None)).deep_copy()
+        if fmt.calls is not None:
+            return CallsConstraint(self, matcher, fmt.kind, fmt.calls)
+        return Constraint(self, matcher, fmt.kind)
 
 
 def first_line(text: str, limit: int = 300) -> str:
@@ -285,6 +293,44 @@ class Constraint:
         if check:
             self.check()
         return out
+
+
+class CallsConstraint(Constraint):
+    """A tool-call grammar's constraint that also ends the output when a call repeats: once the
+    closing tag of a call whose text equals an earlier call's (same name, same arguments, in the
+    grammar's fixed layout) is consumed, `finished` is true, so the sequence stops there with
+    finish reason "stop" and the repeat is dropped by the parser (serve/tools.py). A small model
+    under `tool_choice: required` otherwise writes its one call again and again until max_tokens
+    cuts the last one in half.
+
+    Lossless: `finished` depends only on the tokens emitted (`advance`), so plain decoding and
+    speculation stop at the same token (a verify pass whose accepted run crosses that token is
+    cut there by the sequence, as by a stop string)."""
+
+    def __init__(self, backend: GrammarBackend, matcher, kind: str, tags: tuple[str, str]) -> None:
+        super().__init__(backend, matcher, kind)
+        self._decode = backend.tokenizer.decode_bytes
+        self._open, self._close = tags[0].encode(), tags[1].encode()
+        self._text = bytearray()  # the output so far (bytes), from the last call's close on
+        self._seen: set[bytes] = set()  # the bodies of the calls completed so far
+        self.repeated = False
+
+    def advance(self, token: int) -> None:
+        super().advance(token)
+        self._text += self._decode([int(token)])
+        if not self._text.endswith(self._close):
+            return
+        start = self._text.rfind(self._open)
+        body = bytes(self._text[start + len(self._open):len(self._text) - len(self._close)]).strip()
+        self._text.clear()
+        if start < 0:  # a closing tag in free text (tool_choice auto), not a call
+            return
+        self.repeated = body in self._seen
+        self._seen.add(body)
+
+    @property
+    def finished(self) -> bool:
+        return super().finished or self.repeated
 
 
 def unpack(bits: np.ndarray, vocab_size: int) -> torch.Tensor:

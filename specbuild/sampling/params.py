@@ -53,6 +53,11 @@ class SamplingParams:
     # until that many tokens are generated; applied by `adjust_logits` like the penalties
     min_tokens: int = 0
     min_tokens_ids: tuple[int, ...] = field(default=())
+    # vLLM's repetition_penalty: every token of the prompt (`repetition_ids`: its distinct ids,
+    # which the front end fills in) or of the output so far has its logit divided by the
+    # penalty when positive, multiplied when negative; applied by `adjust_logits`
+    repetition_penalty: float = 1.0
+    repetition_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
@@ -101,6 +106,11 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise RequestError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
         object.__setattr__(self, "min_tokens_ids", tuple(int(t) for t in self.min_tokens_ids))
+        v = self.repetition_penalty
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 100.0:
+            raise RequestError(f"repetition_penalty={v!r} is out of range (0, 100] (1 disables it)")
+        object.__setattr__(self, "repetition_penalty", float(v))
+        object.__setattr__(self, "repetition_ids", tuple(sorted({int(t) for t in self.repetition_ids})))
 
     @property
     def greedy(self) -> bool:
@@ -110,7 +120,7 @@ class SamplingParams:
     def adjusts(self) -> bool:
         """Whether `adjust_logits` changes anything (penalties or biases set)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or (self.min_tokens and self.min_tokens_ids))
+                    or (self.min_tokens and self.min_tokens_ids) or self.repetition_penalty != 1.0)
 
     def with_seed(self) -> "SamplingParams":
         """Return a copy whose seed is set (drawn from the OS when missing)."""
@@ -131,8 +141,10 @@ class SamplingParams:
 
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, history: list[int],
                   row_prefixes: list[list[int]] | None = None) -> torch.Tensor:
-    """logit_bias, presence and frequency penalties (OpenAI's definitions: over the tokens
-    generated so far, not the prompt) for each row of `logits` [rows, vocab].
+    """logit_bias, vLLM's repetition penalty (over the prompt's tokens, `repetition_ids`, and
+    the generated ones), then presence and frequency penalties (OpenAI's definitions: over the
+    tokens generated so far, not the prompt) for each row of `logits` [rows, vocab]: vLLM's
+    order (logits processors, then repetition, frequency, presence).
 
     `history` is the sequence's generated tokens; row i of a verify pass sits after the draft's
     first i tokens, so `row_prefixes[i]` (default: none) is counted too: a position scores the
@@ -152,10 +164,23 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, history: list[in
         ids = torch.tensor([k for k, _ in params.logit_bias if k < vocab], dtype=torch.long)
         vals = torch.tensor([v for k, v in params.logit_bias if k < vocab], dtype=torch.float32)
         out[:, ids] += vals
+    prefixes = row_prefixes or [[] for _ in range(rows)]
+    if params.repetition_penalty != 1.0:
+        penalty = params.repetition_penalty
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        ids = [t for t in (*params.repetition_ids, *history) if 0 <= t < vocab]
+        if ids:
+            seen[torch.tensor(ids, dtype=torch.long)] = True
+        for i in range(rows):
+            mask = seen
+            if prefixes[i]:
+                mask = seen.clone()
+                mask[torch.tensor(prefixes[i], dtype=torch.long)] = True
+            row = out[i]
+            out[i] = torch.where(mask, torch.where(row > 0, row / penalty, row * penalty), row)
     if params.presence_penalty or params.frequency_penalty:
         base = torch.bincount(torch.tensor(history, dtype=torch.long), minlength=vocab)[:vocab].float() \
             if history else torch.zeros(vocab)
-        prefixes = row_prefixes or [[] for _ in range(rows)]
         for i in range(rows):
             counts = base
             if prefixes[i]:

@@ -4,14 +4,18 @@ Client libraries written for OpenAI, vLLM and SGLang send more than this server 
 so the policy is vLLM's, made explicit:
 
 - **implemented**: OpenAI's fields and specbuild's extensions (openai_http's request models),
-  and the vLLM extras that map onto what the engine does: `min_tokens`, `stop_token_ids`,
+  and the vLLM extras that map onto what the engine does: `min_tokens`, `repetition_penalty`, `stop_token_ids`,
   `chat_template_kwargs`, `add_generation_prompt`, `stream_options.continuous_usage_stats`,
+  `skip_special_tokens` (false: the text keeps special tokens, the ending stop token excepted),
   and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (mapped to a
   `response_format`, `guided_response_format`).
 - **accepted, no effect by definition** (`NOOP`): OpenAI fields about storage, billing,
-  routing or the caller (`store`, `metadata`, `user`, `service_tier`, ...).
+  routing or the caller (`store`, `metadata`, `user`, `service_tier`, ...), and vLLM's
+  `spaces_between_special_tokens`, which only its slow (Python) tokenizers' detokenizer reads:
+  the bundle's tokenizer is a `tokenizers` one, whose decoder joins special tokens as the
+  tokenizer defines.
 - **accepted at their neutral value only** (`NEUTRAL`): vLLM extras that would change the
-  output but are not implemented here (`min_p`, `repetition_penalty`, beam search, ...); any
+  output but are not implemented here (`min_p`, `length_penalty`, beam search, ...); any
   other value is a 400 naming the field and the value served, never silently ignored.
 - **unknown**: dropped before validation, logged, and listed in the response header
   `x-specbuild-ignored-fields`; `specbuild serve --strict-fields` refuses them with 400 instead
@@ -41,24 +45,21 @@ MAX_STOP_TOKEN_IDS = 64
 
 # OpenAI fields that change nothing this server computes (storage, billing, routing, the caller)
 NOOP = ("store", "metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key",
-        "reasoning_effort", "verbosity", "guided_decoding_backend", "request_id")
+        "reasoning_effort", "verbosity", "guided_decoding_backend", "request_id", "spaces_between_special_tokens")
 
 # vLLM/OpenAI fields whose neutral value is the only one served: (value, what other values would need)
 NEUTRAL: dict[str, Any] = {
     "suffix": "",
     "min_p": 0.0,
-    "repetition_penalty": 1.0,
     "length_penalty": 1.0,
     "use_beam_search": False,
     "include_stop_str_in_output": False,
-    "skip_special_tokens": True,
     "continue_final_message": False,
     "echo": False,  # on chat (completions' echo is implemented)
     "prompt_logprobs": None,
     "truncate_prompt_tokens": None,
     "guided_whitespace_pattern": None,
     "priority": 0,
-    "spaces_between_special_tokens": True,
 }
 
 

@@ -63,6 +63,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specbuild.engine.sequence import Handle, Request
+from specbuild.engine.text import IncrementalDetokenizer
 from specbuild.errors import RequestError
 from specbuild.sampling.params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from specbuild.serve import openai_fields as fields_policy
@@ -262,6 +263,9 @@ class CommonFields(SpeculationFields):
     guided_decoding_backend: Name | None = None
     # vLLM extras, implemented
     min_tokens: Annotated[int, Field(ge=0, le=LIMIT_MAX_TOKENS)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = Field(
+        None, description="vLLM's: logits of tokens in the prompt or the output so far divided by it (when "
+                          "positive) or multiplied by it; 1 disables it")
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=LIMIT_TOKEN_ID)]],
                               Field(max_length=fields_policy.MAX_STOP_TOKEN_IDS)] | None = None
     guided_json: Union[dict[str, Any], FormatText] | None = None
@@ -270,14 +274,14 @@ class CommonFields(SpeculationFields):
                              Field(min_length=1, max_length=fields_policy.MAX_CHOICES)] | None = None
     guided_grammar: FormatText | None = None
     add_special_tokens: bool | None = None
+    skip_special_tokens: bool | None = Field(None, description="vLLM's: false keeps special tokens in the text "
+                                                               "(not with stop strings or tools)")
+    spaces_between_special_tokens: bool | None = Field(None, description="vLLM's: no effect here (a fast tokenizer)")
     # vLLM extras served at their neutral value only (openai_fields.NEUTRAL)
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = None
     length_penalty: float | None = None
     use_beam_search: bool | None = None
     include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=LIMIT_TOP_LOGPROBS)] | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=LIMIT_PROMPT_IDS)] | None = None
     guided_whitespace_pattern: Short | None = None
@@ -497,7 +501,7 @@ def parse_sampling(body: CommonFields, defaults: SamplingParams, chat: bool, voc
               "frequency_penalty": body.frequency_penalty,
               "logit_bias": tuple(body.logit_bias.items()) if body.logit_bias else None,
               "stop_token_ids": tuple(body.stop_token_ids) if body.stop_token_ids else None,
-              "min_tokens": body.min_tokens or None}
+              "min_tokens": body.min_tokens or None, "repetition_penalty": body.repetition_penalty}
     bad = [t for t in body.stop_token_ids or () if t >= vocab_size]
     if bad:
         raise ApiError(400, f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab_size})",
@@ -612,6 +616,7 @@ class Call:
     ignored: list[str] = dataclasses.field(default_factory=list)  # unknown fields dropped (field policy)
     tools: Any = None  # serve.tools.ToolUse when the request offers tools (chat)
     scoring_only: bool = False  # max_tokens 0 with echo: the prompt's logprobs, nothing generated
+    special_text: bool = False  # skip_special_tokens false: the text keeps the special tokens (`output_text`)
 
     @property
     def request(self) -> Request:
@@ -797,6 +802,11 @@ class OpenAIServer:
                     if p.request.prompt is not None:
                         p.request.prompt_ids = self.engine.encode(p.request.prompt, add_special_tokens=False)
                         p.request.prompt = None
+        special = body.skip_special_tokens is False
+        if special and (sampling.stop or tool_use is not None):
+            raise ApiError(400, f"skip_special_tokens=false is not supported with {'stop' if sampling.stop else 'tools'}"
+                                f": {'stop strings' if sampling.stop else 'tool calls'} are read from the text without "
+                                "special tokens", param="skip_special_tokens")
         n = body.n or 1
         if len(prompts) * n > LIMIT_CHOICES:
             raise ApiError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; at most "
@@ -818,13 +828,17 @@ class OpenAIServer:
             request = prompt.request
             request.request_id = call_id if p == 0 else f"{call_id}-{p * n}"
             request.sampling = sampling
+            if sampling.repetition_penalty != 1.0:  # vLLM's: over the prompt's tokens too (the engine's encoding)
+                if request.prompt_ids is None:
+                    request.prompt_ids, request.prompt = self.engine.encode(request.prompt), None
+                request.sampling = dataclasses.replace(sampling, repetition_ids=tuple(request.prompt_ids))
             request.speculation = speculation
             request.content_type = body.content_type
             request.response_format = fmt
             request.logprobs = top_n
             if not chat and body.echo:  # type: ignore[union-attr]
                 prompt.echo = request.prompt if request.prompt is not None else \
-                    self.engine.tokenizer.decode(request.prompt_ids)
+                    self.engine.tokenizer.decode(request.prompt_ids, skip_special_tokens=not special)
                 if logprobs or scoring:  # the prompt's own logprobs (OpenAI: the first token's is null), by its prefill
                     if not getattr(self.engine, "supports_prompt_logprobs", False):
                         raise ApiError(400, "echo with logprobs is not supported on this backend (torch only)",
@@ -837,7 +851,7 @@ class OpenAIServer:
                     call_id, int(time.time()), n=n, logprobs=logprobs if not scoring else (logprobs or "completions"),
                     echo_scores=echo_scores, body=body,
                     continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
-                    ignored=ignored, tools=tool_use, scoring_only=scoring)
+                    ignored=ignored, tools=tool_use, scoring_only=scoring, special_text=special)
 
     def submit(self, call: Call) -> list[Handle]:
         """Queue the request's choices, or raise ApiError (429 when the queue is full, 400 when
@@ -955,7 +969,8 @@ class OpenAIServer:
                 choices.append(call.tools.final_choice(call, h.seq, i, shape_logprobs(
                     call, tok, h.seq.output_ids, h.seq.logprobs, h.seq.text)))
                 continue
-            choices.append(choice(call, (prompt.echo or "") + h.seq.text, h.seq.output_ids, h.seq.finish_reason, True,
+            choices.append(choice(call, (prompt.echo or "") + output_text(call, tok, h.seq), h.seq.output_ids,
+                                  h.seq.finish_reason, True,
                                   index=i, logprobs=join_logprobs(echo_logprobs(call, tok, h.seq), shape_logprobs(
                                       call, tok, h.seq.output_ids, h.seq.logprobs, h.seq.text, prompt.echo))))
         return JSONResponse(envelope(call, self.model_name, choices, False, usage=usage(call, [h.seq for h in handles])),
@@ -1162,8 +1177,11 @@ class SSEResponse(Response):
                 yield sse(envelope(call, model, [choice(call, call.prompt_of(i).echo, None, None, False, index=i)], True,
                                    **so_far(i)))
         unechoed = set(range(len(handles))) if call.echo_scores else set()
+        detoks = [IncrementalDetokenizer(tok, skip_special_tokens=False) for _ in handles] if call.special_text else None
         async for i, event in self.events:
             counts[i] += len(event.token_ids)
+            if detoks is not None:  # skip_special_tokens false: this choice's text with its special tokens
+                event = dataclasses.replace(event, text=special_piece(detoks[i], handles[i].seq, event))
             if i in unechoed:  # its prefill is done (an event came): the prompt's logprobs are known
                 unechoed.discard(i)
                 yield sse(envelope(call, model, [choice(call, call.prompt_of(i).echo, None, None, False, index=i,
@@ -1197,6 +1215,27 @@ class SSEResponse(Response):
         if call.include_usage:  # OpenAI's: once, at the end, with no choices
             yield sse(envelope(call, model, [], True, usage=usage(call, [h.seq for h in handles])))
         yield b"data: [DONE]\n\n"
+
+
+def output_text(call: Call, tokenizer, seq) -> str:
+    """A finished choice's text: the engine's (special tokens skipped), or with
+    skip_special_tokens false the output decoded with them, less the end-of-sequence or stop
+    token that ended it (as vLLM: the stop token is not text)."""
+    if not call.special_text:
+        return seq.text
+    ids = list(seq.output_ids)
+    if seq.finish_reason == "stop" and ids and ids[-1] in seq.eos_ids:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def special_piece(detok, seq, event) -> str:
+    """The text of one streamed event with skip_special_tokens false (output_text's, piece by piece)."""
+    ids = list(event.token_ids)
+    if event.finished and event.finish_reason == "stop" and ids and ids[-1] in seq.eos_ids:
+        ids = ids[:-1]
+    text = detok.push(ids)
+    return text + detok.flush() if event.finished else text
 
 
 def sse(obj: Any) -> bytes:

@@ -20,6 +20,13 @@ output is constrained by a Lark grammar for llguidance (`call_grammar`): one cal
 `<tool_call>` that starts must be a valid call (a lazy trigger lexeme, llguidance's
 tool-calling form), so nothing is forced until the model itself opens a call.
 
+Ending. A call identical to an earlier one of the same answer ends the answer at its closing
+tag and is dropped (`sampling.constraint.CallsConstraint`, in the engine's step, so plain and
+speculative decoding stop at the same token): small models otherwise repeat their call until
+max_tokens cuts the last one. Under required / named the answer is calls only: what a
+max_tokens cut leaves of an unfinished call is neither content nor a call (finish reason
+"length"); under auto it stays text.
+
 Written by hand: the template text, the grammar and the <tool_call> parser are a few dozen
 lines each over jinja2 and llguidance; the libraries that do this (vLLM's tool parsers,
 transformers' templates) pull in whole serving stacks.
@@ -35,7 +42,7 @@ from typing import Any
 
 from specbuild.engine.chat import TEMPLATE_VARIABLES, render_chat
 from specbuild.errors import RequestError
-from specbuild.sampling.constraint import MAX_SPEC_CHARS
+from specbuild.sampling.constraint import MAX_SPEC_CHARS, ResponseFormat
 
 MAX_PARALLEL = 8  # calls in one answer with parallel_tool_calls
 
@@ -90,14 +97,18 @@ XML tags:
 
 # ---- parsing calls out of text -------------------------------------------------------------------
 class HermesParser:
-    """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, any number of them."""
+    """`<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, any number of them."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     PATTERN = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    # a call's body up to its arguments (the grammar's layout: name first), the name complete
+    HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_.\-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
     @classmethod
     def parse_call(cls, body: str, names: set[str]) -> dict[str, Any] | None:
-        """{"name", "arguments" (JSON text)} of one call's body, or None if it is not one."""
+        """{"name", "arguments" (JSON text)} of one call's body, or None if it is not one. The
+        arguments are the model's own text of the object (what streaming sends piece by piece),
+        re-serialized only when the body is not in the name-first layout."""
         try:
             value = json.loads(body)
         except ValueError:
@@ -107,11 +118,21 @@ class HermesParser:
         args = value.get("arguments", value.get("parameters", {}))
         if not isinstance(args, dict):
             return None
+        head = cls.HEAD.match(body)
+        if head is not None and head.group(1) == value["name"]:
+            try:
+                parsed, end = json.JSONDecoder().raw_decode(body, head.end())
+                if parsed == args:
+                    return {"name": value["name"], "arguments": body[head.end():end]}
+            except ValueError:
+                pass
         return {"name": value["name"], "arguments": json.dumps(args, ensure_ascii=False)}
 
     @classmethod
     def parse(cls, text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content: the text outside the calls, None when only calls; calls)."""
+        """(content: the text outside the calls, None when only calls; calls). A call that
+        repeats an earlier one (same name and arguments) is dropped: it is where a tool grammar
+        ends the output (sampling.constraint.CallsConstraint)."""
         calls, kept, at = [], [], 0
         for m in cls.PATTERN.finditer(text):
             call = cls.parse_call(m.group(1), names)
@@ -119,7 +140,8 @@ class HermesParser:
                 continue
             kept.append(text[at:m.start()])
             at = m.end()
-            calls.append(call)
+            if call not in calls:
+                calls.append(call)
         kept.append(text[at:])
         content = "".join(kept)
         if calls:
@@ -131,15 +153,22 @@ PARSERS = {"hermes": HermesParser}
 
 
 class StreamParser:
-    """Text deltas in, chat deltas out: content until a call may start (text that could be the
-    start of "<tool_call>" is held back), then each call as one `tool_calls` delta once its
-    closing tag arrives (the shape the openai client accumulates: index, id, type, function)."""
+    """Text deltas in, chat deltas out, in the shape the openai client accumulates: content
+    until a call may start (text that could be the start of "<tool_call>" is held back); then
+    each call as it is generated: a first delta with its index, id, type and name (arguments
+    "") once the name is complete, then the arguments' text piece by piece (OpenAI's
+    streaming). What is held back inside a call: from its last "}" on (the end of the
+    arguments is only known at the closing tag), and all of a call while its text is the start
+    of an earlier call's (a repeat, which ends the answer and is dropped, is never sent)."""
 
     def __init__(self, use: "ToolUse") -> None:
         self.use = use
         self.parser = PARSERS[use.parser]
         self.buffer = ""
-        self.calls: list[dict[str, Any]] = []
+        self.calls: list[dict[str, Any]] = []  # complete calls
+        self.bodies: list[str] = []  # their bodies' text, to hold back a repeat
+        self.started = 0  # calls whose first delta was sent (complete, or the one being streamed)
+        self.open_sent: str | None = None  # the open call's arguments text sent so far (None: not started)
         self.after_call = False  # newlines right after a call separate calls: not content
 
     def push(self, text: str) -> list[dict[str, Any]]:
@@ -161,26 +190,62 @@ class StreamParser:
                 out.append({"content": self.buffer[:start]})
                 self.buffer = self.buffer[start:]
             end = self.buffer.find(close)
-            if end < 0:
-                break  # inside a call: wait for its end
-            body = self.buffer[len(open_):end]
-            call = self.parser.parse_call(body.strip(), self.use.names)
-            if call is None:
-                out.append({"content": self.buffer[:end + len(close)]})
-            else:
-                out.append(self.use.call_delta(call, len(self.calls)))
-                self.calls.append(call)
+            if end < 0:  # inside a call: its arguments so far
+                out += self._partial(self.buffer[len(open_):].lstrip())
+                break
+            body = self.buffer[len(open_):end].strip()
+            call = self.parser.parse_call(body, self.use.names)
+            out += self._complete(call, body, self.buffer[:end + len(close)])
             self.buffer = self.buffer[end + len(close):]
             if call is not None:
                 self.buffer = self.buffer.lstrip("\n")
                 self.after_call = not self.buffer
         return [d for d in out if d.get("content") != ""]
 
+    def _partial(self, body: str) -> list[dict[str, Any]]:
+        head = self.parser.HEAD.match(body)
+        if head is None or head.group(1) not in self.use.names:
+            return []
+        out = []
+        if self.open_sent is None:
+            probe = body[:len(body) - held_prefix(body, self.parser.CLOSE)].rstrip()
+            if any(b.startswith(probe) for b in self.bodies):
+                return []  # may be a repeat: held until it differs or closes
+            out.append(self.use.call_delta({"name": head.group(1), "arguments": ""}, self.started))
+            self.started += 1
+            self.open_sent = ""
+        args = body[head.end():]
+        last = args.rfind("}")
+        safe = (args[:last] if last >= 0 else args).rstrip()
+        if len(safe) > len(self.open_sent) and safe.startswith(self.open_sent):
+            out.append(self.use.arguments_delta(safe[len(self.open_sent):], self.started - 1))
+            self.open_sent = safe
+        return out
+
+    def _complete(self, call: dict[str, Any] | None, body: str, text: str) -> list[dict[str, Any]]:
+        sent, self.open_sent = self.open_sent, None
+        if call is None:  # not a call (outside any grammar): text, unless it was announced as a call
+            return [{"content": text}] if sent is None else []
+        if call in self.calls:  # a repeated call ends the output and is dropped (as `parse`)
+            return []
+        self.calls.append(call)
+        self.bodies.append(body)
+        if sent is None:
+            self.started += 1
+            return [self.use.call_delta(call, self.started - 1)]
+        rest = call["arguments"][len(sent):] if call["arguments"].startswith(sent) else ""
+        return [self.use.arguments_delta(rest, self.started - 1)] if rest else []
+
     def finish(self) -> list[dict[str, Any]]:
-        """What is held back, as content (an unfinished call stays text)."""
+        """What is held back, as content (an unfinished call stays text), except under a
+        required or named choice, whose output is calls only, and for a call already being
+        streamed: what is left there is a call max_tokens cut (finish reason "length"); its
+        deltas so far were sent, as OpenAI's stream does, and the rest is dropped."""
         rest, self.buffer = self.buffer, ""
-        if self.calls:
+        if self.calls or self.use.calls_only:
             rest = rest.strip()
+        if self.use.calls_only or self.open_sent is not None:
+            return []
         return [{"content": rest}] if rest else []
 
 
@@ -202,14 +267,26 @@ class ToolUse:
     parallel: bool = True
     legacy: bool = False  # functions/function_call: answer with message.function_call
     parser: str = "hermes"
-    response_format: dict[str, Any] | None = None  # the grammar of required / named choices
+    response_format: ResponseFormat | None = None  # the grammar of the calls (CallsConstraint)
     names: set[str] = field(default_factory=set)
 
+    @property
+    def calls_only(self) -> bool:
+        """required or a named function: the grammar allows calls and nothing else."""
+        return self.choice != "auto"
+
     def call_delta(self, call: dict[str, Any], index: int) -> dict[str, Any]:
+        """A call's first streamed delta (with all of its arguments, or "" to stream them)."""
         if self.legacy:
             return {"function_call": {"name": call["name"], "arguments": call["arguments"]}}
         return {"tool_calls": [{"index": index, "id": call_id(), "type": "function",
                                 "function": {"name": call["name"], "arguments": call["arguments"]}}]}
+
+    def arguments_delta(self, text: str, index: int) -> dict[str, Any]:
+        """More of call `index`'s arguments text (the openai client appends it)."""
+        if self.legacy:
+            return {"function_call": {"arguments": text}}
+        return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
 
     def finish_reason(self, reason: str | None, calls: list) -> str | None:
         if calls and reason == "stop":
@@ -224,6 +301,8 @@ class ToolUse:
         content, calls = PARSERS[self.parser].parse(seq.text, self.names)
         if not self.parallel:
             calls = calls[:1]
+        if self.calls_only:  # any text left is a call max_tokens cut (finish reason "length"): dropped
+            content = None
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls and self.legacy:
             message["function_call"] = calls[0]
@@ -278,7 +357,7 @@ def parse_tool_use(body: Any, response_format: Any, parser: str = "hermes") -> T
     if len(grammar) > MAX_SPEC_CHARS:
         raise RequestError(f"tools: the grammar of these tools is {len(grammar)} characters; at most "
                            f"{MAX_SPEC_CHARS} (fewer or smaller parameter schemas)")
-    use.response_format = {"type": "grammar", "grammar": grammar}
+    use.response_format = ResponseFormat("grammar", grammar, calls=(PARSERS[parser].OPEN, PARSERS[parser].CLOSE))
     return use
 
 

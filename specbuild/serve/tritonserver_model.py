@@ -26,14 +26,22 @@ the config's max_batch_size > 0; batch 1): exclude_input_in_output (false: the p
 the generated text in a non-streamed answer, as the ensemble; absent: generated text only),
 return_log_probs (-> cum_log_probs, output_log_probs: the sampling distribution's, as the HTTP
 server's logprobs), random_seed (= seed), min_length (= min_tokens), presence_penalty,
-frequency_penalty, pad_id (nothing is padded here); beam_width, num_return_sequences,
-repetition_penalty, length_penalty, return_context_logits, return_generation_logits,
+frequency_penalty, repetition_penalty (over the prompt's and the output's tokens, as
+TensorRT-LLM's and vLLM's), pad_id (nothing is padded here); beam_width, num_return_sequences,
+length_penalty, return_context_logits, return_generation_logits,
 bad_words and embedding_bias_* only at their neutral values (else an INVALID_ARG error
 naming the input and the value served).
+
+Tool calling: `tools` (OpenAI's tools, JSON text), `tool_choice` (auto, required, none, a
+function's name or OpenAI's object as JSON) and `parallel_tool_calls` make text_input the
+user's turn of a chat, rendered, constrained and parsed as the HTTP chat endpoint does
+(serve/tools.py); text_output is then the content outside the calls and the final response
+has `tool_calls` (OpenAI's message.tool_calls as JSON text, "[]" for none).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -53,9 +61,9 @@ except ImportError:  # pragma: no cover - outside Triton
 log = logging.getLogger("specbuild.serve.tritonserver")
 PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
 LOGPROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
-ALL_OUTPUTS = ("text_output",) + PERF_OUTPUTS + LOGPROB_OUTPUTS
+ALL_OUTPUTS = ("text_output",) + PERF_OUTPUTS + LOGPROB_OUTPUTS + ("tool_calls",)
 # TensorRT-LLM ensemble inputs served only at these values: name -> (neutral, numpy kinds)
-NEUTRAL_INPUTS = {"beam_width": (1, "iu"), "num_return_sequences": (1, "iu"), "repetition_penalty": (1.0, "f"),
+NEUTRAL_INPUTS = {"beam_width": (1, "iu"), "num_return_sequences": (1, "iu"),
                   "length_penalty": (1.0, "f"), "return_context_logits": (False, "b"),
                   "return_generation_logits": (False, "b")}
 POLL_S = 0.1
@@ -73,6 +81,7 @@ class Unavailable(RuntimeError):
 
 
 MAX_FORMAT_CHARS = 64 * 1024  # as the HTTP server's limit (sampling.constraint bounds the schema itself)
+MAX_TOOLS_CHARS = 1 << 20  # the tools input, as JSON text (each tool is then bounded as the HTTP server's)
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,9 @@ class Parsed:
     content_type: str | None = None  # the gamma policy's content type (None: classified from the prompt)
     exclude_input: bool | None = None  # exclude_input_in_output (None: not given: generated text only)
     logprobs: bool = False  # return_log_probs
+    tools: list | None = None  # OpenAI's tools (text_input is then the user's turn of a chat)
+    tool_choice: Any = None  # "auto" | "required" | "none" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None
 
 
 def scalar(tensors: dict[str, np.ndarray], name: str, kinds: str) -> Any:
@@ -128,7 +140,7 @@ def parse_inputs(tensors: dict[str, np.ndarray]) -> Parsed:
     sampling: dict[str, Any] = {"max_tokens": int(max_tokens)}
     for name, kinds, cast in (("temperature", "f", float), ("top_k", "iu", int), ("top_p", "f", float),
                               ("seed", "iu", int), ("presence_penalty", "f", float), ("frequency_penalty", "f", float),
-                              ("min_length", "iu", int)):
+                              ("min_length", "iu", int), ("repetition_penalty", "f", float)):
         value = scalar(tensors, name, kinds)
         if value is not None:
             sampling["min_tokens" if name == "min_length" else name] = cast(value)
@@ -184,14 +196,80 @@ def parse_inputs(tensors: dict[str, np.ndarray]) -> Parsed:
                 raise InputError(f"input response_format is not JSON: {e}") from None
             if not isinstance(response_format, dict):
                 raise InputError("input response_format must be a JSON object, e.g. {\"type\": \"json_object\"}")
+    tools, tool_choice = json_input(tensors, "tools", MAX_TOOLS_CHARS, list), None
+    choice = scalar(tensors, "tool_choice", "OSU")
+    if choice is not None:
+        choice = text_of(choice, "tool_choice").strip()
+        if choice.startswith("{"):
+            tool_choice = json_input({"tool_choice": choice}, "tool_choice", MAX_FORMAT_CHARS, dict)
+        elif choice in ("auto", "required", "none"):
+            tool_choice = choice
+        elif choice:  # a function's name
+            tool_choice = {"type": "function", "function": {"name": choice}}
+    if tool_choice is not None and tools is None:
+        raise InputError("input tool_choice needs the tools input")
+    parallel = scalar(tensors, "parallel_tool_calls", "b")
     return Parsed(prompt=text_of(text, "text_input"), sampling=sampling, speculation=speculation,
                   end_id=None if end_id is None else int(end_id), stream=bool(stream), perf=bool(perf),
                   response_format=response_format, content_type=content_type,
-                  exclude_input=None if exclude is None else bool(exclude), logprobs=bool(logprobs))
+                  exclude_input=None if exclude is None else bool(exclude), logprobs=bool(logprobs),
+                  tools=tools, tool_choice=tool_choice, parallel_tool_calls=None if parallel is None else bool(parallel))
+
+
+def json_input(tensors: dict[str, np.ndarray], name: str, limit: int, kind: type) -> Any:
+    """The JSON value of string input `name` (None when absent or blank), at most `limit`
+    characters, of type `kind`; else InputError naming the input."""
+    value = scalar(tensors, name, "OSU")
+    if value is None:
+        return None
+    value = text_of(value, name)
+    if len(value) > limit:
+        raise InputError(f"input {name} is {len(value)} characters; at most {limit}")
+    if not value.strip():
+        return None
+    try:
+        out = json.loads(value)
+    except ValueError as e:
+        raise InputError(f"input {name} is not JSON: {e}") from None
+    if not isinstance(out, kind):
+        raise InputError(f"input {name} must be a JSON {'array' if kind is list else 'object'}, "
+                         f"got {type(out).__name__}")
+    return out
 
 
 def build_request(parsed: Parsed, engine, request_id: str | None = None):
     """Parsed -> specbuild Request over the engine's defaults. Raises RequestError."""
+    return build(parsed, engine, request_id)[0]
+
+
+def tool_prompt(parsed: Parsed, engine) -> tuple[list[int], Any]:
+    """With the tools input: (prompt ids, serve.tools.ToolUse or None for tool_choice none) of
+    text_input as the user's turn of a chat, rendered and constrained as the HTTP chat
+    endpoint does (the same request model, template and call grammar). Raises RequestError."""
+    from pydantic import ValidationError
+
+    from specbuild.errors import RequestError
+    from specbuild.serve.openai_http import ChatRequest
+    from specbuild.serve.tools import encode_prompt, parse_tool_use
+
+    body = {"messages": [{"role": "user", "content": parsed.prompt}], "tools": parsed.tools}
+    if parsed.tool_choice is not None:
+        body["tool_choice"] = parsed.tool_choice
+    if parsed.parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = parsed.parallel_tool_calls
+    try:
+        chat = ChatRequest.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise RequestError(f"input {where.split('.')[0]}: {where}: {first.get('msg')}") from None
+    use = parse_tool_use(chat, parsed.response_format)
+    messages = [{"role": "user", "content": parsed.prompt}]
+    return encode_prompt(engine, messages, use, None, chat), use
+
+
+def build(parsed: Parsed, engine, request_id: str | None = None):
+    """(Request, ToolUse or None): build_request's, and the tools input's use when given."""
     from specbuild.errors import RequestError
     from specbuild.sampling.params import SamplingParams
     from specbuild.engine.sequence import Request
@@ -207,10 +285,17 @@ def build_request(parsed: Parsed, engine, request_id: str | None = None):
     if sampling.get("min_tokens"):  # no end-of-sequence or stop token before min_length
         sampling["min_tokens_ids"] = tuple(getattr(engine, "eos_ids", ())) + tuple(sampling.get("stop_token_ids", ()))
     params = SamplingParams.from_dict(sampling, engine.default_sampling)
+    prompt, prompt_ids, use, fmt = parsed.prompt, None, None, parsed.response_format
+    if parsed.tools is not None:
+        prompt_ids, use = tool_prompt(parsed, engine)
+        prompt, fmt = None, use.response_format if use is not None else fmt
+    if params.repetition_penalty != 1.0:  # it counts the prompt's tokens: the engine's encoding of it
+        prompt_ids = prompt_ids or engine.encode(parsed.prompt)
+        prompt, params = None, dataclasses.replace(params, repetition_ids=tuple(prompt_ids))
     spec = SpeculationConfig.make(engine.default_speculation, **parsed.speculation) if parsed.speculation else None
-    return Request(prompt=parsed.prompt, sampling=params, speculation=spec, request_id=request_id or None,
-                   response_format=parsed.response_format, content_type=check_content_type(parsed.content_type),
-                   logprobs=0 if parsed.logprobs else None)
+    return Request(prompt=prompt, prompt_ids=prompt_ids, sampling=params, speculation=spec, request_id=request_id or None,
+                   response_format=fmt, content_type=check_content_type(parsed.content_type),
+                   logprobs=0 if parsed.logprobs else None), use
 
 
 def logprob_values(items: list) -> dict[str, np.ndarray]:
@@ -310,14 +395,15 @@ class EngineModel:
                 if waiting >= self.max_queue:
                     raise Unavailable(f"{waiting} requests are waiting, the queue limit (max_queue) is "
                                           f"{self.max_queue}; retry later")
-                handle = self.engine.submit(build_request(parsed, self.engine, request.request_id()))
+                built, use = build(parsed, self.engine, request.request_id())
+                handle = self.engine.submit(built)
             except (InputError, self.RequestError) as e:
                 self.send(sender, error_response(str(e), "INVALID_ARG"), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             except Unavailable as e:
                 self.send(sender, error_response(str(e), "UNAVAILABLE"), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            thread = threading.Thread(target=self.forward, args=(handle, sender, parsed, request), daemon=True,
+            thread = threading.Thread(target=self.forward, args=(handle, sender, parsed, request, use), daemon=True,
                                       name=f"specbuild-forward-{handle.request_id}")
             with self.lock:
                 self.active[id(handle)] = (handle, thread)
@@ -337,9 +423,11 @@ class EngineModel:
         with self.ipc_lock:
             return bool(sender.is_cancelled())
 
-    def response(self, text: str, handle, perf: bool, logprobs: list | None = None):
+    def response(self, text: str, handle, perf: bool, logprobs: list | None = None, tool_calls: str | None = None):
         b = self.batched
         outputs = [pb_utils.Tensor("text_output", batched(string_tensor(text), b))]
+        if tool_calls is not None:
+            outputs.append(pb_utils.Tensor("tool_calls", batched(string_tensor(tool_calls), b)))
         if perf:
             seq = handle.seq
             outputs += [pb_utils.Tensor(k, batched(v, b)) for k, v in perf_values(seq.drafted, seq.accepted).items()]
@@ -347,12 +435,16 @@ class EngineModel:
             outputs += [pb_utils.Tensor(k, batched(v, b)) for k, v in logprob_values(logprobs).items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
-    def forward(self, handle, sender, parsed: Parsed, request=None) -> None:
+    def forward(self, handle, sender, parsed: Parsed, request=None, use=None) -> None:
         """Relay one request's events to its sender until the final one (runs on its own thread).
 
-        `request` is held only so the stub keeps the request object until its final response."""
+        `request` is held only so the stub keeps the request object until its final response.
+        With tools (`use`, serve.tools.ToolUse): text_output is the content outside the calls
+        (streamed: as the HTTP server's stream parser releases it), and the final response
+        has tool_calls."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         text: list[str] = []
+        parser = use.stream_parser() if use is not None and parsed.stream else None
         try:
             while True:
                 event = handle.get(timeout=POLL_S)
@@ -366,17 +458,27 @@ class EngineModel:
                     self.send(sender, error_response(reason, "CANCELLED" if aborted else "INTERNAL"), final)
                     return
                 if parsed.stream:
-                    if event.text or event.finished:
+                    piece, calls = event.text, None
+                    if parser is not None:
+                        deltas = parser.push(event.text) + (parser.finish() if event.finished else [])
+                        piece = "".join(d.get("content", "") for d in deltas)
+                        if event.finished:
+                            calls = calls_json(parser.calls)
+                    if piece or event.finished:
                         lps = (event.logprobs or []) if parsed.logprobs else None
-                        response = self.response(event.text, handle, parsed.perf and event.finished, lps)
+                        response = self.response(piece, handle, parsed.perf and event.finished, lps, calls)
                         self.send(sender, response, final if event.finished else 0)
                 else:
                     text.append(event.text)
                     if event.finished:
+                        calls = None
+                        if use is not None:  # the content outside the calls, and the calls
+                            message = use.final_choice(_NoTokenIds, handle.seq, 0, None)["message"]
+                            text, calls = [message["content"] or ""], json.dumps(message.get("tool_calls") or [])
                         if parsed.exclude_input is False:  # the ensemble's default: prompt + generated text
                             text.insert(0, parsed.prompt)
                         lps = list(handle.seq.logprobs) if parsed.logprobs else None
-                        self.send(sender, self.response("".join(text), handle, parsed.perf, lps), final)
+                        self.send(sender, self.response("".join(text), handle, parsed.perf, lps, calls), final)
                 if event.finished:
                     self.count(handle.seq)
                     return
@@ -410,6 +512,19 @@ class EngineModel:
         getattr(self.engine, "close", self.engine.stop)()  # close: TensorRT-LLM shuts its executors down
         if self.telemetry is not None:
             self.telemetry.close()
+
+
+class _NoTokenIds:
+    """What ToolUse.final_choice reads of an HTTP call: no token ids asked for."""
+
+    return_token_ids = False
+
+
+def calls_json(calls: list[dict[str, Any]]) -> str:
+    """Complete calls ({"name", "arguments"}) as OpenAI's message.tool_calls, JSON text."""
+    from specbuild.serve.tools import call_id
+
+    return json.dumps([{"id": call_id(), "type": "function", "function": c} for c in calls])
 
 
 class PlainModel:

@@ -42,6 +42,10 @@ INPUTS: dict[str, tuple[str, tuple[int, ...], bool]] = {
     "response_format": ("TYPE_STRING", (1,), True),  # structured output: OpenAI's response_format as JSON text
     "content_type": ("TYPE_STRING", (1,), True),
     "return_perf_metrics": ("TYPE_BOOL", (1,), True),
+    # tool calling (tritonserver_model.build): OpenAI's tools as JSON text; text_input is then the user's turn
+    "tools": ("TYPE_STRING", (1,), True),
+    "tool_choice": ("TYPE_STRING", (1,), True),
+    "parallel_tool_calls": ("TYPE_BOOL", (1,), True),
     # TensorRT-LLM's ensemble inputs (tritonserver_model.parse_inputs: served, or refused unless neutral)
     "exclude_input_in_output": ("TYPE_BOOL", (1,), True),
     "return_log_probs": ("TYPE_BOOL", (1,), True),
@@ -69,6 +73,8 @@ OUTPUTS: dict[str, tuple[str, tuple[int, ...]]] = {
     # with return_log_probs (beam 1): the sum, and one per generated token
     "cum_log_probs": ("TYPE_FP32", (-1,)),
     "output_log_probs": ("TYPE_FP32", (-1, -1)),
+    # with tools: the calls, OpenAI's message.tool_calls as JSON text ("[]": none)
+    "tool_calls": ("TYPE_STRING", (1,)),
 }
 MODEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tritonserver_model.py")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")

@@ -12,7 +12,15 @@ from typing import Any
 
 from specbuild.errors import RequestError
 
-METHODS = ("none", "ngram", "draft", "medusa", "recycle", "eagle", "suffix", "hybrid", "auto", "eagle3")  # eagle3: the TensorRT-LLM LLM-API path
+from specbuild.speculation.proposers import registry
+
+# the registry's drafters, plus none, auto and eagle3 (the TensorRT-LLM LLM-API path); a drafter
+# registered later (registry.register) is accepted too: see known_methods
+METHODS = ("none", *registry.names(), "auto", "eagle3")
+
+
+def known_methods() -> tuple[str, ...]:
+    return ("none", *registry.names(), "auto", "eagle3")
 GAMMA_LIMIT = 16
 
 
@@ -44,8 +52,8 @@ class SpeculationConfig:
     typical: bool = False
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise RequestError(f"speculation method {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.method not in known_methods():
+            raise RequestError(f"speculation method {self.method!r} is not one of {', '.join(known_methods())}")
         for name in ("gamma", "gamma_min", "gamma_max"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= GAMMA_LIMIT:

@@ -1,34 +1,89 @@
-"""Speculation inside the scheduler's step: which drafter, how deep, verify, commit.
+"""Speculation inside the scheduler's step: which drafter, how deep, verification.
 
-The scheduler calls, per step: `propose(decoding seqs) -> {seq: Draft}`, `bins(items)`,
-`verify(seq, draft, target_logits) -> (accepted, new tokens)` and `commit(seq, length)`,
-which moves the target's and every drafter's cache to the same length in one call.
+The step (engine/step.py) makes two calls per step: `propose(seqs)` -> a `Proposal` (the
+drafts, and what the target's pass must return for the drafters: hidden states, auxiliary
+layers), and, per sequence after the pass, `settle(seq, PassResult)` -> a `Verdict` (the
+tokens to append, the drafts accepted, the rows that chose them, the K/V moves of a tree's
+accepted path, the length the target's cache keeps), which the step applies. `settle`
+also hands every drafter the sequence uses what it declared it reads (`Observation`) and
+trims the drafters to the verdict's length. Two lifecycle calls remain: `release(seq)`
+(a finished or failed request) and `rollback(seq, length)` (the scheduler re-prefills or
+copies a prompt's K/V).
+
+The drafters are named only by the registry (proposers/registry.py); here each is reached
+through its declared `Needs` and the Proposer protocol (proposers/base.py).
 """
 
 from __future__ import annotations
 
 import functools
-
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from specbuild.speculation.binning import BinCost, plan
 from specbuild.speculation.gamma import CostModel, GammaController, TreeCostModel, best_gamma, expected_tokens
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.decoder import Decoder
-from specbuild.sampling.params import warp_probs
-from specbuild.speculation.proposers.base import Draft, candidate_sources
+from specbuild.sampling.params import check_logits, sample_from, warp_probs
+from specbuild.speculation.binning import BinCost
+from specbuild.speculation.proposers.base import Draft, Observation, candidate_sources
 from specbuild.sampling.acceptance import verify_chain_greedy, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled, verify_tree_typical
 
 log = logging.getLogger("specbuild.speculator")
 # a cached width-1 verify cost more than this many times one live forward was measured under a
-# load that has gone (the issue-32 case: 466 ms cached against a 108 ms step): measured again
+# load that has gone (466 ms cached against a 108 ms step was seen): measured again
 LIVE_CHECK_FACTOR = 3.0
 
 
 GRAMMAR = "grammar"  # Draft.method of the tokens a structured-output grammar forces
+
+
+@dataclass
+class Proposal:
+    """What `propose` hands the step: the drafts, and what the target's pass must return."""
+
+    drafts: dict = field(default_factory=dict)  # Sequence -> Draft
+    hidden: bool = False  # final-normed hidden states of the logit rows (a drafter reads them)
+    aux_layers: tuple[int, ...] = ()  # target layers whose inputs `feature_seqs`' rows return
+    feature_seqs: frozenset[int] = frozenset()  # seq_ids whose every row's features a drafter reads
+    draft_ms: dict[str, float] = field(default_factory=dict)  # method -> its propose call this step
+
+
+@dataclass
+class PassResult:
+    """What the target's pass computed for one sequence, as `settle` reads it."""
+
+    start: int  # cache length before the pass (position of chunk[0])
+    chunk: list[int]  # the pending tokens this pass ran (then the draft's)
+    draft: Draft | None = None
+    logits: torch.Tensor | None = None  # [1 + k, vocab] raw; None: a prefill chunk that does not complete
+    scores: torch.Tensor | None = None  # the same rows after penalties, logit_bias and the grammar
+    hidden: torch.Tensor | None = None  # [1 + k, H] (Proposal.hidden)
+    features: torch.Tensor | None = None  # [len(chunk) + k, F] (Proposal.feature_seqs)
+
+
+@dataclass
+class Verdict:
+    """What `settle` decided for one sequence; the step applies it."""
+
+    tokens: list[int]  # to append: the accepted drafts then the target's own next token
+    accepted: int  # drafts accepted
+    rows: list[int]  # rows of PassResult.scores that chose `tokens`, in order (logprobs)
+    length: int  # tokens whose K/V the target's cache keeps (chunk + accepted drafts)
+    kv_moves: list[tuple[int, int]] = field(default_factory=list)  # (from, to) cache positions, applied first
+    method: str | None = None  # the drafter whose draft was verified (None: plain or a prefill chunk)
+
+
+def plain_next_token(seq, scores: torch.Tensor) -> int:
+    """Sample one token from scores [vocab] (already `process_logits`ed) with the request's
+    params and generator."""
+    if seq.params.greedy:
+        check_logits(scores)
+        return int(scores.argmax())
+    probs = warp_probs(scores.unsqueeze(0), seq.params)
+    return int(sample_from(probs, seq.uniforms(1))[0])
 
 
 class MeasuredCosts(dict):
@@ -56,18 +111,20 @@ def nodes_within_depth(tree) -> list[int]:
 
 class Speculator:
     def __init__(self, target: Decoder, cache: PagedKVCache, proposers: dict, max_draft_len: int,
-                 max_seq_len: int, binning: str = "ragged", costs: dict[str, CostModel] | None = None) -> None:
+                 max_seq_len: int, costs: dict[str, CostModel] | None = None) -> None:
         self.target = target
         self.cache = cache
-        self.proposers = proposers  # method name -> proposer
+        self.proposers = proposers  # method name -> proposer (proposers/registry.py's order)
         self.max_draft_len = max_draft_len
         self.max_seq_len = max_seq_len
-        self.binning = binning
+        self.draft_room = max_draft_len + 1  # KV positions a step may need past a sequence's text
         self._costs = costs
         self._controller: GammaController | None = None
-        self.bin_cost: BinCost | None = None
+        self._bin_cost: BinCost | None = None
         self.emit = None  # callable(seq, kind, detail): failure-mode events (Engine.set_sink)
-        self.last_draft_ms: dict[str, float] = {}  # method -> its last propose call, milliseconds
+        # the target layers some drafter reads (one drafter's, in its order: EAGLE-3's three)
+        self.aux_layers: tuple[int, ...] = next((tuple(p.needs.aux_layers) for p in proposers.values()
+                                                 if getattr(getattr(p, "needs", None), "aux_layers", ())), ())
 
     # ---- costs, measured once on first use ---------------------------------------------------
     @property
@@ -78,6 +135,12 @@ class Speculator:
             self._controller = GammaController(self._costs)
             self._controller.emit = self.emit
         return self._controller
+
+    @property
+    def bin_cost(self) -> BinCost:
+        """A pass's fixed and per-token cost from the calibrated verify costs (micro-batch planning)."""
+        _ = self.controller
+        return self._bin_cost
 
     def calibrate(self) -> dict[str, CostModel]:
         """Verify cost by width (and each drafter model's step), measured once per machine and
@@ -120,7 +183,7 @@ class Speculator:
             if hasattr(prop, "verify_cost"):  # the EAGLE tree's node budget
                 prop.verify_cost = costs[name].verify
         w1, wn = verify[1], verify[max(widths)]
-        self.bin_cost = BinCost(pass_overhead=max(w1 - (wn - w1) / max(max(widths) - 1, 1), 1e-4),
+        self._bin_cost = BinCost(pass_overhead=max(w1 - (wn - w1) / max(max(widths) - 1, 1), 1e-4),
                                 token_cost=max((wn - w1) / max(max(widths) - 1, 1), 1e-6))
         log.info("speculation costs %s in %.2fs: verify %s", "read from the cache" if cached else "calibrated",
                  time.perf_counter() - t0, {k: round(v * 1e3, 2) for k, v in verify.items()})
@@ -135,70 +198,79 @@ class Speculator:
             if hasattr(prop, "emit"):
                 prop.emit = emit
 
-    # ---- per-step hooks ------------------------------------------------------------------------
-    @property
-    def wants_hidden(self) -> bool:
-        """Medusa heads read the target's hidden state of the row that chose each root."""
-        return "medusa" in self.proposers and hasattr(self.proposers["medusa"], "observe")
+    # ---- who reads what ----------------------------------------------------------------------
+    def needs(self, name: str):
+        from specbuild.speculation.proposers.base import Needs
 
-    def observe_hidden(self, seq, hidden_row: torch.Tensor) -> None:
-        self.proposers["medusa"].observe(seq, hidden_row)
+        return getattr(self.proposers.get(name), "needs", None) or Needs()
 
-    def observe_logits(self, seq, tokens: list[int], rows: torch.Tensor) -> None:
-        """Token recycling's table learns from every verified row (tokens[i] is row i's
-        input token); only for requests that may draft with it (recycle, auto)."""
-        rec = self.proposers.get("recycle")
-        if rec is not None and seq.spec is not None and (seq.spec.method in ("recycle", "hybrid") or (
-                seq.spec.method == "auto" and not seq.spec_state.auto_plain)):
-            rec.observe(torch.tensor(tokens, dtype=torch.int64), rows)
-
-    # EAGLE-3 heads read three of the target's hidden states (model/decoder.py aux_layers)
-    @property
-    def aux_layers(self) -> tuple[int, ...]:
-        prop = self.proposers.get("eagle")
-        return tuple(getattr(prop, "aux_layers", ()))
-
-    def aux_rows(self, items: list) -> torch.Tensor | None:
-        """Rows of the batch whose features the EAGLE head needs (call after the batch is
-        built): every row of items whose request may draft with it (eagle, auto); None
-        when there are none, so other requests pay nothing."""
-        if not self.aux_layers:
-            return None
-        rows: list[int] = []
-        for it in items:
-            spec = getattr(it.seq, "spec", None)
-            if spec is not None and (spec.method == "eagle" or (spec.method == "auto" and not it.seq.spec_state.auto_plain)):
-                it.aux0 = len(rows)
-                rows.extend(range(it.row0, it.row0 + it.width))
-            else:
-                it.aux0 = None
-        return torch.tensor(rows, dtype=torch.int64) if rows else None
-
-    def observe_features(self, seq, it, aux: torch.Tensor, accepted: int = 0) -> None:
-        """Hand the head the features of seq's rows that are now part of its text: the
-        chunk, then the accepted drafts in path order (before `compact` moves them)."""
-        if getattr(it, "aux0", None) is None:
-            return
-        base = aux[it.aux0:it.aux0 + it.width]
-        c = len(it.chunk)
-        if it.n_draft and it.completes:
-            nodes = list(seq.spec_state.accepted_nodes) if it.draft.parents is not None \
-                else list(range(1, accepted + 1))
-            feats = torch.cat([base[:c], base[torch.tensor(nodes, dtype=torch.int64) + c - 1]]) if nodes \
-                else base[:c]
+    def uses(self, seq) -> frozenset[str]:
+        """The drafters seq may draft with, so the ones that learn from its passes: its
+        method's (with the drafters that method merges), every drafter under `auto` until
+        auto_plain, none for plain decoding. Kept in seq.spec_state.uses."""
+        spec = getattr(seq, "spec", None)
+        method = spec.method if spec is not None else "none"
+        if method == "auto":
+            names = frozenset() if seq.spec_state.auto_plain else frozenset(self.proposers)
+        elif method in self.proposers:
+            names = frozenset((method, *self.needs(method).parts))
         else:
-            feats = base[:c]
-        self.proposers["eagle"].observe(seq, it.start, feats)
+            names = frozenset()
+        seq.spec_state.uses = names
+        return names
 
-    def max_extra_tokens(self, seq) -> int:
-        return self.max_draft_len + 1
-
-    def on_admit(self, seq) -> None:
-        pass
-
-    def on_release(self, seq) -> None:
-        for prop in self.proposers.values():
-            prop.release(seq)
+    # ---- the step: propose ---------------------------------------------------------------------
+    def propose(self, seqs: list, on_error=None) -> Proposal:
+        """Drafts for the sequences of `seqs` that decode this step (one pending token), and
+        what the pass must return for the drafters of all of them. A drafter that raises on a
+        batch is retried one sequence at a time, so only the sequence it fails on loses its
+        drafts (and decodes plainly from then on: see draft_failed); on_error(seq, exc,
+        while_) takes a sequence's own failure (its grammar) and that sequence is left out;
+        without on_error such a failure raises."""
+        out = Proposal()
+        features, hidden = set(), False
+        by_method: dict[str, list] = {}
+        for seq in seqs:
+            uses = self.uses(seq)
+            hidden = hidden or any(self.needs(n).hidden for n in uses)
+            if self.aux_layers and any(self.needs(n).aux_layers for n in uses):
+                features.add(seq.seq_id)
+            if seq.num_cached < len(seq.all_ids) - 1:
+                continue  # still prefilling: nothing to draft from
+            try:
+                choice = self.plan_draft(seq)
+            except Exception as e:
+                if on_error is None:
+                    raise
+                on_error(seq, e, "choosing its drafts (its grammar's forced tokens, method, depth)")
+                continue
+            if isinstance(choice, Draft):  # the grammar's forced tokens: a free draft, whatever the method
+                out.drafts[seq] = choice
+            elif choice is not None:
+                by_method.setdefault(choice[0], []).append((seq, choice[1]))
+        for method, pairs in by_method.items():
+            t0 = time.perf_counter()
+            try:
+                drafts = self.proposers[method].propose([s for s, _ in pairs], [g for _, g in pairs])
+            except Exception as e:  # noqa: BLE001 - find the sequence it belongs to
+                drafts = self.propose_apart(method, pairs, e)
+            out.draft_ms[method] = (time.perf_counter() - t0) * 1e3
+            for (seq, gamma), draft in zip(pairs, drafts):
+                try:
+                    draft = self.within_grammar(seq, draft)
+                except Exception as e:
+                    if on_error is None:
+                        raise
+                    on_error(seq, e, "checking its drafts against its grammar")
+                    continue
+                if draft is not None and len(draft) > 0:
+                    out.drafts[seq] = draft
+                else:
+                    self.controller.record(seq, method, 0, 0)
+        out.hidden = hidden
+        if features:
+            out.aux_layers, out.feature_seqs = self.aux_layers, frozenset(features)
+        return out
 
     def choose_method(self, seq) -> str | None:
         method = seq.spec.method if seq.spec is not None else "none"
@@ -228,52 +300,18 @@ class Speculator:
         """The measured costs of `method` for seq; for Medusa, depth g verifies all of the
         request's tree within depth g (gamma.TreeCostModel)."""
         cm = self.controller.costs[method]
-        validate = getattr(self.proposers.get(method), "validate_tree", None) if method in ("medusa", "recycle") \
-            else None
+        validate = getattr(self.proposers.get(method), "validate_tree", None)
         if validate is None:  # a chain drafter (or a tree proposer that does not name its tree)
             return cm
         return TreeCostModel(cm, nodes_within_depth(validate(getattr(seq.spec, "tree", None))))
 
-    def propose(self, seqs: list, on_error=None) -> dict:
-        """{seq: Draft} for the sequences that draft this step. A drafter that raises on a
-        batch is retried one sequence at a time, so only the sequence it fails on loses its
-        drafts (and decodes plainly from then on: see draft_failed); on_error(seq, exc,
-        while_) takes a sequence's own failure (its grammar) and that sequence is left out;
-        without on_error such a failure raises."""
-        by_method: dict[str, list] = {}
-        out = {}
-        for seq in seqs:
-            try:
-                choice = self.plan_draft(seq)
-            except Exception as e:
-                if on_error is None:
-                    raise
-                on_error(seq, e, "choosing its drafts (its grammar's forced tokens, method, depth)")
-                continue
-            if isinstance(choice, Draft):  # the grammar's forced tokens: a free draft, whatever the method
-                out[seq] = choice
-            elif choice is not None:
-                by_method.setdefault(choice[0], []).append((seq, choice[1]))
-        for method, pairs in by_method.items():
-            t0 = time.perf_counter()
-            try:
-                drafts = self.proposers[method].propose([s for s, _ in pairs], [g for _, g in pairs])
-            except Exception as e:  # noqa: BLE001 - find the sequence it belongs to
-                drafts = self.propose_apart(method, pairs, e)
-            self.last_draft_ms[method] = (time.perf_counter() - t0) * 1e3
-            for (seq, gamma), draft in zip(pairs, drafts):
-                try:
-                    draft = self.within_grammar(seq, draft)
-                except Exception as e:
-                    if on_error is None:
-                        raise
-                    on_error(seq, e, "checking its drafts against its grammar")
-                    continue
-                if draft is not None and len(draft) > 0:
-                    out[seq] = draft
-                else:
-                    self.controller.record(seq, method, 0, 0)
-        return out
+    def depth_for(self, seq, method: str) -> int:
+        """The depth seq would draft with `method` now, 0 when `auto` would not choose it
+        (MineDraft's planning orders the other batch's drafts with it); records nothing."""
+        if self.choose_method(seq) != method:
+            return 0
+        gamma = self.controller.next(seq, method)
+        return max(0, min(gamma, self.max_draft_len, seq.remaining - 1))
 
     def plan_draft(self, seq) -> "Draft | tuple[str, int] | None":
         """seq's drafting this step: the grammar's forced tokens (a Draft), (method, gamma > 0),
@@ -350,44 +388,80 @@ class Speculator:
         tokens = seq.constraint.forced(max(0, min(self.max_draft_len, seq.remaining - 1)))
         return Draft(tokens, method=GRAMMAR) if tokens else None
 
-    def bins(self, items: list) -> list[list]:
-        if self.binning == "ragged" or len(items) <= 1:
-            return [items]
-        if self.binning == "padded":  # one pass, decode items padded to the widest
-            widest = max((it.width for it in items if it.completes and len(it.chunk) == 1), default=0)
-            for it in items:
-                if it.completes and len(it.chunk) == 1:
-                    it.pad = widest - it.width
-            return [items]
-        _ = self.controller  # make sure bin costs are calibrated
-        groups = plan([it.width for it in items], self.binning, self.bin_cost)
-        return [[items[i] for i in g] for g in groups]
+    # ---- the step: settle ----------------------------------------------------------------------
+    def settle(self, seq, res: PassResult) -> Verdict:
+        """Verify res.draft against the target's rows (or sample the next token of a plain
+        pass), hand the sequence's drafters what they read of the pass, trim them to the
+        kept length, and return the verdict. A prefill chunk that does not complete
+        (res.scores None) chooses nothing: its drafters read its features only."""
+        uses = self.uses(seq)  # (auto may have settled on plain decoding while planning this step)
+        c = len(res.chunk)
+        if res.scores is None:
+            length = res.start + c
+            self._observe(seq, uses, Observation(length, res.start, None, features=None if res.features is None
+                                                 else res.features[:c]))
+            return Verdict([], 0, [], length)
+        draft = res.draft if res.draft is not None and len(res.draft) else None
+        nodes: tuple[int, ...] = ()
+        if draft is None:
+            tokens, accepted, rows = [plain_next_token(seq, res.scores[0])], 0, [0]
+        elif draft.is_tree:
+            verdict = self.verify_tree(seq, draft, res.scores)
+            nodes = tuple(verdict.accepted_nodes)
+            tokens, accepted, rows = list(verdict.tokens), len(nodes), [0, *nodes]
+            seq.spec_state.candidate_sources = candidate_sources(draft, accepted, nodes)
+            # by depth: the fraction of tree steps whose accepted path reached depth d + 1
+            self.record(seq, draft, len(draft), accepted, depth_counts=[1] * max(draft.depths))
+        else:
+            accepted, tokens = self.verify_chain(seq, draft, res.scores)
+            rows = list(range(len(tokens)))
+            seq.spec_state.candidate_sources = candidate_sources(draft, accepted)
+            self.record(seq, draft, len(draft), accepted)
+        length = res.start + c + accepted
+        root = res.start + c - 1  # cache position of the root (the chunk's last token)
+        # a tree's accepted path moves into the positions right after the root; the other
+        # nodes' K/V are dropped by the commit to `length`
+        moves = [(root + node, root + 1 + j) for j, node in enumerate(nodes) if node != j + 1]
+        kept = list(range(c)) + ([c - 1 + n for n in nodes] if draft is not None and draft.is_tree
+                                 else list(range(c, c + accepted)))
+        last_row = rows[len(tokens) - 1] if draft is not None else 0  # the row that chose the new last token
+        self._observe(seq, uses, Observation(
+            length, res.start, draft.method if draft is not None else None,
+            tokens=[res.chunk[-1], *(draft.tokens if draft is not None else ())], logits=res.logits,
+            hidden=None if res.hidden is None else res.hidden[last_row],
+            features=None if res.features is None else res.features[torch.tensor(kept, dtype=torch.int64)],
+            sources=seq.spec_state.candidate_sources if draft is not None else None))
+        return Verdict(tokens, accepted, rows, length, moves, (seq.spec_state.method or draft.method) if draft
+                       is not None else None)
 
-    def verify(self, seq, draft, target_logits: torch.Tensor) -> tuple[int, list[int]]:
-        """target_logits: [k + 1, vocab]. Returns (accepted drafts, tokens to append)."""
+    def _observe(self, seq, uses: frozenset[str], obs: Observation) -> None:
+        """The sequence's drafters read what they declared; then every drafter is trimmed to
+        the kept length (a drafter's state for a sequence it does not serve is empty)."""
+        for name in uses:
+            prop = self.proposers.get(name)
+            if prop is not None and hasattr(prop, "observe"):
+                needs = self.needs(name)
+                prop.observe(seq, Observation(obs.length, obs.start, obs.method,
+                                              tokens=obs.tokens if needs.logits else [],
+                                              logits=obs.logits if needs.logits else None,
+                                              hidden=obs.hidden if needs.hidden else None,
+                                              features=obs.features if needs.aux_layers else None,
+                                              sources=obs.sources))
+        self.rollback(seq, obs.length)
+
+    def verify_chain(self, seq, draft: Draft, scores: torch.Tensor) -> tuple[int, list[int]]:
+        """scores: [k + 1, vocab]. Returns (accepted drafts, tokens to append)."""
         k = len(draft.tokens)
         ids = torch.tensor(draft.tokens, dtype=torch.int64)
-        if draft.parents is not None:
-            res = self.verify_tree(seq, draft, target_logits)
-            a = len(res.accepted_nodes)
-            seq.spec_state.accepted_nodes = res.accepted_nodes
-            draft.last_row = res.accepted_nodes[-1] if res.accepted_nodes else 0
-            seq.spec_state.candidate_sources = candidate_sources(draft, a, res.accepted_nodes)
-            # by depth: the fraction of tree steps whose accepted path reached depth d + 1
-            self.record(seq, draft, k, a, depth_counts=[1] * max(draft.depths))
-            return a, list(res.tokens)
         if seq.params.greedy:
-            res = verify_chain_greedy(ids, target_logits)
+            res = verify_chain_greedy(ids, scores)
         else:
-            target_probs = warp_probs(target_logits, seq.params)  # [k + 1, vocab]
+            target_probs = warp_probs(scores, seq.params)  # [k + 1, vocab]
             draft_probs = draft.probs
             if draft_probs is not None:
                 draft_probs = draft_probs.to(target_probs.device)
             res = verify_chain_sampled(ids, draft_probs, target_probs, seq.uniforms(k + 1))
-        a = res.accepted
-        seq.spec_state.candidate_sources = candidate_sources(draft, a)
-        self.record(seq, draft, k, a)
-        return a, list(res.tokens)
+        return res.accepted, list(res.tokens)
 
     def verify_tree(self, seq, draft, target_logits: torch.Tensor):
         """target_logits: [n + 1, vocab], row i = the target after tree node i (0 = root)."""
@@ -412,22 +486,12 @@ class Speculator:
         depth = len(depth_counts) if depth_counts else k
         self.controller.record(seq, method, depth, a)
 
-    def compact(self, seq, item, cache: PagedKVCache, accepted: int) -> None:
-        """After a tree step, move the accepted path's K/V into contiguous positions right
-        after the root; the other nodes' entries are dropped by the following commit."""
-        nodes, seq.spec_state.accepted_nodes = seq.spec_state.accepted_nodes, ()
-        assert len(nodes) == accepted
-        root = item.start + len(item.chunk) - 1  # cache index of the root token
-        moves = [(root + node, root + 1 + j) for j, node in enumerate(nodes) if node != j + 1]
-        if not moves:
-            return
-        slots = cache.slots(seq.seq_id, 0, root + 1 + max(nodes))
-        src = slots[torch.tensor([m[0] for m in moves])]
-        dst = slots[torch.tensor([m[1] for m in moves])]
-        cache.copy_slots(src.to(cache.device), dst.to(cache.device))
-
-    def commit(self, seq, length: int) -> None:
-        """Target and every drafter hold `length` valid tokens of seq after this call."""
-        self.cache.set_length(seq.seq_id, length)
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def rollback(self, seq, length: int) -> None:
+        """The target's cache holds `length` tokens of seq: every drafter keeps at most that."""
         for prop in self.proposers.values():
             prop.rollback(seq, length)
+
+    def release(self, seq) -> None:
+        for prop in self.proposers.values():
+            prop.release(seq)

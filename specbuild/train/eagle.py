@@ -107,7 +107,8 @@ def target_features(model, cache, ids: list[int], aux_layers: tuple[int, ...]) -
         rows = torch.arange(n)
         batch = ForwardBatch(torch.tensor(ids), torch.arange(n), slots, slots,
                              torch.ones(n, n, dtype=torch.bool).tril(), rows)
-        _, hidden, feats = model.forward(batch, cache, return_hidden=True, aux_layers=aux_layers, aux_rows=rows)
+        out = model.forward(batch, cache, return_hidden=True, aux_layers=aux_layers, aux_rows=rows)
+        hidden, feats = out.hidden, out.aux
         return feats, hidden
     finally:
         cache.release(seq_id)

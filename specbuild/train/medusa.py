@@ -254,7 +254,7 @@ def collect_hidden(model, seqs: list[dict], progress: bool, desc: str) -> dict[s
         slots = torch.arange(t, device=dev)
         batch = ForwardBatch(torch.tensor(ids, device=dev), slots, slots, slots,
                              torch.ones(t, t, dtype=torch.bool, device=dev).tril(), torch.arange(p - 1, t - 1, device=dev))
-        _, hidden = model.forward(batch, cache, return_hidden=True)  # [T - P, H]
+        hidden = model.forward(batch, cache, return_hidden=True).hidden  # [T - P, H]
         hiddens.append(hidden.float().cpu())
         tokens.append(torch.tensor(s["answer_ids"], dtype=torch.int64))
         offsets.append(offsets[-1] + t - p)

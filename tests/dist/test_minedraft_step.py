@@ -172,7 +172,7 @@ def test_remote_proposer_never_raises_and_keeps_its_books(bundle):
     remote = RemoteDraftProposer(link, VOCAB)
     drafts = remote.propose(seqs, [3, 3])
     assert drafts[0].tokens == [1, 2, 3] and drafts[1] is None
-    assert b.spec_state.remote_failed and remote.stats["failed_sequences"] == 1
+    assert remote.failed(b) and remote.stats["failed_sequences"] == 1
     assert remote.propose([a, b], [2, 2]) == [None, None]  # the link is lost now: plain decoding
     assert not remote.healthy and remote.propose([a], [2]) == [None] and len(link.posted) == 2
     remote.release(a)

@@ -31,7 +31,7 @@ from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
 from specbuild.speculation.config import SpeculationConfig
 from specbuild.errors import SpecbuildError
-from specbuild.speculation.state import NO_ROLLBACK
+from specbuild.speculation.proposers.remote import NO_ROLLBACK
 from http_client import get, metric, next_event, post, stream, wait_until
 from mpi_launch import CLI, MPIRUN, REPO, MpiServer, need_mpi
 from tiny import draft_pair_bundle, make_tiny_hf
@@ -147,8 +147,9 @@ def test_prompts_prefill_on_the_draft_rank_while_the_target_prefills(bundle, eng
     longest = max(admitted, key=lambda s: len(s.prompt_ids))
     while longest.num_cached < len(longest.prompt_ids):  # with chunks of 16: several steps
         md_engine.step()
-    assert not longest.spec_state.remote_drafted  # the others were drafted meanwhile, not this one
-    assert longest.spec_state.remote_keep == NO_ROLLBACK  # no chunk commit asks to trim the prompt
+    remote = md_engine.speculator.proposers["draft"]
+    assert not remote.state(longest).drafted  # the others were drafted meanwhile, not this one
+    assert remote.state(longest).keep == NO_ROLLBACK  # no chunk commit asks to trim the prompt
     assert worker.proposer.cache.length(longest.seq_id) == len(longest.prompt_ids) - 1
     md_engine.run_until_done()
     out = [h.result() for h in handles]

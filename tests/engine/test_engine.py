@@ -351,9 +351,9 @@ def test_smollm2_batch_equals_alone_up_to_measured_drift(smollm2_bundle):
     forward = engine.model.forward
 
     def recording_forward(batch, cache, **kw):
-        logits = forward(batch, cache, **kw)
-        rows.append(logits.clone())  # [R, vocab]
-        return logits
+        out = forward(batch, cache, **kw)
+        rows.append(out.logits.clone())  # [R, vocab]
+        return out
 
     engine.model.forward = recording_forward
     n_new = 5

@@ -209,3 +209,50 @@ def test_grammars_are_bounded_at_admission(engine):
     ok = engine.generate([Request(prompt_ids=[5, 6], response_format={"type": "grammar", "grammar": 'start: "a"{40}'},
                                   sampling=SamplingParams(max_tokens=60))])[0]
     assert ok["text"] == "a" * 40 and ok["finish_reason"] == "stop"
+
+
+def test_a_repeated_tool_call_ends_the_output_losslessly(engine):
+    """The tool-call grammar of tool_choice required (serve/tools.py) with `calls` set: the
+    tiny model repeats its calls until max_tokens without it; with it, the output stops at
+    the first call that repeats an earlier one (finish "stop"), a prefix of the unstopped
+    output, and speculation stops at the same token."""
+    from specbuild.serve.tools import HermesParser, call_grammar
+
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+        "additionalProperties": False}}},
+        {"type": "function", "function": {"name": "pick", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2, 3]}}, "required": ["n"],
+            "additionalProperties": False}}}]
+    grammar = call_grammar(tools, "required", parallel=True)
+    stopped = ResponseFormat("grammar", grammar, calls=(HermesParser.OPEN, HermesParser.CLOSE))
+    free = run(engine, "none", fmt=ResponseFormat("grammar", grammar), max_tokens=400)
+    plain = run(engine, "none", fmt=stopped, max_tokens=400)
+    spec = run(engine, "draft", fmt=stopped, max_tokens=400)
+    assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    assert sum(r["stats"]["drafted"] for r in spec) > 0 and sum(r["stats"]["accepted"] for r in spec) > 0
+    assert all(r["finish_reason"] == "length" for r in free)  # the repeats the stop prevents
+    for p, f in zip(plain, free):
+        assert p["finish_reason"] == "stop" and f["token_ids"][:len(p["token_ids"])] == p["token_ids"]
+        bodies = HermesParser.PATTERN.findall(p["text"])
+        assert bodies[-1] in bodies[:-1] and len(set(bodies)) == len(bodies) - 1  # ends at the first repeat
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_repetition_penalty_is_lossless_under_speculation(engine, method):
+    """vLLM's repetition_penalty over the prompt (repetition_ids) and the output: speculation
+    equals plain decoding under it, and it changes the output (the prompt's tokens count)."""
+    def go(m, penalty=1.0, with_prompt=True):
+        spec = SpeculationConfig.make(None, method=m, gamma=None if m == "none" else 3)
+        return engine.generate([Request(prompt_ids=p, speculation=spec, sampling=SamplingParams(
+            max_tokens=40, ignore_eos=True, repetition_penalty=penalty,
+            repetition_ids=tuple(p) if with_prompt else ())) for p in PROMPTS])
+
+    ids = {}
+    for with_prompt in (True, False):
+        plain, spec = go("none", 1.15, with_prompt), go(method, 1.15, with_prompt)
+        assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+        assert sum(r["stats"]["drafted"] for r in spec) > 0 and sum(r["stats"]["accepted"] for r in spec) > 0
+        ids[with_prompt] = [r["token_ids"] for r in plain]
+    free = [r["token_ids"] for r in go("none")]
+    assert ids[True] != free and ids[False] != free and ids[True] != ids[False]

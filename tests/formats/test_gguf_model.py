@@ -78,7 +78,7 @@ def test_smollm2_gguf_logits_match_transformers(transformers_gguf_model, smollm2
     slots = cache.slots(1, 0, t)
     batch = ForwardBatch(ids, torch.arange(t), slots, slots, torch.ones(t, t, dtype=torch.bool).tril(),
                          torch.arange(t))
-    paged = decoder.forward(batch, cache)
+    paged = decoder.forward(batch, cache).logits
     diff = (paged - ref).abs().max().item()
     assert diff <= TOL, f"paged decoder vs transformers GGUF: max abs diff {diff:.3g}"
     assert torch.equal(paged.argmax(-1), ref.argmax(-1))

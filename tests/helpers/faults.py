@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 
-from specbuild.engine import scheduler as scheduler_mod
+from specbuild.speculation import speculator as speculator_mod
 from specbuild.engine.sequence import Request
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
@@ -46,49 +46,49 @@ def fault(engine, kind: str, monkeypatch, method: str | None = None, after: int 
 
             mp.setattr(prop, "propose", propose)
         elif kind == "verify":
-            real_verify, real_plain = engine.speculator.verify, scheduler_mod.plain_next_token
+            spec = engine.speculator
+            real_chain, real_tree, real_plain = spec.verify_chain, spec.verify_tree, speculator_mod.plain_next_token
 
-            def verify(seq, draft, logits):
+            def verify_chain(seq, draft, scores):
                 if is_culprit(seq, after):
                     raise InjectedFault("injected verification fault")
-                return real_verify(seq, draft, logits)
+                return real_chain(seq, draft, scores)
 
-            def plain(seq, logits):
+            def verify_tree(seq, draft, scores):
+                if is_culprit(seq, after):
+                    raise InjectedFault("injected verification fault")
+                return real_tree(seq, draft, scores)
+
+            def plain(seq, scores):
                 if is_culprit(seq, after):
                     raise InjectedFault("injected sampling fault")
-                return real_plain(seq, logits)
+                return real_plain(seq, scores)
 
-            mp.setattr(engine.speculator, "verify", verify)
-            mp.setattr(scheduler_mod, "plain_next_token", plain)
+            mp.setattr(spec, "verify_chain", verify_chain)
+            mp.setattr(spec, "verify_tree", verify_tree)
+            mp.setattr(speculator_mod, "plain_next_token", plain)
         elif kind == "nan":
-            sched = engine.scheduler
-            real_finish = sched.finish_items
+            runner = engine.scheduler.runner
+            real_finish = runner.finish
 
-            def finish_items(items, logits, hidden=None, aux=None):
-                r = 0
-                for it in items:
-                    r += getattr(it, "score_rows", 0)  # echo + logprobs: the prompt's rows come first
-                    if not it.completes:
-                        continue
-                    if is_culprit(it.seq, after):
-                        logits = logits.clone()
-                        logits[r, 7] = float("nan")  # one entry of its first row
-                    r += 1 + it.n_draft
-                return real_finish(items, logits, hidden, aux)
+            def finish(it, score_rows, rows, *rest):
+                if rows is not None and is_culprit(it.seq, after):
+                    rows = rows.clone()
+                    rows[0, 7] = float("nan")  # one entry of its first row
+                return real_finish(it, score_rows, rows, *rest)
 
-            mp.setattr(sched, "finish_items", finish_items)
+            mp.setattr(runner, "finish", finish)
         elif kind == "grammar":
-            sched = engine.scheduler
-            real_finish = sched.finish_items
+            runner = engine.scheduler.runner
+            real_finish = runner.finish
 
-            def finish_items(items, logits, hidden=None, aux=None):
-                for it in items:
-                    c = it.seq.constraint
-                    if is_culprit(it.seq, after) and c is not None and not isinstance(c.matcher, BrokenMatcher):
-                        c.matcher = BrokenMatcher(c.matcher)
-                return real_finish(items, logits, hidden, aux)
+            def finish(it, *rest):
+                c = it.seq.constraint
+                if is_culprit(it.seq, after) and c is not None and not isinstance(c.matcher, BrokenMatcher):
+                    c.matcher = BrokenMatcher(c.matcher)
+                return real_finish(it, *rest)
 
-            mp.setattr(sched, "finish_items", finish_items)
+            mp.setattr(runner, "finish", finish)
         else:
             raise ValueError(kind)
         yield

@@ -66,7 +66,7 @@ def test_compiled_rows_equal_the_compiled_decode_step(engines, name, p):
     for j in range(w):
         s = cache.slots(901, 0, p + j + 1)
         steps.append(model.forward(ForwardBatch(ids[p + j:p + j + 1], torch.tensor([p + j]), s[-1:], s, None,
-                                                torch.tensor([0])), cache)[0])
+                                                torch.tensor([0])), cache).logits[0])
     # the same window in one pass; then again beside a 3-row prefill chunk of another sequence
     for partner in (False, True):
         sid = 902 + 2 * partner
@@ -86,7 +86,7 @@ def test_compiled_rows_equal_the_compiled_decode_step(engines, name, p):
             big[w:, p + w:] = torch.ones(3, 3, dtype=torch.bool).tril()
             batch = ForwardBatch(torch.cat([ids[p:p + w], ids[:3]]), torch.cat([torch.arange(p, p + w), torch.arange(3)]),
                                  torch.cat([s[p:], o]), torch.cat([s, o]), big, torch.arange(w))
-        rows = model.forward(batch, cache)
+        rows = model.forward(batch, cache).logits
         for j in range(w):
             if model.row_invariant:  # rounded activations: bit for bit, as in eager mode
                 assert torch.equal(rows[j], steps[j]), (name, partner, j, (rows[j] - steps[j]).abs().max().item())
@@ -202,7 +202,7 @@ def test_prompt_rows_are_invariant_to_chunking_and_neighbours(engines, compiled)
                                      torch.cat([slots[a:b], o[3:]]), torch.cat([slots[:b], o]), big,
                                      torch.tensor([b - a - 1]), torch.cat([torch.ones(b - a, dtype=torch.bool),
                                                                            torch.zeros(1, dtype=torch.bool)]))
-            last = model.forward(batch, cache)[0]
+            last = model.forward(batch, cache).logits[0]
         return cache.rows(slots), last
 
     from specbuild.model.decoder import Attend

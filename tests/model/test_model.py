@@ -95,7 +95,7 @@ def forward_parts(decoder: Decoder, cache: PagedKVCache, parts: list[tuple[int, 
         mask[r0:r0 + n, c0 + past:c0 + past + n] = torch.ones(n, n, dtype=torch.bool).tril()
     batch = ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(wslots), torch.cat(rslots),
                          None if mask_none else mask, torch.arange(t))
-    logits = decoder.forward(batch, cache)  # [T, vocab]
+    logits = decoder.forward(batch, cache).logits  # [T, vocab]
     assert logits.shape == (t, decoder.config.vocab_size)
     for sid, toks in parts:
         cache.set_length(sid, cache.length(sid) + len(toks))
@@ -217,7 +217,8 @@ def test_logit_rows_and_hidden(variant):
     slots = cache.slots(1, 0, t)
     rows = torch.tensor([0, 17, 32])
     batch = ForwardBatch(ids[:t], torch.arange(t), slots, slots, torch.ones(t, t, dtype=torch.bool).tril(), rows)
-    logits, hidden = decoder.forward(batch, cache, return_hidden=True)
+    out = decoder.forward(batch, cache, return_hidden=True)
+    logits, hidden = out.logits, out.hidden
     assert logits.shape == (3, config.vocab_size) and hidden.shape == (3, config.hidden_size)
     assert (logits - ref[rows]).abs().max() <= HF_TOL
     lm_head = weights.get("lm_head", weights["embed"])

@@ -61,3 +61,22 @@ def test_logprobs_follow_the_sampling_distribution():
     probs = warp_probs(logits, p)
     assert math.isclose(math.exp(lp[0][0]), float(probs[0, logits[0].argmax()]), rel_tol=1e-5)
     assert math.isclose(sum(math.exp(v) for _, v in lp[0][1]), 1.0, rel_tol=1e-5)
+
+
+def test_repetition_penalty_is_vllms():
+    """vLLM's repetition_penalty: a token seen in the prompt (repetition_ids) or the output has
+    its logit divided by the penalty when positive, multiplied when negative; applied after
+    logit_bias and before the frequency/presence penalties; verify rows count their path."""
+    with pytest.raises(RequestError, match=r"repetition_penalty=0 is out of range \(0, 100\]"):
+        SamplingParams(repetition_penalty=0)
+    assert SamplingParams(repetition_penalty=1.2).adjusts and not SamplingParams(repetition_penalty=1.0).adjusts
+    p = SamplingParams(repetition_penalty=2.0, repetition_ids=(1, 1, 4), logit_bias={2: 1.0}, presence_penalty=0.5)
+    logits = torch.tensor([[3.0, 2.0, -1.0, 4.0, -6.0, 5.0]])
+    out = adjust_logits(logits, p, history=[2])
+    # 1, 4: the prompt's; 2: generated (bias first: -1 + 1 = 0, * 2 = 0, then presence -0.5); 0, 3, 5 untouched
+    assert out.tolist() == [[3.0, 1.0, -0.5, 4.0, -12.0, 5.0]]
+    rows = torch.tensor([[3.0, 2.0, -1.0, 4.0, -6.0, 5.0]] * 3)
+    verify = adjust_logits(rows, p, history=[2], row_prefixes=[[], [5], [5, 0]])
+    for i, prefix in enumerate([[], [5], [5, 0]]):
+        assert torch.equal(verify[i], adjust_logits(rows[:1], p, history=[2] + prefix)[0])
+    assert verify[1, 5] == 5 / 2 - 0.5 and verify[2, 0] == 3 / 2 - 0.5 and verify[0, 5] == 5.0  # path tokens are output

@@ -98,8 +98,8 @@ def test_neutral_only_extras(server):
     ok = {"prompt": PROMPT, "max_tokens": 2, "repetition_penalty": 1.0, "min_p": 0.0, "skip_special_tokens": True,
           "use_beam_search": False}
     assert post(server.port, "/v1/completions", ok)[0] == 200
-    status, _, out = post(server.port, "/v1/completions", {**ok, "repetition_penalty": 1.3})
-    assert status == 400 and out["error"]["param"] == "repetition_penalty" and "1.3" in out["error"]["message"]
+    status, _, out = post(server.port, "/v1/completions", {**ok, "min_p": 0.3})
+    assert status == 400 and out["error"]["param"] == "min_p" and "0.3" in out["error"]["message"]
     status, _, out = post(server.port, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "echo": True})
     assert status == 400 and out["error"]["param"] == "echo"
 
@@ -117,6 +117,59 @@ def test_min_tokens_and_stop_token_ids(server, engine):
     ref = engine_ids(engine, PROMPT, 40, stop_token_ids=(stop_at,), min_tokens=10,
                      min_tokens_ids=tuple(engine.eos_ids) + (stop_at,))
     assert ids == ref  # min_tokens is lossless under speculation
+
+
+def test_repetition_penalty(server, engine):
+    """vLLM's repetition_penalty: over the prompt's tokens and the output's, the same tokens
+    with and without speculation, and the engine's with the prompt's ids (chat: the rendered
+    prompt's; completions text: the engine's encoding)."""
+    free = engine_ids(engine, PROMPT, 30, ignore_eos=True)
+    ref = engine_ids(engine, PROMPT, 30, ignore_eos=True, repetition_penalty=1.3, repetition_ids=tuple(PROMPT))
+    assert ref != free
+    for method in ("none", "draft"):
+        status, _, out = post(server.port, "/v1/completions", {
+            "prompt": PROMPT, "max_tokens": 30, "ignore_eos": True, "return_token_ids": True,
+            "repetition_penalty": 1.3, "speculation": method})
+        assert status == 200 and out["choices"][0]["token_ids"] == ref, out
+        if method == "draft":
+            assert out["usage"]["drafted_tokens"] > 0 and out["usage"]["accepted_tokens"] > 0
+    text = engine.tokenizer.decode(PROMPT)
+    status, _, out = post(server.port, "/v1/completions", {"prompt": text, "max_tokens": 30, "ignore_eos": True,
+                                                           "return_token_ids": True, "repetition_penalty": 1.3})
+    ids = engine.encode(text)
+    assert out["choices"][0]["token_ids"] == engine_ids(engine, ids, 30, ignore_eos=True, repetition_penalty=1.3,
+                                                        repetition_ids=tuple(ids))
+    status, _, out = post(server.port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "repetition_penalty": 0})
+    assert status == 400 and out["error"]["param"] == "repetition_penalty"
+
+
+def test_skip_special_tokens_false_keeps_them(server, engine):
+    """skip_special_tokens false: special tokens the model generates stay in the text (whole
+    and streamed alike), the end-of-sequence token that ends the answer does not (vLLM's);
+    spaces_between_special_tokens is accepted (no effect with a fast tokenizer)."""
+    tok = engine.tokenizer
+    special = tok.token_to_id("<|im_start|>")
+    eos = int(engine.eos_ids[0])
+    assert special not in engine.eos_ids
+    body = {"prompt": PROMPT, "max_tokens": 4, "logit_bias": {str(special): 100}, "return_token_ids": True}
+    status, _, kept = post(server.port, "/v1/completions", {**body, "skip_special_tokens": False,
+                                                            "spaces_between_special_tokens": False})
+    status2, _, skipped = post(server.port, "/v1/completions", body)
+    assert status == status2 == 200 and kept["choices"][0]["token_ids"] == [special] * 4
+    assert kept["choices"][0]["text"] == "<|im_start|>" * 4 and skipped["choices"][0]["text"] == ""
+    chunks = stream(server.port, "/v1/completions", {**body, "skip_special_tokens": False, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == "<|im_start|>" * 4
+    # the end-of-sequence token that ends the answer is not text; one generated before it is
+    ended = {"prompt": PROMPT, "max_tokens": 4, "logit_bias": {str(eos): 100}, "skip_special_tokens": False}
+    status, _, out = post(server.port, "/v1/completions", ended)
+    assert status == 200 and out["choices"][0]["text"] == "" and out["choices"][0]["finish_reason"] == "stop"
+    status, _, out = post(server.port, "/v1/completions", {**ended, "ignore_eos": True})
+    assert out["choices"][0]["text"] == tok.decode([eos], skip_special_tokens=False) * 4
+    chat = post(server.port, "/v1/chat/completions", {"messages": USER, "max_tokens": 3, "skip_special_tokens": False,
+                                                      "logit_bias": {str(special): 100}})[2]
+    assert chat["choices"][0]["message"]["content"] == "<|im_start|>" * 3
+    status, _, err = post(server.port, "/v1/completions", {**body, "skip_special_tokens": False, "stop": ["x"]})
+    assert status == 400 and err["error"]["param"] == "skip_special_tokens" and "stop" in err["error"]["message"]
 
 
 @pytest.mark.parametrize("field, value, check", [
@@ -245,7 +298,7 @@ def test_tool_calls_stream_as_deltas_the_client_accumulates(client):
     whole = client.chat.completions.create(**kw).choices[0]
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     calls: dict[int, dict] = {}
-    finish = None
+    finish, pieces = None, 0
     for chunk in chunks:
         for ch in chunk.choices:
             assert not ch.delta.content  # only calls: no content deltas
@@ -254,9 +307,13 @@ def test_tool_calls_stream_as_deltas_the_client_accumulates(client):
                 slot["id"] = slot["id"] or d.id
                 slot["name"] += d.function.name or ""
                 slot["arguments"] += d.function.arguments or ""
+                pieces += bool(d.function.arguments)
             finish = ch.finish_reason or finish
     assert finish == "tool_calls" and chunks[-1].usage.completion_tokens > 0
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == calls_of(whole.message)
+    # the arguments streamed as they were generated (several pieces per call), reassembled exactly
+    assert pieces > 2 * len(calls)
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
     assert all(c["id"].startswith("call_") for c in calls.values())
     # the openai library's own accumulator reads the same deltas
     with client.chat.completions.stream(**kw) as s:
@@ -270,6 +327,18 @@ def test_legacy_functions(client):
     c = out.choices[0]
     assert c.finish_reason == "function_call" and c.message.function_call.name == "forecast"
     assert validates(c.message.function_call.arguments, PARAMS) == (True, "")
+    # streamed: function_call deltas, the name first, the arguments in pieces
+    name, args, pieces, finish = "", "", 0, None
+    for chunk in client.chat.completions.create(model="bundle", messages=USER, max_tokens=800, stream=True,
+                                                functions=[t["function"] for t in TOOLS],
+                                                function_call={"name": "forecast"}):
+        for ch in chunk.choices:
+            if ch.delta.function_call is not None:
+                name += ch.delta.function_call.name or ""
+                args += ch.delta.function_call.arguments or ""
+                pieces += bool(ch.delta.function_call.arguments)
+            finish = ch.finish_reason or finish
+    assert (name, args, finish) == ("forecast", c.message.function_call.arguments, "function_call") and pieces > 2
 
 
 def test_tool_turns_render_back(client, server):

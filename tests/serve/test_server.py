@@ -165,7 +165,8 @@ def test_concurrent_requests_all_complete(server):
 BAD_BODIES = [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
-    (b'{"prompt": "hi", "repetition_penalty": 1.5}', 400, "repetition_penalty"),  # served at 1.0 only
+    (b'{"prompt": "hi", "length_penalty": 1.5}', 400, "length_penalty"),  # served at 1.0 only
+    (b'{"prompt": "hi", "repetition_penalty": -1}', 400, "repetition_penalty"),
     (b'{"prompt": "hi", "max_tokens": "ten"}', 400, "max_tokens"),
     (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
     (b'{"prompt": "hi", "temperature": -0.5}', 400, "temperature"),

@@ -64,7 +64,7 @@ def bundle(tmp_path_factory) -> str:
 
     root = tmp_path_factory.mktemp("triton_bundle")
     hf = make_tiny_hf(str(root / "hf"), scale=4.0)
-    return compile_bundle(hf, str(root / "bundle"), CompileOptions(dtype="float64", max_seq_len=512,
+    return compile_bundle(hf, str(root / "bundle"), CompileOptions(dtype="float64", max_seq_len=1024,
                                                                     max_batch_size=8))
 
 
@@ -550,6 +550,13 @@ def test_tensorrt_llm_ensemble_client_shapes_and_inputs(server, engine):
     result = client.infer(PLAIN, make_inputs(tritonclient_http, prompt, MAX_TOKENS, exclude_input_in_output=False,
                                              temperature=0.0))
     assert text_of(result) == prompt + ref["text"]
+    # repetition_penalty: over the prompt's tokens (the engine's encoding) and the output's, as the ensemble's
+    ids = engine.encode(prompt)
+    rep = engine.generate([Request(prompt_ids=ids, sampling=SamplingParams(
+        max_tokens=MAX_TOKENS, repetition_penalty=1.3, repetition_ids=tuple(ids)))])[0]
+    result = client.infer(PLAIN, make_inputs(tritonclient_http, prompt, MAX_TOKENS, exclude_input_in_output=True,
+                                             temperature=0.0, repetition_penalty=1.3))
+    assert text_of(result) == rep["text"]
     # the gRPC stream (genai-perf --service-kind triton --backend tensorrtllm --streaming)
     stream = GrpcStream(server.grpc)
     try:
@@ -560,7 +567,7 @@ def test_tensorrt_llm_ensemble_client_shapes_and_inputs(server, engine):
         stream.close()
     assert "".join(text_of(r) for _, r in responses) == ref["text"] and len(responses) > 2
     # what is not served is refused by name; a batch of two is refused with the limit
-    for bad, needle in ((dict(beam_width=4), "beam_width=4"), (dict(repetition_penalty=1.2), "repetition_penalty"),
+    for bad, needle in ((dict(beam_width=4), "beam_width=4"), (dict(length_penalty=1.2), "length_penalty"),
                         (dict(bad_words=(np.array([b"cat"], dtype=np.object_), "BYTES")), "bad_words")):
         with pytest.raises(tritonclient_http.InferenceServerException, match=needle):
             client.infer(PLAIN, make_inputs(tritonclient_http, prompt, 4, **bad))
@@ -569,3 +576,63 @@ def test_tensorrt_llm_ensemble_client_shapes_and_inputs(server, engine):
     two[1].set_data_from_numpy(np.array([[4], [4]], dtype=np.int32))
     with pytest.raises(tritonclient_http.InferenceServerException, match="batch size 1"):
         client.infer(PLAIN, two)
+
+
+# ---- tool calling -----------------------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "ping", "parameters": {
+    "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2, 3]}}, "required": ["n"],
+        "additionalProperties": False}}}]
+
+
+def test_tool_calls(server, engine):
+    """The tools input: text_input is the user's turn, the calls come back in tool_calls as
+    the HTTP chat endpoint answers them (unary HTTP and the gRPC stream), a named choice
+    holds, and bad tool inputs are refused naming the input."""
+    pytest.importorskip("llguidance")
+    from specbuild.bench.structured import validates
+    from specbuild.serve.openai_http import ChatRequest, OpenAIServer
+
+    prompt = PROMPTS[0]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+    def http_answer(choice):  # what the HTTP chat endpoint's parsing gives, run in-process
+        body = ChatRequest.model_validate({"messages": [{"role": "user", "content": prompt}], "tools": TOOLS,
+                                           "tool_choice": choice, "max_tokens": 200, "temperature": 0})
+        call = OpenAIServer(engine).parse(body, "chat")
+        out = engine.generate([call.request])[0]
+
+        class Seq:
+            text, output_ids, finish_reason = out["text"], out["token_ids"], out["finish_reason"]
+
+        return call.tools.final_choice(call, Seq(), 0, None)["message"]
+
+    def calls(text: str) -> list[tuple[str, str]]:
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in json.loads(text)]
+
+    ref = http_answer("required")
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in ref["tool_calls"]]
+    assert want and all(validates(args, schemas[name]) == (True, "") for name, args in want)
+    client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{server.http}")
+    kw = dict(tools=json.dumps(TOOLS), tool_choice="required", temperature=0.0)
+    result = client.infer(PLAIN, make_inputs(tritonclient_http, prompt, 200, **kw))
+    assert text_of(result) == "" and calls(b"".join(result.as_numpy("tool_calls").reshape(-1)).decode()) == want
+    stream = GrpcStream(server.grpc)
+    try:
+        stream.send("tools", make_inputs(tritonclient_grpc, prompt, 200, stream=True, **kw))
+        responses = [r for _, r in stream.collect("tools")]
+    finally:
+        stream.close()
+    assert "".join(text_of(r) for r in responses) == ""
+    final = [r.as_numpy("tool_calls") for r in responses if r.as_numpy("tool_calls") is not None]
+    assert len(final) == 1 and calls(b"".join(final[0].reshape(-1)).decode()) == want
+    named = http_answer({"type": "function", "function": {"name": "pick"}})
+    result = client.infer(PLAIN, make_inputs(tritonclient_http, prompt, 200, **{**kw, "tool_choice": "pick"}))
+    got = calls(b"".join(result.as_numpy("tool_calls").reshape(-1)).decode())
+    assert {n for n, _ in got} == {"pick"} and got == [(c["function"]["name"], c["function"]["arguments"])
+                                                       for c in named["tool_calls"]]
+    for bad, needle in ((dict(kw, tool_choice="nope"), "nope"), (dict(kw, tools="{}"), "input tools must be a JSON array"),
+                        (dict(tool_choice="required"), "tool_choice needs the tools input")):
+        with pytest.raises(tritonclient_http.InferenceServerException, match=needle):
+            client.infer(PLAIN, make_inputs(tritonclient_http, prompt, 20, **bad))

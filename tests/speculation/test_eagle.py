@@ -61,9 +61,11 @@ def test_decoder_hands_out_aux_features_only_when_asked(trained):
         slots = cache.slots(-5, 0, n)
         batch = ForwardBatch(torch.tensor(ids), torch.arange(n), slots, slots, torch.ones(n, n, dtype=torch.bool).tril(),
                              torch.tensor([n - 1]))
-        plain = engine.model.forward(batch, cache)
-        assert isinstance(plain, torch.Tensor)  # no aux_layers: the return is unchanged
-        logits, feats = engine.model.forward(batch, cache, aux_layers=(0, 1, 0), aux_rows=torch.tensor([1, 4]))
+        out = engine.model.forward(batch, cache)
+        plain = out.logits
+        assert out.aux is None and out.hidden is None  # no aux_layers: nothing extra
+        out = engine.model.forward(batch, cache, aux_layers=(0, 1, 0), aux_rows=torch.tensor([1, 4]))
+        logits, feats = out.logits, out.aux
     finally:
         cache.release(-5)
     h = engine.target_config.hidden_size
@@ -166,6 +168,22 @@ def test_greedy_eagle_equals_plain_and_accepts(trained):
     auto = run(engine, "auto", prompts)
     assert [r["token_ids"] for r in auto] == [r["token_ids"] for r in plain]
     assert engine.cache.free_blocks == engine.cache.num_blocks
+
+
+def test_hybrid_merges_the_heads_candidates_losslessly(trained):
+    """With a head in the bundle, `hybrid` asks it too: the head reads the features of
+    hybrid's requests (its Needs, through the parts hybrid declares) and its trees join the
+    merged one; greedy output stays plain decoding's."""
+    engine = Engine(trained["with_head"], EngineConfig(max_batch_size=4))
+    hyb = engine.speculator.proposers["hybrid"]
+    assert hyb.eagle is engine.speculator.proposers["eagle"] and "eagle" in hyb.needs.parts
+    prompts = trained["prompts"] + [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21]]
+    plain = run(engine, "none", prompts)
+    spec = run(engine, "hybrid", prompts)
+    assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    assert hyb.got["eagle"] > 0  # the head had features to draft from: they reached it
+    assert sum(r["stats"]["drafted"] for r in spec) > 0 and sum(r["stats"]["accepted"] for r in spec) > 0
+    assert hyb.eagle.states == {} and engine.cache.free_blocks == engine.cache.num_blocks
 
 
 def test_sampled_eagle_trees_match_exact_distribution(trained):

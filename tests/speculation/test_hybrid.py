@@ -12,6 +12,7 @@ import pytest
 from specbuild.bench.verify_dist import check
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.speculation.config import SpeculationConfig
+from specbuild.speculation.proposers.base import Observation
 from specbuild.speculation.proposers.hybrid import PROBE, WINDOW, HybridProposer
 from specbuild.speculation.proposers.suffix import tree_draft
 
@@ -71,9 +72,10 @@ def test_a_drafter_never_accepted_stops_being_asked_and_is_probed():
     seq = fake_seq()
     for _ in range(WINDOW):  # recycling's candidate is offered and never accepted; suffix's is
         hyb.draft_for(seq, 4)
-        seq.spec_state.candidate_sources = {"suffix:local": [[1, 1], [1, 1]], "recycle:table": [[1, 0]]}
+        hyb.observe(seq, Observation(0, 0, "hybrid", sources={"suffix:local": [[1, 1], [1, 1]],
+                                                              "recycle:table": [[1, 0]]}))
     asked = hyb.asked["recycle"]
-    hyb.draft_for(seq, 4)  # learns the last miss: recycling is dropped
+    hyb.draft_for(seq, 4)  # WINDOW misses learned: recycling is not asked
     for _ in range(PROBE - 2):
         hyb.draft_for(seq, 4)
     assert hyb.asked["recycle"] == asked and hyb.asked["suffix"] == WINDOW + PROBE - 1

@@ -18,6 +18,7 @@ from specbuild.bundle import read_meta
 from specbuild.errors import CheckpointError, RequestError, SpecbuildError
 from specbuild.speculation.tree import TreeSpec, load_tree
 from specbuild.speculation.medusa_heads import MedusaHeads, load_medusa, reference_medusa_logits
+from specbuild.speculation.proposers.base import Observation
 from specbuild.speculation.proposers.medusa import MedusaProposer
 from specbuild.speculation.state import SpecState
 
@@ -242,12 +243,15 @@ def test_propose_uses_current_hidden_gamma_and_request_tree():
     heads, order = forced_heads(3)
     prop = MedusaProposer(heads, load_tree("mc_sim_7b_top10"))
 
+    ids = iter(range(1, 100))
+
     def seq(total_len, tree=None):
-        return SimpleNamespace(spec_state=SpecState(), total_len=total_len, spec=SimpleNamespace(tree=tree))
+        return SimpleNamespace(seq_id=next(ids), spec_state=SpecState(), total_len=total_len,
+                               spec=SimpleNamespace(tree=tree))
 
     fresh, stale, chain, none_yet = seq(10), seq(10), seq(7, "chain_3"), seq(5)
-    for s, basis in ((fresh, 0), (stale, 1), (chain, 2)):
-        prop.observe(s, torch.eye(3)[basis])
+    for s, basis in ((fresh, 0), (stale, 1), (chain, 2)):  # the pass kept total_len - 1 tokens
+        prop.observe(s, Observation(s.total_len - 1, 0, None, hidden=torch.eye(3)[basis]))
     stale.total_len = 12  # tokens appended since: the hidden is not the root's
     drafts = prop.propose([fresh, stale, chain, none_yet], [2, 4, 4, 4])
     assert drafts[1] is None and drafts[3] is None
@@ -258,7 +262,7 @@ def test_propose_uses_current_hidden_gamma_and_request_tree():
     with pytest.raises(RequestError, match="depth 4 but the bundle has 3 Medusa heads"):
         prop.validate_tree("mc_sim_7b_63")
     prop.release(fresh)
-    assert fresh.spec_state.medusa_hidden is None
+    assert prop.hidden_of(fresh) is None and fresh.seq_id not in prop.hidden
 
 
 # ---- train-medusa --------------------------------------------------------------------------------
@@ -354,11 +358,11 @@ def test_trained_heads_draft_what_the_target_says(tiny_bundle, tmp_path):
         ids = rec["prompt_ids"] + rec["answer_ids"][:1]  # the root: the target's first answer token
         t = len(ids)
         slots = torch.arange(t)
-        _, hidden = model.forward(ForwardBatch(torch.tensor(ids), slots, slots, slots,
-                                               torch.ones(t, t, dtype=torch.bool).tril(), torch.tensor([t - 2])),
-                                  cache, return_hidden=True)
-        seq = SimpleNamespace(spec_state=SpecState(), total_len=t, spec=SimpleNamespace(tree=None))
-        prop.observe(seq, hidden[0])
+        hidden = model.forward(ForwardBatch(torch.tensor(ids), slots, slots, slots,
+                                            torch.ones(t, t, dtype=torch.bool).tril(), torch.tensor([t - 2])),
+                               cache, return_hidden=True).hidden
+        seq = SimpleNamespace(seq_id=-1, spec_state=SpecState(), total_len=t, spec=SimpleNamespace(tree=None))
+        prop.observe(seq, Observation(t - 1, 0, None, hidden=hidden[0]))
         draft = prop.propose([seq], [8])[0]
         # verify: feed root + tree nodes with the tree mask over the cached prefix
         n = len(draft) + 1
@@ -367,7 +371,7 @@ def test_trained_heads_draft_what_the_target_says(tiny_bundle, tmp_path):
         positions = torch.tensor(draft.depths, dtype=torch.int64)
         batch = ForwardBatch(tokens, torch.cat([torch.tensor([0]), positions]) + t - 1,
                              torch.arange(t - 1, t - 1 + n), torch.arange(t - 1 + n), mask, torch.arange(n))
-        logits = model.forward(batch, cache)
+        logits = model.forward(batch, cache).logits
         result = verify_tree_greedy(draft.parents, tokens, logits)
         drafted += 1
         accepted += len(result.accepted_nodes)

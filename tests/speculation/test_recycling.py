@@ -43,7 +43,7 @@ def test_table_walk_builds_a_prefix_closed_tree():
     logits = torch.zeros(2, 50)
     logits[0, [7, 9, 1, 2]] = torch.tensor([4.0, 3.0, 2.0, 1.0])
     logits[1, [11, 12, 13, 14]] = torch.tensor([4.0, 3.0, 2.0, 1.0])
-    prop.observe(torch.tensor([3, 7]), logits)
+    prop.learn(torch.tensor([3, 7]), logits)
     assert prop.successors(3) == [7, 9, 1, 2] and prop.successors(9) == [-1] * 4
     tree = TreeSpec.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
     draft = prop.draft_tree(3, tree)

@@ -7,12 +7,17 @@ from __future__ import annotations
 import dataclasses
 import types
 
+import torch
+
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.sequence import Request, Sequence
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
 from specbuild.speculation.gamma import CostModel, GammaController
-from specbuild.speculation.speculator import Speculator
+from specbuild.speculation.proposers.base import Needs
+from specbuild.speculation.proposers.eagle import EagleState
+from specbuild.speculation.proposers.remote import RemoteState
+from specbuild.speculation.speculator import PassResult, Speculator
 from specbuild.speculation.state import SpecState
 
 
@@ -22,9 +27,12 @@ def fake_seq(method: str = "auto"):
 
 def test_state_is_typed_not_string_keys():
     names = {f.name for f in dataclasses.fields(SpecState)}
-    assert {"method", "accepted_nodes", "gamma", "draft_len", "medusa_hidden", "remote_sent", "remote_keep",
-            "remote_failed"} <= names
+    assert {"method", "gamma"} <= names
     assert "extra" not in vars(Sequence) and not hasattr(Speculator, "method_alpha")
+    # each drafter's per-sequence state is its own, typed, keyed by seq_id: none of it is shared
+    assert not names & {"draft_len", "medusa_hidden", "remote_sent", "remote_keep", "remote_failed", "eagle"}
+    assert {f.name for f in dataclasses.fields(RemoteState)} == {"sent", "keep", "failed", "drafted"}
+    assert {f.name for f in dataclasses.fields(EagleState)} >= {"k", "v", "n", "pending"}
 
 
 def test_one_estimator_per_method_with_a_window():
@@ -68,14 +76,17 @@ def test_auto_chooses_by_the_controllers_estimate():
 
 def test_a_settled_auto_sequence_skips_the_drafters_bookkeeping():
     observed = []
-    rec = types.SimpleNamespace(observe=lambda tokens, rows: observed.append(tokens))
+    rec = types.SimpleNamespace(needs=Needs(logits=True), observe=lambda seq, obs: observed.append(obs.tokens),
+                                rollback=lambda seq, length: None)
     spec = Speculator(None, None, {"recycle": rec}, max_draft_len=4, max_seq_len=64,
                       costs={"recycle": CostModel({1: 1.0, 5: 1.1})})
     seq = fake_seq()
-    spec.observe_logits(seq, [1, 2], None)
+    seq.seq_id, seq.params = 1, SamplingParams(temperature=0.0)
+    rows = torch.zeros(1, 8)
+    spec.settle(seq, PassResult(0, [1, 2], None, rows, rows))
     seq.spec_state.auto_plain = True
-    spec.observe_logits(seq, [3, 4], None)
-    assert [t.tolist() for t in observed] == [[1, 2]]
+    spec.settle(seq, PassResult(2, [3, 4], None, rows, rows))
+    assert observed == [[2]]
 
 
 def test_remaining_room_counts_max_tokens_and_context(tiny_bundle):

@@ -16,6 +16,7 @@ from specbuild.engine.sequence import Request
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation import speculator as speculator_mod
 from specbuild.speculation.config import SpeculationConfig
+from specbuild.speculation.state import SpecState
 from specbuild.speculation.proposers.suffix import GlobalStore, SuffixProposer, TokenIndex, build_tree
 from tiny import make_tiny_hf
 
@@ -50,6 +51,7 @@ class FakeSeq:
         self.prompt_ids, self.output_ids = list(prompt), list(output)
         self.content_type, self.finish_reason = content_type, finish_reason
         self.spec = SpeculationConfig.make(None, method="suffix")
+        self.spec_state = SpecState(uses=frozenset({"suffix"}))  # (the speculator sets it for a real sequence)
 
 
 # ---- the index ------------------------------------------------------------------------------

@@ -1,15 +1,24 @@
-"""The small protocol every drafter implements, and the Draft it returns.
+"""The contract every drafter implements, and the records that cross it.
+
+A drafter (a `Proposer`) declares what it reads of the target's pass (`Needs`), drafts
+(`propose` -> `Draft`), learns from each verified pass of the sequences that use it
+(`observe` <- `Observation`), and keeps its own per-sequence state, which it trims in
+`rollback` and frees in `release`. The speculator (speculation/speculator.py) is the only
+caller; nothing of a drafter's state lives on the sequence.
 
 A chain draft is `tokens` [k] (+ the probabilities each was sampled from, for rejection
 sampling; None for deterministic drafters, which count as one-hot). A tree draft also
 carries `parents` / `depths` / `tree_mask` (node 0 = the root = the sequence's last
 token, not part of `tokens`; node i >= 1 is tokens[i - 1]).
+
+Adding a drafter: write its module with a `Proposer` class and a `build(ctx)` function, and
+add one line to proposers/registry.py (tests/speculation/test_registry.py does it with a toy).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -22,11 +31,43 @@ class Draft:
     depths: list[int] | None = None  # tree only: [n] depth of nodes 1..n (>= 1)
     tree_mask: torch.Tensor | None = None  # tree only: [n + 1, n + 1] bool ancestor mask, root row 0
     method: str = ""
-    last_row: int | None = None  # set by tree verification: the row of the last accepted node
     sources: list[str] | None = None  # per drafted token / node: where it came from (None: `method`)
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a drafter reads of the target's pass, beyond the tokens themselves."""
+
+    hidden: bool = False  # the final-normed hidden state of the row that chose the sequence's last token
+    aux_layers: tuple[int, ...] = ()  # target layers whose inputs it reads at every row of the text (EAGLE-3)
+    logits: bool = False  # every verified row's logits with that row's input token (token recycling)
+    tree: bool = False  # it drafts token trees (Draft.parents), not chains
+    parts: tuple[str, ...] = ()  # other drafters whose proposals it merges (they learn from its sequences too)
+
+
+@dataclass
+class Observation:
+    """What one target pass settled for a sequence, handed to the drafters it uses.
+
+    `length` tokens of the sequence's text have their K/V in the target's cache after the
+    pass (the chunk plus the accepted drafts); the text's next token is not cached yet.
+    """
+
+    length: int
+    start: int  # cache position of the pass's first row for this sequence
+    method: str | None  # the drafter whose draft was verified (None: a plain pass)
+    tokens: list[int] = field(default_factory=list)  # input token of each row of `logits`
+    logits: torch.Tensor | None = None  # [1 + k, vocab] the target's raw rows (Needs.logits); None: none read
+    hidden: torch.Tensor | None = None  # [H] the row that chose the new last token (Needs.hidden)
+    features: torch.Tensor | None = None  # [m, F] rows start .. start + m - 1 of the kept text (Needs.aux_layers)
+    sources: dict | None = None  # candidate_sources of the verified draft (proposers/base.candidate_sources)
 
 
 def candidate_sources(draft: Draft, accepted: int, accepted_nodes: tuple[int, ...] = ()) -> dict[str, list[list[int]]]:
@@ -48,14 +89,47 @@ def candidate_sources(draft: Draft, accepted: int, accepted_nodes: tuple[int, ..
     return out
 
 
+class Unavailable(Exception):
+    """A drafter's build(ctx) refuses this configuration; the message says why (engine.unavailable)."""
+
+
+@dataclass
+class DrafterContext:
+    """What a drafter's `build(ctx)` may read when the engine opens a bundle."""
+
+    bundle_dir: str
+    meta: Any  # bundle.BundleMeta
+    config: Any  # engine.EngineConfig
+    target: Any  # model.decoder.Decoder
+    cache: Any  # the target's PagedKVCache
+    max_draft_len: int
+    max_seq_len: int
+    # role name -> (its Decoder with shared weights filled in and formats planned, vocab_map or None)
+    load_model: Callable[[str], tuple[Any, torch.Tensor | None]]
+    built: dict = field(default_factory=dict)  # the drafters built before this one, by name
+
+    @property
+    def roles(self) -> dict:
+        return self.meta.roles
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.config.vocab_size
+
+
 class Proposer(Protocol):
     """A drafter. `propose` must not change the target's cache; drafters with their own
-    state keep it per sequence and bring it in line in `rollback`."""
+    state keep it per sequence (keyed by seq.seq_id) and bring it in line in `rollback`."""
 
     name: str
+    needs: Needs
 
     def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
         """Draft up to gammas[i] tokens for seqs[i] (0 = none). None or empty = no draft."""
+        ...
+
+    def observe(self, seq, obs: Observation) -> None:
+        """A pass of a sequence that uses this drafter was settled (called before `rollback`)."""
         ...
 
     def rollback(self, seq, length: int) -> None:
@@ -65,3 +139,19 @@ class Proposer(Protocol):
     def release(self, seq) -> None:
         """seq finished or aborted: free drafter state (e.g. its KV blocks)."""
         ...
+
+
+class DrafterBase:
+    """Defaults for the Proposer protocol: reads nothing extra, learns nothing, holds nothing."""
+
+    name = ""
+    needs = Needs()
+
+    def observe(self, seq, obs: Observation) -> None:
+        pass
+
+    def rollback(self, seq, length: int) -> None:
+        pass
+
+    def release(self, seq) -> None:
+        pass

@@ -1,7 +1,7 @@
 """Draft-model drafter: a small decoder with its own paged KV cache.
 
-Per sequence the draft cache holds a prefix of the sequence's tokens
-(`seq.spec_state.draft_len`). Proposing first feeds the tokens it has not seen (the last
+Per sequence the draft cache holds a prefix of the sequence's tokens (`self.lengths[seq_id]`,
+the proposer's own record). Proposing first feeds the tokens it has not seen (the last
 accepted token, or more after a repair), then drafts gamma tokens one batched forward at
 a time, sampling each from the request's warped distribution and keeping those
 probabilities for rejection sampling. After verification `rollback` trims the draft
@@ -16,12 +16,12 @@ import torch
 
 from specbuild.model.decoder import Decoder, ForwardBatch, ragged_mask
 from specbuild.sampling.params import sample_from, warp_probs
-from specbuild.speculation.proposers.base import Draft
+from specbuild.speculation.proposers.base import Draft, DrafterBase
 
 log = logging.getLogger("specbuild.draft")
 
 
-class DraftModelProposer:
+class DraftModelProposer(DrafterBase):
     name = "draft"
     emit = None  # callable(seq, kind, detail) or None: cache desync reports (Speculator.set_emit)
 
@@ -31,18 +31,19 @@ class DraftModelProposer:
         self.cache = model.new_cache(num_blocks, block_size)
         self.vocab_map = vocab_map  # [draft_vocab] target ids of the draft's outputs, or None
         self.target_vocab = target_vocab
+        self.lengths: dict[int, int] = {}  # seq_id -> tokens of the sequence held in the draft cache
 
     def _ensure(self, seq) -> None:
         if seq.seq_id not in self.cache.seqs:
             self.cache.add(seq.seq_id)
-            seq.spec_state.draft_len = 0
+            self.lengths[seq.seq_id] = 0
 
     def _forward(self, rows: list[tuple[object, list[int]]]) -> torch.Tensor:
         """Feed tokens[i] to seqs[i] (ragged); returns last-row logits [len(rows), vocab]."""
         ids, pos, wslots, rslots, last = [], [], [], [], []
         blocks, t, s = [], 0, 0
         for seq, toks in rows:
-            start = seq.spec_state.draft_len
+            start = self.lengths[seq.seq_id]
             n = len(toks)
             self.cache.reserve(seq.seq_id, start + n)
             slots = self.cache.slots(seq.seq_id, 0, start + n)
@@ -54,15 +55,15 @@ class DraftModelProposer:
             t += n
             s += start + n
             last.append(t - 1)
-            seq.spec_state.draft_len = start + n
+            self.lengths[seq.seq_id] = start + n
         mask = ragged_mask(blocks, t, s)
         dev = self.cache.device
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(pos).to(dev),
                              torch.cat(wslots).to(dev), torch.cat(rslots).to(dev),
                              None if mask is None else mask.to(dev), torch.tensor(last, device=dev))
         for seq, _ in rows:
-            self.cache.set_length(seq.seq_id, seq.spec_state.draft_len)
-        return self.model.forward(batch, self.cache)
+            self.cache.set_length(seq.seq_id, self.lengths[seq.seq_id])
+        return self.model.forward(batch, self.cache).logits
 
     def _to_target_vocab(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
         """A reduced-vocabulary draft: scatter its logits into the target's vocabulary,
@@ -84,14 +85,14 @@ class DraftModelProposer:
         for i, seq, g in active:
             self._ensure(seq)
             ids = seq.all_ids
-            if seq.spec_state.draft_len > len(ids) - 1:  # cannot happen unless state broke: repair
+            if self.lengths[seq.seq_id] > len(ids) - 1:  # cannot happen unless state broke: repair
                 log.warning("draft cache of sequence %d ahead of its text (%d > %d): re-prefilling",
-                            seq.seq_id, seq.spec_state.draft_len, len(ids) - 1)
+                            seq.seq_id, self.lengths[seq.seq_id], len(ids) - 1)
                 if self.emit is not None:
-                    self.emit(seq, "kv_desync", {"cache": "draft", "have": seq.spec_state.draft_len,
+                    self.emit(seq, "kv_desync", {"cache": "draft", "have": self.lengths[seq.seq_id],
                                                  "expected": len(ids) - 1, "repair": "re-prefill"})
                 self.rollback(seq, 0)
-            rows.append((seq, ids[seq.spec_state.draft_len:]))
+            rows.append((seq, ids[self.lengths[seq.seq_id]:]))
         live = active
         for step in range(max(g for _, _, g in active)):
             logits = self._forward(rows)
@@ -129,7 +130,7 @@ class DraftModelProposer:
         rows = []
         for seq in seqs:
             self._ensure(seq)
-            todo = seq.all_ids[seq.spec_state.draft_len:len(seq.all_ids) - 1]
+            todo = seq.all_ids[self.lengths[seq.seq_id]:len(seq.all_ids) - 1]
             if todo:
                 rows.append((seq, todo))
         if rows:
@@ -139,10 +140,20 @@ class DraftModelProposer:
         """Target holds `length` valid tokens: keep at most that many in the draft cache."""
         if seq.seq_id not in self.cache.seqs:
             return
-        keep = min(seq.spec_state.draft_len, length)
-        seq.spec_state.draft_len = keep
+        keep = min(self.lengths[seq.seq_id], length)
+        self.lengths[seq.seq_id] = keep
         self.cache.set_length(seq.seq_id, keep)
 
     def release(self, seq) -> None:
         self.cache.release(seq.seq_id)
-        seq.spec_state.draft_len = 0
+        self.lengths.pop(seq.seq_id, None)
+
+
+def build(ctx) -> DraftModelProposer | None:
+    """The bundle's draft role, unless its model runs elsewhere (load_draft=False: MineDraft's
+    draft rank) or is not in the bundle."""
+    if "draft" not in ctx.roles or not ctx.config.load_draft:
+        return None
+    model, vocab_map = ctx.load_model("draft")
+    return DraftModelProposer(model, ctx.cache.num_blocks, ctx.vocab_size, ctx.config.block_size,
+                              vocab_map=vocab_map)

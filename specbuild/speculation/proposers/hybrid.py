@@ -1,10 +1,12 @@
-"""One tree from several drafters (`speculation: hybrid`): suffix decoding's and token
-recycling's candidates merged, deduplicated by prefix, in one verified tree per step.
+"""One tree from several drafters (`speculation: hybrid`): suffix decoding's, token
+recycling's and (when the bundle has one, served eagerly) the EAGLE head's candidates merged,
+deduplicated by prefix, in one verified tree per step.
 
 Each step, every drafter still asked for this sequence proposes its own tree (suffix: the
 most frequent continuations of the longest match in the request and earlier requests;
-recycling: the target's own earlier top-k, with prompt lookup's branch). The trees are merged
-into one prefix-closed tree: a node proposed by both is one node. Nodes are then kept
+recycling: the target's own earlier top-k, with prompt lookup's branch; EAGLE: the head's
+tree from the target's features, which it reads for hybrid's requests as for its own). The
+trees are merged into one prefix-closed tree: a node proposed by several is one node. Nodes are then kept
 best-first by score within a node budget, each node's score being its drafter's measured
 acceptance at its depth for this sequence (a rolling estimate from the step's recorded
 candidate sources, proposers/base.candidate_sources; a prior of 0.6^depth before any) times its
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 
-from specbuild.speculation.proposers.base import Draft
+from specbuild.speculation.proposers.base import Draft, DrafterBase, Needs, Observation
 from specbuild.speculation.proposers.suffix import tree_draft
 
 WINDOW = 8  # offering steps without an accepted candidate before a drafter is no longer asked
@@ -34,13 +36,12 @@ DECAY = 0.9  # weight of older steps in the rolling per-depth estimates
 class _Track:
     """One sequence's rolling acceptance per drafter and depth."""
 
-    __slots__ = ("rates", "misses", "skipped", "seen")
+    __slots__ = ("rates", "misses", "skipped")
 
     def __init__(self) -> None:
         self.rates: dict[str, list[list[float]]] = {}  # drafter -> per depth [offered, accepted] (decayed)
         self.misses: dict[str, int] = {}  # drafter -> offering steps in a row with nothing accepted
         self.skipped: dict[str, int] = {}  # drafter -> steps not asked since the last probe
-        self.seen = None  # the candidate_sources object already learned from
 
     def rate(self, drafter: str, depth: int) -> float:
         rows = self.rates.get(drafter)
@@ -70,18 +71,22 @@ class _Track:
             self.misses[drafter] = 0 if got else self.misses.get(drafter, 0) + 1
 
 
-class HybridProposer:
+class HybridProposer(DrafterBase):
     """Proposer protocol (base.py) over the engine's suffix and recycling proposers (their
-    stores and tables are shared with the methods of those names)."""
+    stores and tables are shared with the methods of those names, and learn from hybrid's
+    requests too: Needs.parts)."""
 
     name = "hybrid"
 
-    def __init__(self, suffix, recycle, max_nodes: int = 8) -> None:
-        self.suffix, self.recycle = suffix, recycle
+    def __init__(self, suffix, recycle, max_nodes: int = 8, eagle=None) -> None:
+        self.suffix, self.recycle, self.eagle = suffix, recycle, eagle
+        # the merged drafters learn from hybrid's requests too (the EAGLE head: their features)
+        self.needs = Needs(tree=True, parts=("suffix", "recycle") + (("eagle",) if eagle is not None else ()))
         self.max_nodes = max(1, int(max_nodes))
         self.verify_cost = None  # callable width -> seconds (speculator calibration), else sqrt(width)
         self.tracks: dict[int, _Track] = {}
-        self.asked = {"suffix": 0, "recycle": 0}  # proposals requested, per drafter (for tests and tuning)
+        self.asked = {"suffix": 0, "recycle": 0, "eagle": 0}  # proposals requested, per drafter (tests, tuning)
+        self.got = {"suffix": 0, "recycle": 0, "eagle": 0}  # and the ones that came back with candidates
 
     def _cost(self, width: int) -> float:
         return self.verify_cost(width) if self.verify_cost is not None else float(width) ** 0.5
@@ -100,10 +105,6 @@ class HybridProposer:
         track = self.tracks.get(seq.seq_id)
         if track is None:
             track = self.tracks[seq.seq_id] = _Track()
-        last = seq.spec_state.candidate_sources if getattr(seq, "spec_state", None) is not None else None
-        if last is not None and last is not track.seen and seq.spec_state.method == self.name:
-            track.learn(last)
-            track.seen = last
         if gamma <= 0:
             return None
         drafts: list[tuple[str, Draft]] = []
@@ -112,11 +113,19 @@ class HybridProposer:
             d = self.suffix.draft_for(seq, gamma)
             if d is not None:
                 drafts.append(("suffix", d))
+                self.got["suffix"] += 1
         if self._ask(track, "recycle"):
             self.asked["recycle"] += 1
             d = self.recycle.propose([seq], [gamma])[0]
             if d is not None:
                 drafts.append(("recycle", d))
+                self.got["recycle"] += 1
+        if self.eagle is not None and self._ask(track, "eagle"):
+            self.asked["eagle"] += 1
+            d = self.eagle.propose([seq], [gamma])[0]
+            if d is not None:
+                drafts.append(("eagle", d))
+                self.got["eagle"] += 1
         return self.merge(drafts, track, gamma) if drafts else None
 
     def merge(self, drafts: list[tuple[str, Draft]], track: _Track, max_depth: int) -> Draft | None:
@@ -178,8 +187,17 @@ class HybridProposer:
     def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
         return [self.draft_for(seq, gamma) for seq, gamma in zip(seqs, gammas)]
 
-    def rollback(self, seq, length: int) -> None:
-        pass
+    def observe(self, seq, obs: Observation) -> None:
+        """Each drafter's acceptance by depth, from the verified draft's candidate sources."""
+        if obs.method == self.name and obs.sources is not None:
+            track = self.tracks.get(seq.seq_id)
+            if track is None:
+                track = self.tracks[seq.seq_id] = _Track()
+            track.learn(obs.sources)
 
     def release(self, seq) -> None:
         self.tracks.pop(seq.seq_id, None)
+
+
+def build(ctx) -> HybridProposer:
+    return HybridProposer(ctx.built["suffix"], ctx.built["recycle"], max(1, ctx.max_draft_len), ctx.built.get("eagle"))

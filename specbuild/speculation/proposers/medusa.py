@@ -3,7 +3,7 @@
 Which hidden state. The root of a tree step (node 0) is the sequence's last token, which
 the target chose in its previous pass and whose K/V is not cached yet. The hidden state
 the heads read is the target's final-normed hidden (the input of its lm_head, as
-`Decoder.forward(..., return_hidden=True)` returns it) at the row whose logits produced
+`Decoder.forward(..., return_hidden=True).hidden`) at the row whose logits produced
 that root: after a prefill, the last prompt token's row; after a decode or tree step, the
 row of the last accepted token (the root itself when no draft was accepted). That row is
 at position `total_len - 2` of the sequence.
@@ -32,7 +32,7 @@ import torch
 from specbuild.errors import RequestError
 from specbuild.speculation.tree import TreeError, TreeSpec, request_tree
 from specbuild.speculation.medusa_heads import MedusaHeads
-from specbuild.speculation.proposers.base import Draft
+from specbuild.speculation.proposers.base import Draft, DrafterBase, Needs, Observation
 
 
 @functools.lru_cache(maxsize=256)
@@ -58,14 +58,17 @@ def _tree_index(tree: TreeSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return heads, ranks, tree.ancestor_mask_tensor()
 
 
-class MedusaProposer:
-    """Proposer protocol (base.py) over `MedusaHeads`; `default_tree` is the bundle's tree."""
+class MedusaProposer(DrafterBase):
+    """Proposer protocol (base.py) over `MedusaHeads`; `default_tree` is the bundle's tree.
+    Per sequence it keeps the hidden state its next draft starts from (`self.hidden`)."""
 
     name = "medusa"
+    needs = Needs(hidden=True, tree=True)
 
     def __init__(self, heads: MedusaHeads, default_tree: TreeSpec) -> None:
         self.heads = heads
         self.default_tree = self.validate_tree(default_tree)
+        self.hidden: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (position, final-normed hidden [H])
 
     # ---- trees --------------------------------------------------------------------------
     def cost_key(self) -> list:
@@ -111,16 +114,16 @@ class MedusaProposer:
         return prune_tree(self.validate_tree(getattr(spec, "tree", None)), gamma)
 
     # ---- hidden states ----------------------------------------------------------------------
-    @staticmethod
-    def observe(seq, hidden: torch.Tensor) -> None:
-        """Record the hidden [H] of the row whose logits chose seq's last token (call after
-        the sequence's new tokens are appended, so that row sits at total_len - 2)."""
-        seq.spec_state.medusa_hidden = (seq.total_len - 2, hidden.detach())
+    def observe(self, seq, obs: Observation) -> None:
+        """Keep the hidden [H] of the row whose logits chose seq's new last token: position
+        obs.length - 1 (the last cached token's row), which is total_len - 2 once that token
+        is appended."""
+        if obs.hidden is not None:
+            self.hidden[seq.seq_id] = (obs.length - 1, obs.hidden.detach())
 
-    @staticmethod
-    def hidden_of(seq) -> torch.Tensor | None:
+    def hidden_of(self, seq) -> torch.Tensor | None:
         """seq's recorded hidden [H] if it belongs to the current root, else None."""
-        stored = seq.spec_state.medusa_hidden
+        stored = self.hidden.get(seq.seq_id)
         if stored is None or stored[0] != seq.total_len - 2:
             return None
         return stored[1]
@@ -163,9 +166,16 @@ class MedusaProposer:
                 out[i] = draft
         return out
 
-    def rollback(self, seq, length: int) -> None:
-        """Nothing to undo: a recorded hidden state that no longer matches the root is
-        ignored by `hidden_of` (the position check)."""
-
     def release(self, seq) -> None:
-        seq.spec_state.medusa_hidden = None
+        """(rollback has nothing to undo: a recorded hidden state that no longer matches the
+        root is ignored by `hidden_of`, the position check)."""
+        self.hidden.pop(seq.seq_id, None)
+
+
+def build(ctx) -> MedusaProposer | None:
+    if "medusa" not in ctx.roles:
+        return None
+    from specbuild.speculation.medusa_heads import load_medusa
+
+    role = load_medusa(ctx.bundle_dir, ctx.target.w, ctx.config.device)
+    return MedusaProposer(role.heads, role.tree)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specbuild.speculation.proposers.base import Draft
+from specbuild.speculation.proposers.base import Draft, DrafterBase
 
 
 def lookup(ids: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -30,7 +30,9 @@ def lookup(ids: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
     return []
 
 
-class NgramProposer:
+class NgramProposer(DrafterBase):
+    """Stateless: reads the sequence's text only (DrafterBase's defaults otherwise)."""
+
     name = "ngram"
 
     def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
@@ -44,8 +46,6 @@ class NgramProposer:
             out.append(Draft(tokens, None, method="ngram") if tokens else None)
         return out
 
-    def rollback(self, seq, length: int) -> None:  # stateless
-        pass
 
-    def release(self, seq) -> None:
-        pass
+def build(ctx) -> NgramProposer:
+    return NgramProposer()

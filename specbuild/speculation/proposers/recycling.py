@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from specbuild.errors import RequestError
-from specbuild.speculation.proposers.base import Draft
+from specbuild.speculation.proposers.base import Draft, DrafterBase, Needs, Observation
 from specbuild.speculation.proposers.ngram import lookup
 from specbuild.speculation.tree import MAX_RANK, TreeError, TreeSpec, request_tree
 
@@ -61,10 +61,12 @@ def _prune(tree: TreeSpec, max_depth: int) -> TreeSpec:
                                f"{tree.name}@depth{max_depth}" if tree.name else None)
 
 
-class RecyclingProposer:
-    """Proposer protocol (base.py). `observe(tokens, logits)` feeds the table."""
+class RecyclingProposer(DrafterBase):
+    """Proposer protocol (base.py): one table shared by every request; `learn(tokens, logits)`
+    feeds it with each verified row of the requests that use it (`observe`)."""
 
     name = "recycle"
+    needs = Needs(logits=True, tree=True)
 
     def __init__(self, vocab_size: int, tree: TreeSpec | None = None, k: int = MAX_RANK, max_nodes: int = 8,
                  with_lookup: bool = True) -> None:
@@ -79,7 +81,7 @@ class RecyclingProposer:
 
     # ---- the table -------------------------------------------------------------------
     @torch.inference_mode()
-    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    def learn(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """tokens [r] input token of each row; logits [r, vocab] the target after it."""
         if tokens.numel() == 0:
             return
@@ -190,8 +192,10 @@ class RecyclingProposer:
             out.append(self.draft_tree(int(seq.all_ids[-1]), tree, cont))
         return out
 
-    def rollback(self, seq, length: int) -> None:  # no per-sequence state
-        pass
+    def observe(self, seq, obs: Observation) -> None:
+        if obs.logits is not None:
+            self.learn(torch.tensor(obs.tokens, dtype=torch.int64), obs.logits)
 
-    def release(self, seq) -> None:
-        pass
+
+def build(ctx) -> RecyclingProposer:
+    return RecyclingProposer(ctx.vocab_size, max_nodes=ctx.max_draft_len)

@@ -29,12 +29,22 @@ import logging
 import time
 from dataclasses import dataclass
 
-from specbuild.speculation.proposers.base import Draft
-from specbuild.speculation.state import NO_ROLLBACK
+from specbuild.speculation.proposers.base import Draft, DrafterBase
 
 log = logging.getLogger("specbuild.remote_draft")
 
 OK, RESYNC, FAILED = 0, 1, 2  # a sequence's status in a reply
+NO_ROLLBACK = 1 << 62  # RemoteState.keep when the target has not rolled back since the last send
+
+
+@dataclass
+class RemoteState:
+    """What the draft process holds of one sequence, as this side knows it."""
+
+    sent: int | None = None  # text length the draft rank has seen (None: it holds nothing of it)
+    keep: int = NO_ROLLBACK  # how much of that stays valid after the target's rollbacks since
+    failed: bool = False  # the draft rank failed on it: decoded plainly from then on
+    drafted: bool = True  # its cache there holds drafted (uncommitted) tokens, not just the prompt
 
 
 @dataclass
@@ -59,13 +69,14 @@ class ReplyTiming:
     ready_at: float
 
 
-class RemoteDraftProposer:
+class RemoteDraftProposer(DrafterBase):
     """The Proposer protocol over a draft link (see the module docstring)."""
 
     name = "draft"
 
     def __init__(self, transport, vocab: int, timeout_s: float = 5.0) -> None:
         self.transport = transport
+        self.states: dict[int, RemoteState] = {}  # seq_id -> what the draft rank holds of it
         self.vocab = vocab
         self.timeout_s = timeout_s
         self.prefetched: dict[int, tuple[int, Draft]] = {}  # seq_id -> (text length it drafted from, draft)
@@ -79,6 +90,16 @@ class RemoteDraftProposer:
                       "request_latency_seconds": 0.0, "reply_latency_seconds": 0.0, "codec_seconds": 0.0,
                       "failed_sequences": 0, "resyncs": 0, "prefilled_sequences": 0}
 
+    def state(self, seq) -> RemoteState:
+        st = self.states.get(seq.seq_id)
+        if st is None:
+            st = self.states[seq.seq_id] = RemoteState()
+        return st
+
+    def failed(self, seq) -> bool:
+        st = self.states.get(seq.seq_id)
+        return st is not None and st.failed
+
     @property
     def healthy(self) -> bool:
         return self.transport.healthy
@@ -86,22 +107,22 @@ class RemoteDraftProposer:
     # ---- the split round trip ------------------------------------------------------------
     def send(self, pairs: list[tuple[object, int]]):
         """Ask for drafts of (seq, gamma) pairs; returns a ticket for `receive` (None: nothing sent)."""
-        pairs = [(s, g) for s, g in pairs if g > 0 and not s.spec_state.remote_failed]
+        pairs = [(s, g) for s, g in pairs if g > 0 and not self.failed(s)]
         if not pairs or not self.healthy:
             return None
         self.step += 1
         orders = []
         for seq, gamma in pairs:
             ids = seq.all_ids
-            st = seq.spec_state
-            sent = st.remote_sent or 0
+            st = self.state(seq)
+            sent = st.sent or 0
             p = seq.params
             # the draft cache may hold at most the committed text (never past len - 1)
-            keep = min(st.remote_keep, len(ids) - 1) if sent else 0
+            keep = min(st.keep, len(ids) - 1) if sent else 0
             orders.append(Order(seq.seq_id, keep, sent, ids[sent:], gamma, p.top_k, p.seed,
                                 float(p.temperature), float(p.top_p)))
-            st.remote_sent, st.remote_keep = len(ids), NO_ROLLBACK
-            st.remote_drafted = True  # the draft cache now holds K/V of drafted tokens
+            st.sent, st.keep = len(ids), NO_ROLLBACK
+            st.drafted = True  # the draft cache now holds K/V of drafted tokens
         prob_rows = sum(g for s, g in pairs if not s.params.greedy)
         t0 = time.monotonic()
         ticket = self.transport.post(self.step, orders, self.releases, prob_rows)
@@ -115,7 +136,7 @@ class RemoteDraftProposer:
         """Send the prompts of sequences the target is prefilling, so that the draft rank fills
         its cache meanwhile (no reply is awaited). Only the committed text goes: the prompt,
         fixed while it is prefilled. Returns how many were sent."""
-        seqs = [s for s in seqs if s.spec_state.remote_sent is None and not s.spec_state.remote_failed]
+        seqs = [s for s in seqs if self.state(s).sent is None and not self.failed(s)]
         if not seqs or not self.healthy:
             return 0
         orders = []
@@ -123,9 +144,9 @@ class RemoteDraftProposer:
             p = seq.params
             orders.append(Order(seq.seq_id, 0, 0, list(seq.all_ids), 0, p.top_k, p.seed,
                                 float(p.temperature), float(p.top_p)))
-            st = seq.spec_state
-            st.remote_sent, st.remote_keep = len(seq.all_ids), NO_ROLLBACK
-            st.remote_drafted = False  # only committed text so far: valid at any target length
+            st = self.state(seq)
+            st.sent, st.keep = len(seq.all_ids), NO_ROLLBACK
+            st.drafted = False  # only committed text so far: valid at any target length
         self.transport.send_ahead(self.step, orders, self.releases)
         self.releases = []
         self.stats["prefilled_sequences"] += len(orders)
@@ -159,10 +180,10 @@ class RemoteDraftProposer:
                 log.warning("the draft rank answered for sequence %d, which this request did not name", seq_id)
                 continue
             if status == RESYNC:
-                seq.spec_state.remote_sent, seq.spec_state.remote_keep = 0, 0
+                self.state(seq).sent, self.state(seq).keep = 0, 0
                 self.stats["resyncs"] += 1
             elif status == FAILED:
-                seq.spec_state.remote_failed = True
+                self.state(seq).failed = True
                 self.stats["failed_sequences"] += 1
                 log.warning("sequence %d: the drafter failed on it; decoding it plainly from now on", seq_id)
             elif tokens and not seq.finished:  # (an abort may have come in the meantime)
@@ -196,15 +217,14 @@ class RemoteDraftProposer:
     def rollback(self, seq, length: int) -> None:
         # a draft cache that holds only committed text (a prefilled prompt) is valid at any
         # target length: the target's chunked prefill must not trim it
-        st = seq.spec_state
-        if st.remote_sent is not None and st.remote_drafted:
-            st.remote_keep = min(st.remote_keep, length)
+        st = self.states.get(seq.seq_id)
+        if st is not None and st.sent is not None and st.drafted:
+            st.keep = min(st.keep, length)
 
     def release(self, seq) -> None:
         self.prefetched.pop(seq.seq_id, None)
-        st = seq.spec_state
-        if st.remote_sent is not None:
-            st.remote_sent, st.remote_keep = None, NO_ROLLBACK
+        st = self.states.pop(seq.seq_id, None)
+        if st is not None and st.sent is not None:
             self.releases.append(seq.seq_id)
 
     def flush_releases(self) -> None:

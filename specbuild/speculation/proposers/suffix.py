@@ -45,7 +45,7 @@ from collections import Counter, OrderedDict
 
 import numpy as np
 
-from specbuild.speculation.proposers.base import Draft
+from specbuild.speculation.proposers.base import Draft, DrafterBase, Needs
 
 SEP = -1  # between documents, and past the arena's end
 DEAD = -2  # an evicted document's slots
@@ -321,11 +321,12 @@ def build_tree(parts: list[tuple[np.ndarray, str]], budget: int,
     return tokens, parents, depths, sources
 
 
-class SuffixProposer:
+class SuffixProposer(DrafterBase):
     """Proposer protocol (base.py). Per-sequence text in `self.local`; earlier requests in
-    `self.store` (added when a request is released with output)."""
+    `self.store` (added when a request that uses it is released with output)."""
 
     name = "suffix"
+    needs = Needs(tree=True)
 
     def __init__(self, max_nodes: int = 8, max_tokens: int = 200_000, scope: str = "global",
                  include_prompts: bool = False, factor: float = 1.0, offset: float = 0.0,
@@ -386,17 +387,12 @@ class SuffixProposer:
     def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
         return [self.draft_for(seq, gamma) for seq, gamma in zip(seqs, gammas)]
 
-    def rollback(self, seq, length: int) -> None:  # the local text holds committed tokens only
-        pass
-
     def release(self, seq) -> None:
         """The request's output (and prompt, with include_prompts) joins the global store."""
         self.local.pop(seq.seq_id, None)
         if getattr(seq, "finish_reason", None) not in ("stop", "length"):
             return  # failed or aborted: keep nothing of it
-        spec = getattr(seq, "spec", None)
-        if spec is None or not (spec.method in (self.name, "hybrid") or (spec.method == "auto"
-                                                                         and not seq.spec_state.auto_plain)):
+        if self.name not in seq.spec_state.uses:
             return  # like recycling's table: learns from the requests that may draft with it
         tokens = (list(seq.prompt_ids) if self.include_prompts else []) + list(seq.output_ids)
         self.store.add(tokens, self.scope_of(seq))
@@ -412,6 +408,11 @@ class SuffixProposer:
     def stats(self) -> dict[str, int]:
         return {**self.store.stats(), "local_requests": len(self.local), "drafts": self.drafts,
                 "drafts_from_local": self.from_local, "drafts_from_global": self.from_global}
+
+
+def build(ctx) -> SuffixProposer:
+    c = ctx.config
+    return SuffixProposer(max(1, ctx.max_draft_len), c.suffix_store_tokens, c.suffix_scope, c.suffix_prompts)
 
 
 def tree_draft(tokens: list[int], parents: list[int], depths: list[int], method: str) -> Draft:
