@@ -30,11 +30,24 @@ from specbuild.cli.options import shared
 @shared("--seed")
 @shared("--threads")
 @shared("--resume", help="Reuse the answers, features and checkpoint in --out.")
+@click.option("--corpus", default=None, type=click.Path(file_okay=False),
+              help="Train on a corpus built by scripts/build_eagle_corpus.py (its answers and fixed held-out set) "
+                   "instead of answering --data here.")
+@click.option("--max-positions", default=None, type=int,
+              help="Train on a seeded subset of at most this many positions (scale curves).")
+@click.option("--shard-positions", default=16384, show_default=True, type=int,
+              help="Positions per feature shard on disk (training holds one shard in memory).")
+@click.option("--features-dir", default=None, type=click.Path(file_okay=False),
+              help="Feature shards here instead of DIR/features, reused by every run over the same sequences.")
+@click.option("--stop-at-step", default=None, type=int, help="Stop (checkpointed) at this step; --resume continues.")
+@click.option("--ship", default=None, type=click.Path(file_okay=False),
+              help="A head directory (e.g. the shipped one): the new head replaces it only if its held-out "
+                   "acceptance beats that head's on the same chains.")
 @shared("--no-progress")
 @user_errors
 def train_eagle_cmd(bundle, data_path, out_dir, draft_vocab, ttt_steps, max_prompts, eval_prompts, max_answer_tokens,
                     max_prompt_tokens, sampled, epochs, steps, lr, train_minutes, checkpoint_minutes, seed, threads,
-                    resume, no_progress) -> None:
+                    resume, corpus, max_positions, shard_positions, features_dir, stop_at_step, ship, no_progress) -> None:
     """Train an EAGLE-3 head for BUNDLE's target by self-distillation (EAGLE-3 layout out)."""
     import torch
 
@@ -45,10 +58,12 @@ def train_eagle_cmd(bundle, data_path, out_dir, draft_vocab, ttt_steps, max_prom
     cfg = EagleTrainConfig(draft_vocab=draft_vocab, ttt_steps=ttt_steps, max_prompts=max_prompts,
                            eval_prompts=eval_prompts, max_answer_tokens=max_answer_tokens,
                            max_prompt_tokens=max_prompt_tokens, sampled=sampled, epochs=epochs, steps=steps, lr=lr,
-                           train_minutes=train_minutes, checkpoint_minutes=checkpoint_minutes, seed=seed)
+                           train_minutes=train_minutes, checkpoint_minutes=checkpoint_minutes, seed=seed,
+                           max_positions=max_positions, shard_positions=shard_positions, stop_step=stop_at_step)
     report = train_eagle(bundle, data_path, out_dir, cfg, resume=resume, progress=not no_progress,
-                         log=lambda m: click.echo(m, err=True))
-    click.echo(json.dumps({k: report[k] for k in ("steps", "train_seconds", "eval_before", "eval_after")}, indent=2))
+                         log=lambda m: click.echo(m, err=True), corpus=corpus, ship=ship, features_dir=features_dir)
+    click.echo(json.dumps({k: report[k] for k in ("steps", "train_rows", "train_seconds", "eval_before", "eval_after",
+                                                  "epochs", "ship") if k in report}, indent=2))
 
 
 @click.command("export-eagle")

@@ -442,16 +442,18 @@ def resume_state(model, optim, ckpt_path: str, resume: bool, total: int, log) ->
 
 def train_loop(model, optim, step: int, total: int, history: list[float], batch_loss, *, peak_lr: float,
                ckpt_path: str, config: dict, checkpoint_minutes: float, train_minutes: float | None, desc: str,
-               progress: bool, log, smoothing: float) -> int:
-    """The optimizer loop train-medusa and train-draft share: warmup + cosine learning rate,
-    a progress bar with the running loss, a checkpoint every `checkpoint_minutes` and at the
-    end, a stop after `train_minutes`. batch_loss(step) -> (loss, {name: bar value}).
+               progress: bool, log, smoothing: float, after_step=None, extra_state=None) -> int:
+    """The optimizer loop train-medusa, train-draft and train-eagle share: warmup + cosine
+    learning rate, a progress bar with the running loss, a checkpoint every
+    `checkpoint_minutes` and at the end, a stop after `train_minutes`. batch_loss(step) ->
+    (loss, {name: bar value}); after_step(step) -> True stops the loop (after evaluating,
+    say); extra_state() -> a dict saved into the checkpoint beside the model and optimizer.
     Appends to `history`; returns the step reached."""
     from tqdm import tqdm
 
     def save() -> None:
         _save_atomic({"step": step, "model": model.state_dict(), "optim": optim.state_dict(),
-                      "history": history, "config": config}, ckpt_path)
+                      "history": history, "config": config, **(extra_state() if extra_state else {})}, ckpt_path)
 
     bar = tqdm(total=total, initial=step, desc=desc, unit="step", disable=not progress)
     t_train, t_ckpt, running = time.perf_counter(), time.perf_counter(), None
@@ -468,6 +470,8 @@ def train_loop(model, optim, step: int, total: int, history: list[float], batch_
         history.append(round(value, 5))
         bar.set_postfix(loss=f"{running:.3f}", **shown)
         bar.update(1)
+        if after_step is not None and after_step(step):
+            break
         if time.perf_counter() - t_ckpt > 60 * checkpoint_minutes:
             save()
             t_ckpt = time.perf_counter()
