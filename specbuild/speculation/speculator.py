@@ -28,7 +28,7 @@ from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.decoder import Decoder
 from specbuild.sampling.params import check_logits, sample_from, warp_probs
 from specbuild.speculation.binning import BinCost
-from specbuild.speculation.proposers.base import Draft, Observation, candidate_sources
+from specbuild.speculation.proposers.base import Draft, Needs, Observation, candidate_sources
 from specbuild.sampling.acceptance import verify_chain_greedy, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled, verify_tree_typical
 
 log = logging.getLogger("specbuild.speculator")
@@ -38,6 +38,7 @@ LIVE_CHECK_FACTOR = 3.0
 
 
 GRAMMAR = "grammar"  # Draft.method of the tokens a structured-output grammar forces
+NO_NEEDS = Needs()  # a drafter that declares nothing reads nothing beyond the tokens
 
 
 @dataclass
@@ -199,10 +200,8 @@ class Speculator:
                 prop.emit = emit
 
     # ---- who reads what ----------------------------------------------------------------------
-    def needs(self, name: str):
-        from specbuild.speculation.proposers.base import Needs
-
-        return getattr(self.proposers.get(name), "needs", None) or Needs()
+    def needs(self, name: str) -> Needs:
+        return getattr(self.proposers.get(name), "needs", None) or NO_NEEDS
 
     def uses(self, seq) -> frozenset[str]:
         """The drafters seq may draft with, so the ones that learn from its passes: its
