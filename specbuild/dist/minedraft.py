@@ -199,7 +199,7 @@ class TwoBatchPlanning:
 
     def draft_orders(self, spec, batch: list) -> list[tuple[object, int]]:
         """(seq, gamma) for the batch to draft: the speculator's method and depth choices."""
-        return [(seq, spec.depth_for(seq, "draft")) for seq in batch if spec.choose_method(seq) == "draft"]
+        return [(seq, gamma) for seq in batch if (gamma := spec.depth_for(seq, "draft")) is not None]
 
     def step(self, scheduler) -> int:
         scheduler.admit()

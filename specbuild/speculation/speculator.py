@@ -124,8 +124,8 @@ class Speculator:
         self._bin_cost: BinCost | None = None
         self.emit = None  # callable(seq, kind, detail): failure-mode events (Engine.set_sink)
         # the target layers some drafter reads (one drafter's, in its order: EAGLE-3's three)
-        self.aux_layers: tuple[int, ...] = next((tuple(p.needs.aux_layers) for p in proposers.values()
-                                                 if getattr(getattr(p, "needs", None), "aux_layers", ())), ())
+        self.aux_layers: tuple[int, ...] = next((tuple(self.needs(n).aux_layers) for n in proposers
+                                                 if self.needs(n).aux_layers), ())
 
     # ---- costs, measured once on first use ---------------------------------------------------
     @property
@@ -304,11 +304,12 @@ class Speculator:
             return cm
         return TreeCostModel(cm, nodes_within_depth(validate(getattr(seq.spec, "tree", None))))
 
-    def depth_for(self, seq, method: str) -> int:
-        """The depth seq would draft with `method` now, 0 when `auto` would not choose it
-        (MineDraft's planning orders the other batch's drafts with it); records nothing."""
+    def depth_for(self, seq, method: str) -> int | None:
+        """The depth seq would draft with `method` now, None when its method (or `auto`) would
+        not choose it (MineDraft's planning orders the other batch's drafts with it); records
+        nothing."""
         if self.choose_method(seq) != method:
-            return 0
+            return None
         gamma = self.controller.next(seq, method)
         return max(0, min(gamma, self.max_draft_len, seq.remaining - 1))
 
