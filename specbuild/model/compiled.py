@@ -60,6 +60,9 @@ def _(q, k_cache, v_cache, layer):
 # graph: the copy costs more than the op's ~20 us a layer from here (measured, 2 threads)
 INLINE_MAX_KEYS = 256
 
+# inductor config patches of every compiled stack (CompiledStack(options=...) for others)
+INDUCTOR_OPTIONS: dict = {}
+
 
 def _op_attend(i: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     return paged_attention_op(q.contiguous(), k_cache, v_cache, i)
@@ -74,8 +77,10 @@ class CompiledStack:
     (torch.compiler.set_stance(skip_guard_eval_unsafe=True)) without the risk that stance
     has where one function holds several graphs, of running one graph for another's inputs."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, options: dict | None = None) -> None:
         self.model = model
+        # inductor config patches every graph of this stack compiles under (INDUCTOR_OPTIONS)
+        self.options = dict(INDUCTOR_OPTIONS if options is None else options)
         self.rows = stack_rows(model.rows_per_call)
         self.fns: dict = {}  # key -> the compiled function of that variant
         self.checked: set = set()  # keys whose function recompiled once: always run with guards
@@ -126,7 +131,8 @@ class CompiledStack:
             fn = self.fns.get(key)
             if fn is None:
                 capture: dict = {}
-                fn = self.fns[key] = torch.compile(self._stack(), backend=capturing_backend(capture), dynamic=False,
+                fn = self.fns[key] = torch.compile(self._stack(), backend=capturing_backend(capture, self.options),
+                                                   dynamic=False,
                                                    fullgraph=True)
                 out = fn(*args)
                 if not aux_layers and capture:
@@ -145,13 +151,14 @@ class CompiledStack:
             _local.attend = None
 
 
-def capturing_backend(capture: dict):
-    """Inductor (compile_fx, as torch.compile's default backend) that also keeps the compiled
-    graph and the example inputs dynamo called it with, for DirectCall."""
+def capturing_backend(capture: dict, options: dict | None = None):
+    """Inductor (compile_fx, as torch.compile's default backend) under the config patches
+    `options` that also keeps the compiled graph and the example inputs dynamo called it
+    with, for DirectCall."""
     from torch._inductor.compile_fx import compile_fx
 
     def backend(gm, example_inputs):
-        compiled = compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs, config_patches=dict(options or {}))
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         capture.update(compiled=compiled, inputs=list(example_inputs), outputs=len(outputs))
         return compiled
