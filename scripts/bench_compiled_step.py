@@ -140,6 +140,7 @@ def main() -> None:
             pieces.reset()
             costs = forward_costs(model, cache, (1, 5), repeats=args.repeats)
             rows[name].append({"decode_ms": decode, "w1_min": costs[1]["min_ms"], "w1_median": costs[1]["wall_ms"],
+                               "w1_cpu": costs[1]["cpu_ms"],
                                "w5_min": costs[5]["min_ms"], **{f"piece {k}": v for k, v in split.items()}})
         loads.append(os.getloadavg()[0])
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {rows[n][-1]['decode_ms']:.2f}" for n in names)

@@ -28,28 +28,26 @@ from collections import Counter
 
 
 def graph_launches(source: str) -> dict:
-    """What one call of an inductor-generated module launches, read from its source (a Python
-    wrapper or a cpp_wrapper's C++): extern kernel calls by op, generated-kernel calls, and the
-    generated kernels whose code opens an OpenMP parallel region."""
+    """What one call of an inductor-generated module launches, read from its source: extern
+    kernel calls by op and generated-kernel calls, from a Python wrapper (its kernels' C++ sits
+    beside it: also how many of those calls open an OpenMP parallel region) or from a
+    cpp_wrapper's C++ (its kernels are compiled apart: regions not counted)."""
+    cpp = "cpp_wrapper_src" in source
     kernels = dict(re.findall(r"^(cpp_fused_\w+) = async_compile\.cpp_pybinding\(.*?'''(.*?)'''", source,
                               re.S | re.M))
-    calls = Counter()
-    for line in source.splitlines():
-        m = re.match(r"\s*(cpp_fused_\w+)\(", line)
-        if m and m.group(1) in kernels:
-            calls[m.group(1)] += 1
-    # cpp_wrapper: kernels are C++ functions of the same name, called from C++
-    if not kernels:
-        bodies = dict(re.findall(r'extern "C"\s+void\s+(cpp_fused_\w+)\([^)]*\)\s*\{(.*?)\n\}', source, re.S))
-        kernels = bodies
-        for name in bodies:
-            calls[name] = len(re.findall(rf"\b{name}\(", source)) - 1
+    # a call is a statement line naming the kernel with an argument list (a C++ declaration
+    # starts with `extern "C"`, so it does not match)
+    calls = Counter(m.group(1) for m in re.finditer(r"^\s*(cpp_fused_\w+)\(", source, re.M)
+                    if cpp or m.group(1) in kernels)
     externs = Counter(re.findall(r"torch\.ops\.([\w.]+)\.default\(", source))
     externs.update(re.findall(r'aoti_torch_call_dispatcher\("([\w:]+)"', source))
-    externs.update(re.findall(r"(aoti_torch_cpu__\w+)\(", source))
-    parallel = sum(n for k, n in calls.items() if "#pragma omp parallel" in kernels.get(k, ""))
-    return {"generated_kernel_calls": sum(calls.values()), "generated_calls_with_omp_region": parallel,
-            "extern_calls": dict(externs)}
+    externs.update(re.findall(r"aoti_torch_cpu_(_\w+)\(", source))
+    out = {"wrapper": "C++ (cpp_wrapper)" if cpp else "Python", "generated_kernel_calls": sum(calls.values()),
+           "extern_calls": dict(externs)}
+    if not cpp:
+        out["generated_calls_with_omp_region"] = sum(n for k, n in calls.items()
+                                                     if "#pragma omp parallel" in kernels.get(k, ""))
+    return out
 
 
 def main() -> None:

@@ -21,10 +21,15 @@ compiled decode step bit for bit, and that greedy speculation equals plain decod
 Calls: each compiled variant's graph is called directly (DirectCall, checked against
 dynamo's own call once), not through dynamo's frame evaluation, which costs 0.5-0.9 ms a
 call here; a variant DirectCall cannot fill (the EAGLE aux outputs) runs through dynamo
-with its guard checks skipped (one graph per code object makes that safe).
+with its guard checks skipped (one graph per code object makes that safe). Inductor writes
+each graph's wrapper (the code that allocates buffers and calls the ~150 kernels of a decode
+step in turn) in C++ (`cpp_wrapper`, INDUCTOR_OPTIONS) instead of Python: the same kernels,
+so the same bits, without ~400 Python-level calls a step (measured 0.85x the graph's CPU time
+at one thread, docs/compiled-step.md); the graph also releases the GIL while it runs.
 
-Cost: a compile at load (tens of seconds on 2 cores the first time; inductor caches the
-result on disk, keyed by the code and shapes, so later loads take ~9 s for SmolLM2).
+Cost: a compile at load (minutes on 2 cores the first time, most of it the C++ wrapper;
+inductor caches the result on disk, keyed by the code, shapes and options, so later loads
+take ~10-20 s for SmolLM2).
 """
 
 from __future__ import annotations
@@ -60,8 +65,10 @@ def _(q, k_cache, v_cache, layer):
 # graph: the copy costs more than the op's ~20 us a layer from here (measured, 2 threads)
 INLINE_MAX_KEYS = 256
 
-# inductor config patches of every compiled stack (CompiledStack(options=...) for others)
-INDUCTOR_OPTIONS: dict = {}
+# inductor config patches of every compiled stack (CompiledStack(options=...) for others):
+# the graphs' wrapper in C++, not Python (docs/compiled-step.md has the measurements and the
+# candidates that did not win)
+INDUCTOR_OPTIONS: dict = {"cpp_wrapper": True}
 
 
 def _op_attend(i: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
