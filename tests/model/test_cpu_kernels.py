@@ -326,9 +326,11 @@ def test_int4_q8_format_reference_and_compile():
     assert torch.equal(compiled(x[:3]), f(x[:3]))
 
 
-def test_int4_a8_greedy_speculation_equals_plain_decoding(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_int4_a8_greedy_speculation_equals_plain_decoding(tmp_path, compiled):
     """An int4-a8 bundle (`--quantize int4 --activations int8`): every layer linear runs
-    int4_q8_mm; greedy speculation (draft model, prompt lookup) equals plain decoding."""
+    int4_q8_mm; greedy speculation (draft model, prompt lookup) equals plain decoding, eager
+    and with the layer stack compiled (`--compile`: the op is an opaque extern call there)."""
     from specbuild.compiler.compile import CompileOptions, compile_bundle
     from specbuild.engine.engine import Engine, EngineConfig
     from specbuild.engine.sequence import Request
@@ -342,10 +344,10 @@ def test_int4_a8_greedy_speculation_equals_plain_decoding(tmp_path):
     draft = perturbed_copy(target, str(tmp_path / "draft"), noise=0.08)
     bundle = compile_bundle(target, str(tmp_path / "int4a8"), CompileOptions(
         max_draft_len=8, dtype="float32", quantize="int4", lm_head_format="int8", activations="int8"), draft=draft)
-    engine = Engine(bundle, EngineConfig(max_batch_size=4))
+    engine = Engine(bundle, EngineConfig(max_batch_size=4, compile=compiled))
     layers = [v for k, v in engine.model.w.items() if k.startswith("layers.") and hasattr(v, "formats")]
     assert layers and all(isinstance(v.formats[v.primary], Int4Q8Format) for v in layers)
-    assert engine.model.row_invariant
+    assert engine.model.row_invariant and (engine.model.compiled is not None) == compiled
     prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10], [20, 21, 22, 20, 21, 22, 20], list(range(30, 70))]
 
     def generate(method):
