@@ -375,11 +375,14 @@ def kernel_candidates(act_dtype: torch.dtype = torch.bfloat16, layers: int = 30,
                 int4[f"specbuild {cpu_kernels.ISA_NAMES[lv]}"].append(
                     (k, packed.numel(), lambda x, p=packed, n=n, lv=lv: cpu_kernels.int4_mm(x, p, n, group, f32, lv),
                      act_dtype))
-        if q8:
-            p8 = cpu_kernels.repack_int4_q8(q, s.float(), z.float(), group)
+        if q8:  # scales as GGUF Q4_1 holds them (fp16 d, m), so the fp16 layout of a Q4_1 bundle
+            s16, m16 = s.half().float(), (z.float() - 8.0 * s.half().float()).half().float()
+            z16 = m16 + 8.0 * s16
+            f16 = cpu_kernels.q8_fp16_exact(s16, z16)
+            p8 = cpu_kernels.repack_int4_q8(q, s16, z16, group, f16)
             for path in q8:
                 int4[f"int4 x int8 {cpu_kernels.Q8_PATHS[path]}"].append(
-                    (k, p8.numel(), lambda x, p=p8, n=n, path=path: cpu_kernels.int4_q8_mm(x, p, n, group, path),
+                    (k, p8.numel(), lambda x, p=p8, n=n, path=path, f=f16: cpu_kernels.int4_q8_mm(x, p, n, group, f, path),
                      torch.float32))
     n, k = LM_HEAD_SHAPE
     w8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)

@@ -259,8 +259,10 @@ __attribute__((target("avx2,fma"))) void int8_row_avx2(const int8_t* w, int64_t 
 //
 // Layout (repack_int4_q8 in cpu_kernels.py; its own, because vpdpbusd multiplies four
 // consecutive bytes of one 32-bit lane by four broadcast input bytes): per block of 16
-// columns, per group of G inputs: G/8 chunks of 64 bytes, then 16 fp32 scales s and 16 fp32
-// m. Byte 4c + j of chunk o: low nibble = column c's input 8o + j, high nibble its input
+// columns, per group of G inputs: G/8 chunks of 64 bytes, then 16 scales s and 16 m, fp16 when
+// every one of them is an fp16 value (weights carried from GGUF Q4_1, whose d and m are fp16:
+// 20 bytes per 32 weights, as the bfloat16 kernel reads) else fp32 (24 bytes); fp16 -> fp32 is
+// exact, so the two layouts give the same bits. Byte 4c + j of chunk o: low nibble = column c's input 8o + j, high nibble its input
 // 8o + 4 + j (j = 0..3). One AND gives the bytes of inputs 8o..8o+3 for 16 columns, a shift and
 // an AND those of 8o+4..8o+7; bytes 0..31 of a chunk are columns 0..7 (the ymm paths' half 0).
 constexpr int QB = 32;  // inputs per activation block
@@ -313,8 +315,8 @@ __attribute__((target("avx2,fma"))) void q8_quantize_row(const float* x, int64_t
 // AVX512-VNNI: R rows x C column blocks, one zmm int32 accumulator per (row, block) and block
 // of 32 inputs (two for one row: more independent chains; integer sums, so the split changes
 // nothing), the activation bytes broadcast four at a time.
-template <int R, int C>
-__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void q8_tile_vnni512(
+template <int R, int C, bool F16S>
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) void q8_tile_vnni512(
     const uint8_t* w, int64_t blk_bytes, int64_t grp_bytes, int ngroups, int G, const int8_t* xq, int64_t K,
     const float* dx, const float* qs, float* out /* [R][C * 16] */) {
   constexpr bool SPLIT = R == 1;
@@ -347,8 +349,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void q8_tile_vnni512(
       }
       const int64_t blk = int64_t(g) * (G / QB) + b;
       for (int c = 0; c < C; ++c) {
-        const float* sp = (const float*)(w + c * blk_bytes + g * grp_bytes + chunks * 64);
-        const __m512 s = _mm512_loadu_ps(sp), m = _mm512_loadu_ps(sp + COLS);
+        const uint8_t* sp = w + c * blk_bytes + g * grp_bytes + chunks * 64;
+        const __m512 s = F16S ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp)) : _mm512_loadu_ps((const float*)sp);
+        const __m512 m = F16S ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32)))
+                              : _mm512_loadu_ps((const float*)sp + COLS);
         for (int r = 0; r < R; ++r) {
           const __m512i isum = SPLIT ? _mm512_add_epi32(ia[r][c], ib[r][c]) : ia[r][c];
           __m512 t = _mm512_mul_ps(s, _mm512_cvtepi32_ps(isum));
@@ -367,7 +371,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void q8_tile_vnni512(
 // vpmaddubsw into int16 pairs (2 * 15 * 127 fits; eight of them summed in int16: 30480 fits)
 // and one vpmaddwd by ones per block. The same integers and the same epilogue as above.
 #define SPECBUILD_Q8_YMM_TILE(NAME, TARGET, INT16)                                                               \
-  template <int R, int H>                                                                                        \
+  template <int R, int H, bool F16S>                                                                             \
   __attribute__((target(TARGET))) void NAME(const uint8_t* w, int64_t blk_bytes, int64_t grp_bytes, int ngroups, \
                                             int G, const int8_t* xq, int64_t K, const float* dx, const float* qs,  \
                                             float* out /* [R][H * 8] */) {                                       \
@@ -400,8 +404,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void q8_tile_vnni512(
         }                                                                                                        \
         const int64_t blk = int64_t(g) * (G / QB) + b;                                                           \
         for (int h = 0; h < H; ++h) {                                                                            \
-          const float* sp = (const float*)(w + (h / 2) * blk_bytes + g * grp_bytes + chunks * 64) + (h % 2) * 8; \
-          const __m256 s = _mm256_loadu_ps(sp), m = _mm256_loadu_ps(sp + COLS);                                  \
+          const uint8_t* sp = w + (h / 2) * blk_bytes + g * grp_bytes + chunks * 64;                            \
+          const __m256 s = F16S ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 16 * (h % 2))))          \
+                                : _mm256_loadu_ps((const float*)sp + 8 * (h % 2));                               \
+          const __m256 m = F16S ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 32 + 16 * (h % 2))))     \
+                                : _mm256_loadu_ps((const float*)sp + COLS + 8 * (h % 2));                        \
           for (int r = 0; r < R; ++r) {                                                                          \
             const __m256i isum = SPECBUILD_Q8_SUM_##INT16(ia[r][h]);                                             \
             __m256 t = _mm256_mul_ps(s, _mm256_cvtepi32_ps(isum));                                               \
@@ -421,9 +428,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void q8_tile_vnni512(
 #define SPECBUILD_Q8_SUM_VEX(acc) (acc)
 #define SPECBUILD_Q8_DOT_EVEX(acc, v, x) _mm256_dpbusd_epi32(acc, v, x)
 #define SPECBUILD_Q8_SUM_EVEX(acc) (acc)
-SPECBUILD_Q8_YMM_TILE(q8_tile_avx2, "avx2,fma", AVX2)
-SPECBUILD_Q8_YMM_TILE(q8_tile_avxvnni, "avx2,fma,avxvnni", VEX)
-SPECBUILD_Q8_YMM_TILE(q8_tile_vnni256, "avx2,fma,avx512f,avx512vl,avx512vnni", EVEX)
+SPECBUILD_Q8_YMM_TILE(q8_tile_avx2, "avx2,fma,f16c", AVX2)
+SPECBUILD_Q8_YMM_TILE(q8_tile_avxvnni, "avx2,fma,f16c,avxvnni", VEX)
+SPECBUILD_Q8_YMM_TILE(q8_tile_vnni256, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", EVEX)
 
 // ---------------------------------------------------------------- drivers --------------------
 // Row tiles: 8, 4, 2, 1 rows; the column tile follows from the row tile (registers), never
@@ -631,7 +638,7 @@ enum Q8Path : int64_t { Q8_AVX2 = 1, Q8_VNNI512 = 2, Q8_AVXVNNI = 3, Q8_VNNI256 
 
 int64_t q8_paths() {  // bit p set: path p runs on this CPU
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   const bool v512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   int64_t m = 0;
@@ -660,7 +667,7 @@ void check_q8_input(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op,
               ": x must be bfloat16 or float32, got ", x.scalar_type());
   TORCH_CHECK(x.size(1) % QB == 0, op, ": K = ", x.size(1), " must be a multiple of ", QB, " (the int8 blocks)");
-  TORCH_CHECK(q8_paths() & (int64_t(1) << Q8_AVX2), op, ": this CPU lacks AVX2 + FMA");
+  TORCH_CHECK(q8_paths() & (int64_t(1) << Q8_AVX2), op, ": this CPU lacks AVX2 + FMA + F16C");
 }
 
 // The int8 blocks int4_q8_mm multiplies (for tests and references): q int8 [T, K], dx and
@@ -678,25 +685,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q8_quantize(const at::Tensor& x_i
   return {q, dx, qs};
 }
 
-at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, int64_t G, int64_t path) {
-  TORCH_CHECK(path >= Q8_AVX2 && path <= Q8_VNNI256,
-              "int4_q8_mm: path must be 1 (AVX2), 2 (AVX512-VNNI), 3 (AVX-VNNI) or 4 (AVX512-VL VNNI ymm), got ", path);
-  TORCH_CHECK((q8_paths() >> path) & 1, "int4_q8_mm: this CPU cannot run path ", path, " (runnable paths: bitmask ",
-              q8_paths(), ")");
-  check_q8_input(x_in, "int4_q8_mm");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 1,
-              "int4_q8_mm: packed must be a contiguous 1-d uint8 tensor");
-  const int64_t T = x_in.size(0), K = x_in.size(1);
-  TORCH_CHECK(G > 0 && G % QB == 0 && K % G == 0, "int4_q8_mm: group size ", G, " must divide K = ", K,
-              " and be a multiple of ", QB);
-  const int64_t nblocks = (N + COLS - 1) / COLS, ng = K / G, grp = G * 8 + COLS * 2 * 4, blk = grp * ng;
-  TORCH_CHECK(packed.numel() == nblocks * blk, "int4_q8_mm: packed has ", packed.numel(), " bytes, [", N, ", ", K,
-              "] with group ", G, " needs ", nblocks * blk);
-  at::Tensor out = at::empty({T, N}, x_in.options());
-  if (T == 0 || N == 0) return out;
-  at::Tensor xf = x_in.to(at::kFloat).contiguous();
-  const Q8Rows xr = q8_rows(xf);
-  const uint8_t* w = packed.data_ptr<uint8_t>();
+template <bool F16S>
+void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_t G, int64_t T, const Q8Rows& xr,
+                 int64_t path, at::Tensor& out) {
+  const int64_t ng = K / G, grp = G * 8 + COLS * 2 * (F16S ? 2 : 4), blk = grp * ng;
   const int8_t* xq = xr.q.data();
   const float* dx = xr.dx.data();
   const float* qs = xr.qs.data();
@@ -717,7 +709,7 @@ at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
           const int C = nb == UNIT ? (R == 8 ? 1 : R == 4 ? 2 : 4) : 1;
           for (int64_t b = b0; b < b0 + nb; b += C) {
             const uint8_t* wb = w + b * blk;
-#define TILE(RR, CC) q8_tile_vnni512<RR, CC>(wb, blk, grp, ng, G, xt, K, dt, st, tile)
+#define TILE(RR, CC) q8_tile_vnni512<RR, CC, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile)
             if (C == 1) {
               if (R == 8) TILE(8, 1); else if (R == 4) TILE(4, 1); else if (R == 2) TILE(2, 1); else TILE(1, 1);
             } else if (R == 4) TILE(4, 2);
@@ -732,9 +724,9 @@ at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
             const int C = (R == 1 && b + 2 <= b0 + nb) ? 2 : 1;
             const uint8_t* wb = w + b * blk;
 #define YTILE(FN)                                                             \
-  if (R == 2) FN<2, 2>(wb, blk, grp, ng, G, xt, K, dt, st, tile);             \
-  else if (C == 2) FN<1, 4>(wb, blk, grp, ng, G, xt, K, dt, st, tile);        \
-  else FN<1, 2>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
+  if (R == 2) FN<2, 2, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile);      \
+  else if (C == 2) FN<1, 4, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile); \
+  else FN<1, 2, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
             if (path == Q8_AVX2) { YTILE(q8_tile_avx2) }
             else if (path == Q8_AVXVNNI) { YTILE(q8_tile_avxvnni) }
             else { YTILE(q8_tile_vnni256) }
@@ -747,6 +739,30 @@ at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
       }
     }
   });
+}
+
+at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, int64_t G, bool f16_scales,
+                      int64_t path) {
+  TORCH_CHECK(path >= Q8_AVX2 && path <= Q8_VNNI256,
+              "int4_q8_mm: path must be 1 (AVX2), 2 (AVX512-VNNI), 3 (AVX-VNNI) or 4 (AVX512-VL VNNI ymm), got ", path);
+  TORCH_CHECK((q8_paths() >> path) & 1, "int4_q8_mm: this CPU cannot run path ", path, " (runnable paths: bitmask ",
+              q8_paths(), ")");
+  check_q8_input(x_in, "int4_q8_mm");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 1,
+              "int4_q8_mm: packed must be a contiguous 1-d uint8 tensor");
+  const int64_t T = x_in.size(0), K = x_in.size(1);
+  TORCH_CHECK(G > 0 && G % QB == 0 && K % G == 0, "int4_q8_mm: group size ", G, " must divide K = ", K,
+              " and be a multiple of ", QB);
+  const int64_t nblocks = (N + COLS - 1) / COLS, ng = K / G, grp = G * 8 + COLS * 2 * (f16_scales ? 2 : 4);
+  TORCH_CHECK(packed.numel() == nblocks * ng * grp, "int4_q8_mm: packed has ", packed.numel(), " bytes, [", N, ", ",
+              K, "] with group ", G, (f16_scales ? " and fp16" : " and fp32"), " scales needs ", nblocks * ng * grp);
+  at::Tensor out = at::empty({T, N}, x_in.options());
+  if (T == 0 || N == 0) return out;
+  at::Tensor xf = x_in.to(at::kFloat).contiguous();
+  const Q8Rows xr = q8_rows(xf);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (f16_scales) int4_q8_run<true>(w, nblocks, N, K, G, T, xr, path, out);
+  else int4_q8_run<false>(w, nblocks, N, K, G, T, xr, path, out);
   return out;
 }
 
@@ -758,7 +774,7 @@ TORCH_LIBRARY(specbuild_cpu, m) {
   m.def("int4_mm(Tensor x, Tensor packed, int n, int group_size, bool f32_scales, int isa) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor packed, int n, int isa) -> Tensor");
   m.def("isa_level() -> int");
-  m.def("int4_q8_mm(Tensor x, Tensor packed, int n, int group_size, int path) -> Tensor");
+  m.def("int4_q8_mm(Tensor x, Tensor packed, int n, int group_size, bool f16_scales, int path) -> Tensor");
   m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("q8_paths() -> int");
 }

@@ -141,7 +141,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("specbuild_cpu::int4_q8_mm")
-    def _(x, packed, n, group_size, path):
+    def _(x, packed, n, group_size, f16_scales, path):
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("specbuild_cpu::q8_quantize")
@@ -254,21 +254,41 @@ def repack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _aligned(torch.cat([values, s], 1).reshape(-1))
 
 
-def repack_int4_q8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+def q8_scales_and_m(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (scale, m = zero - 8 * scale): weight = q * scale + m. 8 * scale is exact, so m
+    has one rounding (none for weights carried from GGUF Q4_1: m is the block's own minimum)."""
+    s = scales.float()
+    return s, zeros.float() - 8.0 * s
+
+
+def q8_fp16_exact(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether every scale and m is an fp16 value (then repack_int4_q8 may store them in fp16:
+    same bits, 20 bytes per 32 weights instead of 24). True for GGUF Q4_1 weights."""
+    s, m = q8_scales_and_m(scales, zeros)
+    return all(bool(torch.equal(t.half().float(), t)) for t in (s, m))
+
+
+def repack_int4_q8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                   f16_scales: bool = False) -> torch.Tensor:
     """q: [N, K] values 0..15; scales, zeros: [N, K / group_size] (weight = (q - 8) * scale +
     zero). Returns the 1-d uint8 buffer int4_q8_mm streams (layout in cpu_kernels.cpp): per
     block of 16 columns, per group, G / 8 chunks of 64 bytes (byte 4c + j: column c's input
-    8o + j in the low nibble, 8o + 4 + j in the high one), then 16 float32 scales and 16 float32
-    m = zero - 8 * scale (weight = q * scale + m). Columns past N (to a multiple of 16) are zero."""
+    8o + j in the low nibble, 8o + 4 + j in the high one), then 16 scales and 16
+    m = zero - 8 * scale (weight = q * scale + m), float32, or fp16 when `f16_scales` (only
+    where q8_fp16_exact holds: a ValueError otherwise). Columns past N (to a multiple of 16)
+    are zero."""
     n, k = q.shape
     g = group_size
     if k % g or g % Q8_BLOCK:
         raise ValueError(f"int4 x int8 kernel: group_size {g} must be a multiple of {Q8_BLOCK} dividing "
                          f"in_features {k}")
+    if f16_scales and not q8_fp16_exact(scales, zeros):
+        raise ValueError("int4 x int8 kernel: f16_scales needs every scale and zero - 8 * scale to be an fp16 value")
     pad = -n % COLS
     q = q.to(torch.uint8)
-    s = scales.float()
-    m = zeros.float() - 8.0 * s  # 8 * s is exact; one rounding (none for Q4_1-derived weights)
+    s, m = q8_scales_and_m(scales, zeros)
+    if f16_scales:
+        s, m = s.half(), m.half()
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
         s = torch.cat([s, s.new_zeros(pad, s.shape[1])])
@@ -297,10 +317,10 @@ def int8_mm(x: torch.Tensor, packed: torch.Tensor, n: int, isa_level: int):
     return torch.ops.specbuild_cpu.int8_mm(x, packed, n, isa_level)
 
 
-def int4_q8_mm(x: torch.Tensor, packed: torch.Tensor, n: int, group_size: int, path: int):
+def int4_q8_mm(x: torch.Tensor, packed: torch.Tensor, n: int, group_size: int, f16_scales: bool, path: int):
     if not _state:
         _load()
-    return torch.ops.specbuild_cpu.int4_q8_mm(x, packed, n, group_size, path)
+    return torch.ops.specbuild_cpu.int4_q8_mm(x, packed, n, group_size, f16_scales, path)
 
 
 def q8_quantize(x: torch.Tensor):

@@ -237,6 +237,15 @@ def q8_reference_blocks(x):
     return q.view(t, k).to(torch.int8), d, q.sum(-1)
 
 
+def q4_1_case(n, k, group, seed=0):
+    """int4 weights as GGUF Q4_1 carries them: fp16 d and m per group (scale = d, zero = m + 8 d)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(n, k // group, generator=gen) * 0.02).half().float()
+    m = (-torch.rand(n, k // group, generator=gen) * 0.15).half().float()
+    return q, d, m + 8.0 * d, dequantize_int4(q, d, m + 8.0 * d, group).double()
+
+
 def test_q8_quantize_is_the_documented_rounding():
     q8_paths()
     x = q8_inputs(7, 160)
@@ -253,21 +262,28 @@ def test_int4_q8_matches_a_float64_reference_and_every_path_gives_the_same_bits(
     weights: only the float32 epilogue rounds. AVX512-VNNI, the VNNI ymm paths and AVX2
     (maddubs) form the same integers and run the same epilogue: identical bits."""
     paths = q8_paths()
-    q, scales, zeros, w64 = int4_case(n, k, group, torch.float32, seed=n + k)
-    packed = cpu_kernels.repack_int4_q8(q, scales, zeros, group)
     x = q8_inputs(9, k, seed=k)
     rq, rd, _ = q8_reference_blocks(x)
     xd = (rq.double().view(9, -1, 32) * rd.double().unsqueeze(-1)).view(9, k)
-    ref = xd @ w64.T
-    outs = {p: cpu_kernels.int4_q8_mm(x, packed, n, group, p) for p in paths}
-    for p, out in outs.items():
-        assert out.dtype == torch.float32 and out.shape == (9, n)
-        err = ((out.double() - ref).abs() / (ref.abs().amax(1, keepdim=True) + 1e-30)).max()
-        assert float(err) < 2e-6, (p, float(err))
-        assert torch.equal(out, outs[1]), f"path {cpu_kernels.Q8_PATHS[p]} differs from AVX2"
+    for case in (int4_case(n, k, group, torch.float32, seed=n + k), q4_1_case(n, k, group, seed=n)):
+        q, scales, zeros, w64 = case
+        ref = xd @ w64.T
+        layouts = [False] + ([True] if cpu_kernels.q8_fp16_exact(scales, zeros) else [])
+        outs = {}
+        for f16 in layouts:
+            packed = cpu_kernels.repack_int4_q8(q, scales, zeros, group, f16)
+            assert packed.numel() == -(-n // 16) * 16 * (k // 2 + (k // group) * 2 * (2 if f16 else 4))
+            for p in paths:
+                outs[(f16, p)] = cpu_kernels.int4_q8_mm(x, packed, n, group, f16, p)
+        for (f16, p), out in outs.items():
+            assert out.dtype == torch.float32 and out.shape == (9, n)
+            err = ((out.double() - ref).abs() / (ref.abs().amax(1, keepdim=True) + 1e-30)).max()
+            assert float(err) < 2e-6, (f16, p, float(err))
+            assert torch.equal(out, outs[(False, 1)]), f"path {cpu_kernels.Q8_PATHS[p]}, fp16 {f16} differs"
+    assert len(layouts) == 2, "Q4_1 weights fit the fp16 layout"
     # bfloat16 inputs are read as their float32 values
-    assert torch.equal(cpu_kernels.int4_q8_mm(x.bfloat16(), packed, n, group, paths[-1]).float(),
-                       cpu_kernels.int4_q8_mm(x.bfloat16().float(), packed, n, group, paths[-1]).bfloat16().float())
+    assert torch.equal(cpu_kernels.int4_q8_mm(x.bfloat16(), packed, n, group, True, paths[-1]).float(),
+                       cpu_kernels.int4_q8_mm(x.bfloat16().float(), packed, n, group, True, paths[-1]).bfloat16().float())
 
 
 def test_int4_q8_rows_are_invariant_to_width_and_position():
@@ -275,15 +291,16 @@ def test_int4_q8_rows_are_invariant_to_width_and_position():
     bit for bit, on every path this CPU runs (tiles of 8/4/2/1 rows and 1..4 column blocks)."""
     paths = q8_paths()
     n, k = 88, 192  # 6 column blocks: full and partial units of 4
-    q, scales, zeros, _ = int4_case(n, k, 32, torch.float32)
-    packed = cpu_kernels.repack_int4_q8(q, scales, zeros, 32)
     x = q8_inputs(17, k, seed=5)
-    alone = torch.cat([cpu_kernels.int4_q8_mm(x[i:i + 1], packed, n, 32, 1) for i in range(17)])
-    for p in paths:
-        for w in range(1, 18):
-            for start in range(0, 17 - w + 1):
-                got = cpu_kernels.int4_q8_mm(x[start:start + w], packed, n, 32, p)
-                assert torch.equal(got, alone[start:start + w]), (cpu_kernels.Q8_PATHS[p], w, start)
+    for f16 in (False, True):
+        q, scales, zeros, _ = q4_1_case(n, k, 32) if f16 else int4_case(n, k, 32, torch.float32)
+        packed = cpu_kernels.repack_int4_q8(q, scales, zeros, 32, f16)
+        alone = torch.cat([cpu_kernels.int4_q8_mm(x[i:i + 1], packed, n, 32, f16, 1) for i in range(17)])
+        for p in paths:
+            for w in range(1, 18):
+                for start in range(0, 17 - w + 1):
+                    got = cpu_kernels.int4_q8_mm(x[start:start + w], packed, n, 32, f16, p)
+                    assert torch.equal(got, alone[start:start + w]), (cpu_kernels.Q8_PATHS[p], f16, w, start)
 
 
 def test_int4_q8_bad_inputs_name_the_value():
@@ -291,13 +308,17 @@ def test_int4_q8_bad_inputs_name_the_value():
     q, scales, zeros, _ = int4_case(32, 64, 32, torch.float32)
     packed = cpu_kernels.repack_int4_q8(q, scales, zeros, 32)
     with pytest.raises(RuntimeError, match="packed has"):
-        cpu_kernels.int4_q8_mm(torch.randn(2, 96), packed, 32, 32, 1)
+        cpu_kernels.int4_q8_mm(torch.randn(2, 96), packed, 32, 32, False, 1)
+    with pytest.raises(RuntimeError, match="packed has .* fp16 scales"):
+        cpu_kernels.int4_q8_mm(torch.randn(2, 64), packed, 32, 32, True, 1)
     with pytest.raises(RuntimeError, match="path must be 1"):
-        cpu_kernels.int4_q8_mm(torch.randn(2, 64), packed, 32, 32, 9)
+        cpu_kernels.int4_q8_mm(torch.randn(2, 64), packed, 32, 32, False, 9)
     missing = [p for p in cpu_kernels.Q8_PATHS if p not in paths]
     if missing:
         with pytest.raises(RuntimeError, match=f"cannot run path {missing[0]}"):
-            cpu_kernels.int4_q8_mm(torch.randn(2, 64), packed, 32, 32, missing[0])
+            cpu_kernels.int4_q8_mm(torch.randn(2, 64), packed, 32, 32, False, missing[0])
+    with pytest.raises(ValueError, match="f16_scales needs"):
+        cpu_kernels.repack_int4_q8(q, scales * (1 + 2 ** -20), zeros, 32, True)
     with pytest.raises(RuntimeError, match="K = 48 must be a multiple of 32"):
         cpu_kernels.q8_quantize(torch.randn(2, 48))
     with pytest.raises(ValueError, match="group_size 16 must be a multiple of 32"):
@@ -312,8 +333,11 @@ def test_int4_q8_format_reference_and_compile():
     q8_paths()
     q, scales, zeros, _ = int4_case(48, 128, 32, torch.float32)
     fmt = Int4Q8Format(pack_nibbles(q), scales, zeros, 32)
-    assert fmt.quantizes_inputs and fmt.path == cpu_kernels.q8_path()
+    assert fmt.quantizes_inputs and fmt.path == cpu_kernels.q8_path() and not fmt.f16_scales
     assert fmt.nbytes == 48 * 128 // 2 + 48 * (128 // 32) * 2 * 4  # nibbles + a float32 scale and m per group
+    q16, s16, z16, _ = q4_1_case(48, 128, 32)
+    fmt16 = Int4Q8Format(pack_nibbles(q16), s16, z16, 32)
+    assert fmt16.f16_scales and fmt16.nbytes == 48 * 128 // 2 + 48 * (128 // 32) * 2 * 2  # Q4_1: fp16 d and m
     x = q8_inputs(5, 128)
     ref = fmt.reference(x)
     assert float((fmt(x) - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
