@@ -26,8 +26,9 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2-135m", help="HF directory, .gguf file or preset")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", default=None,
-                    help="comma-separated names from float32,bfloat16,int8,int4,int8-a8,int4-a8,int4-bf16,int4-head4 "
-                         "(the first is the baseline)")
+                    help="comma-separated names from float32,bfloat16,int8,int4,int8-a8,int4-a8,int4-bf16,int4-head4, "
+                         "each optionally with +compile (the same bundle, its layer stack compiled); the first is "
+                         "the baseline")
     ap.add_argument("--work-dir", default=None, help="where the bundles go (a temp dir by default)")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -57,15 +58,17 @@ def main() -> int:
                 json.dump(report, f, indent=1, default=str)
         return 0
 
-    from specbuild.bench.formats import DEFAULT_FORMATS, format_report, run_formats_bench
+    from specbuild.bench.formats import COMPILED, DEFAULT_FORMATS, format_report, run_formats_bench
 
     torch.set_num_threads(args.threads)
     names = args.formats.split(",") if args.formats else list(DEFAULT_FORMATS)
-    unknown = [n for n in names if n not in DEFAULT_FORMATS]
+    unknown = [n for n in names if n.removesuffix(COMPILED) not in DEFAULT_FORMATS]
     if unknown:
-        print(f"error: formats {unknown} are not among {', '.join(DEFAULT_FORMATS)}", file=sys.stderr)
+        print(f"error: formats {unknown} are not among {', '.join(DEFAULT_FORMATS)} (each may end in {COMPILED})",
+              file=sys.stderr)
         return 2
-    report = run_formats_bench(args.target, {n: DEFAULT_FORMATS[n] for n in names}, threads=args.threads,
+    report = run_formats_bench(args.target, {n: DEFAULT_FORMATS[n.removesuffix(COMPILED)] for n in names},
+                               threads=args.threads,
                                work_dir=args.work_dir, ppl_tokens=args.ppl_tokens, prompts=args.prompts,
                                gen_tokens=args.gen_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats,
                                progress=lambda m: print(m, file=sys.stderr, flush=True))
