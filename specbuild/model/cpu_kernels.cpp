@@ -312,6 +312,14 @@ __attribute__((target("avx2,fma"))) void q8_quantize_row(const float* x, int64_t
   }
 }
 
+// vpdpbusd with the four activation bytes as an embedded broadcast operand ({1to16}): GCC 12
+// does not fold _mm512_set1_epi32(load) into it, and a separate vpbroadcastd per product costs
+// a uop per product (measured: the same speed or up to 5% faster over SmolLM2's layers).
+__attribute__((target("avx512f,avx512vnni"))) inline __m512i dpbusd_bcast(__m512i acc, __m512i v, const int8_t* x4) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(v), "m"(*(const int32_t*)x4));
+  return acc;
+}
+
 // AVX512-VNNI: R rows x C column blocks (the driver uses C = 1), one zmm int32 accumulator per
 // (row, block) and block of 32 inputs (two for one row: more independent chains; integer sums,
 // so the split changes nothing), the activation bytes broadcast four at a time.
@@ -339,11 +347,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) void q8_tile_vnn
           const __m512i v = _mm512_loadu_si512((const void*)p);
           const __m512i vl = _mm512_and_si512(v, nib), vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
           for (int r = 0; r < R; ++r) {
-            const __m512i xa = _mm512_set1_epi32(load_i32(xq + r * K + kk));
-            const __m512i xb = _mm512_set1_epi32(load_i32(xq + r * K + kk + 4));
-            ia[r][c] = _mm512_dpbusd_epi32(ia[r][c], vl, xa);
-            if (SPLIT) ib[r][c] = _mm512_dpbusd_epi32(ib[r][c], vh, xb);
-            else ia[r][c] = _mm512_dpbusd_epi32(ia[r][c], vh, xb);
+            ia[r][c] = dpbusd_bcast(ia[r][c], vl, xq + r * K + kk);
+            if (SPLIT) ib[r][c] = dpbusd_bcast(ib[r][c], vh, xq + r * K + kk + 4);
+            else ia[r][c] = dpbusd_bcast(ia[r][c], vh, xq + r * K + kk + 4);
           }
         }
       }
