@@ -274,7 +274,7 @@ inline int32_t load_i32(const int8_t* p) {
 }
 
 // One row's inputs -> int8 per block of 32: d = amax / 127 (fp32 division), q = nearest-even
-// (x / d) clamped to [-127, 127] (0 where amax is 0), qsum = sum q. One code path for every
+// (x / d) clamped to [-127, 127] (0 where d is 0), qsum = sum q. One code path for every
 // ISA path (AVX2), so the int8 inputs are the same whichever kernel reads them.
 __attribute__((target("avx2,fma"))) void q8_quantize_row(const float* x, int64_t K, int8_t* q, float* dx,
                                                          float* qs) {
@@ -293,7 +293,7 @@ __attribute__((target("avx2,fma"))) void q8_quantize_row(const float* x, int64_t
     const float d = a / 127.0f;
     int32_t sum = 0;
     alignas(32) int32_t qi[QB];
-    if (a > 0.0f) {
+    if (d > 0.0f) {  // (an amax below 127 * 2^-149 underflows to d = 0: treated as zeros)
       const __m256 dv = _mm256_set1_ps(d);
       for (int i = 0; i < 4; ++i) {
         __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -307,7 +307,7 @@ __attribute__((target("avx2,fma"))) void q8_quantize_row(const float* x, int64_t
       q[b * QB + i] = int8_t(qi[i]);
       sum += qi[i];
     }
-    dx[b] = a > 0.0f ? d : 0.0f;
+    dx[b] = d;
     qs[b] = float(sum);
   }
 }
