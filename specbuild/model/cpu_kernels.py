@@ -37,6 +37,7 @@ torch's kernels and status()["reason"] says why.
 $SPECBUILD_CPU_KERNEL: `auto` (default: ours where a quick measurement at load finds it faster),
 `torch` (never ours), `specbuild` (ours wherever the CPU has AVX2; an error when it cannot be
 built), `avx2` (ours, the AVX2 code path even on an AVX-512 CPU: for tests and comparisons).
+int4-a8 weights always run int4_q8_mm (torch has no kernel for them; `avx2` picks its AVX2 path).
 """
 
 from __future__ import annotations
