@@ -384,3 +384,18 @@ def test_int4_a8_greedy_speculation_equals_plain_decoding(tmp_path, compiled):
         out = generate(method)
         assert [r["token_ids"] for r in out] == plain, method
         assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0
+
+
+def test_int4_a8_without_the_kernel_is_a_clear_error(monkeypatch, tmp_path):
+    """No compiler (nothing built before): an int4-a8 weight cannot run (torch has no int4 x
+    int8 kernel to fall back on), and the error says why."""
+    from specbuild.errors import BundleError
+    from specbuild.model.qlinear import Int4Q8Format
+
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    monkeypatch.setenv("SPECBUILD_KERNEL_DIR", str(tmp_path))
+    q, scales, zeros, _ = int4_case(32, 64, 32, torch.float32)
+    assert cpu_kernels.q8_paths() == [] and cpu_kernels.q8_path() == 0
+    with pytest.raises(BundleError, match=r"specbuild's CPU kernel only .*no C\+\+ compiler"):
+        Int4Q8Format(pack_nibbles(q), scales, zeros, 32)
