@@ -219,8 +219,9 @@ class Engine(BaseEngine):
             from specbuild.model.timing import warm_up_compiled
 
             try:
-                self.model.compile()
-                aux = [()] + ([self.speculator.aux_layers] if self.speculator.aux_layers else [])
+                # a head's aux layers in every forward's graph (Decoder.compile): one graph family
+                self.model.compile(aux_layers=self.speculator.aux_layers)
+                aux = [self.speculator.aux_layers] if self.speculator.aux_layers else [()]
                 self.compile_seconds = warm_up_compiled(self.model, self.cache, aux)
                 # draft models too (their proposals only decide speed; the target's pass decides tokens)
                 for prop in self.speculator.proposers.values():

@@ -20,8 +20,9 @@ compiled decode step bit for bit, and that greedy speculation equals plain decod
 
 Calls: each compiled variant's graph is called directly (DirectCall, checked against
 dynamo's own call once), not through dynamo's frame evaluation, which costs 0.5-0.9 ms a
-call here; a variant DirectCall cannot fill (the EAGLE aux outputs) runs through dynamo
-with its guard checks skipped (one graph per code object makes that safe). Inductor writes
+call here (graphs that also return an EAGLE head's aux layers too); a variant DirectCall
+cannot fill runs through dynamo with its guard checks skipped (one graph per code object
+makes that safe). Inductor writes
 each graph's wrapper (the code that allocates buffers and calls the ~150 kernels of a decode
 step in turn) in C++ (`cpp_wrapper`, INDUCTOR_OPTIONS) instead of Python: the same kernels,
 so the same bits, without ~400 Python-level calls a step (measured 0.85x the graph's CPU time
@@ -134,7 +135,8 @@ class CompiledStack:
         try:
             direct = self.direct.get(key)
             if direct is not None:
-                return direct(args), []
+                outs = direct(args)
+                return outs[0], list(outs[1:])
             fn = self.fns.get(key)
             if fn is None:
                 capture: dict = {}
@@ -142,8 +144,8 @@ class CompiledStack:
                                                    dynamic=False,
                                                    fullgraph=True)
                 out = fn(*args)
-                if not aux_layers and capture:
-                    self.direct[key] = DirectCall.checked(capture, args, out[0])
+                if capture:
+                    self.direct[key] = DirectCall.checked(capture, args, [out[0], *out[1]])
                 return out
             if key not in self.checked and not _NO_SKIP:
                 try:
@@ -179,8 +181,8 @@ class DirectCall:
     layer stack on 2 cores; 4.1 ms direct). The graph's inputs are those dynamo lifted, in
     its order: the call's own tensors (found by identity at capture), the weights (fixed:
     the same tensors every call), and the sizes marked dynamic (an unbacked size is the
-    width, a backed one the number of keys). Made only for a graph with one output (the
-    hidden states) and kept only if, on the capturing call's inputs, it returns exactly
+    width, a backed one the number of keys). Made for a graph whose outputs are the hidden
+    states and then the aux layers' residuals, and kept only if, on the capturing call's inputs, it returns exactly
     what dynamo's call returned; otherwise calls go through dynamo."""
 
     def __init__(self, compiled, plan: list) -> None:
@@ -190,8 +192,8 @@ class DirectCall:
         self.fill = [(i, kind, v) for i, (kind, v) in enumerate(plan) if kind != "const"]
 
     @classmethod
-    def checked(cls, capture: dict, args: tuple, expect: torch.Tensor) -> "DirectCall | None":
-        if capture.get("outputs") != 1:
+    def checked(cls, capture: dict, args: tuple, expect: list[torch.Tensor]) -> "DirectCall | None":
+        if capture.get("outputs") != len(expect):
             return None
         x, cos_u, sin_u, write_slots, read_slots, ks, vs = args[:7]
         where = {id(x): 0, id(cos_u): 1, id(sin_u): 2, id(write_slots): 3, id(read_slots): 4}
@@ -216,9 +218,10 @@ class DirectCall:
             got = call(args)
         except Exception:  # noqa: BLE001 - any mismatch in the calling convention: use dynamo
             return None
-        return call if torch.equal(got, expect) else None
+        same = len(got) == len(expect) and all(torch.equal(g, e) for g, e in zip(got, expect))
+        return call if same else None
 
-    def __call__(self, args: tuple) -> torch.Tensor:
+    def __call__(self, args: tuple) -> list[torch.Tensor]:
         x, cos_u, sin_u, write_slots, read_slots, ks, vs = args[:7]
         own = (x, cos_u, sin_u, write_slots, read_slots)
         inputs = list(self.template)  # a fresh copy each call: the template stays as built
@@ -229,7 +232,7 @@ class DirectCall:
                 inputs[i] = x.shape[0]
             else:
                 inputs[i] = read_slots.shape[0]
-        return self.compiled(*inputs)[0]
+        return list(self.compiled(*inputs))  # the hidden states, then the aux layers' residuals
 
 
 def stack_rows(rows_per_call: dict[str, tuple[int, int]]) -> tuple[int, int]:

@@ -172,12 +172,22 @@ class Decoder:
         self.rows_per_call: dict[str, tuple[int, int]] = row_policies(self.w, config.num_layers) \
             if self.row_invariant else {}
         self.compiled = None  # compiled.CompiledStack once compile() is called
+        self.compiled_aux: tuple[int, ...] = ()  # aux layers every compiled forward computes
 
-    def compile(self) -> None:
-        """Run the layer stack compiled (model/compiled.py) from now on, in every forward."""
+    def compile(self, aux_layers: tuple[int, ...] = ()) -> None:
+        """Run the layer stack compiled (model/compiled.py) from now on, in every forward.
+
+        aux_layers (an EAGLE-3 head's): every compiled forward returns them, asked for or not.
+        inductor fuses a graph that also returns the residuals entering those layers otherwise
+        than one that does not, and the two give different bits at some widths (measured on
+        the int4 SmolLM2 bundle: identical up to 12 rows, not at 16-17;
+        scripts/compiled_aux_check.py), while each graph alone gives a row the same bits at
+        every width. One graph for every forward keeps plain decoding and the head's verify
+        passes in one arithmetic."""
         from specbuild.model.compiled import CompiledStack
 
         self.compiled = CompiledStack(self)
+        self.compiled_aux = tuple(sorted(set(aux_layers)))
 
     def format_for(self, group: str, width: int) -> str | None:
         """The format QLinear weights of `group` run in for a forward of `width` rows."""
@@ -206,7 +216,15 @@ class Decoder:
         fmt = self.format_for("layers", t)
         aux_layers = tuple(aux_layers) if aux_layers and aux_rows is not None else ()
         if self.compiled is not None:
-            x, aux = self.compiled_rows(batch, cache, fmt, aux_layers)
+            # compiled_aux: every compiled forward computes the same aux layers (one graph family
+            # for plain steps and a head's verify passes: the same bits), wanted or not
+            run_aux = self.compiled_aux or aux_layers
+            if aux_layers and not set(aux_layers) <= set(run_aux):
+                raise ValueError(f"aux layers {aux_layers} are not among the compiled stack's {run_aux}")
+            x, aux = self.compiled_rows(batch, cache, fmt, run_aux)
+            if aux_layers:
+                ran = sorted(set(run_aux))
+                aux = [aux[ran.index(layer)] for layer in sorted(set(aux_layers))]
         else:
             x, aux = self.layer_stack(*self.stack_inputs(batch), batch.write_slots, cache.k, cache.v, fmt,
                                       Attend(self, batch, t), aux_layers)
@@ -265,7 +283,9 @@ class Decoder:
         for i in range(c.num_layers):
             p = f"layers.{i}."
             if i in aux_layers:
-                aux.append(x)
+                # layer 0's residual is the stack's input: a copy, so that a compiled graph returns
+                # it as one of its own outputs (compiled.DirectCall fills only those)
+                aux.append(x if i else x.clone())
             h = rms_norm(x, w[p + "attn_norm"], c.rms_norm_eps)
             qkv = linear(h, w[p + "qkv"], fmt, w.get(p + "qkv_bias"), bound(p + "qkv"))  # [T, (H + 2KV) * D]
             # q and k side by side in qkv: one rope call for both (elementwise: the same bits)
