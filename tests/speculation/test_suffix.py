@@ -84,16 +84,16 @@ def test_documents_do_not_run_into_each_other():
 
 def test_tree_is_best_first_by_share_within_budget_and_min_prob():
     rows = np.array([[1, 2, 3], [1, 2, 4], [1, 2, 3], [5, 6, -1], [1, 7, -1]])
-    tokens, parents, depths, sources = build_tree([(rows, "local")], budget=5, min_prob=0.1)
+    tokens, parents, depths, sources, _ = build_tree([(rows, "local")], budget=5, min_prob=0.1)
     # 1 (4/5), 2 (3/5), 3 (2/5), then 5, 4, 7 (1/5 each); the budget cuts after five nodes
     assert tokens[:3] == [1, 2, 3] and parents[:4] == [-1, 0, 1, 2] and depths[:3] == [1, 2, 3]
     assert len(tokens) == 5 and set(tokens[3:]) <= {4, 5, 7} and sources == ["local"] * 5
     for i, p in enumerate(parents[1:], start=1):
         assert p < i  # parents before children
-    tokens, _, _, _ = build_tree([(rows, "local")], budget=10, min_prob=0.3)
+    tokens, _, _, _, _ = build_tree([(rows, "local")], budget=10, min_prob=0.3)
     assert tokens == [1, 2, 3]
     # two parts: shares over all rows; where both propose a node it is "both"
-    tokens, parents, _, sources = build_tree([(rows[:2], "local"), (np.array([[1, 9, 9], [8, -1, -1]]), "global")],
+    tokens, parents, _, sources, _ = build_tree([(rows[:2], "local"), (np.array([[1, 9, 9], [8, -1, -1]]), "global")],
                                              budget=4, min_prob=0.2)
     assert tokens == [1, 2, 3, 4] and sources == ["both", "local", "local", "local"]
 
