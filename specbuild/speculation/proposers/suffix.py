@@ -454,10 +454,12 @@ class SuffixProposer(DrafterBase):
         return best_n
 
     def depth_limit(self, seq, gamma: int) -> int:
-        """The deepest draft: the fixed gamma when the request fixed one; otherwise the node cap
-        (the match's budget and the measured costs choose), within the sequence's room."""
+        """The deepest draft: the fixed gamma when the request fixed one; otherwise the request's
+        gamma_max, whatever depth the controller chose from the sequence's average acceptance
+        (the match's budget and the measured costs choose the draft within it), within the
+        node cap and the sequence's room."""
         spec = getattr(seq, "spec", None)
-        limit = gamma if spec is not None and not spec.dynamic else self.max_nodes
+        limit = gamma if spec is None or not spec.dynamic else max(gamma, min(spec.gamma_max, self.max_nodes))
         room = getattr(seq, "remaining", None)
         return max(1, min(limit, room - 1 if isinstance(room, int) else limit))
 
