@@ -99,7 +99,8 @@ def test_tree_is_best_first_by_share_within_budget_and_min_prob():
 
 
 def test_the_budget_grows_with_the_match_length():
-    prop = SuffixProposer(max_nodes=8)
+    assert SuffixProposer().factor == 2.0  # the default: twice the match (measured best on --workload repeated)
+    prop = SuffixProposer(max_nodes=8, factor=1.0)  # Arctic's rule: at most one node per matched token
     short = prop.draft_for(FakeSeq([9, 1, 2, 3, 4, 5, 6, 7, 8, 1]), 8)  # match "1": one node
     long = prop.draft_for(FakeSeq([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5]), 8)  # match of 5
     assert short.tokens == [2] and short.parents == (-1, 0)
@@ -116,7 +117,7 @@ def test_released_requests_feed_other_requests_and_scopes_keep_apart():
     assert done.seq_id not in prop.local
     asks = FakeSeq([7, 40, 41, 42], content_type="code")
     d = prop.draft_for(asks, 8)
-    assert d.tokens == [43, 44, 45] and prop.from_global == 1
+    assert d.tokens == [43, 44, 45, 46] and prop.from_global == 1  # the stored rest (budget 2 x 3)
     assert prop.draft_for(FakeSeq([7, 40, 41, 42], content_type="chat"), 8) is None
     aborted = FakeSeq([1], [60, 61, 62], content_type="code", finish_reason="abort")
     prop.release(aborted)

@@ -29,8 +29,8 @@ def test_a_long_match_drafts_past_the_controllers_gamma_up_to_gamma_max():
     d = prop.draft_for(seq, 2)  # the controller asked for depth 2
     assert d.tokens == LONG[12:20] and max(d.depths) == 8  # the match pays for the whole chain
     assert prop.last_match == 12
-    short = prop.draft_for(FakeSeq([5, 9, 1, 2, 3, 4, 1]), 2)  # a one-token match: one node
-    assert len(short.tokens) == 1
+    short = prop.draft_for(FakeSeq([5, 9, 1, 2, 3, 4, 1]), 2)  # a one-token match: two nodes (factor 2)
+    assert short.tokens == [2, 3]
     # a fixed gamma (gamma_min == gamma_max) is the request's own choice: kept
     fixed = FakeSeq(LONG + [7] + LONG[:12])
     fixed.spec = fixed.spec.make(fixed.spec, gamma=2)
@@ -72,6 +72,7 @@ def test_the_measured_verify_cost_cuts_the_tree_where_it_stops_paying():
     n = len(steep.tokens)
     assert rate(n) >= max(rate(k) for k in range(1, 9)) - 1e-12
     # a guess is still sent as one node when the controller asked for a draft
+    prop.verify_cost = lambda w: 1.0 + 10.0 * (w - 1)
     assert len(prop.draft_for(FakeSeq([5, 9, 1, 2, 3, 4, 1]), 4).tokens) == 1
 
 

@@ -411,7 +411,7 @@ class SuffixProposer(DrafterBase):
     needs = Needs(tree=True)
 
     def __init__(self, max_nodes: int = 8, max_tokens: int = 200_000, scope: str = "global",
-                 include_prompts: bool = False, factor: float = 1.0, offset: float = 0.0,
+                 include_prompts: bool = False, factor: float = 2.0, offset: float = 0.0,
                  min_prob: float = 0.1) -> None:
         if scope not in SCOPES:
             raise ValueError(f"suffix scope={scope!r} is not one of {', '.join(SCOPES)}")
