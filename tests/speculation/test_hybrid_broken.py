@@ -1,0 +1,35 @@
+"""The merged tree's sampled check has the power to see a wrong rule: with recovery drawn from
+the target instead of the residual (stats_util.broken_tree_rule), the same chi-square that
+passes for `hybrid` (test_hybrid.py) must fail. Over the top 2 tokens (8 cells for 3 positions)
+600 samples fill each cell enough to see the error; over the top 3 (27 cells) they do not
+(p 0.18-0.24 with the broken rule), which is why this check uses 2."""
+
+from __future__ import annotations
+
+from stats_util import broken_tree_rule
+from test_hybrid import _warm, bundle  # noqa: F401  (the tiny bundle fixture)
+from test_suffix import PROMPTS
+
+from specbuild.bench.verify_dist import check
+from specbuild.engine.engine import Engine, EngineConfig
+from specbuild.speculation import speculator as speculator_mod
+from specbuild.speculation.config import SpeculationConfig
+
+
+def _hybrid_check(bundle_dir):
+    engine = Engine(bundle_dir, EngineConfig(max_batch_size=8))
+    _warm(engine)
+    return check(engine, PROMPTS[0], 1.0, 2, SpeculationConfig.make(None, method="hybrid", gamma=3), 600)
+
+
+def test_hybrid_passes_the_two_token_check(bundle):  # noqa: F811
+    r = _hybrid_check(bundle)
+    assert r.drafted > 0 and 0 < r.accepted < r.drafted, r
+    assert r.p_value > 0.001, r
+
+
+def test_the_check_rejects_a_broken_rule_on_hybrid_trees(bundle, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(speculator_mod, "verify_tree_sampled", broken_tree_rule)
+    r = _hybrid_check(bundle)
+    assert r.drafted > 0 and 0 < r.accepted < r.drafted, r
+    assert r.p_value < 1e-4, r
