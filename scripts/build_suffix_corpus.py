@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 """Write a warm corpus for the suffix store (`--suffix-corpus FILE.jsonl`) from the target's
-own earlier answers, as scripts/build_eagle_corpus.py leaves them (answers_*.jsonl in its
-corpus directory: one JSON object a line with "id", "prompt_ids", "answer_ids").
+own earlier answers: a scripts/build_eagle_corpus.py directory (answers.jsonl and
+answers_heldout.jsonl, whose "prompt_id" names a prompts.jsonl / heldout.jsonl row with its
+"source" and Spec-Bench "qid"), or a `specbuild train-eagle` output directory
+(answers_greedy.jsonl, answers_sampled.jsonl, answers_eval.jsonl, whose "id" is the Spec-Bench
+question id). Every answer row has "answer_ids".
 
     .venv/bin/python scripts/build_eagle_corpus.py BUNDLE --out CORPUS --no-progress --limit 200
     .venv/bin/python scripts/build_suffix_corpus.py CORPUS --out warm.jsonl
@@ -31,12 +34,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("corpus", help="a build_eagle_corpus.py directory (answers_*.jsonl)")
     ap.add_argument("--out", required=True, help="the warm corpus jsonl to write")
-    ap.add_argument("--files", default="answers_*.jsonl", help="which answer files of the directory (glob)")
+    ap.add_argument("--files", default="answers*.jsonl", help="which answer files of the directory (glob)")
     ap.add_argument("--all-sources", action="store_true", help="also keep answers that are not Spec-Bench questions")
     ap.add_argument("--min-tokens", type=int, default=8, help="shorter answers are left out")
     args = ap.parse_args(argv)
     split = load_split()
     train, evals = set(split["train"]), set(split["eval"])
+    prompts = {}  # build_eagle_corpus's prompt id -> its Spec-Bench question id (None: another source)
+    for name in ("prompts.jsonl", "heldout.jsonl"):
+        path = os.path.join(args.corpus, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        r = json.loads(line)
+                        q = r.get("qid") if str(r.get("source", "")).startswith("spec_bench") else None
+                        prompts[str(r["id"])] = int(q) if q is not None and str(q).isdigit() else None
     paths = sorted(glob.glob(os.path.join(args.corpus, args.files)))
     if not paths:
         print(f"error: no {args.files} in {args.corpus!r}", file=sys.stderr)
@@ -50,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     row = json.loads(line)
                     rid, ids = row.get("id"), row.get("answer_ids")
-                    qid = int(rid) if isinstance(rid, (int, str)) and str(rid).isdigit() else None
+                    if "prompt_id" in row:  # build_eagle_corpus: the question id is the prompt's
+                        pid = str(row["prompt_id"])
+                        head, _, tail = pid.rpartition(":")
+                        qid = prompts[pid] if pid in prompts else \
+                            int(tail) if head.startswith("spec_bench") and tail.isdigit() and len(tail) <= 6 else None
+                    else:  # train-eagle: the row's id is the question id
+                        qid = int(rid) if isinstance(rid, (int, str)) and str(rid).isdigit() else None
                     if qid is not None and qid in evals:
                         print(f"error: {path}:{n}: id {qid} is a Spec-Bench eval question", file=sys.stderr)
                         return 2

@@ -159,3 +159,35 @@ def test_the_corpus_is_server_configuration_never_a_request_field(bundle, plain_
     finally:
         srv.stop()
     assert os.path.getsize(secret) > 0
+
+
+def test_build_suffix_corpus_keeps_train_answers_and_refuses_eval_ones(tmp_path):
+    """scripts/build_suffix_corpus.py: answers to Spec-Bench train questions become corpus rows;
+    an answer to an eval question stops it (the eval split measures the store)."""
+    import subprocess
+    import sys
+
+    from specbuild.bench.specbench import load_split
+
+    split = load_split()
+    train, evals = split["train"][:2], split["eval"][:1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root, "scripts", "build_suffix_corpus.py")
+    good = tmp_path / "good"
+    good.mkdir()
+    write_jsonl(good / "prompts.jsonl", [{"id": "p1", "source": "spec_bench", "qid": str(train[0])},
+                                         {"id": "p2", "source": "local", "text": "x"}])
+    write_jsonl(good / "answers.jsonl", [{"id": "a1", "prompt_id": "p1", "answer_ids": list(range(10, 30))},
+                                         {"id": "a2", "prompt_id": "p2", "answer_ids": list(range(10, 30))}])
+    write_jsonl(good / "answers_greedy.jsonl", [{"id": str(train[1]), "answer_ids": list(range(40, 60))}])
+    out = tmp_path / "warm.jsonl"
+    done = subprocess.run([sys.executable, script, str(good), "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = read_corpus(str(out))
+    assert [r["token_ids"][0] for r in rows] == [10, 40]  # the local-source answer is left out
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    write_jsonl(bad / "answers_greedy.jsonl", [{"id": str(evals[0]), "answer_ids": list(range(40, 60))}])
+    done = subprocess.run([sys.executable, script, str(bad), "--out", str(tmp_path / "x.jsonl")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and f"id {evals[0]} is a Spec-Bench eval question" in done.stderr
