@@ -4,8 +4,9 @@ by width, perplexity and greedy agreement with float32 (see specbuild/bench/form
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/bench_formats.py --target smollm2-135m --threads 2
 
---kernels: only the linear kernels (torch's int4/int8 weight-only kernels and specbuild's at
-each ISA level this CPU has) over random weights of SmolLM2-135M's shapes, interleaved rounds,
+--kernels: only the linear kernels (torch's int4/int8 weight-only kernels, specbuild's at
+each ISA level this CPU has, and specbuild's int4 x int8 kernel of the int4-a8 format on each
+of its paths) over random weights of SmolLM2-135M's shapes, interleaved rounds,
 GB/s at widths 1, 5, 17, with the CPU model and flags:
 
     .venv/bin/python scripts/bench_formats.py --kernels --threads 2 --rounds 7
@@ -25,7 +26,9 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2-135m", help="HF directory, .gguf file or preset")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", default=None,
-                    help="comma-separated names from float32,bfloat16,int8,int4,int4-bf16,int4-head4 (the first is the baseline)")
+                    help="comma-separated names from float32,bfloat16,int8,int4,int8-a8,int4-a8,int4-bf16,int4-head4, "
+                         "each optionally with +compile (the same bundle, its layer stack compiled); the first is "
+                         "the baseline")
     ap.add_argument("--work-dir", default=None, help="where the bundles go (a temp dir by default)")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -55,15 +58,17 @@ def main() -> int:
                 json.dump(report, f, indent=1, default=str)
         return 0
 
-    from specbuild.bench.formats import DEFAULT_FORMATS, format_report, run_formats_bench
+    from specbuild.bench.formats import COMPILED, DEFAULT_FORMATS, format_report, run_formats_bench
 
     torch.set_num_threads(args.threads)
     names = args.formats.split(",") if args.formats else list(DEFAULT_FORMATS)
-    unknown = [n for n in names if n not in DEFAULT_FORMATS]
+    unknown = [n for n in names if n.removesuffix(COMPILED) not in DEFAULT_FORMATS]
     if unknown:
-        print(f"error: formats {unknown} are not among {', '.join(DEFAULT_FORMATS)}", file=sys.stderr)
+        print(f"error: formats {unknown} are not among {', '.join(DEFAULT_FORMATS)} (each may end in {COMPILED})",
+              file=sys.stderr)
         return 2
-    report = run_formats_bench(args.target, {n: DEFAULT_FORMATS[n] for n in names}, threads=args.threads,
+    report = run_formats_bench(args.target, {n: DEFAULT_FORMATS[n.removesuffix(COMPILED)] for n in names},
+                               threads=args.threads,
                                work_dir=args.work_dir, ppl_tokens=args.ppl_tokens, prompts=args.prompts,
                                gen_tokens=args.gen_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats,
                                progress=lambda m: print(m, file=sys.stderr, flush=True))

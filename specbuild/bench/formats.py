@@ -30,6 +30,7 @@ DEFAULT_FORMATS: dict[str, dict] = {
     "int8": {"quantize": "int8", "lm_head_format": "int8"},
     "int4": {"quantize": "int4", "lm_head_format": "int8"},
     "int8-a8": {"quantize": "int8", "lm_head_format": "int8", "activations": "int8"},  # per-row int8 inputs too
+    "int4-a8": {"quantize": "int4", "lm_head_format": "int8", "activations": "int8"},  # int8 input blocks of 32
     "int4-bf16": {"dtype": "bfloat16", "quantize": "int4", "lm_head_format": "int8"},  # bfloat16 hidden states
     "int4-head4": {"quantize": "int4", "lm_head_format": "int4"},  # the lm_head in int4 too
 }
@@ -344,14 +345,20 @@ LM_HEAD_SHAPE = (49152, 576)
 
 
 def kernel_candidates(act_dtype: torch.dtype = torch.bfloat16, layers: int = 30, group: int = 32) -> dict:
-    """name -> (bytes one pass reads, fn(width) running every weight once): torch's int4 and
-    int8 weight-only kernels and specbuild's at each ISA level this CPU runs, over random
-    weights of SmolLM2-135M's shapes (int4 for the layers, int8 for the lm_head)."""
+    """(group, name) -> items (in_features, bytes, fn(x), input dtype), one per weight of a
+    pass: torch's int4 and int8 weight-only kernels and specbuild's at each ISA level this
+    CPU runs, over random weights of SmolLM2-135M's shapes (int4 for the layers, int8 for the
+    lm_head), and for the layers specbuild's int4 x int8 kernel (int4-a8: float32 inputs,
+    quantised inside the op to int8 blocks of 32) on each of its paths."""
     from specbuild.model import cpu_kernels
 
     gen = torch.Generator().manual_seed(0)
     levels = [lv for lv in (2, 1) if lv <= cpu_kernels.isa()] if cpu_kernels.status()["available"] else []
-    int4 = {"torch": [], **{f"specbuild {cpu_kernels.ISA_NAMES[lv]}": [] for lv in levels}}
+    q8 = [p for p in (2, 3, 1) if p in cpu_kernels.q8_paths()]
+    if cpu_kernels.mode() == "avx2":
+        q8 = [p for p in q8 if p == 1]
+    int4 = {"torch": [], **{f"specbuild {cpu_kernels.ISA_NAMES[lv]}": [] for lv in levels},
+            **{f"int4 x int8 {cpu_kernels.Q8_PATHS[p]}": [] for p in q8}}
     f32 = act_dtype != torch.bfloat16
     for n, k in LAYER_SHAPES * layers:
         q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
@@ -360,21 +367,33 @@ def kernel_candidates(act_dtype: torch.dtype = torch.bfloat16, layers: int = 30,
         tp = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
         sz = torch.stack([s, z], -1).transpose(0, 1).contiguous()
         int4["torch"].append((k, tp.numel() + sz.numel() * sz.element_size(),
-                              lambda x, tp=tp, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, tp, group, sz)))
+                              lambda x, tp=tp, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, tp, group, sz),
+                              act_dtype))
         if levels:
             packed = cpu_kernels.repack_int4(q, s, z, group, f32)
             for lv in levels:
                 int4[f"specbuild {cpu_kernels.ISA_NAMES[lv]}"].append(
-                    (k, packed.numel(), lambda x, p=packed, n=n, lv=lv: cpu_kernels.int4_mm(x, p, n, group, f32, lv)))
+                    (k, packed.numel(), lambda x, p=packed, n=n, lv=lv: cpu_kernels.int4_mm(x, p, n, group, f32, lv),
+                     act_dtype))
+        if q8:  # scales as GGUF Q4_1 holds them (fp16 d, m), so the fp16 layout of a Q4_1 bundle
+            s16, m16 = s.half().float(), (z.float() - 8.0 * s.half().float()).half().float()
+            z16 = m16 + 8.0 * s16
+            f16 = cpu_kernels.q8_fp16_exact(s16, z16)
+            p8 = cpu_kernels.repack_int4_q8(q, s16, z16, group, f16)
+            for path in q8:
+                int4[f"int4 x int8 {cpu_kernels.Q8_PATHS[path]}"].append(
+                    (k, p8.numel(), lambda x, p=p8, n=n, path=path, f=f16: cpu_kernels.int4_q8_mm(x, p, n, group, f, path),
+                     torch.float32))
     n, k = LM_HEAD_SHAPE
-    q8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    w8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     s8 = (torch.rand(n, generator=gen) * 0.01).to(act_dtype)
-    head = {"torch": [(k, q8.numel() + s8.numel() * s8.element_size(),
-                       lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, s8))]}
+    head = {"torch": [(k, w8.numel() + s8.numel() * s8.element_size(),
+                       lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, s8), act_dtype)]}
     if levels:
-        p8 = cpu_kernels.repack_int8(q8, s8)
+        p8 = cpu_kernels.repack_int8(w8, s8)
         for lv in levels:
-            head[f"specbuild {cpu_kernels.ISA_NAMES[lv]}"] = [(k, p8.numel(), lambda x, lv=lv: cpu_kernels.int8_mm(x, p8, n, lv))]
+            head[f"specbuild {cpu_kernels.ISA_NAMES[lv]}"] = [
+                (k, p8.numel(), lambda x, lv=lv: cpu_kernels.int8_mm(x, p8, n, lv), act_dtype)]
     out = {}
     for group_name, cands in (("int4 layers", int4), ("int8 lm_head", head)):
         for name, items in cands.items():
@@ -395,17 +414,18 @@ def kernel_rounds(widths=(1, 5, 17), rounds: int = 7, act_dtype: torch.dtype = t
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     times: dict = {(key, w): [] for key in cands for w in widths}
     for w in widths:
-        xs = {k: torch.randn(w, k, generator=gen).to(act_dtype) for k in (576, 1536)}
+        xs = {k: torch.randn(w, k, generator=gen) for k in (576, 1536)}
+        xs = {(k, dt): x.to(dt) for k, x in xs.items() for dt in (act_dtype, torch.float32)}
         for r in range(rounds + 1):
             for key, items in cands.items():
                 t0 = clock()
-                for k, _, fn in items:
-                    fn(xs[k])
+                for k, _, fn, dt in items:
+                    fn(xs[(k, dt)])
                 if r:  # the first round warms up
                     times[(key, w)].append((clock() - t0) * 1e3)
     rows = []
     for (group, name), items in cands.items():
-        nbytes = sum(b for _, b, _ in items)
+        nbytes = sum(item[1] for item in items)
         row = {"weights": group, "kernel": name, "mb": round(nbytes / 1e6, 1)}
         for w in widths:
             ms = statistics.median(times[((group, name), w)])
@@ -424,10 +444,10 @@ def format_kernel_report(report: dict) -> str:
     lines = [f"{report['threads']} thread(s), {report['act']} inputs, {report['rounds']} interleaved rounds, medians of "
              f"{report['clock']}; "
              f"load average {report['load_before'][0]:.2f} before, {report['load_after'][0]:.2f} after",
-             f"{'weights':13s} {'kernel':24s} {'MB':>6s} " + " ".join(f"{'w' + str(w) + ' ms':>9s} {'GB/s':>6s} {'x':>5s}"
+             f"{'weights':13s} {'kernel':30s} {'MB':>6s} " + " ".join(f"{'w' + str(w) + ' ms':>9s} {'GB/s':>6s} {'x':>5s}"
                                                                       for w in ws) + "  w5/w1  w17/w1"]
     for r in report["rows"]:
-        line = f"{r['weights']:13s} {r['kernel']:24s} {r['mb']:6.1f} " + " ".join(
+        line = f"{r['weights']:13s} {r['kernel']:30s} {r['mb']:6.1f} " + " ".join(
             f"{r[f'w{w}_ms']:9.2f} {r[f'w{w}_gb_per_s']:6.1f} {r[f'w{w}_vs_torch']:5.2f}" for w in ws)
         if 1 in ws and 5 in ws and 17 in ws:
             line += f"  {r['w5_ms'] / r['w1_ms']:5.2f}  {r['w17_ms'] / r['w1_ms']:6.2f}"

@@ -91,7 +91,8 @@ def main() -> None:
               help="Inputs per int4 scale/zero (32 carries GGUF Q4_1 blocks as they are).")
 @click.option("--activations", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32", "int8"]),
               help="Dtype quantized weights multiply in (float32: Q4_1 exact, but torch's CPU kernels are slow; "
-                   "int8: with --quantize int8, each input row rounded to int8 with its own scale, W8A8).")
+                   "int8: lossy, opt-in: with --quantize int8 each input row rounded to int8 with its own scale, "
+                   "W8A8; with --quantize int4 to int8 blocks of 32, specbuild's int4 x int8 CPU kernel).")
 @click.option("--embedding-format", default="dense", show_default=True,
               type=click.Choice(["dense", "float32", "bfloat16", "float16", "int8", "int4"]),
               help="Embedding storage (dense = --dtype); tied embeddings follow --lm-head-format.")

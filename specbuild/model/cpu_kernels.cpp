@@ -1,13 +1,14 @@
 // specbuild's CPU weight-only linears: int4 (grouped scale + zero) and int8 (per output row),
-// with runtime ISA dispatch (AVX-512 BF16 / AVX2 + FMA), registered as torch ops
-// (specbuild_cpu::int4_mm, specbuild_cpu::int8_mm) so eager code and torch.compile graphs call
+// with runtime ISA dispatch (AVX-512 BF16 / AVX2 + FMA), and int4 weights with int8 inputs
+// (AVX512-VNNI / AVX-VNNI / AVX2), registered as torch ops (specbuild_cpu::int4_mm, int8_mm,
+// int4_q8_mm) so eager code and torch.compile graphs call
 // them the same way. Built at first use by specbuild/model/cpu_kernels.py; the design and the
 // measurements are in docs/cpu-kernels.md.
 //
 // Row invariance (the project's lossless rule): every output element of every row is computed
 // by the same sequence of floating-point operations whatever the number of rows in the call and
 // the row's position in it. Rows are processed in tiles of 1/2/4/8 rows and the column blocks in
-// tiles of 1..8 blocks, but each (row, column) owns its accumulators and sees the same
+// tiles of 1..8 blocks (int4: one block per tile), but each (row, column) owns its accumulators and sees the same
 // instructions in the same order in every tile shape; nothing reduces across rows. The ISA path
 // is chosen by the caller once per weight (an argument), never by the row count.
 //
@@ -22,12 +23,18 @@
 //
 // int8 layout: per block of 16 output columns, K rows of 16 int8 values, then 16 fp32 scales.
 // out = scale * sum_k x_k q_k.
+//
+// int4_q8_mm (the int4-a8 format): the int4 weights against inputs quantised per row to int8
+// blocks of 32 (one fp32 scale per block, as llama.cpp's Q8 blocks), integer dot products
+// (AVX512-VNNI / AVX-VNNI vpdpbusd, AVX2 vpmaddubsw) and one fixed fp32 epilogue per block:
+// every path gives the same bits. Its layout and arithmetic are described at the kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -238,6 +245,199 @@ __attribute__((target("avx2,fma"))) void int8_row_avx2(const int8_t* w, int64_t 
   }
 }
 
+// ---------------------------------------------------------------- int4 x int8 (Q8) -----------
+// int4_q8_mm: the int4 weights (w = v * s + m per group, m = zero - 8 * scale) against inputs
+// quantised per row, per block of 32 inputs, to int8 with one fp32 scale dx per block
+// (q8_quantize below). Per (row, column, block) the integer dot product isum = sum v * q
+// (exact int32 in any order and any split) and the block's qsum = sum q (exact) enter the
+// fp32 accumulator as
+//     t = s * float(isum);  t = fma(m, qsum, t);  acc = fma(t, dx, acc)
+// in block order. Every code path below (AVX512-VNNI zmm, AVX-VNNI ymm, the EVEX ymm twin of
+// AVX-VNNI, AVX2 vpmaddubsw + vpmaddwd) forms the same integers and runs exactly this
+// epilogue, so they give the same bits; each (row, column) owns its accumulators, so a row's
+// bits do not depend on the rows beside it.
+//
+// Layout (repack_int4_q8 in cpu_kernels.py; its own, because vpdpbusd multiplies four
+// consecutive bytes of one 32-bit lane by four broadcast input bytes): per block of 16
+// columns, per group of G inputs: G/8 chunks of 64 bytes, then 16 scales s and 16 m, fp16 when
+// every one of them is an fp16 value (weights carried from GGUF Q4_1, whose d and m are fp16:
+// 20 bytes per 32 weights, as the bfloat16 kernel reads) else fp32 (24 bytes); fp16 -> fp32 is
+// exact, so the two layouts give the same bits. Byte 4c + j of chunk o: low nibble = column c's input 8o + j, high nibble its input
+// 8o + 4 + j (j = 0..3). One AND gives the bytes of inputs 8o..8o+3 for 16 columns, a shift and
+// an AND those of 8o+4..8o+7; bytes 0..31 of a chunk are columns 0..7 (the ymm paths' half 0).
+constexpr int QB = 32;  // inputs per activation block
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// One row's inputs -> int8 per block of 32: d = amax / 127 (fp32 division), q = nearest-even
+// (x / d) clamped to [-127, 127] (0 where d is 0), qsum = sum q. One code path for every
+// ISA path (AVX2), so the int8 inputs are the same whichever kernel reads them.
+__attribute__((target("avx2,fma"))) void q8_quantize_row(const float* x, int64_t K, int8_t* q, float* dx,
+                                                         float* qs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  for (int64_t b = 0; b < K / QB; ++b) {
+    const float* xb = x + b * QB;
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, amax);
+    float a = 0.0f;
+    for (int i = 0; i < 8; ++i) a = m8[i] > a ? m8[i] : a;  // max: exact in any order
+    const float d = a / 127.0f;
+    int32_t sum = 0;
+    alignas(32) int32_t qi[QB];
+    if (d > 0.0f) {  // (an amax below 127 * 2^-149 underflows to d = 0: treated as zeros)
+      const __m256 dv = _mm256_set1_ps(d);
+      for (int i = 0; i < 4; ++i) {
+        __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+        _mm256_store_si256((__m256i*)(qi + 8 * i), _mm256_cvtps_epi32(r));
+      }
+    } else {
+      std::memset(qi, 0, sizeof(qi));
+    }
+    for (int i = 0; i < QB; ++i) {
+      q[b * QB + i] = int8_t(qi[i]);
+      sum += qi[i];
+    }
+    dx[b] = d;
+    qs[b] = float(sum);
+  }
+}
+
+// vpdpbusd with the four activation bytes as an embedded broadcast operand ({1to16}): GCC 12
+// does not fold _mm512_set1_epi32(load) into it, and a separate vpbroadcastd per product costs
+// a uop per product (measured: the same speed or up to 5% faster over SmolLM2's layers).
+__attribute__((target("avx512f,avx512vnni"))) inline __m512i dpbusd_bcast(__m512i acc, __m512i v, const int8_t* x4) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(v), "m"(*(const int32_t*)x4));
+  return acc;
+}
+
+// AVX512-VNNI: R rows x C column blocks (the driver uses C = 1), one zmm int32 accumulator per
+// (row, block) and block of 32 inputs (two for one row: more independent chains; integer sums,
+// so the split changes nothing), the activation bytes broadcast four at a time.
+template <int R, int C, bool F16S>
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) void q8_tile_vnni512(
+    const uint8_t* w, int64_t blk_bytes, int64_t grp_bytes, int ngroups, int G, const int8_t* xq, int64_t K,
+    const float* dx, const float* qs, float* out /* [R][C * 16] */) {
+  constexpr bool SPLIT = R == 1;
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  const int64_t nbk = K / QB;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int chunks = G / 8;
+  for (int g = 0; g < ngroups; ++g) {
+    for (int b = 0; b < G / QB; ++b) {
+      __m512i ia[R][C], ib[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) ia[r][c] = ib[r][c] = _mm512_setzero_si512();
+      for (int o = 0; o < 4; ++o) {
+        const int64_t kk = int64_t(g) * G + b * QB + 8 * o;
+        for (int c = 0; c < C; ++c) {
+          const uint8_t* p = w + c * blk_bytes + g * grp_bytes + (b * 4 + o) * 64;
+          _mm_prefetch((const char*)(p + PREFETCH), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512((const void*)p);
+          const __m512i vl = _mm512_and_si512(v, nib), vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+          for (int r = 0; r < R; ++r) {
+            ia[r][c] = dpbusd_bcast(ia[r][c], vl, xq + r * K + kk);
+            if (SPLIT) ib[r][c] = dpbusd_bcast(ib[r][c], vh, xq + r * K + kk + 4);
+            else ia[r][c] = dpbusd_bcast(ia[r][c], vh, xq + r * K + kk + 4);
+          }
+        }
+      }
+      const int64_t blk = int64_t(g) * (G / QB) + b;
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* sp = w + c * blk_bytes + g * grp_bytes + chunks * 64;
+        const __m512 s = F16S ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp)) : _mm512_loadu_ps((const float*)sp);
+        const __m512 m = F16S ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32)))
+                              : _mm512_loadu_ps((const float*)sp + COLS);
+        for (int r = 0; r < R; ++r) {
+          const __m512i isum = SPLIT ? _mm512_add_epi32(ia[r][c], ib[r][c]) : ia[r][c];
+          __m512 t = _mm512_mul_ps(s, _mm512_cvtepi32_ps(isum));
+          t = _mm512_fmadd_ps(m, _mm512_set1_ps(qs[r * nbk + blk]), t);
+          acc[r][c] = _mm512_fmadd_ps(t, _mm512_set1_ps(dx[r * nbk + blk]), acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * C * COLS + c * COLS, acc[r][c]);
+}
+
+// ymm paths: R rows x H halves of 8 columns (H = 2 * blocks). DOT(acc, v, x) adds the four
+// products per 32-bit lane: vpdpbusd (AVX-VNNI, or its AVX512-VL encoding), or for plain AVX2
+// vpmaddubsw into int16 pairs (2 * 15 * 127 fits; eight of them summed in int16: 30480 fits)
+// and one vpmaddwd by ones per block. The same integers and the same epilogue as above.
+#define SPECBUILD_Q8_YMM_TILE(NAME, TARGET, INT16)                                                               \
+  template <int R, int H, bool F16S>                                                                             \
+  __attribute__((target(TARGET))) void NAME(const uint8_t* w, int64_t blk_bytes, int64_t grp_bytes, int ngroups, \
+                                            int G, const int8_t* xq, int64_t K, const float* dx, const float* qs,  \
+                                            float* out /* [R][H * 8] */) {                                       \
+    const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                                     \
+    (void)ones;                                                                                                  \
+    const int64_t nbk = K / QB;                                                                                  \
+    __m256 acc[R][H];                                                                                            \
+    for (int r = 0; r < R; ++r)                                                                                  \
+      for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();                                               \
+    const int chunks = G / 8;                                                                                    \
+    for (int g = 0; g < ngroups; ++g) {                                                                          \
+      for (int b = 0; b < G / QB; ++b) {                                                                         \
+        __m256i ia[R][H];                                                                                        \
+        for (int r = 0; r < R; ++r)                                                                              \
+          for (int h = 0; h < H; ++h) ia[r][h] = _mm256_setzero_si256();                                         \
+        for (int o = 0; o < 4; ++o) {                                                                            \
+          const int64_t kk = int64_t(g) * G + b * QB + 8 * o;                                                    \
+          for (int h = 0; h < H; ++h) {                                                                          \
+            const uint8_t* p = w + (h / 2) * blk_bytes + g * grp_bytes + (b * 4 + o) * 64 + (h % 2) * 32;       \
+            if (h % 2 == 0) _mm_prefetch((const char*)(p + PREFETCH), _MM_HINT_T0);                              \
+            const __m256i v = _mm256_loadu_si256((const __m256i*)p);                                             \
+            const __m256i vl = _mm256_and_si256(v, nib), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);    \
+            for (int r = 0; r < R; ++r) {                                                                        \
+              const __m256i xa = _mm256_set1_epi32(load_i32(xq + r * K + kk));                                   \
+              const __m256i xb = _mm256_set1_epi32(load_i32(xq + r * K + kk + 4));                               \
+              ia[r][h] = SPECBUILD_Q8_DOT_##INT16(ia[r][h], vl, xa);                                             \
+              ia[r][h] = SPECBUILD_Q8_DOT_##INT16(ia[r][h], vh, xb);                                             \
+            }                                                                                                    \
+          }                                                                                                      \
+        }                                                                                                        \
+        const int64_t blk = int64_t(g) * (G / QB) + b;                                                           \
+        for (int h = 0; h < H; ++h) {                                                                            \
+          const uint8_t* sp = w + (h / 2) * blk_bytes + g * grp_bytes + chunks * 64;                            \
+          const __m256 s = F16S ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 16 * (h % 2))))          \
+                                : _mm256_loadu_ps((const float*)sp + 8 * (h % 2));                               \
+          const __m256 m = F16S ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 32 + 16 * (h % 2))))     \
+                                : _mm256_loadu_ps((const float*)sp + COLS + 8 * (h % 2));                        \
+          for (int r = 0; r < R; ++r) {                                                                          \
+            const __m256i isum = SPECBUILD_Q8_SUM_##INT16(ia[r][h]);                                             \
+            __m256 t = _mm256_mul_ps(s, _mm256_cvtepi32_ps(isum));                                               \
+            t = _mm256_fmadd_ps(m, _mm256_set1_ps(qs[r * nbk + blk]), t);                                        \
+            acc[r][h] = _mm256_fmadd_ps(t, _mm256_set1_ps(dx[r * nbk + blk]), acc[r][h]);                        \
+          }                                                                                                      \
+        }                                                                                                        \
+      }                                                                                                          \
+    }                                                                                                            \
+    for (int r = 0; r < R; ++r)                                                                                  \
+      for (int h = 0; h < H; ++h) _mm256_storeu_ps(out + r * H * 8 + h * 8, acc[r][h]);                          \
+  }
+
+#define SPECBUILD_Q8_DOT_AVX2(acc, v, x) _mm256_add_epi16(acc, _mm256_maddubs_epi16(v, x))
+#define SPECBUILD_Q8_SUM_AVX2(acc) _mm256_madd_epi16(acc, ones)
+#define SPECBUILD_Q8_DOT_VEX(acc, v, x) _mm256_dpbusd_avx_epi32(acc, v, x)
+#define SPECBUILD_Q8_SUM_VEX(acc) (acc)
+#define SPECBUILD_Q8_DOT_EVEX(acc, v, x) _mm256_dpbusd_epi32(acc, v, x)
+#define SPECBUILD_Q8_SUM_EVEX(acc) (acc)
+SPECBUILD_Q8_YMM_TILE(q8_tile_avx2, "avx2,fma,f16c", AVX2)
+SPECBUILD_Q8_YMM_TILE(q8_tile_avxvnni, "avx2,fma,f16c,avxvnni", VEX)
+SPECBUILD_Q8_YMM_TILE(q8_tile_vnni256, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", EVEX)
+
 // ---------------------------------------------------------------- drivers --------------------
 // Row tiles: 8, 4, 2, 1 rows; the column tile follows from the row tile (registers), never
 // changing what a row computes.
@@ -303,21 +503,18 @@ void int4_avx512(const at::Tensor& x, const uint8_t* w, int64_t nblocks, int64_t
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b0 = u * UNIT, nb = std::min<int64_t>(UNIT, nblocks - b0);
       for (int64_t t0 = 0; t0 < T; ) {
+        // one column block per tile: one weight stream at a time measured faster than 2-4
+        // interleaved ones (EPYC, 1 thread, SmolLM2's layers: one row 5.0 / 7.7 ms against
+        // 6.9 / 9.1, five rows 11.9 / 15.6 against 14.2 / 18.4, 17 rows the same)
         const int R = row_tile(T - t0);
-        const int C = nb == UNIT ? UNIT * 2 / (R == 8 ? 8 : R == 4 ? 4 : 2) : 1;  // 8 rows: 1, 4: 2, 2/1: 4
         const uint16_t* xr = xb + t0 * K;
         const float* sr = sx + t0 * ng;
-        for (int64_t b = b0; b < b0 + nb; b += C) {
+        for (int64_t b = b0; b < b0 + nb; ++b) {
           const uint8_t* wb = w + b * blk;
-#define TILE(RR, CC) int4_tile_bf16<RR, CC, F32S>(wb, blk, grp, ng, G, xr, K, sr, tile)
-          if (C == 1) {
-            if (R == 8) TILE(8, 1); else if (R == 4) TILE(4, 1); else if (R == 2) TILE(2, 1); else TILE(1, 1);
-          } else if (R == 4) TILE(4, 2);
-          else if (R == 2) TILE(2, 4);
-          else if (R == 1) TILE(1, 4);
-          else TILE(8, 1);
+#define TILE(RR) int4_tile_bf16<RR, 1, F32S>(wb, blk, grp, ng, G, xr, K, sr, tile)
+          if (R == 8) TILE(8); else if (R == 4) TILE(4); else if (R == 2) TILE(2); else TILE(1);
 #undef TILE
-          write_out(tile, R, C, t0, b * COLS, N, out);
+          write_out(tile, R, 1, t0, b * COLS, N, out);
         }
         t0 += R;
       }
@@ -439,6 +636,135 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
   return out;
 }
 
+// int4 x Q8: the ISA paths (an argument, fixed per weight at load like int4_mm's isa).
+enum Q8Path : int64_t { Q8_AVX2 = 1, Q8_VNNI512 = 2, Q8_AVXVNNI = 3, Q8_VNNI256 = 4 };
+
+int64_t q8_paths() {  // bit p set: path p runs on this CPU
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool v512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  int64_t m = 0;
+  if (avx2) m |= int64_t(1) << Q8_AVX2;
+  if (avx2 && v512) m |= (int64_t(1) << Q8_VNNI512) | (int64_t(1) << Q8_VNNI256);
+  if (avx2 && __builtin_cpu_supports("avxvnni")) m |= int64_t(1) << Q8_AVXVNNI;
+  return m;
+}
+
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> dx, qs;
+};
+
+Q8Rows q8_rows(const at::Tensor& xf) {  // xf: float32 [T, K], contiguous
+  const int64_t T = xf.size(0), K = xf.size(1), nbk = K / QB;
+  Q8Rows r{std::vector<int8_t>(T * K), std::vector<float>(T * nbk), std::vector<float>(T * nbk)};
+  const float* x = xf.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) q8_quantize_row(x + t * K, K, r.q.data() + t * K, r.dx.data() + t * nbk,
+                                                  r.qs.data() + t * nbk);
+  return r;
+}
+
+void check_q8_input(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [T, K], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op,
+              ": x must be bfloat16 or float32, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) % QB == 0, op, ": K = ", x.size(1), " must be a multiple of ", QB, " (the int8 blocks)");
+  TORCH_CHECK(q8_paths() & (int64_t(1) << Q8_AVX2), op, ": this CPU lacks AVX2 + FMA + F16C");
+}
+
+// The int8 blocks int4_q8_mm multiplies (for tests and references): q int8 [T, K], dx and
+// qsum float32 [T, K / 32].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q8_quantize(const at::Tensor& x_in) {
+  check_q8_input(x_in, "q8_quantize");
+  at::Tensor xf = x_in.to(at::kFloat).contiguous();
+  const int64_t T = xf.size(0), K = xf.size(1);
+  Q8Rows r = q8_rows(xf);
+  at::Tensor q = at::empty({T, K}, xf.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({T, K / QB}, xf.options()), qs = at::empty({T, K / QB}, xf.options());
+  std::memcpy(q.data_ptr<int8_t>(), r.q.data(), r.q.size());
+  std::memcpy(dx.data_ptr<float>(), r.dx.data(), r.dx.size() * 4);
+  std::memcpy(qs.data_ptr<float>(), r.qs.data(), r.qs.size() * 4);
+  return {q, dx, qs};
+}
+
+template <bool F16S>
+void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_t G, int64_t T, const Q8Rows& xr,
+                 int64_t path, at::Tensor& out) {
+  const int64_t ng = K / G, grp = G * 8 + COLS * 2 * (F16S ? 2 : 4), blk = grp * ng;
+  const int8_t* xq = xr.q.data();
+  const float* dx = xr.dx.data();
+  const float* qs = xr.qs.data();
+  const int64_t nbk = K / QB;
+  constexpr int UNIT = 4;  // blocks per unit of work (their weights stay in cache across row tiles)
+  const int64_t units = (nblocks + UNIT - 1) / UNIT;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    alignas(64) float tile[8 * UNIT * COLS];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b0 = u * UNIT, nb = std::min<int64_t>(UNIT, nblocks - b0);
+      for (int64_t t0 = 0; t0 < T;) {
+        const int64_t left = T - t0;
+        const int8_t* xt = xq + t0 * K;
+        const float *dt = dx + t0 * nbk, *st = qs + t0 * nbk;
+        int R;
+        if (path == Q8_VNNI512) {
+          // one column block per tile: one weight stream at a time measured faster than 2-4
+          // interleaved ones (EPYC, 1 thread, SmolLM2's layers: one row 4.5 / 6.0 / 8.4 ms against
+          // 6.5 / 7.0 / 9.3 in three A/B runs; wider, the same or better)
+          R = row_tile(left);
+          for (int64_t b = b0; b < b0 + nb; ++b) {
+            const uint8_t* wb = w + b * blk;
+#define TILE(RR) q8_tile_vnni512<RR, 1, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile)
+            if (R == 8) TILE(8); else if (R == 4) TILE(4); else if (R == 2) TILE(2); else TILE(1);
+#undef TILE
+            write_out(tile, R, 1, t0, b * COLS, N, out);
+          }
+        } else {  // ymm: 2 rows or 1 row x 1 block (16 registers; one stream, as above: AVX2 one
+                  // row 8.3 ms against 11.4 with two blocks interleaved)
+          R = left >= 2 ? 2 : 1;
+          for (int64_t b = b0; b < b0 + nb; ++b) {
+            const uint8_t* wb = w + b * blk;
+#define YTILE(FN)                                                        \
+  if (R == 2) FN<2, 2, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile); \
+  else FN<1, 2, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
+            if (path == Q8_AVX2) { YTILE(q8_tile_avx2) }
+            else if (path == Q8_AVXVNNI) { YTILE(q8_tile_avxvnni) }
+            else { YTILE(q8_tile_vnni256) }
+#undef YTILE
+            write_out(tile, R, 1, t0, b * COLS, N, out);
+          }
+        }
+        t0 += R;
+      }
+    }
+  });
+}
+
+at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, int64_t G, bool f16_scales,
+                      int64_t path) {
+  TORCH_CHECK(path >= Q8_AVX2 && path <= Q8_VNNI256,
+              "int4_q8_mm: path must be 1 (AVX2), 2 (AVX512-VNNI), 3 (AVX-VNNI) or 4 (AVX512-VL VNNI ymm), got ", path);
+  TORCH_CHECK((q8_paths() >> path) & 1, "int4_q8_mm: this CPU cannot run path ", path, " (runnable paths: bitmask ",
+              q8_paths(), ")");
+  check_q8_input(x_in, "int4_q8_mm");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 1,
+              "int4_q8_mm: packed must be a contiguous 1-d uint8 tensor");
+  const int64_t T = x_in.size(0), K = x_in.size(1);
+  TORCH_CHECK(G > 0 && G % QB == 0 && K % G == 0, "int4_q8_mm: group size ", G, " must divide K = ", K,
+              " and be a multiple of ", QB);
+  const int64_t nblocks = (N + COLS - 1) / COLS, ng = K / G, grp = G * 8 + COLS * 2 * (f16_scales ? 2 : 4);
+  TORCH_CHECK(packed.numel() == nblocks * ng * grp, "int4_q8_mm: packed has ", packed.numel(), " bytes, [", N, ", ",
+              K, "] with group ", G, (f16_scales ? " and fp16" : " and fp32"), " scales needs ", nblocks * ng * grp);
+  at::Tensor out = at::empty({T, N}, x_in.options());
+  if (T == 0 || N == 0) return out;
+  at::Tensor xf = x_in.to(at::kFloat).contiguous();
+  const Q8Rows xr = q8_rows(xf);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (f16_scales) int4_q8_run<true>(w, nblocks, N, K, G, T, xr, path, out);
+  else int4_q8_run<false>(w, nblocks, N, K, G, T, xr, path, out);
+  return out;
+}
+
 int64_t isa_level() { return detect_isa(); }
 
 }  // namespace
@@ -447,11 +773,19 @@ TORCH_LIBRARY(specbuild_cpu, m) {
   m.def("int4_mm(Tensor x, Tensor packed, int n, int group_size, bool f32_scales, int isa) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor packed, int n, int isa) -> Tensor");
   m.def("isa_level() -> int");
+  m.def("int4_q8_mm(Tensor x, Tensor packed, int n, int group_size, bool f16_scales, int path) -> Tensor");
+  m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("q8_paths() -> int");
 }
 
 TORCH_LIBRARY_IMPL(specbuild_cpu, CPU, m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("int8_mm", &int8_mm);
+  m.impl("int4_q8_mm", &int4_q8_mm);
+  m.impl("q8_quantize", &q8_quantize);
 }
 
-TORCH_LIBRARY_IMPL(specbuild_cpu, CompositeExplicitAutograd, m) { m.impl("isa_level", &isa_level); }
+TORCH_LIBRARY_IMPL(specbuild_cpu, CompositeExplicitAutograd, m) {
+  m.impl("isa_level", &isa_level);
+  m.impl("q8_paths", &q8_paths);
+}

@@ -15,6 +15,17 @@ the design and the measurements.
     repack_int4(...)         nibbles/scales/zeros -> the layout int4_mm streams
     repack_int8(...)         int8 rows + scales -> the layout int8_mm streams
     int4_mm / int8_mm        the ops (torch.ops.specbuild_cpu.*; opaque to torch.compile)
+    repack_int4_q8(...)      int4 values/scales/zeros -> the layout int4_q8_mm streams
+    int4_q8_mm / q8_quantize int4 weights x inputs quantised per row to int8 blocks of 32
+                             (the int4-a8 format); q8_paths() / q8_path() its ISA paths
+
+int4 with int8 inputs (int4_q8_mm) is the project's own for the same reason: torch 2.13's CPU
+build has no x86 int4 x int8 kernel (`_dyn_quant_matmul_4bit` is ARM KleidiAI only), and
+llama.cpp's ggml, whose Q4_1 x Q8_1 dot products it follows in spirit, comes as a whole
+runtime rather than a torch op. It has a layout of its own (repack_int4_q8): vpdpbusd
+multiplies the four bytes of a 32-bit lane by four broadcast input bytes, so four
+consecutive inputs of a column must sit in one lane, and the fp32 scales are stored with
+m = zero - 8 * scale (the GGUF's own Q4_1 minimum, exactly, for carried Q4_1 weights).
 
 Build: the C++ source is compiled once per (torch version, source, compiler) into
 kernel_dir()/<key>/ with the compiler `--compile` already needs ($CXX, else c++/g++),
@@ -26,6 +37,7 @@ torch's kernels and status()["reason"] says why.
 $SPECBUILD_CPU_KERNEL: `auto` (default: ours where a quick measurement at load finds it faster),
 `torch` (never ours), `specbuild` (ours wherever the CPU has AVX2; an error when it cannot be
 built), `avx2` (ours, the AVX2 code path even on an AVX-512 CPU: for tests and comparisons).
+int4-a8 weights always run int4_q8_mm (torch has no kernel for them; `avx2` picks its AVX2 path).
 """
 
 from __future__ import annotations
@@ -45,6 +57,8 @@ from specbuild.errors import BundleError
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
 COLS = 16  # output columns per block (cpu_kernels.cpp)
 ISA_NAMES = {1: "AVX2", 2: "AVX-512 BF16"}
+Q8_PATHS = {1: "AVX2", 2: "AVX512-VNNI", 3: "AVX-VNNI", 4: "AVX512-VL VNNI ymm"}  # int4_q8_mm's `path`
+Q8_BLOCK = 32  # inputs per int8 block (one float32 scale each)
 _lock = threading.Lock()
 _state: dict = {}
 _choices: dict = {}  # (kind, act dtype) -> ISA level (0: torch's kernel)
@@ -127,6 +141,16 @@ def _register_fakes() -> None:
     def _(x, packed, n, isa):
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("specbuild_cpu::int4_q8_mm")
+    def _(x, packed, n, group_size, f16_scales, path):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("specbuild_cpu::q8_quantize")
+    def _(x):
+        t, k = x.shape
+        return (x.new_empty(t, k, dtype=torch.int8), x.new_empty(t, k // Q8_BLOCK, dtype=torch.float32),
+                x.new_empty(t, k // Q8_BLOCK, dtype=torch.float32))
+
 
 def _load() -> dict:
     """Build and load once per process; the state dict (available, isa, reason, path)."""
@@ -165,6 +189,26 @@ def isa() -> int:
     if not st["available"]:
         return 0
     return 1 if mode() == "avx2" else st["isa"]
+
+
+def q8_paths() -> list[int]:
+    """The int4_q8_mm paths this CPU runs (Q8_PATHS' keys), [] when the kernels are unavailable."""
+    if not _load()["available"]:
+        return []
+    mask = int(torch.ops.specbuild_cpu.q8_paths())
+    return [p for p in Q8_PATHS if mask >> p & 1]
+
+
+def q8_path() -> int:
+    """The path int4-a8 weights run in this process: AVX512-VNNI, else AVX-VNNI, else AVX2
+    (SPECBUILD_CPU_KERNEL=avx2 forces AVX2); 0 when none can run. Every path gives the same
+    bits, so this is a speed choice only."""
+    paths = q8_paths()
+    if not paths:
+        return 0
+    if mode() == "avx2":
+        return 1
+    return next(p for p in (2, 3, 1) if p in paths)
 
 
 # ---- layouts ---------------------------------------------------------------------------------
@@ -211,6 +255,53 @@ def repack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _aligned(torch.cat([values, s], 1).reshape(-1))
 
 
+def q8_scales_and_m(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (scale, m = zero - 8 * scale): weight = q * scale + m. 8 * scale is exact, so m
+    has one rounding (none for weights carried from GGUF Q4_1: m is the block's own minimum)."""
+    s = scales.float()
+    return s, zeros.float() - 8.0 * s
+
+
+def q8_fp16_exact(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether every scale and m is an fp16 value (then repack_int4_q8 may store them in fp16:
+    same bits, 20 bytes per 32 weights instead of 24). True for GGUF Q4_1 weights."""
+    s, m = q8_scales_and_m(scales, zeros)
+    return all(bool(torch.equal(t.half().float(), t)) for t in (s, m))
+
+
+def repack_int4_q8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                   f16_scales: bool = False) -> torch.Tensor:
+    """q: [N, K] values 0..15; scales, zeros: [N, K / group_size] (weight = (q - 8) * scale +
+    zero). Returns the 1-d uint8 buffer int4_q8_mm streams (layout in cpu_kernels.cpp): per
+    block of 16 columns, per group, G / 8 chunks of 64 bytes (byte 4c + j: column c's input
+    8o + j in the low nibble, 8o + 4 + j in the high one), then 16 scales and 16
+    m = zero - 8 * scale (weight = q * scale + m), float32, or fp16 when `f16_scales` (only
+    where q8_fp16_exact holds: a ValueError otherwise). Columns past N (to a multiple of 16)
+    are zero."""
+    n, k = q.shape
+    g = group_size
+    if k % g or g % Q8_BLOCK:
+        raise ValueError(f"int4 x int8 kernel: group_size {g} must be a multiple of {Q8_BLOCK} dividing "
+                         f"in_features {k}")
+    if f16_scales and not q8_fp16_exact(scales, zeros):
+        raise ValueError("int4 x int8 kernel: f16_scales needs every scale and zero - 8 * scale to be an fp16 value")
+    pad = -n % COLS
+    q = q.to(torch.uint8)
+    s, m = q8_scales_and_m(scales, zeros)
+    if f16_scales:
+        s, m = s.half(), m.half()
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        s = torch.cat([s, s.new_zeros(pad, s.shape[1])])
+        m = torch.cat([m, m.new_zeros(pad, m.shape[1])])
+    nb, ng = (n + pad) // COLS, k // g
+    v = q.view(nb, COLS, ng, g // 8, 2, 4).permute(0, 2, 3, 1, 4, 5)  # [nb, ng, chunk, col, half, j]
+    chunks = (v[..., 0, :] | (v[..., 1, :] << 4)).contiguous().view(nb, ng, g * 8)
+    sb = s.view(nb, COLS, ng).permute(0, 2, 1).contiguous().view(torch.uint8).view(nb, ng, -1)
+    mb = m.view(nb, COLS, ng).permute(0, 2, 1).contiguous().view(torch.uint8).view(nb, ng, -1)
+    return _aligned(torch.cat([chunks, sb, mb], -1).reshape(-1))
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t).copy_(t)
 
@@ -225,6 +316,20 @@ def int8_mm(x: torch.Tensor, packed: torch.Tensor, n: int, isa_level: int):
     if not _state:
         _load()
     return torch.ops.specbuild_cpu.int8_mm(x, packed, n, isa_level)
+
+
+def int4_q8_mm(x: torch.Tensor, packed: torch.Tensor, n: int, group_size: int, f16_scales: bool, path: int):
+    if not _state:
+        _load()
+    return torch.ops.specbuild_cpu.int4_q8_mm(x, packed, n, group_size, f16_scales, path)
+
+
+def q8_quantize(x: torch.Tensor):
+    """x [T, K] -> (q int8 [T, K], dx float32 [T, K / 32], qsum float32 [T, K / 32]): the int8
+    blocks int4_q8_mm multiplies (x ~= q * dx per block)."""
+    if not _state:
+        _load()
+    return torch.ops.specbuild_cpu.q8_quantize(x)
 
 
 # ---- which kernel runs ---------------------------------------------------------------------

@@ -10,6 +10,9 @@ A `QLinear` is one weight [out_features, in_features] held in one or more format
               (model/cpu_kernels.py, where it measures faster at load) or torch's
               `_weight_int4pack_mm_for_cpu` (`_weight_int4pack_mm` on CUDA), packed at load
               into the chosen kernel's layout
+    int4-a8   the int4 weights with each input row quantised to int8 blocks of 32 (one
+              float32 scale per block) and integer dot products: specbuild's CPU kernel
+              only (cpu_kernels.int4_q8_mm; opt-in, lossy like int8-a8)
 
 Every format rounds its input to the weight's activation dtype (`act_dtype`) and its
 output back to it, so an int4 weight and a float32 copy of its dequantised values give
@@ -236,6 +239,76 @@ class Int4Format:
             return self.cpu_packed.numel()
         return self.packed.numel() * self.packed.element_size() + \
             self.scales_zeros.numel() * self.scales_zeros.element_size()
+
+
+class Int4Q8Format:
+    """int4 weights (the Int4Format values: grouped scale + zero, GGUF Q4_1-derived) with
+    int8 inputs: each input row is quantised on its own, per block of 32 inputs, to int8 with
+    one float32 scale (d = amax / 127, q = nearest(x / d)), and per block the exact integer
+    sums sum(v * q) and sum(q) enter a float32 accumulator through one fixed sequence of
+    float operations (cpu_kernels.cpp, int4_q8_mm). Integer sums are exact in any order and
+    nothing is shared between rows, so a row's output is the same bits whatever other rows
+    share the call, and every ISA path (AVX512-VNNI, AVX-VNNI, AVX2) gives the same bits.
+    Inputs and outputs are float32. Runs on specbuild's CPU kernel only: torch 2.13 has no
+    x86 int4 x int8 kernel (`_dyn_quant_matmul_4bit` is ARM KleidiAI only)."""
+
+    kind = "int4"
+    name = "int4-a8"
+    quantizes_inputs = True
+
+    def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
+        from specbuild.errors import BundleError
+
+        n, half_k = nibbles.shape
+        k = 2 * half_k
+        if k % group_size or scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
+            raise ValueError(f"int4 weight [{n}, {k}] with group_size {group_size} needs scales and zeros "
+                             f"[{n}, {k // group_size}], got {tuple(scales.shape)} / {tuple(zeros.shape)}")
+        if group_size % cpu_kernels.Q8_BLOCK:
+            raise BundleError(f"int4 with int8 activations needs groups of a multiple of {cpu_kernels.Q8_BLOCK} "
+                              f"inputs, got group_size {group_size}")
+        self.out_features, self.in_features, self.group_size = n, k, group_size
+        self.nibbles = nibbles.contiguous()
+        self.scales, self.zeros = scales.float().contiguous(), zeros.float().contiguous()
+        self.act_dtype = torch.float32
+        self.path = cpu_kernels.q8_path() if nibbles.device.type == "cpu" else 0
+        if not self.path:
+            why = cpu_kernels.status()["reason"] if nibbles.device.type == "cpu" else f"the weights are on {nibbles.device}"
+            raise BundleError("int4 weights with int8 activations run on specbuild's CPU kernel only (x86-64 with "
+                              f"AVX2; torch has no int4 x int8 kernel for it), which cannot run here: {why}")
+        self.kernel = self.path
+        # fp16 scales where that is exact (GGUF Q4_1 weights): a sixth fewer bytes per step, same bits
+        self.f16_scales = cpu_kernels.q8_fp16_exact(self.scales, self.zeros)
+        self.cpu_packed = cpu_kernels.repack_int4_q8(unpack_nibbles(self.nibbles), self.scales, self.zeros,
+                                                     group_size, self.f16_scales)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] float32 -> [T, N] float32
+        return torch.ops.specbuild_cpu.int4_q8_mm(x, self.cpu_packed, self.out_features, self.group_size,
+                                                  self.f16_scales, self.path)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The same arithmetic spelled out in torch: rows rounded to int8 per block of 32,
+        exact integer block sums (int64), combined with the block scales in float64."""
+        x = x.float()
+        t, k = x.shape
+        blocks = x.view(t, k // 32, 32)
+        d = blocks.abs().amax(-1) / 127.0  # float32 division, like the kernel
+        q = torch.where(d.unsqueeze(-1) > 0, torch.round(blocks / d.clamp_min(1e-38).unsqueeze(-1)).clamp_(-127, 127),
+                        torch.zeros_like(blocks)).to(torch.int64)
+        v = unpack_nibbles(self.nibbles).to(torch.int64).view(self.out_features, k // 32, 32)
+        isum = torch.einsum("tbk,nbk->tnb", q, v).double()  # [T, N, blocks]
+        per = self.group_size // 32
+        s = self.scales.double().repeat_interleave(per, 1)  # [N, blocks]
+        m = self.zeros.double().repeat_interleave(per, 1) - 8.0 * s
+        out = (isum * s + q.sum(-1).double().unsqueeze(1) * m) * d.double().unsqueeze(1)
+        return out.sum(-1).float()
+
+    def dense(self) -> torch.Tensor:
+        return dequantize_int4(unpack_nibbles(self.nibbles), self.scales, self.zeros, self.group_size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cpu_packed.numel()
 
 
 # ---- one weight, several formats ------------------------------------------------------------
@@ -487,7 +560,10 @@ def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = 
     from specbuild.errors import BundleError
 
     dtype = tensors["norm"].dtype  # the hidden states' dtype (norms stay plain)
-    dynamic = quant.get("activations", "bfloat16") == "int8"  # W8A8: int8 weights, per-row int8 inputs
+    # int8 activations: int8-a8 (int8 weights, per-row int8 inputs) or int4-a8 (int4 weights,
+    # int8 input blocks of 32; its int8 lm_head stays weight-only with float32 inputs)
+    dynamic = quant.get("activations", "bfloat16") == "int8"
+    int8_dynamic = dynamic and quant.get("quantize") != "int4"
     act = torch.float32 if dynamic else ACT_DTYPES[quant.get("activations", "bfloat16")]
     out = dict(tensors)
     checked: set[str] = set()
@@ -495,18 +571,18 @@ def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = 
         fmt = entry["format"]
         if fmt == "dense":
             continue
-        if fmt == "int4":
+        if fmt == "int4" and dynamic:
+            impl = Int4Q8Format(out.pop(name + ".qweight"), out.pop(name + ".scales"), out.pop(name + ".zeros"),
+                                int(entry["group_size"]))
+        elif fmt == "int4":
             impl = Int4Format(out.pop(name + ".qweight"), out.pop(name + ".scales"), out.pop(name + ".zeros"),
                               int(entry["group_size"]), act)
-        elif fmt == "int8" and dynamic:
+        elif fmt == "int8" and int8_dynamic:
             impl = Int8DynFormat(out.pop(name + ".qweight"), out.pop(name + ".scales"))
         elif fmt == "int8":
             impl = Int8Format(out.pop(name + ".qweight"), out.pop(name + ".scales"), act)
         elif fmt in ACT_DTYPES:
             impl = DenseFormat(out.pop(name), ACT_DTYPES[fmt])
-        elif fmt == "int4" and dynamic:
-            raise BundleError(f"quant.json: {name} is int4 with int8 activations; this specbuild runs int8 "
-                              "activations with int8 weights only")
         else:
             raise BundleError(f"quant.json: {name} has format {fmt!r}; this specbuild reads "
                               f"int4, int8, {', '.join(ACT_DTYPES)}")

@@ -16,6 +16,7 @@ from specbuild.compiler.quantize import carry_q4_1, convert_tensor, q4_1_codes, 
 from specbuild.errors import SpecbuildError
 from specbuild.bench.formats import sequence_logits
 from specbuild.engine.engine import Engine, EngineConfig
+from specbuild.model import cpu_kernels
 from specbuild.model.qlinear import FormatPlan, Int4Format, QLinear, pack_nibbles
 from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
@@ -82,10 +83,11 @@ def test_tensor_formats_and_option_errors():
                 {"activations": "float16"}):
         with pytest.raises(SpecbuildError, match=str(list(bad.values())[0]).strip("(),'")):
             CompileOptions(**bad)
-    with pytest.raises(SpecbuildError, match="--activations int8 needs --quantize int8"):
-        CompileOptions(quantize="int4", activations="int8")
+    with pytest.raises(SpecbuildError, match="--activations int8 needs --quantize int8 or int4, got --quantize 'none'"):
+        CompileOptions(quantize="none", activations="int8")
     with pytest.raises(SpecbuildError, match="--lm-head-format int4"):
         CompileOptions(quantize="int8", lm_head_format="int4", activations="int8")
+    CompileOptions(quantize="int4", activations="int8")  # int4-a8: specbuild's int4 x int8 kernel
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,8 @@ def bundles(tiny_src, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("qb")
     opts = {"float32": {}, "int8": {"quantize": "int8", "lm_head_format": "int8"},
             "int4": {"quantize": "int4", "lm_head_format": "int8"},
-            "int8-a8": {"quantize": "int8", "lm_head_format": "int8", "activations": "int8"}}
+            "int8-a8": {"quantize": "int8", "lm_head_format": "int8", "activations": "int8"},
+            "int4-a8": {"quantize": "int4", "lm_head_format": "int8", "activations": "int8"}}
     return {n: compile_bundle(tiny_src, str(root / n), CompileOptions(max_seq_len=256, **o)) for n, o in opts.items()}
 
 
@@ -156,14 +159,23 @@ def test_greedy_agreement_between_formats(bundles):
 
 
 @pytest.mark.parametrize("name,plan", [("int4", None), ("int4", ((1, 1 << 30), ("int4", "float32"))),
-                                       ("int8-a8", None)])
+                                       ("int8-a8", None), ("int4-a8", None)])
 def test_speculative_greedy_equals_plain_on_a_quantized_bundle(bundles, name, plan):
     """Same bundle, plain vs prompt-lookup speculation; with a forced plan the verify passes
     run in the float32 copy and the plain steps in int4 (the copies give the same numbers);
-    int8-a8 rounds every linear's input rows to int8 (row-invariant attention keeps it exact)."""
+    int8-a8 rounds every linear's input rows to int8 (row-invariant attention keeps it exact);
+    int4-a8 rounds the int4 layers' inputs to int8 blocks of 32 (specbuild's kernel), its int8
+    lm_head weight-only with float32 inputs."""
+    if name == "int4-a8" and not cpu_kernels.q8_paths():
+        pytest.skip(f"int4-a8 needs specbuild's CPU kernel: {cpu_kernels.status()['reason']}")
     engine = Engine(bundles[name], EngineConfig(max_batch_size=4))
     if name == "int8-a8":
         assert engine.model.row_invariant and engine.model.lm_head.quantizes_inputs and not engine.model.plans
+    if name == "int4-a8":
+        layer = engine.model.w["layers.0.qkv"]
+        assert engine.model.row_invariant and layer.quantizes_inputs and layer.primary == "int4-a8"
+        assert not engine.model.lm_head.quantizes_inputs and engine.model.lm_head.primary == "int8"
+        assert not engine.model.plans
     if plan is not None:
         engine.model.plans = {"layers": FormatPlan(*plan)}
     prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21, 22, 20, 21, 22, 20], list(range(30, 60)) + list(range(30, 40))]

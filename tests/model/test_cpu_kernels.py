@@ -208,3 +208,194 @@ def test_greedy_speculation_equals_plain_decoding_on_the_kernel(forced, tmp_path
         out = generate(method)
         assert [r["token_ids"] for r in out] == plain, method
         assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0
+
+
+# ---- int4 weights x int8 input blocks (int4_q8_mm, the int4-a8 format) ------------------------
+def q8_paths() -> list[int]:
+    levels()  # fails when a compiler exists but the kernels did not build
+    paths = cpu_kernels.q8_paths()
+    assert 1 in paths, "every CPU that runs the kernels runs the AVX2 path"
+    return paths
+
+
+def q8_inputs(t, k, seed=0):
+    """Rows with a wide dynamic range, a block of zeros and exact halves (ties of the rounding)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=gen) * torch.logspace(-3, 2, t).unsqueeze(1)
+    x[0, :32] = 0.0
+    x[1, :32] = 1e-44  # amax / 127 underflows to 0: the block is read as zeros
+    if k >= 64:
+        x[-1, 32:64] = torch.arange(32) - 15.5  # amax 16.5 -> d = 16.5 / 127; not all ties, some
+    return x
+
+
+def q8_reference_blocks(x):
+    t, k = x.shape
+    b = x.view(t, k // 32, 32)
+    d = b.abs().amax(-1) / 127.0
+    q = torch.where(d.unsqueeze(-1) > 0, torch.round(b / d.clamp_min(1e-38).unsqueeze(-1)).clamp(-127, 127),
+                    torch.zeros_like(b))
+    return q.view(t, k).to(torch.int8), d, q.sum(-1)
+
+
+def q4_1_case(n, k, group, seed=0):
+    """int4 weights as GGUF Q4_1 carries them: fp16 d and m per group (scale = d, zero = m + 8 d)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(n, k // group, generator=gen) * 0.02).half().float()
+    m = (-torch.rand(n, k // group, generator=gen) * 0.15).half().float()
+    return q, d, m + 8.0 * d, dequantize_int4(q, d, m + 8.0 * d, group).double()
+
+
+def test_q8_quantize_is_the_documented_rounding():
+    q8_paths()
+    x = q8_inputs(7, 160)
+    q, dx, qs = cpu_kernels.q8_quantize(x)
+    rq, rd, rs = q8_reference_blocks(x)
+    assert torch.equal(q, rq) and torch.equal(dx, rd) and torch.equal(qs, rs)
+    assert int(q.abs().max()) == 127 and torch.equal(dx[0, 0], torch.tensor(0.0))
+    assert torch.equal(cpu_kernels.q8_quantize(x.bfloat16())[0], q8_reference_blocks(x.bfloat16().float())[0])
+
+
+@pytest.mark.parametrize("n,k,group", [(40, 96, 32), (200, 256, 64), (7, 128, 128), (576, 576, 32), (33, 1536, 32)])
+def test_int4_q8_matches_a_float64_reference_and_every_path_gives_the_same_bits(n, k, group):
+    """Against float64 products of the int8 blocks (as dequantised values) and the dequantised
+    weights: only the float32 epilogue rounds. AVX512-VNNI, the VNNI ymm paths and AVX2
+    (maddubs) form the same integers and run the same epilogue: identical bits."""
+    paths = q8_paths()
+    x = q8_inputs(9, k, seed=k)
+    rq, rd, _ = q8_reference_blocks(x)
+    xd = (rq.double().view(9, -1, 32) * rd.double().unsqueeze(-1)).view(9, k)
+    for case in (int4_case(n, k, group, torch.float32, seed=n + k), q4_1_case(n, k, group, seed=n)):
+        q, scales, zeros, w64 = case
+        ref = xd @ w64.T
+        layouts = [False] + ([True] if cpu_kernels.q8_fp16_exact(scales, zeros) else [])
+        outs = {}
+        for f16 in layouts:
+            packed = cpu_kernels.repack_int4_q8(q, scales, zeros, group, f16)
+            assert packed.numel() == -(-n // 16) * 16 * (k // 2 + (k // group) * 2 * (2 if f16 else 4))
+            for p in paths:
+                outs[(f16, p)] = cpu_kernels.int4_q8_mm(x, packed, n, group, f16, p)
+        for (f16, p), out in outs.items():
+            assert out.dtype == torch.float32 and out.shape == (9, n)
+            err = ((out.double() - ref).abs() / (ref.abs().amax(1, keepdim=True) + 1e-30)).max()
+            assert float(err) < 2e-6, (f16, p, float(err))
+            assert torch.equal(out, outs[(False, 1)]), f"path {cpu_kernels.Q8_PATHS[p]}, fp16 {f16} differs"
+    assert len(layouts) == 2, "Q4_1 weights fit the fp16 layout"
+    # bfloat16 inputs are read as their float32 values
+    assert torch.equal(cpu_kernels.int4_q8_mm(x.bfloat16(), packed, n, group, True, paths[-1]).float(),
+                       cpu_kernels.int4_q8_mm(x.bfloat16().float(), packed, n, group, True, paths[-1]).bfloat16().float())
+
+
+def test_int4_q8_rows_are_invariant_to_width_and_position():
+    """Each row of a call of w rows (w = 1..17, at every offset) equals that row computed alone,
+    bit for bit, on every path this CPU runs (tiles of 8/4/2/1 rows and 1..4 column blocks)."""
+    paths = q8_paths()
+    n, k = 88, 192  # 6 column blocks: full and partial units of 4
+    x = q8_inputs(17, k, seed=5)
+    for f16 in (False, True):
+        q, scales, zeros, _ = q4_1_case(n, k, 32) if f16 else int4_case(n, k, 32, torch.float32)
+        packed = cpu_kernels.repack_int4_q8(q, scales, zeros, 32, f16)
+        alone = torch.cat([cpu_kernels.int4_q8_mm(x[i:i + 1], packed, n, 32, f16, 1) for i in range(17)])
+        for p in paths:
+            for w in range(1, 18):
+                for start in range(0, 17 - w + 1):
+                    got = cpu_kernels.int4_q8_mm(x[start:start + w], packed, n, 32, f16, p)
+                    assert torch.equal(got, alone[start:start + w]), (cpu_kernels.Q8_PATHS[p], f16, w, start)
+
+
+def test_int4_q8_bad_inputs_name_the_value():
+    paths = q8_paths()
+    q, scales, zeros, _ = int4_case(32, 64, 32, torch.float32)
+    packed = cpu_kernels.repack_int4_q8(q, scales, zeros, 32)
+    with pytest.raises(RuntimeError, match="packed has"):
+        cpu_kernels.int4_q8_mm(torch.randn(2, 96), packed, 32, 32, False, 1)
+    with pytest.raises(RuntimeError, match="packed has .* fp16 scales"):
+        cpu_kernels.int4_q8_mm(torch.randn(2, 64), packed, 32, 32, True, 1)
+    with pytest.raises(RuntimeError, match="path must be 1"):
+        cpu_kernels.int4_q8_mm(torch.randn(2, 64), packed, 32, 32, False, 9)
+    missing = [p for p in cpu_kernels.Q8_PATHS if p not in paths]
+    if missing:
+        with pytest.raises(RuntimeError, match=f"cannot run path {missing[0]}"):
+            cpu_kernels.int4_q8_mm(torch.randn(2, 64), packed, 32, 32, False, missing[0])
+    with pytest.raises(ValueError, match="f16_scales needs"):
+        cpu_kernels.repack_int4_q8(q, scales * (1 + 2 ** -20), zeros, 32, True)
+    with pytest.raises(RuntimeError, match="K = 48 must be a multiple of 32"):
+        cpu_kernels.q8_quantize(torch.randn(2, 48))
+    with pytest.raises(ValueError, match="group_size 16 must be a multiple of 32"):
+        cpu_kernels.repack_int4_q8(q, scales, zeros, 16)
+
+
+def test_int4_q8_format_reference_and_compile():
+    """Int4Q8Format: its torch reference (int64 block sums, float64 epilogue) agrees with the
+    kernel; torch.compile calls the op as an opaque extern and gets the same bits."""
+    from specbuild.model.qlinear import Int4Q8Format
+
+    q8_paths()
+    q, scales, zeros, _ = int4_case(48, 128, 32, torch.float32)
+    fmt = Int4Q8Format(pack_nibbles(q), scales, zeros, 32)
+    assert fmt.quantizes_inputs and fmt.path == cpu_kernels.q8_path() and not fmt.f16_scales
+    assert fmt.nbytes == 48 * 128 // 2 + 48 * (128 // 32) * 2 * 4  # nibbles + a float32 scale and m per group
+    q16, s16, z16, _ = q4_1_case(48, 128, 32)
+    fmt16 = Int4Q8Format(pack_nibbles(q16), s16, z16, 32)
+    assert fmt16.f16_scales and fmt16.nbytes == 48 * 128 // 2 + 48 * (128 // 32) * 2 * 2  # Q4_1: fp16 d and m
+    x = q8_inputs(5, 128)
+    ref = fmt.reference(x)
+    assert float((fmt(x) - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+    def f(x):
+        return fmt(torch.nn.functional.silu(x) * 2.0)
+
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(compiled(x), f(x))
+    assert torch.equal(compiled(x[:3]), f(x[:3]))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_int4_a8_greedy_speculation_equals_plain_decoding(tmp_path, compiled):
+    """An int4-a8 bundle (`--quantize int4 --activations int8`): every layer linear runs
+    int4_q8_mm; greedy speculation (draft model, prompt lookup) equals plain decoding, eager
+    and with the layer stack compiled (`--compile`: the op is an opaque extern call there)."""
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
+    from specbuild.engine.engine import Engine, EngineConfig
+    from specbuild.engine.sequence import Request
+    from specbuild.model.qlinear import Int4Q8Format
+    from specbuild.sampling.params import SamplingParams
+    from specbuild.speculation.config import SpeculationConfig
+    from tiny import make_tiny_hf, perturbed_copy
+
+    q8_paths()
+    target = make_tiny_hf(str(tmp_path / "target"), scale=4.0, seed=3)
+    draft = perturbed_copy(target, str(tmp_path / "draft"), noise=0.08)
+    bundle = compile_bundle(target, str(tmp_path / "int4a8"), CompileOptions(
+        max_draft_len=8, dtype="float32", quantize="int4", lm_head_format="int8", activations="int8"), draft=draft)
+    engine = Engine(bundle, EngineConfig(max_batch_size=4, compile=compiled))
+    layers = [v for k, v in engine.model.w.items() if k.startswith("layers.") and hasattr(v, "formats")]
+    assert layers and all(isinstance(v.formats[v.primary], Int4Q8Format) for v in layers)
+    assert engine.model.row_invariant and (engine.model.compiled is not None) == compiled
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10], [20, 21, 22, 20, 21, 22, 20], list(range(30, 70))]
+
+    def generate(method):
+        return engine.generate([Request(prompt_ids=p, speculation=SpeculationConfig.make(None, method=method, gamma=4),
+                                        sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts])
+
+    plain = [r["token_ids"] for r in generate("none")]
+    for method in ("draft", "ngram"):
+        out = generate(method)
+        assert [r["token_ids"] for r in out] == plain, method
+        assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0
+
+
+def test_int4_a8_without_the_kernel_is_a_clear_error(monkeypatch, tmp_path):
+    """No compiler (nothing built before): an int4-a8 weight cannot run (torch has no int4 x
+    int8 kernel to fall back on), and the error says why."""
+    from specbuild.errors import BundleError
+    from specbuild.model.qlinear import Int4Q8Format
+
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    monkeypatch.setenv("SPECBUILD_KERNEL_DIR", str(tmp_path))
+    q, scales, zeros, _ = int4_case(32, 64, 32, torch.float32)
+    assert cpu_kernels.q8_paths() == [] and cpu_kernels.q8_path() == 0
+    with pytest.raises(BundleError, match=r"specbuild's CPU kernel only .*no C\+\+ compiler"):
+        Int4Q8Format(pack_nibbles(q), scales, zeros, 32)
