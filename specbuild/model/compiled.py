@@ -21,10 +21,15 @@ compiled decode step bit for bit, and that greedy speculation equals plain decod
 Calls: each compiled variant's graph is called directly (DirectCall, checked against
 dynamo's own call once), not through dynamo's frame evaluation, which costs 0.5-0.9 ms a
 call here; a variant DirectCall cannot fill (the EAGLE aux outputs) runs through dynamo
-with its guard checks skipped (one graph per code object makes that safe).
+with its guard checks skipped (one graph per code object makes that safe). Inductor writes
+each graph's wrapper (the code that allocates buffers and calls the ~150 kernels of a decode
+step in turn) in C++ (`cpp_wrapper`, INDUCTOR_OPTIONS) instead of Python: the same kernels,
+so the same bits, without ~400 Python-level calls a step (measured 0.85x the graph's CPU time
+at one thread, docs/compiled-step.md); the graph also releases the GIL while it runs.
 
-Cost: a compile at load (tens of seconds on 2 cores the first time; inductor caches the
-result on disk, keyed by the code and shapes, so later loads take ~9 s for SmolLM2).
+Cost: a compile at load (minutes on 2 cores the first time, most of it the C++ wrapper;
+inductor caches the result on disk, keyed by the code, shapes and options, so later loads
+take ~10-20 s for SmolLM2).
 """
 
 from __future__ import annotations
@@ -60,6 +65,11 @@ def _(q, k_cache, v_cache, layer):
 # graph: the copy costs more than the op's ~20 us a layer from here (measured, 2 threads)
 INLINE_MAX_KEYS = 256
 
+# inductor config patches of every compiled stack (CompiledStack(options=...) for others):
+# the graphs' wrapper in C++, not Python (docs/compiled-step.md has the measurements and the
+# candidates that did not win)
+INDUCTOR_OPTIONS: dict = {"cpp_wrapper": True}
+
 
 def _op_attend(i: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     return paged_attention_op(q.contiguous(), k_cache, v_cache, i)
@@ -74,8 +84,10 @@ class CompiledStack:
     (torch.compiler.set_stance(skip_guard_eval_unsafe=True)) without the risk that stance
     has where one function holds several graphs, of running one graph for another's inputs."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, options: dict | None = None) -> None:
         self.model = model
+        # inductor config patches every graph of this stack compiles under (INDUCTOR_OPTIONS)
+        self.options = dict(INDUCTOR_OPTIONS if options is None else options)
         self.rows = stack_rows(model.rows_per_call)
         self.fns: dict = {}  # key -> the compiled function of that variant
         self.checked: set = set()  # keys whose function recompiled once: always run with guards
@@ -126,7 +138,8 @@ class CompiledStack:
             fn = self.fns.get(key)
             if fn is None:
                 capture: dict = {}
-                fn = self.fns[key] = torch.compile(self._stack(), backend=capturing_backend(capture), dynamic=False,
+                fn = self.fns[key] = torch.compile(self._stack(), backend=capturing_backend(capture, self.options),
+                                                   dynamic=False,
                                                    fullgraph=True)
                 out = fn(*args)
                 if not aux_layers and capture:
@@ -145,13 +158,14 @@ class CompiledStack:
             _local.attend = None
 
 
-def capturing_backend(capture: dict):
-    """Inductor (compile_fx, as torch.compile's default backend) that also keeps the compiled
-    graph and the example inputs dynamo called it with, for DirectCall."""
+def capturing_backend(capture: dict, options: dict | None = None):
+    """Inductor (compile_fx, as torch.compile's default backend) under the config patches
+    `options` that also keeps the compiled graph and the example inputs dynamo called it
+    with, for DirectCall."""
     from torch._inductor.compile_fx import compile_fx
 
     def backend(gm, example_inputs):
-        compiled = compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs, config_patches=dict(options or {}))
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         capture.update(compiled=compiled, inputs=list(example_inputs), outputs=len(outputs))
         return compiled

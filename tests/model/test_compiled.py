@@ -217,3 +217,45 @@ def test_prompt_rows_are_invariant_to_chunking_and_neighbours(engines, compiled)
     assert torch.equal(k1, k3) and torch.equal(v1, v3) and torch.equal(l1, l3)
     for sid in list(cache.seqs):
         cache.release(sid)
+
+
+def test_compiled_graphs_run_through_a_cpp_wrapper(engines):
+    """Every graph a compiling engine calls directly was built with inductor's C++ wrapper
+    (compiled.INDUCTOR_OPTIONS: no Python between the ~150 kernels of a decode step)."""
+    from specbuild.model.compiled import INDUCTOR_OPTIONS
+
+    assert INDUCTOR_OPTIONS.get("cpp_wrapper") is True
+    for name, engine in engines.items():
+        stack = engine.model.compiled
+        assert stack.options == INDUCTOR_OPTIONS, name
+        graphs = [d for d in stack.direct.values() if d is not None]
+        # the one-row step and the verify graph (one graph for both where attention is never inline)
+        assert len(graphs) == (2 if name != "bfloat16" else 1), (name, list(stack.direct))
+        for d in graphs:
+            assert "cpp_wrapper_src" in d.compiled.source_code, name
+
+
+def test_the_cpp_wrapper_changes_no_bits(engines):
+    """The same graphs with inductor's Python wrapper (CompiledStack options) give the C++
+    wrapper's logits bit for bit, decode step and verify pass: the wrapper only calls the
+    kernels, it computes nothing."""
+    from specbuild.model.compiled import CompiledStack
+    from specbuild.model.timing import scratch_sequence, verify_batch
+
+    engine = engines["int4"]
+    model, cache = engine.model, engine.cache
+    cpp = model.compiled
+    python = CompiledStack(model, {"cpp_wrapper": False})
+    try:
+        with torch.inference_mode(), scratch_sequence(cache, 24) as slots:
+            for width in (1, 4):
+                batch = verify_batch(slots, 20, width)
+                model.compiled = cpp
+                a = model.forward(batch, cache).logits
+                model.compiled = python
+                b = model.forward(batch, cache).logits
+                assert torch.equal(a, b), (width, (a - b).abs().max().item())
+        graphs = [d for d in python.direct.values() if d is not None]
+        assert len(graphs) == 2 and all("cpp_wrapper_src" not in d.compiled.source_code for d in graphs)
+    finally:
+        model.compiled = cpp
