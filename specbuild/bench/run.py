@@ -47,6 +47,8 @@ class BenchConfig:
     progress: bool = True
     telemetry: str | None = None  # record the specbuild rows' sessions and steps into this store (path or DSN)
     compile: bool = False  # the target's layer stack compiled (EngineConfig.compile)
+    suffix_corpus: str | None = None  # the suffix store's warm corpus (EngineConfig.suffix_corpus): every row's
+    # store starts from it at each row's first question, instead of empty
 
     def __post_init__(self) -> None:
         if self.split not in B.SPLITS:
@@ -125,7 +127,7 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
     from specbuild.engine.engine import Engine, EngineConfig
 
     engine = Engine(bundle_dir, EngineConfig(device=cfg.device, threads=cfg.threads, max_batch_size=cfg.batch_size,
-                                             compile=cfg.compile))
+                                             compile=cfg.compile, suffix_corpus=cfg.suffix_corpus))
     env = environment(torch.get_num_threads(), command)
     sink = None
     if cfg.telemetry:

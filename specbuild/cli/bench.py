@@ -61,9 +61,10 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
 @shared("--no-progress")
 @shared("--plot", help="Also draw each row's speedup by task group into this PNG file.")
 @telemetry_option
+@shared("--suffix-corpus", help_extra=" Every row's store starts from it (cold: empty).")
 def bench(bundle, workload, dataset, split, per_category, max_tokens, speculation, gamma, gamma_min, gamma_max, batch_size,
           repeats, threads, device, peers, floor, floor_mib, trees, verify_costs, formats, compile_, as_json,
-          no_progress, plot, telemetry) -> None:
+          no_progress, plot, telemetry, suffix_corpus) -> None:
     """Spec-Bench style benchmark: tokens/s, speedup over plain decoding and mean accepted
     tokens per task group, greedy outputs checked against plain decoding.
 
@@ -92,7 +93,7 @@ def bench(bundle, workload, dataset, split, per_category, max_tokens, speculatio
                           batch_size=batch_size, repeats=repeats, threads=threads, device=device,
                           peers=_csv(peers) or (), floor=floor, floor_bytes=floor_mib << 20,
                           trees=_csv(trees), verify_costs=verify_costs, progress=not no_progress, telemetry=telemetry,
-                          compile=compile_)
+                          compile=compile_, suffix_corpus=suffix_corpus)
         report = run_bench(bundle, cfg, command=shlex.join(["specbuild"] + sys.argv[1:]))
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

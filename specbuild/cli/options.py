@@ -11,6 +11,7 @@ Imports only click, so every cli module may use it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import click
@@ -37,6 +38,17 @@ SHARED: dict[str, dict[str, Any]] = {
     "--content-type": dict(decls=("--content-type", "content_type"), default=None,
                            help="Content type for the gamma policy (code, structured, summarization, chat, or your "
                                 "own name) [default: classified from the prompt]."),
+    # the suffix drafter's store of earlier requests (EngineConfig.suffix_*)
+    "--suffix-store-tokens": dict(type=int, default=200_000, show_default=True,
+                                  help="Cap of the suffix drafter's store of earlier requests, in tokens (LRU by "
+                                       "whole request)."),
+    "--suffix-scope": dict(type=click.Choice(["global", "content_type"]), default="global", show_default=True,
+                           help="One suffix store for all requests, or one per request content type."),
+    "--suffix-prompts": dict(is_flag=True, help="Prompts join the suffix store beside outputs."),
+    "--suffix-corpus": dict(type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE.jsonl",
+                            help="Pre-fill the suffix store at start from this jsonl of the target's earlier outputs "
+                                 "({\"text\": ...} or {\"token_ids\": [...]} a line, at most 64 MiB; within the "
+                                 "store's cap, evictable like any request). Drafts only: lossless."),
     # prompts and speculation
     "--prompt": dict(decls=("--prompt", "prompts"), multiple=True, help="Prompt text (repeatable)."),
     "--chat": dict(is_flag=True, help="Render each prompt as a user turn in the bundle's chat template."),
@@ -105,3 +117,19 @@ def gamma_options(fn):
     for flag in ("--gamma-max", "--gamma-min", "--gamma"):
         fn = shared(flag)(fn)
     return fn
+
+
+SUFFIX_FIELDS = ("suffix_store_tokens", "suffix_scope", "suffix_prompts", "suffix_corpus")
+
+
+def suffix_options(fn):
+    """--suffix-store-tokens, --suffix-scope, --suffix-prompts, --suffix-corpus, handed to the
+    command as one `suffix` dict of EngineConfig fields (RepoConfig's for triton-repo)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        kwargs["suffix"] = {k: kwargs.pop(k) for k in SUFFIX_FIELDS}
+        return fn(*args, **kwargs)
+
+    for field in reversed(SUFFIX_FIELDS):
+        wrapper = shared("--" + field.replace("_", "-"))(wrapper)
+    return wrapper

@@ -35,7 +35,7 @@ import threading
 
 import click
 
-from specbuild.cli.options import compile_option, shared, telemetry_option
+from specbuild.cli.options import compile_option, shared, suffix_options, telemetry_option
 from specbuild.cli.telemetry import open_telemetry
 from specbuild.errors import SpecbuildError
 
@@ -79,16 +79,12 @@ from specbuild.errors import SpecbuildError
               help="MineDraft: run under `mpirun -disable-auto-cleanup -n 2`; rank 1 drafts while rank 0 verifies.")
 @click.option("--draft-timeout", type=float, default=5.0, show_default=True,
               help="Seconds the verifier waits for a draft reply before it decodes without the draft rank for good.")
-@click.option("--suffix-store-tokens", type=int, default=200_000, show_default=True,
-              help="Cap of the suffix drafter's store of earlier requests, in tokens (LRU by whole request).")
-@click.option("--suffix-scope", type=click.Choice(["global", "content_type"]), default="global", show_default=True,
-              help="One suffix store for all requests, or one per request content type.")
-@click.option("--suffix-prompts", is_flag=True, help="Prompts join the suffix store beside outputs.")
+@suffix_options
 @telemetry_option
 def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, compile_, kv_cache_tokens, prefill_chunk,
           body_timeout, header_timeout, max_header_bytes, max_headers, max_connections, max_inflight, model_name,
-          strict_fields, chat_template, tool_call_parser, log_level, parallel_draft, draft_timeout, suffix_store_tokens,
-          suffix_scope, suffix_prompts, telemetry) -> None:
+          strict_fields, chat_template, tool_call_parser, log_level, parallel_draft, draft_timeout, suffix,
+          telemetry) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
     from specbuild.cli.main import dist_context, fail_once
 
@@ -130,8 +126,7 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
             minedraft = plugin(bundle, transport, draft_timeout)
         engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
                                                   kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
-                                                  compile=compile_, suffix_store_tokens=suffix_store_tokens,
-                                                  suffix_scope=suffix_scope, suffix_prompts=suffix_prompts),
+                                                  compile=compile_, **suffix),
                              backend="torch" if parallel_draft else backend,
                              **(minedraft.open_kwargs() if minedraft is not None else {}))
         if ctx.role == "worker":

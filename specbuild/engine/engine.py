@@ -62,12 +62,17 @@ class EngineConfig:
     suffix_store_tokens: int = 200_000
     suffix_scope: str = "global"
     suffix_prompts: bool = False
+    # a server-side jsonl of the target's earlier outputs that pre-fills that store at load (a warm
+    # start; drafts only, so lossless): proposers/suffix.read_corpus's format and size limit
+    suffix_corpus: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.suffix_store_tokens, int) or not 0 <= self.suffix_store_tokens <= 1 << 26:
             raise ValueError(f"suffix_store_tokens={self.suffix_store_tokens!r} is out of range [0, {1 << 26}]")
         if self.suffix_scope not in ("global", "content_type"):
             raise ValueError(f"suffix_scope={self.suffix_scope!r} is not one of global, content_type")
+        if self.suffix_corpus is not None and (not isinstance(self.suffix_corpus, str) or not self.suffix_corpus):
+            raise ValueError(f"suffix_corpus={self.suffix_corpus!r} must be a file path")
         if self.weight_layouts not in ("auto", "rows"):
             raise ValueError(f"weight_layouts={self.weight_layouts!r} is not one of auto, rows")
         if self.binning not in ("ragged", "padded", "bins"):
@@ -262,7 +267,8 @@ class Engine(BaseEngine):
 
         limits = self.meta.limits
         ctx = DrafterContext(self.bundle_dir, self.meta, self.config, self.model, self.cache, limits.max_draft_len,
-                             self.max_seq_len, self.load_role_model)
+                             self.max_seq_len, self.load_role_model,
+                             encode=lambda text: self.encode(text, add_special_tokens=False))
         proposers, self.unavailable = build_all(ctx, self.drafters)
         return Speculator(self.model, self.cache, proposers, limits.max_draft_len, self.max_seq_len)
 
@@ -386,12 +392,15 @@ class Engine(BaseEngine):
     def _extra_stats(self) -> dict:
         """With a telemetry sink attached (set_sink), its counters in stats():
         telemetry_rows_dropped / _written / _queued, telemetry_write_errors; and the suffix
-        drafter's global store: suffix_store_requests / _tokens / _max_tokens / _evictions."""
+        drafter's global store: suffix_store_requests / _tokens / _max_tokens / _evictions /
+        _warm_tokens (what the warm corpus put in at load; those tokens count in _tokens too)."""
         out = dict(self.scheduler.sink.stats())
         suffix = self.speculator.proposers.get("suffix")
         if hasattr(suffix, "store"):
             st = suffix.store.stats()
             out.update({f"suffix_store_{k}": st[k] for k in ("requests", "tokens", "max_tokens", "evictions")})
+            warm = suffix.warm_state[1] if getattr(suffix, "warm_state", None) is not None else {}
+            out["suffix_store_warm_tokens"] = warm.get("warm_tokens", 0)  # loaded from the warm corpus at start
         return out
 
     def _failure_counts(self) -> dict[str, int]:

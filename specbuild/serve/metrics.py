@@ -206,6 +206,9 @@ class ServerMetrics:
                   lambda: engine.stats().get("suffix_store_requests")),
             ReadCounter(p + "suffix_store_evictions_total", "Requests evicted from the suffix store.",
                         lambda: engine.stats().get("suffix_store_evictions")),
+            Gauge(p + "suffix_store_warm_tokens", "Tokens the warm corpus (--suffix-corpus) put into the suffix "
+                  "store at start (counted in suffix_store_tokens while they are not evicted).",
+                  lambda: engine.stats().get("suffix_store_warm_tokens")),
         ]
         self.all: list[Metric] = [self.requests, self.rejected, self.prompt_tokens, self.generation_tokens,
                                   self.drafted, self.accepted, self.verify_passes, self.gamma_steps,

@@ -321,6 +321,22 @@ def string_tensor(text: str) -> np.ndarray:
     return np.array([text.encode("utf-8")], dtype=np.object_)
 
 
+def suffix_settings(params: dict[str, str]) -> dict[str, Any]:
+    """EngineConfig's suffix-store fields from the model's parameters of the same names
+    (tritonserver_repo.SUFFIX_PARAMS; the CLI's --suffix-*): written by the repository's
+    author, so the warm corpus path is server-side configuration, never a request's."""
+    out: dict[str, Any] = {}
+    if params.get("suffix_store_tokens"):
+        out["suffix_store_tokens"] = int(params["suffix_store_tokens"])
+    if params.get("suffix_scope"):
+        out["suffix_scope"] = params["suffix_scope"]
+    if params.get("suffix_prompts") == "1":
+        out["suffix_prompts"] = True
+    if params.get("suffix_corpus"):
+        out["suffix_corpus"] = params["suffix_corpus"]
+    return out
+
+
 def config_parameters(model_config: dict) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in (model_config.get("parameters") or {}).items()}
 
@@ -352,6 +368,7 @@ class EngineModel:
         ints = {k: int(params[k]) for k in ("threads", "max_batch_size", "kv_cache_tokens") if params.get(k)}
         backend = {"backend": params["backend"]} if params.get("backend") else {}  # open_engine's choice
         flags = {"compile": True} if params.get("compile") == "1" else {}
+        flags.update(suffix_settings(params))
         self.engine = factory(params["bundle"], EngineConfig(device=params.get("device") or "cpu", **ints, **flags),
                               **backend)
         self.max_queue = int(params.get("max_queue") or 64)

@@ -83,6 +83,9 @@ DEFAULT_FACTORY = "specbuild.backends.select:open_engine"
 BACKEND_CHOICES = ("auto", "torch", "tensorrt-llm")  # runtime.backend's (not imported: it loads torch)
 
 
+SUFFIX_PARAMS = ("suffix_store_tokens", "suffix_scope", "suffix_prompts", "suffix_corpus")
+
+
 @dataclass(frozen=True)
 class RepoConfig:
     """What the repository's config.pbtxt files record.
@@ -111,6 +114,12 @@ class RepoConfig:
     backend: str = "auto"
     telemetry: str | None = None  # telemetry store (SQLite path or postgresql:// DSN) for the engine model
     triton_max_batch_size: int = 64  # > 0: [batch, 1] tensors as TensorRT-LLM's ensemble; 0: [1] tensors
+    # the suffix drafter's store (EngineConfig's fields of the same names, `--suffix-*` on the CLI),
+    # written as model parameters of those names; the warm corpus is a server-side file
+    suffix_store_tokens: int | None = None
+    suffix_scope: str | None = None
+    suffix_prompts: bool = False
+    suffix_corpus: str | None = None
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.model_name):
@@ -132,6 +141,19 @@ class RepoConfig:
         if self.backend != "auto" and self.engine_factory != DEFAULT_FACTORY:
             raise ValueError(f"backend={self.backend!r} applies to the default engine factory ({DEFAULT_FACTORY}); "
                              f"engine_factory={self.engine_factory!r} picks its own backend")
+        if self.suffix_store_tokens is not None and not 0 <= self.suffix_store_tokens <= 1 << 26:
+            raise ValueError(f"suffix_store_tokens={self.suffix_store_tokens} is out of range [0, {1 << 26}]")
+        if self.suffix_scope not in (None, "global", "content_type"):
+            raise ValueError(f"suffix_scope={self.suffix_scope!r} is not one of global, content_type")
+        if self.suffix_corpus is not None:
+            from specbuild.speculation.proposers.suffix import CORPUS_MAX_BYTES
+
+            if not os.path.isfile(self.suffix_corpus):
+                raise ValueError(f"suffix_corpus={self.suffix_corpus!r} is not a file")
+            size = os.path.getsize(self.suffix_corpus)
+            if size > CORPUS_MAX_BYTES:
+                raise ValueError(f"suffix_corpus={self.suffix_corpus!r} is {size} bytes, over the limit of "
+                                 f"{CORPUS_MAX_BYTES} bytes")
         if self.python_env is not None and not os.path.isfile(os.path.join(self.python_env, "bin", "activate")):
             raise ValueError(f"python_env={self.python_env!r} has no bin/activate (make one with "
                              "scripts/get_tritonserver.py)")
@@ -204,6 +226,14 @@ def write_repository(bundle_dir: str, out: str, config: RepoConfig = RepoConfig(
             engine_params[key] = str(getattr(config, key))
     if config.compile:
         engine_params["compile"] = "1"
+    for key in SUFFIX_PARAMS:
+        value = getattr(config, key)
+        if key == "suffix_prompts":
+            value = "1" if value else None
+        elif key == "suffix_corpus" and value is not None:
+            value = os.path.abspath(value)
+        if value is not None:
+            engine_params[key] = str(value)
     os.makedirs(out, exist_ok=True)
     names = [config.model_name]
     batch = config.triton_max_batch_size

@@ -33,6 +33,7 @@ PLAIN = MODEL + "_plain"
 PROMPTS = ["the cat the cat", "Hello world, hello world", "one two three one two three", "abcabcabc",
            "in the end there was", "a b a b a b", "The quick brown fox", "on and on and on"]
 MAX_TOKENS = 24
+WARM_PROMPT = "seven sheep sleep under seven stars"  # its plain output is the server's warm suffix corpus
 
 tritonclient_http = pytest.importorskip("tritonclient.http", reason="tritonclient[http,grpc] is not installed")
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[http,grpc] is not installed")
@@ -141,13 +142,16 @@ class TritonProcess:
 
 
 @pytest.fixture(scope="module")
-def server(triton_paths, bundle, tmp_path_factory):
+def server(triton_paths, bundle, engine, tmp_path_factory):
     from specbuild.serve.tritonserver import RepoConfig, write_repository
 
     root = tmp_path_factory.mktemp("triton_repo")
+    corpus = root / "warm.jsonl"  # the suffix store's warm corpus: the target's plain output for WARM_PROMPT
+    corpus.write_text(json.dumps({"token_ids": reference(engine, [WARM_PROMPT])[0]["token_ids"]}) + "\n")
     write_repository(bundle, str(root / "repo"), RepoConfig(model_name=MODEL, python_env=triton_paths["python_env"],
                                                             threads=1, plain_instances=2,
-                                                            telemetry=str(root / "telemetry.db")))
+                                                            telemetry=str(root / "telemetry.db"),
+                                                            suffix_store_tokens=5000, suffix_corpus=str(corpus)))
     srv = TritonProcess(triton_paths, str(root / "repo"), str(root / "tritonserver.log"))
     srv.telemetry = str(root / "telemetry.db")
     print(f"tritonserver ready in {srv.startup_s:.1f}s")
@@ -517,6 +521,57 @@ def test_suffix_served_by_name(server, engine):
     drafted = int(result.as_numpy("total_draft_tokens").reshape(-1)[0])
     accepted = int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
     assert drafted > 0 and 0 < accepted <= drafted
+
+
+def test_suffix_store_settings_are_model_parameters(bundle, tmp_path):
+    """--suffix-* on triton-repo become model parameters of the same names, which the model
+    reads into EngineConfig; the warm corpus is checked (and its size limited) when written."""
+    from click.testing import CliRunner
+
+    from specbuild.cli.main import main
+    from specbuild.engine.engine import EngineConfig
+    from specbuild.serve.tritonserver_model import config_parameters, suffix_settings
+    from specbuild.speculation.proposers.suffix import CORPUS_MAX_BYTES
+
+    corpus = tmp_path / "warm.jsonl"
+    corpus.write_text('{"token_ids": [5, 6, 7]}\n')
+    out = tmp_path / "repo"
+    result = CliRunner().invoke(main, ["triton-repo", bundle, "--out", str(out), "--suffix-store-tokens", "5000",
+                                       "--suffix-scope", "content_type", "--suffix-prompts", "--suffix-corpus",
+                                       str(corpus)])
+    assert result.exit_code == 0, result.output
+    config = (out / MODEL / "config.pbtxt").read_text()
+    params = {}
+    for line in config.splitlines():
+        if line.startswith("parameters {"):
+            key = line.split('key: "', 1)[1].split('"', 1)[0]
+            params[key] = {"string_value": line.split('string_value: "', 1)[1].rsplit('"', 1)[0]}
+    settings = suffix_settings(config_parameters({"parameters": params}))
+    assert settings == {"suffix_store_tokens": 5000, "suffix_scope": "content_type", "suffix_prompts": True,
+                        "suffix_corpus": str(corpus.resolve())}
+    cfg = EngineConfig(**settings)
+    assert (cfg.suffix_store_tokens, cfg.suffix_scope, cfg.suffix_prompts) == (5000, "content_type", True)
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(CORPUS_MAX_BYTES + 1)
+    bad = CliRunner().invoke(main, ["triton-repo", bundle, "--out", str(out), "--suffix-corpus", str(big)])
+    assert bad.exit_code == 2 and f"over the limit of {CORPUS_MAX_BYTES} bytes" in bad.output, bad.output
+    bad = CliRunner().invoke(main, ["triton-repo", bundle, "--out", str(out), "--suffix-store-tokens", "-1"])
+    assert bad.exit_code == 2 and "suffix_store_tokens=-1" in bad.output, bad.output
+
+
+def test_the_warm_suffix_store_drafts_a_first_request(server, engine, bundle):
+    """The server's engine loaded the warm corpus (a model parameter): the first request for
+    WARM_PROMPT drafts from it and accepts more than a cold engine does; the text is unchanged."""
+    from specbuild.engine.engine import Engine, EngineConfig
+
+    cold = reference(Engine(bundle, EngineConfig(threads=1)), [WARM_PROMPT], method="suffix")[0]
+    client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{server.http}")
+    result = client.infer(PLAIN, make_inputs(tritonclient_http, WARM_PROMPT, MAX_TOKENS, speculation="suffix",
+                                             return_perf_metrics=True))
+    assert text_of(result) == cold["text"] == reference(engine, [WARM_PROMPT])[0]["text"]
+    accepted = int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
+    assert accepted > cold["stats"]["accepted"], (accepted, cold["stats"])
 
 
 # ---- TensorRT-LLM ensemble clients ---------------------------------------------------------------

@@ -84,22 +84,23 @@ def test_documents_do_not_run_into_each_other():
 
 def test_tree_is_best_first_by_share_within_budget_and_min_prob():
     rows = np.array([[1, 2, 3], [1, 2, 4], [1, 2, 3], [5, 6, -1], [1, 7, -1]])
-    tokens, parents, depths, sources = build_tree([(rows, "local")], budget=5, min_prob=0.1)
+    tokens, parents, depths, sources, _ = build_tree([(rows, "local")], budget=5, min_prob=0.1)
     # 1 (4/5), 2 (3/5), 3 (2/5), then 5, 4, 7 (1/5 each); the budget cuts after five nodes
     assert tokens[:3] == [1, 2, 3] and parents[:4] == [-1, 0, 1, 2] and depths[:3] == [1, 2, 3]
     assert len(tokens) == 5 and set(tokens[3:]) <= {4, 5, 7} and sources == ["local"] * 5
     for i, p in enumerate(parents[1:], start=1):
         assert p < i  # parents before children
-    tokens, _, _, _ = build_tree([(rows, "local")], budget=10, min_prob=0.3)
+    tokens, _, _, _, _ = build_tree([(rows, "local")], budget=10, min_prob=0.3)
     assert tokens == [1, 2, 3]
     # two parts: shares over all rows; where both propose a node it is "both"
-    tokens, parents, _, sources = build_tree([(rows[:2], "local"), (np.array([[1, 9, 9], [8, -1, -1]]), "global")],
+    tokens, parents, _, sources, _ = build_tree([(rows[:2], "local"), (np.array([[1, 9, 9], [8, -1, -1]]), "global")],
                                              budget=4, min_prob=0.2)
     assert tokens == [1, 2, 3, 4] and sources == ["both", "local", "local", "local"]
 
 
 def test_the_budget_grows_with_the_match_length():
-    prop = SuffixProposer(max_nodes=8)
+    assert SuffixProposer().factor == 2.0  # the default: twice the match (measured best on --workload repeated)
+    prop = SuffixProposer(max_nodes=8, factor=1.0)  # Arctic's rule: at most one node per matched token
     short = prop.draft_for(FakeSeq([9, 1, 2, 3, 4, 5, 6, 7, 8, 1]), 8)  # match "1": one node
     long = prop.draft_for(FakeSeq([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5]), 8)  # match of 5
     assert short.tokens == [2] and short.parents == (-1, 0)
@@ -116,7 +117,7 @@ def test_released_requests_feed_other_requests_and_scopes_keep_apart():
     assert done.seq_id not in prop.local
     asks = FakeSeq([7, 40, 41, 42], content_type="code")
     d = prop.draft_for(asks, 8)
-    assert d.tokens == [43, 44, 45] and prop.from_global == 1
+    assert d.tokens == [43, 44, 45, 46] and prop.from_global == 1  # the stored rest (budget 2 x 3)
     assert prop.draft_for(FakeSeq([7, 40, 41, 42], content_type="chat"), 8) is None
     aborted = FakeSeq([1], [60, 61, 62], content_type="code", finish_reason="abort")
     prop.release(aborted)

@@ -32,6 +32,7 @@ class Draft:
     tree_mask: torch.Tensor | None = None  # tree only: [n + 1, n + 1] bool ancestor mask, root row 0
     method: str = ""
     sources: list[str] | None = None  # per drafted token / node: where it came from (None: `method`)
+    scores: list[float] | None = None  # per node: the drafter's estimate that the target accepts it (None: none)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -107,6 +108,7 @@ class DrafterContext:
     # role name -> (its Decoder with shared weights filled in and formats planned, vocab_map or None)
     load_model: Callable[[str], tuple[Any, torch.Tensor | None]]
     built: dict = field(default_factory=dict)  # the drafters built before this one, by name
+    encode: Callable[[str], list[int]] | None = None  # the target's tokenizer, no special tokens (warm corpora)
 
     @property
     def roles(self) -> dict:

@@ -10,8 +10,10 @@ trees are merged into one prefix-closed tree: a node proposed by several is one 
 best-first by score within a node budget, each node's score being its drafter's measured
 acceptance at its depth for this sequence (a rolling estimate from the step's recorded
 candidate sources, proposers/base.candidate_sources; a prior of 0.6^depth before any) times its
-parent's. The budget n maximises (1 + the n best scores' sum) / verify_cost(n + 1), the
-measured verify cost by width (set by the engine's calibration; sqrt(width) before it). A
+parent's; suffix's nodes bring their own estimate instead (their share of the match's
+occurrences times the measured rate at which the target follows matches of that length, which
+lets a long match's chain run past gamma). The budget n maximises (1 + the n best scores'
+sum) / verify_cost(n + 1), the measured verify cost by width (set by the engine's calibration; sqrt(width) before it). A
 drafter whose candidates went unaccepted in its last WINDOW offering steps stops being asked
 (its proposal cost stops being paid), and is asked again every PROBE steps.
 
@@ -126,7 +128,9 @@ class HybridProposer(DrafterBase):
             if d is not None:
                 drafts.append(("eagle", d))
                 self.got["eagle"] += 1
-        return self.merge(drafts, track, gamma) if drafts else None
+        # suffix may draft past gamma where its match is long (SuffixProposer.depth_limit)
+        depth = max([gamma] + [max(d.depths) for name, d in drafts if name == "suffix"])
+        return self.merge(drafts, track, depth) if drafts else None
 
     def merge(self, drafts: list[tuple[str, Draft]], track: _Track, max_depth: int) -> Draft | None:
         """One prefix-closed tree of the drafts' nodes, best-first by score within the budget."""
@@ -140,7 +144,10 @@ class HybridProposer(DrafterBase):
                 p = where.get(d.parents[i])
                 if p is None or depth[p] + 1 > max_depth:
                     continue
-                s = score[p] * track.rate(drafter, depth[p] + 1)
+                # the drafter's own estimate where it gives one (suffix: path share times the
+                # measured rate for its match length), else its measured rate at this depth
+                s = min(d.scores[i - 1], score[p]) if d.scores is not None \
+                    else score[p] * track.rate(drafter, depth[p] + 1)
                 node = kids[p].get(t)
                 if node is None:
                     node = len(tok)

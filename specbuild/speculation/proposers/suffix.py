@@ -268,14 +268,16 @@ class GlobalStore:
                     "evictions": self.evictions, "compactions": self.compactions}
 
 
-def build_tree(parts: list[tuple[np.ndarray, str]], budget: int,
-               min_prob: float) -> tuple[list[int], list[int], list[int], list[str]]:
+def build_tree(parts: list[tuple[np.ndarray, str]], budget: int, min_prob: float,
+               rate: float = 1.0) -> tuple[list[int], list[int], list[int], list[str], list[float]]:
     """The best-first tree over continuation rows (each part: rows [h, d] and the name of
     where they came from; negative ids end a row): at most `budget` nodes, each with path
     probability (the share of all rows through it) >= min_prob, parents before children.
-    Returns tokens, parents ([0] = -1 for the root, then the parent's node index, root 0),
-    depths and sources (a part's name, or "both" where rows of several parts agree) of
-    nodes 1..n."""
+    Nodes are taken best-first by score = path probability * rate ** depth (rate: the
+    measured chance that the target follows the match one more token, so a node deep on a
+    sure path can outrank a shallow guess). Returns tokens, parents ([0] = -1 for the root,
+    then the parent's node index, root 0), depths, sources (a part's name, or "both" where
+    rows of several parts agree) and scores of nodes 1..n."""
     kids: dict[int, dict[int, int]] = {0: {}}  # trie over the distinct rows: node -> {token: node}
     tok_of, cnt, dep, src = [0], [0], [0], [""]
     total = 0.0
@@ -304,32 +306,112 @@ def build_tree(parts: list[tuple[np.ndarray, str]], budget: int,
     parents: list[int] = [-1]
     depths: list[int] = []
     sources: list[str] = []
+    scores: list[float] = []
     out_of = {0: 0}  # trie node -> draft node
-    heap = [(-cnt[k] / total, k, 0) for k in kids[0].values()]
+    # (a child's score never exceeds its parent's, so parents still come before children)
+    heap = [(-cnt[k] / total * rate, k, 0) for k in kids[0].values() if cnt[k] / total >= min_prob]
     heapq.heapify(heap)
     while heap and len(tokens) < budget:
-        negp, k, parent_trie = heapq.heappop(heap)
-        if -negp < min_prob:
-            break
+        negs, k, parent_trie = heapq.heappop(heap)
         out_of[k] = len(tokens) + 1
         tokens.append(tok_of[k])
         parents.append(out_of[parent_trie])
         depths.append(dep[k])
         sources.append(src[k])
+        scores.append(-negs)
         for kid in kids[k].values():
-            heapq.heappush(heap, (-cnt[kid] / total, kid, k))
-    return tokens, parents, depths, sources
+            if cnt[kid] / total >= min_prob:
+                heapq.heappush(heap, (-cnt[kid] / total * rate ** dep[kid], kid, k))
+    return tokens, parents, depths, sources, scores
+
+
+class MatchRates:
+    """The measured chance that the target follows a match one more token, by match length.
+
+    Each verified draft of a match of length m counts its accepted tokens and, when the
+    target left the draft before its end, one rejection (the geometric model's estimate:
+    accepted / (accepted + rejections)); counts decay so the estimate follows the workload.
+    Before anything is measured, a prior of m / (m + PRIOR_OFFSET) weighs PRIOR_WEIGHT
+    observations: one-token matches are guesses, 32-token matches mostly copies."""
+
+    BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower bounds of the match-length buckets
+    PRIOR_OFFSET = 1.5
+    PRIOR_WEIGHT = 4.0
+    DECAY = 0.995
+
+    def __init__(self) -> None:
+        self.acc = [0.0] * len(self.BUCKETS)
+        self.rej = [0.0] * len(self.BUCKETS)
+
+    def bucket(self, m: int) -> int:
+        return max(0, bisect.bisect_right(self.BUCKETS, m) - 1)
+
+    def rate(self, m: int) -> float:
+        b = self.bucket(m)
+        lo = self.BUCKETS[b]
+        prior = lo / (lo + self.PRIOR_OFFSET)
+        return (self.acc[b] + self.PRIOR_WEIGHT * prior) / (self.acc[b] + self.rej[b] + self.PRIOR_WEIGHT)
+
+    def learn(self, m: int, accepted: int, depth: int) -> None:
+        b = self.bucket(m)
+        self.acc[b] = self.acc[b] * self.DECAY + accepted
+        self.rej[b] = self.rej[b] * self.DECAY + float(accepted < depth)
+
+    def copy(self) -> "MatchRates":
+        out = MatchRates()
+        out.acc, out.rej = self.acc[:], self.rej[:]
+        return out
+
+
+CORPUS_MAX_BYTES = 64 << 20  # most bytes of a warm corpus file (EngineConfig.suffix_corpus)
+
+
+def read_corpus(path: str, max_bytes: int = CORPUS_MAX_BYTES) -> list[dict]:
+    """A warm corpus: a jsonl file of the target's earlier outputs, one JSON object a line
+    with "text" (a string, tokenized by the engine) or "token_ids" (a list of ints), and
+    optionally "content_type" (the store's scope under --suffix-scope content_type). Read
+    only from server-side configuration (EngineConfig.suffix_corpus), never from a request;
+    refused over max_bytes."""
+    import json
+    import os
+
+    if not isinstance(path, str) or not os.path.isfile(path):
+        raise ValueError(f"suffix_corpus={path!r} is not a file")
+    size = os.path.getsize(path)
+    if size > max_bytes:
+        raise ValueError(f"suffix_corpus={path!r} is {size} bytes, over the limit of {max_bytes} bytes")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            text, ids = (row.get("text"), row.get("token_ids")) if isinstance(row, dict) else (None, None)
+            ct = row.get("content_type") if isinstance(row, dict) else None
+            ok = (isinstance(text, str)) != (ids is not None) and (ids is None or (
+                isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids))) \
+                and (ct is None or (isinstance(ct, str) and len(ct) <= 64))
+            if not ok:
+                raise ValueError(f"suffix_corpus {path}:{n}: expected a JSON object with a string \"text\" or a "
+                                 "list of int \"token_ids\" (one of the two), and optionally a \"content_type\" "
+                                 "string of at most 64 characters")
+            out.append(row)
+    return out
 
 
 class SuffixProposer(DrafterBase):
     """Proposer protocol (base.py). Per-sequence text in `self.local`; earlier requests in
-    `self.store` (added when a request that uses it is released with output)."""
+    `self.store` (added when a request that uses it is released with output; a warm corpus
+    fills it at start, `warm`)."""
 
     name = "suffix"
     needs = Needs(tree=True)
 
     def __init__(self, max_nodes: int = 8, max_tokens: int = 200_000, scope: str = "global",
-                 include_prompts: bool = False, factor: float = 1.0, offset: float = 0.0,
+                 include_prompts: bool = False, factor: float = 2.0, offset: float = 0.0,
                  min_prob: float = 0.1) -> None:
         if scope not in SCOPES:
             raise ValueError(f"suffix scope={scope!r} is not one of {', '.join(SCOPES)}")
@@ -344,12 +426,42 @@ class SuffixProposer(DrafterBase):
         self.include_prompts = include_prompts
         self.factor, self.offset, self.min_prob = factor, offset, min_prob
         self.local: dict[int, LocalText] = {}
+        self.rates = MatchRates()
+        self.verify_cost = None  # callable width -> seconds (the speculator's calibration); None: no cut
+        self.pending: dict[int, int] = {}  # seq_id -> match length of its last draft (learned in observe)
+        self.warm_state: tuple[GlobalStore, dict] | None = None  # the store as the warm corpus left it
         self.drafts = 0  # drafts proposed; and by where their longest match was
         self.from_local = 0
         self.from_global = 0
+        self.last_match = 0  # the last draft's match length (diagnostics)
 
     def scope_of(self, seq) -> str:
         return (getattr(seq, "content_type", None) or "") if self.scope == "content_type" else ""
+
+    def cut(self, scores: list[float]) -> int:
+        """How many of the best-first nodes to send: n >= 1 maximising (1 + the n scores' sum) /
+        verify_cost(n + 1) on the measured verify costs by width (whether to draft at all is the
+        depth controller's choice, as for every drafter: it asked for a draft); all of them
+        before costs are measured."""
+        if self.verify_cost is None or not scores:
+            return len(scores)
+        best_n, best, total = 1, -1.0, 0.0
+        for n, s in enumerate(scores, start=1):
+            total += s
+            rate = (1.0 + total) / self.verify_cost(n + 1)
+            if rate > best:
+                best_n, best = n, rate
+        return best_n
+
+    def depth_limit(self, seq, gamma: int) -> int:
+        """The deepest draft: the fixed gamma when the request fixed one; otherwise the request's
+        gamma_max, whatever depth the controller chose from the sequence's average acceptance
+        (the match's budget and the measured costs choose the draft within it), within the
+        node cap and the sequence's room."""
+        spec = getattr(seq, "spec", None)
+        limit = gamma if spec is None or not spec.dynamic else max(gamma, min(spec.gamma_max, self.max_nodes))
+        room = getattr(seq, "remaining", None)
+        return max(1, min(limit, room - 1 if isinstance(room, int) else limit))
 
     def draft_for(self, seq, gamma: int) -> Draft | None:
         local = self.local.get(seq.seq_id)
@@ -363,33 +475,52 @@ class SuffixProposer(DrafterBase):
         gindex = self.store.indexes.get(scope)
         m_g, ends_g = gindex.match(ctx) if gindex is not None else (0, ends_l[:0])
         m = max(m_l, m_g)
+        self.last_match = m
         if m == 0:
             return None
         budget = max(1, min(self.max_nodes, int(self.factor * m + self.offset)))
-        depth = max(1, min(gamma, budget))
+        depth = min(self.depth_limit(seq, gamma), budget)
         parts = []
         if m_l == m:
             parts.append((local.index.continuations(ends_l, depth), "local"))
         if m_g == m:
             parts.append((gindex.continuations(ends_g, depth), "global"))
             self.store.touch(scope, ends_g)
-        tokens, parents, depths, sources = build_tree(parts, budget, self.min_prob)
+        tokens, parents, depths, sources, scores = build_tree(parts, budget, self.min_prob, self.rates.rate(m))
         if not tokens:
             return None
+        n = self.cut(scores)
         self.drafts += 1
         self.from_local += int(m_l == m)
         self.from_global += int(m_g == m)
-        draft = tree_draft(tokens, parents, depths, self.name)
-        draft.sources = [f"{self.name}:{s}" for s in sources]
+        self.pending[seq.seq_id] = m
+        draft = tree_draft(tokens[:n], parents[:n + 1], depths[:n], self.name)
+        draft.sources = [f"{self.name}:{s}" for s in sources[:n]]
+        draft.scores = scores[:n]
         return draft
 
     # ---- the protocol ----------------------------------------------------------------
     def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
         return [self.draft_for(seq, gamma) for seq, gamma in zip(seqs, gammas)]
 
+    def observe(self, seq, obs) -> None:
+        """How far the target followed this sequence's last suffix candidates (alone or inside
+        hybrid's tree): the match-length rates learn it."""
+        m = self.pending.pop(seq.seq_id, None)
+        if m is None or obs.sources is None:
+            return
+        accepted, depth = 0, 0
+        for name, positions in obs.sources.items():
+            if name.startswith(self.name + ":"):
+                accepted += sum(a for _, a in positions)
+                depth = max(depth, max((i + 1 for i, (o, _) in enumerate(positions) if o), default=0))
+        if depth:
+            self.rates.learn(m, accepted, depth)
+
     def release(self, seq) -> None:
         """The request's output (and prompt, with include_prompts) joins the global store."""
         self.local.pop(seq.seq_id, None)
+        self.pending.pop(seq.seq_id, None)
         if getattr(seq, "finish_reason", None) not in ("stop", "length"):
             return  # failed or aborted: keep nothing of it
         if self.name not in seq.spec_state.uses:
@@ -397,22 +528,63 @@ class SuffixProposer(DrafterBase):
         tokens = (list(seq.prompt_ids) if self.include_prompts else []) + list(seq.output_ids)
         self.store.add(tokens, self.scope_of(seq))
 
-    def snapshot(self) -> "GlobalStore":
-        """A copy of the global store (benchmarks restore it so repeats start alike)."""
-        return self.store.copy()
+    def warm(self, rows: list[dict], encode=None, vocab_size: int | None = None) -> dict[str, int]:
+        """Pre-fill the global store from a corpus (read_corpus's rows) in file order, each row
+        one document, evictable like any request; a row that would take the store past its cap
+        is skipped (nothing is evicted for the corpus). `restore(None)` comes back to this
+        state. Returns the counts (also in stats(): warm_requests, warm_tokens, warm_skipped)."""
+        added = tokens = skipped = 0
+        for i, row in enumerate(rows):
+            if self.store.live_tokens >= self.store.max_tokens:
+                skipped += len(rows) - i  # full: the rest is not even tokenized
+                break
+            if row.get("token_ids") is not None:
+                ids = [int(t) for t in row["token_ids"]]
+            elif encode is None:
+                raise ValueError("suffix_corpus rows with \"text\" need the engine's tokenizer")
+            else:
+                ids = list(encode(row["text"]))
+            if vocab_size is not None and ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+                raise ValueError(f"suffix_corpus row {i + 1}: token id {min(ids) if min(ids) < 0 else max(ids)} is "
+                                 f"outside the target's vocabulary [0, {vocab_size})")
+            scope = (row.get("content_type") or "") if self.scope == "content_type" else ""
+            if not ids or self.store.live_tokens + len(ids) > self.store.max_tokens:
+                skipped += 1
+                continue
+            self.store.add(ids, scope)
+            added, tokens = added + 1, tokens + len(ids)
+        counts = {"warm_requests": added, "warm_tokens": tokens, "warm_skipped": skipped}
+        self.warm_state = (self.store.copy(), counts)
+        return counts
 
-    def restore(self, snap: "GlobalStore | None") -> None:
-        """Put back a snapshot; None empties the store (a cold start)."""
-        self.store = snap.copy() if snap is not None else GlobalStore(self.store.max_tokens)
+    def snapshot(self) -> tuple:
+        """A copy of the global store and the match-length rates (benchmarks restore it so
+        repeats start alike)."""
+        return self.store.copy(), self.rates.copy()
+
+    def restore(self, snap: tuple | None) -> None:
+        """Put back a snapshot; None: a fresh start (the warm corpus's store when one was
+        loaded, else an empty store; the prior rates)."""
+        if snap is not None:
+            self.store, self.rates = snap[0].copy(), snap[1].copy()
+            return
+        self.store = self.warm_state[0].copy() if self.warm_state is not None else GlobalStore(self.store.max_tokens)
+        self.rates = MatchRates()
 
     def stats(self) -> dict[str, int]:
-        return {**self.store.stats(), "local_requests": len(self.local), "drafts": self.drafts,
+        warm = self.warm_state[1] if self.warm_state is not None else \
+            {"warm_requests": 0, "warm_tokens": 0, "warm_skipped": 0}
+        return {**self.store.stats(), **warm, "local_requests": len(self.local), "drafts": self.drafts,
                 "drafts_from_local": self.from_local, "drafts_from_global": self.from_global}
 
 
 def build(ctx) -> SuffixProposer:
     c = ctx.config
-    return SuffixProposer(max(1, ctx.max_draft_len), c.suffix_store_tokens, c.suffix_scope, c.suffix_prompts)
+    prop = SuffixProposer(max(1, ctx.max_draft_len), c.suffix_store_tokens, c.suffix_scope, c.suffix_prompts)
+    corpus = getattr(c, "suffix_corpus", None)
+    if corpus:  # server-side configuration only (EngineConfig), never a request's field
+        prop.warm(read_corpus(corpus), ctx.encode, ctx.vocab_size)
+    return prop
 
 
 def tree_draft(tokens: list[int], parents: list[int], depths: list[int], method: str) -> Draft:
