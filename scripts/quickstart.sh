@@ -39,7 +39,7 @@ if [ ! -f "$BUNDLE/bundle.json" ]; then
     --eagle smollm2-135m-eagle "${ROLES[@]}" --out "$BUNDLE"
 fi
 .venv/bin/specbuild inspect "$BUNDLE"
-echo "format: $FORMAT${COMPILE:++compile} (the first compiled load traces and compiles: tens of seconds; later loads use the disk cache)"
+echo "format: $FORMAT${COMPILE:++compile} (the first compiled load traces and compiles: a few minutes on 2 cores; later loads use the disk cache)"
 # prompt lookup: the lossless method that gains most often on a CPU (docs/benchmarks.md)
 .venv/bin/specbuild generate "$BUNDLE" --chat --threads "$THREADS" --max-tokens 96 --speculation ngram "${COMPILE[@]}" \
   --prompt "Give me three tips for writing clear technical documentation."

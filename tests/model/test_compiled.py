@@ -2,7 +2,7 @@
 pass has the bits of the compiled decode step, greedy speculation equals plain decoding,
 and nothing recompiles or compiles inside a request.
 
-Each bundle compiles its graphs once (tens of seconds cold on 2 cores, inductor's disk cache
+Each bundle compiles its graphs once (a minute or more cold on 2 cores, inductor's disk cache
 after that), so the engines are module fixtures."""
 
 from __future__ import annotations
