@@ -71,6 +71,8 @@ class Pieces:
 
 
 def main() -> None:
+    from bench_compile import cpu_info  # scripts/ is on sys.path when a script runs (as bench_threads does)
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle")
     ap.add_argument("--variants", default="default,cpp_wrapper")
@@ -252,17 +254,6 @@ def replay_rounds(model, cache, stacks: dict, rounds: int) -> dict:
     for name, n in python_calls.items():
         out[f"{name}: graph"]["python_calls"] = n
     return out
-
-
-def cpu_info() -> dict:
-    import subprocess
-
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {"model": "unknown", "flags": ""}
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return {"model": fields.get("Model name", "unknown").strip(), "flags": fields.get("Flags", "").strip()}
 
 
 if __name__ == "__main__":

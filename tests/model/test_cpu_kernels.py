@@ -184,9 +184,6 @@ def test_without_a_compiler_the_formats_fall_back_to_torch(monkeypatch, tmp_path
 def test_greedy_speculation_equals_plain_decoding_on_the_kernel(forced, tmp_path):
     from specbuild.compiler.compile import CompileOptions, compile_bundle
     from specbuild.engine.engine import Engine, EngineConfig
-    from specbuild.engine.sequence import Request
-    from specbuild.sampling.params import SamplingParams
-    from specbuild.speculation.config import SpeculationConfig
     from tiny import make_tiny_hf, perturbed_copy
 
     levels()
@@ -197,17 +194,7 @@ def test_greedy_speculation_equals_plain_decoding_on_the_kernel(forced, tmp_path
     engine = Engine(bundle, EngineConfig(max_batch_size=4))
     qlinears = [v for v in engine.model.w.values() if hasattr(v, "formats")]
     assert qlinears and all(v.formats[v.primary].kernel for v in qlinears)
-    prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10], [20, 21, 22, 20, 21, 22, 20], list(range(30, 70))]
-
-    def generate(method):
-        return engine.generate([Request(prompt_ids=p, speculation=SpeculationConfig.make(None, method=method, gamma=4),
-                                        sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts])
-
-    plain = [r["token_ids"] for r in generate("none")]
-    for method in ("draft", "ngram"):
-        out = generate(method)
-        assert [r["token_ids"] for r in out] == plain, method
-        assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0
+    assert_speculation_equals_plain(engine)
 
 
 # ---- int4 weights x int8 input blocks (int4_q8_mm, the int4-a8 format) ------------------------
@@ -358,10 +345,7 @@ def test_int4_a8_greedy_speculation_equals_plain_decoding(tmp_path, compiled):
     and with the layer stack compiled (`--compile`: the op is an opaque extern call there)."""
     from specbuild.compiler.compile import CompileOptions, compile_bundle
     from specbuild.engine.engine import Engine, EngineConfig
-    from specbuild.engine.sequence import Request
     from specbuild.model.qlinear import Int4Q8Format
-    from specbuild.sampling.params import SamplingParams
-    from specbuild.speculation.config import SpeculationConfig
     from tiny import make_tiny_hf, perturbed_copy
 
     q8_paths()
@@ -373,17 +357,7 @@ def test_int4_a8_greedy_speculation_equals_plain_decoding(tmp_path, compiled):
     layers = [v for k, v in engine.model.w.items() if k.startswith("layers.") and hasattr(v, "formats")]
     assert layers and all(isinstance(v.formats[v.primary], Int4Q8Format) for v in layers)
     assert engine.model.row_invariant and (engine.model.compiled is not None) == compiled
-    prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10], [20, 21, 22, 20, 21, 22, 20], list(range(30, 70))]
-
-    def generate(method):
-        return engine.generate([Request(prompt_ids=p, speculation=SpeculationConfig.make(None, method=method, gamma=4),
-                                        sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts])
-
-    plain = [r["token_ids"] for r in generate("none")]
-    for method in ("draft", "ngram"):
-        out = generate(method)
-        assert [r["token_ids"] for r in out] == plain, method
-        assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0
+    assert_speculation_equals_plain(engine)
 
 
 def test_int4_a8_without_the_kernel_is_a_clear_error(monkeypatch, tmp_path):
@@ -399,3 +373,23 @@ def test_int4_a8_without_the_kernel_is_a_clear_error(monkeypatch, tmp_path):
     assert cpu_kernels.q8_paths() == [] and cpu_kernels.q8_path() == 0
     with pytest.raises(BundleError, match=r"specbuild's CPU kernel only .*no C\+\+ compiler"):
         Int4Q8Format(pack_nibbles(q), scales, zeros, 32)
+
+
+def assert_speculation_equals_plain(engine) -> None:
+    """Greedy draft-model and prompt-lookup speculation give plain decoding's tokens, with
+    drafts proposed and some accepted."""
+    from specbuild.engine.sequence import Request
+    from specbuild.sampling.params import SamplingParams
+    from specbuild.speculation.config import SpeculationConfig
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10], [20, 21, 22, 20, 21, 22, 20], list(range(30, 70))]
+
+    def generate(method):
+        return engine.generate([Request(prompt_ids=p, speculation=SpeculationConfig.make(None, method=method, gamma=4),
+                                        sampling=SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts])
+
+    plain = [r["token_ids"] for r in generate("none")]
+    for method in ("draft", "ngram"):
+        out = generate(method)
+        assert [r["token_ids"] for r in out] == plain, method
+        assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0
