@@ -43,11 +43,14 @@ from specbuild.cli.options import shared
 @click.option("--ship", default=None, type=click.Path(file_okay=False),
               help="A head directory (e.g. the shipped one): the new head replaces it only if its held-out "
                    "acceptance beats that head's on the same chains.")
+@click.option("--init", "init_head", default=None, type=click.Path(file_okay=False),
+              help="Start from this head's weights and draft vocabulary (e.g. the shipped head, to adapt it to "
+                   "another format's features) instead of a fresh initialisation.")
 @shared("--no-progress")
 @user_errors
 def train_eagle_cmd(bundle, data_path, out_dir, draft_vocab, ttt_steps, max_prompts, eval_prompts, max_answer_tokens,
                     max_prompt_tokens, sampled, epochs, steps, lr, train_minutes, checkpoint_minutes, seed, threads,
-                    resume, corpus, max_positions, shard_positions, features_dir, stop_at_step, ship, no_progress) -> None:
+                    resume, corpus, max_positions, shard_positions, features_dir, stop_at_step, ship, init_head, no_progress) -> None:
     """Train an EAGLE-3 head for BUNDLE's target by self-distillation (EAGLE-3 layout out)."""
     import torch
 
@@ -61,7 +64,8 @@ def train_eagle_cmd(bundle, data_path, out_dir, draft_vocab, ttt_steps, max_prom
                            train_minutes=train_minutes, checkpoint_minutes=checkpoint_minutes, seed=seed,
                            max_positions=max_positions, shard_positions=shard_positions, stop_step=stop_at_step)
     report = train_eagle(bundle, data_path, out_dir, cfg, resume=resume, progress=not no_progress,
-                         log=lambda m: click.echo(m, err=True), corpus=corpus, ship=ship, features_dir=features_dir)
+                         log=lambda m: click.echo(m, err=True), corpus=corpus, ship=ship, features_dir=features_dir,
+                         init=init_head)
     click.echo(json.dumps({k: report[k] for k in ("steps", "train_rows", "train_seconds", "eval_before", "eval_after",
                                                   "epochs", "ship") if k in report}, indent=2))
 

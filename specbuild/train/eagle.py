@@ -394,10 +394,12 @@ def beats(new: dict, old: dict) -> bool:
 
 def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: EagleTrainConfig = EagleTrainConfig(),
                 resume: bool = False, progress: bool = True, log=print, corpus: str | None = None,
-                ship: str | None = None, features_dir: str | None = None) -> dict:
+                ship: str | None = None, features_dir: str | None = None, init: str | None = None) -> dict:
     """Answers (or a built corpus), feature shards, training with held-out evaluation after
     each epoch, the head in DIR; with `ship`, the head also replaces the one in `ship` when
-    its held-out acceptance beats that one's on the same held-out chains (module docstring)."""
+    its held-out acceptance beats that one's on the same held-out chains (module docstring).
+    With `init`, training starts from that head directory's weights and draft vocabulary
+    (a warm start: the shipped head adapted to another format's features)."""
     import shutil
 
     from specbuild.engine.engine import Engine, EngineConfig, load_weights
@@ -456,14 +458,24 @@ def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Eagle
     chosen = choose_positions(seqs, cfg.max_positions, cfg.seed)
     train_positions = sum(len(seqs[i]["prompt_ids"]) + len(seqs[i]["answer_ids"]) for i in chosen)
     rows_w = load_weights(os.path.join(bundle_dir, engine.meta.roles["target"]["path"]), "cpu")
-    draft_ids = make_draft_ids([seqs[i] for i in chosen], tc.vocab_size, cfg.draft_vocab)
     full_out = as_dense(rows_w.get("lm_head", rows_w["embed"])).float()
-    out_rows = full_out[draft_ids].contiguous()
     embed = as_dense(rows_w["embed"]).float()
     max_pos = engine.max_seq_len + 64
-    head_cfg = HeadConfig(tc.hidden_size, tc.intermediate_size, tc.num_heads, tc.num_kv_heads, tc.head_dim,
-                          tc.rms_norm_eps, tc.rope_theta, tc.rope_scaling, tc.vocab_size, aux)
-    head = EagleHead(head_cfg, init_head_weights(rows_w, tc, draft_ids, aux, cfg.seed), embed, draft_ids, max_pos)
+    if init is not None:  # warm start: the given head's weights and its draft vocabulary
+        start = load_head_dir(init, tc, embed, max_pos)
+        if tuple(start.config.aux_layers) != tuple(aux):
+            raise SpecbuildError(f"--init {init!r}: its head reads aux layers {tuple(start.config.aux_layers)}, "
+                                 f"this target's default is {tuple(aux)}")
+        draft_ids = start.draft_ids
+        head = EagleHead(start.config, {k: v.clone() for k, v in start.w.items()}, embed, draft_ids, max_pos)
+        log(f"starting from the head in {init} ({int(draft_ids.numel())} draft tokens)")
+    else:
+        draft_ids = make_draft_ids([seqs[i] for i in chosen], tc.vocab_size, cfg.draft_vocab)
+        head_cfg = HeadConfig(tc.hidden_size, tc.intermediate_size, tc.num_heads, tc.num_kv_heads, tc.head_dim,
+                              tc.rms_norm_eps, tc.rope_theta, tc.rope_scaling, tc.vocab_size, aux)
+        head = EagleHead(head_cfg, init_head_weights(rows_w, tc, draft_ids, aux, cfg.seed), embed, draft_ids,
+                         max_pos)
+    out_rows = full_out[draft_ids].contiguous()
     del engine
     model = TrainHead(head)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -476,7 +488,7 @@ def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Eagle
         if resume and os.path.isfile(ckpt) else []
     model.sync()
     depth = cfg.ttt_steps + 2
-    before = evaluate(head, eval_data, out_rows, full_out, cfg, cfg.ttt_steps) if eval_data else None
+    before = evaluate(head, eval_data, out_rows, full_out, cfg, depth) if eval_data else None  # as eval_after
 
     def batch_loss(k: int):
         s, st = stream.item(k)
@@ -513,7 +525,8 @@ def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Eagle
               "eval_sequences": len(eval_data), "steps": step, "total_steps": total,
               "windows_per_epoch": stream.per_epoch, "train_seconds": round(train_seconds, 1),
               "seconds": round(time.perf_counter() - t_start, 1), "aux_layers": list(aux),
-              "draft_vocab": int(draft_ids.numel()), "config": asdict(cfg), "eval_before": before,
+              "draft_vocab": int(draft_ids.numel()), "init": os.path.abspath(init) if init else None,
+              "config": asdict(cfg), "eval_before": before,
               "eval_after": after, "epochs": epochs, "final_loss": history[-1] if history else None}
     if ship is not None:
         report["ship"] = ship_decision(ship, out_dir, report, eval_data, tc, embed, max_pos, out_rows, full_out, cfg,

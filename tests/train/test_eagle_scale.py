@@ -209,6 +209,21 @@ def test_ship_keeps_the_better_head(tmp_path, tiny_bundle, corpus):
     assert all(torch.equal(after[k], shipped[k]) for k in shipped)  # the better head stays
 
 
+def test_init_starts_from_the_given_head(tmp_path, tiny_bundle, corpus):
+    first = train_eagle(tiny_bundle, None, str(tmp_path / "first"), train_cfg(steps=60, draft_vocab=150),
+                        progress=False, log=lambda m: None, corpus=corpus["dir"])
+    logs = []
+    warm = train_eagle(tiny_bundle, None, str(tmp_path / "warm"), train_cfg(steps=2, lr=1e-4), progress=False,
+                       log=logs.append, corpus=corpus["dir"], init=str(tmp_path / "first"))
+    assert warm["eval_before"] == first["eval_after"]  # it starts where that head ended, on the same chains
+    assert warm["draft_vocab"] == 150  # that head's draft vocabulary, not --draft-vocab's 200
+    assert torch.equal(head_weights(str(tmp_path / "warm"))["d2t"], head_weights(str(tmp_path / "first"))["d2t"])
+    assert any("starting from the head in" in m for m in logs)
+    fresh = train_eagle(tiny_bundle, None, str(tmp_path / "fresh"), train_cfg(steps=2, lr=1e-4), progress=False,
+                        log=lambda m: None, corpus=corpus["dir"])
+    assert fresh["eval_before"] != first["eval_after"] and fresh["draft_vocab"] == 200
+
+
 def test_end_to_end_build_train_ship_decode(tmp_path, tiny, tiny_bundle, local_root, capsys):
     """scripts/build_eagle_corpus.py -> specbuild train-eagle --corpus --ship -> compile --eagle
     -> greedy eagle decoding equal to plain, with drafts proposed and accepted."""
