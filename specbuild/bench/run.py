@@ -155,12 +155,14 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
         floor = measure_floor(engine, render(B.chat_messages(chosen[0]["turns"], [])), cfg.max_tokens,
                               cfg.repeats, cfg.floor_bytes)
     verify = measure_verify_costs(engine, cfg.trees, cfg.repeats) if cfg.verify_costs else None
+    charged = charged_costs(engine, methods)
     env["loadavg_end"] = list(os.getloadavg())
     return {"bundle": os.path.abspath(bundle_dir), "target_format": target_format, "env": env,
             "config": {**asdict(cfg), "methods": methods}, "questions": len(chosen),
             "question_ids": [q["question_id"] for q in chosen], "rows": summary,
             "peer_ratios": B.peer_ratios(summary), "floor": floor, "verify_costs": verify,
-            "notes": report_notes(summary, env, cfg, unfit, engine.max_seq_len),
+            "charged_costs": charged,
+            "notes": report_notes(summary, env, cfg, unfit, engine.max_seq_len) + charged_note(charged),
             **({"telemetry": telemetry} if telemetry else {})}
 
 
@@ -299,6 +301,28 @@ def report_notes(summary: list[dict], env: dict, cfg: BenchConfig, unfit: int, m
     notes.append(f"load average {env['loadavg_start'][0]:.1f} at start, {env['loadavg_end'][0]:.1f} at end on "
                  f"{env['cpu_count']} logical CPUs (a shared machine adds noise)")
     return notes
+
+
+def charged_costs(engine, methods: list[str]) -> dict:
+    """What the depth controller charged in this run (the engine's calibrated costs, measured at
+    load or read from the cost cache): the verify pass by width and, per drafting method, its cost
+    per drafted token (a draft model's step, one level of an EAGLE head or Medusa's heads; 0 for
+    the text-matching drafters). Milliseconds."""
+    costs = engine.speculator.controller.costs
+    verify = {int(w): round(c * 1e3, 3) for w, c in sorted(costs.verify.items())} if hasattr(costs, "verify") else {}
+    drafts = {m: round(costs[m].draft_cost * 1e3, 3) for m in methods
+              if m != "none" and m in engine.speculator.proposers}
+    return {"verify_ms": verify, "draft_ms": drafts}
+
+
+def charged_note(charged: dict) -> list[str]:
+    paid = {m: ms for m, ms in charged["draft_ms"].items() if ms > 0}
+    if not charged["verify_ms"] or not paid:
+        return []
+    v = charged["verify_ms"]
+    widths = ", ".join(f"w{w} {ms:.2f}" for w, ms in v.items())
+    return [f"costs the depth controller charged (ms): verify {widths}; per drafted token "
+            + ", ".join(f"{m} {ms:.2f}" for m, ms in paid.items())]
 
 
 def measure_verify_costs(engine, trees: tuple[str, ...] | None, repeats: int) -> dict:

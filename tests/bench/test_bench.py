@@ -150,6 +150,14 @@ def test_table_formatting():
     assert text.endswith("command: specbuild bench /b") and "note: load average 1.0" in text
 
 
+def test_charged_costs_note_names_what_each_drafted_token_cost():
+    from specbuild.bench.run import charged_note
+
+    note = charged_note({"verify_ms": {1: 10.0, 4: 21.5}, "draft_ms": {"eagle": 1.7, "ngram": 0.0}})
+    assert note == ["costs the depth controller charged (ms): verify w1 10.00, w4 21.50; per drafted token eagle 1.70"]
+    assert charged_note({"verify_ms": {1: 10.0}, "draft_ms": {"ngram": 0.0}}) == []
+
+
 def test_config_and_method_errors():
     with pytest.raises(ValueError, match="repeats=0"):
         BenchConfig(repeats=0)
@@ -205,6 +213,9 @@ def test_bench_end_to_end_on_a_tiny_bundle(bench_bundle):
     assert ngram["compared"] == 7 and ngram["mismatches"] == 0  # lossless greedy, every turn compared
     assert ngram["drafted"] > ngram["accepted"] > 0 and ngram["mean_accepted_tokens"] > 1.0  # it speculated
     assert not any("drafted no tokens" in n for n in report["notes"])
+    charged = report["charged_costs"]  # what the depth controller charged: prompt lookup drafts for free
+    assert charged["verify_ms"]["1"] > 0 and charged["draft_ms"] == {"ngram": 0.0}
+    assert not any("costs the depth controller charged" in n for n in report["notes"])
     fl = report["floor"]
     assert fl["weight_bytes"] > 0 and fl["step_ms"] > 0 and fl["dtype"] == "float64" and fl["copy_bytes"] == 16 << 20
     assert fl["ratio"] == pytest.approx(fl["step_ms"] / fl["floor_ms"], rel=1e-2)
