@@ -64,6 +64,32 @@ class EagleHead:
                                    rope_scaling=config.rope_scaling)
         self.cos, self.sin = rope_tables(rope_cfg, max_pos, dtype)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.packed: dict[str, tuple[torch.Tensor, int, int]] = {}  # name -> (int8 packed, rows, ISA level)
+
+    def lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x @ W[name].T: the float weight, or its int8 copy through specbuild's CPU kernel
+        (quantize_int8)."""
+        if name in self.packed:
+            packed, n, level = self.packed[name]
+            from specbuild.model import cpu_kernels
+
+            return cpu_kernels.int8_mm(x, packed, n, level)
+        return x @ self.w[name].T
+
+    def quantize_int8(self, level: int) -> None:
+        """Run every linear of the head as per-row int8 weights through specbuild's CPU kernel
+        at ISA `level` (inference only; training uses the float weights). A drafter's arithmetic
+        cannot change what the target emits, only which drafts are proposed: the float32 head's
+        linears ran at ~6 GB/s through torch's matmul at four rows (one level 6-10 ms against a
+        ~8 ms compiled int4 target step on the EPYC), a quarter of the bytes through the kernel
+        costs a fraction of that (docs/eagle-training.md)."""
+        from specbuild.compiler.quantize import quantize_int8
+        from specbuild.model import cpu_kernels
+
+        for name, wt in self.w.items():
+            if wt.dim() == 2:
+                q, scales = quantize_int8(wt, torch.float32)
+                self.packed[name] = (cpu_kernels.repack_int8(q, scales), wt.shape[0], level)
 
     @property
     def draft_vocab(self) -> int:
@@ -71,7 +97,7 @@ class EagleHead:
 
     def project(self, feats: torch.Tensor) -> torch.Tensor:
         """[T, 3H] target features -> [T, H]."""
-        return feats.to(self.w["fc.weight"].dtype) @ self.w["fc.weight"].T
+        return self.lin(feats.to(self.w["fc.weight"].dtype), "fc.weight")
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed[ids].to(self.w["fc.weight"].dtype)
@@ -86,9 +112,9 @@ class EagleHead:
         x = torch.cat([rms_norm(emb, w[L + "input_layernorm.weight"], c.rms_norm_eps),
                        rms_norm(hidden, w[L + "hidden_norm.weight"], c.rms_norm_eps)], dim=-1)
         cos, sin = self.cos[positions], self.sin[positions]
-        q = apply_rope((x @ w[L + "self_attn.q_proj.weight"].T).view(t, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope((x @ w[L + "self_attn.k_proj.weight"].T).view(t, c.num_kv_heads, c.head_dim), cos, sin)
-        v = (x @ w[L + "self_attn.v_proj.weight"].T).view(t, c.num_kv_heads, c.head_dim)
+        q = apply_rope(self.lin(x, L + "self_attn.q_proj.weight").view(t, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(self.lin(x, L + "self_attn.k_proj.weight").view(t, c.num_kv_heads, c.head_dim), cos, sin)
+        v = self.lin(x, L + "self_attn.v_proj.weight").view(t, c.num_kv_heads, c.head_dim)
         keys = k if past_k is None else torch.cat([past_k, k])
         vals = v if past_v is None else torch.cat([past_v, v])
         s = keys.shape[0]
@@ -101,15 +127,15 @@ class EagleHead:
         attn = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask.unsqueeze(0),
                                               scale=self.scale)  # [heads, T, D]
         attn = attn.transpose(0, 1).reshape(t, c.num_heads * c.head_dim)
-        residual = hidden + attn @ w[L + "self_attn.o_proj.weight"].T
+        residual = hidden + self.lin(attn, L + "self_attn.o_proj.weight")
         h = rms_norm(residual, w[L + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        mlp = (F.silu(h @ w[L + "mlp.gate_proj.weight"].T) * (h @ w[L + "mlp.up_proj.weight"].T)) \
-            @ w[L + "mlp.down_proj.weight"].T
+        mlp = self.lin(F.silu(self.lin(h, L + "mlp.gate_proj.weight")) * self.lin(h, L + "mlp.up_proj.weight"),
+                       L + "mlp.down_proj.weight")
         return residual + mlp, k, v
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """[T, H] pre-norm outputs -> [T, N] logits over the draft vocabulary."""
-        return rms_norm(out, self.w["norm.weight"], self.config.rms_norm_eps) @ self.w["lm_head.weight"].T
+        return self.lin(rms_norm(out, self.w["norm.weight"], self.config.rms_norm_eps), "lm_head.weight")
 
     def to_target(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
         full = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype)
