@@ -221,6 +221,24 @@ def test_eagle_drafts_are_charged_their_measured_cost(trained):
     assert costs["ngram"].draft_cost == 0.0  # a table lookup is not timed as a model
 
 
+def test_the_head_runs_int8_on_the_cpu_and_keeps_its_drafts(trained, monkeypatch):
+    """Where specbuild's CPU kernel is built the served head's linears are int8 (drafts only);
+    its logits stay close to the float head's, and SPECBUILD_CPU_KERNEL=torch keeps it float."""
+    from specbuild.model import cpu_kernels
+
+    if not cpu_kernels.isa():
+        pytest.skip(f"specbuild's CPU kernel is not available: {cpu_kernels.status()['reason']}")
+    quant = Engine(trained["with_head"], EngineConfig()).speculator.proposers["eagle"].head
+    monkeypatch.setenv("SPECBUILD_CPU_KERNEL", "torch")
+    plain = Engine(trained["with_head"], EngineConfig()).speculator.proposers["eagle"].head
+    assert set(quant.packed) == {k for k, v in quant.w.items() if v.dim() == 2} and not plain.packed
+    torch.manual_seed(0)
+    out = torch.randn(6, plain.config.hidden_size)
+    a, b = quant.logits(out), plain.logits(out)
+    assert (a - b).abs().max() <= 0.05 * b.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+
+
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_eagle_faults_stay_in_their_request(trained, monkeypatch, sampled):
     """tests/engine/test_fault_isolation.py's checks on the trained EAGLE bundle: a fault in
