@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from specbuild.errors import SpecbuildError
-from specbuild.model.qlinear import ACT_DTYPES, dequantize_int4, dequantize_int8, pack_nibbles
+# quantize_int8 lives beside its inverse in the model layer (the runtime quantizes the EAGLE head too)
+from specbuild.model.qlinear import ACT_DTYPES, dequantize_int4, dequantize_int8, pack_nibbles, quantize_int8
 
 LINEAR_FORMATS = ("dense", "float32", "bfloat16", "float16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -52,16 +53,6 @@ class Quantized:
 
 
 # ---- quantizers --------------------------------------------------------------------------
-def quantize_int8(w: torch.Tensor, act_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8. w: [N, K] -> (qweight int8 [N, K], scales float32 [N]) with
-    scales representable in act_dtype and weight ~= qweight * scale."""
-    w = w.float()
-    scales = (w.abs().amax(dim=1) / 127.0).to(act_dtype).float()
-    safe = torch.where(scales == 0, torch.ones_like(scales), scales)
-    q = torch.round(w / safe.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-    return q, scales
-
-
 def quantize_int4(w: torch.Tensor, group_size: int, act_dtype: torch.dtype = torch.bfloat16
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 per group of `group_size` inputs. w: [N, K] -> (q uint8 [N, K] values

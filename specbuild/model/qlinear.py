@@ -48,6 +48,16 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
+def quantize_int8(w: torch.Tensor, act_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8. w: [N, K] -> (qweight int8 [N, K], scales float32 [N]) with
+    scales representable in act_dtype and weight ~= qweight * scale."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127.0).to(act_dtype).float()
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round(w / safe.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """qweight: [N, K] int8; scales: [N]. Returns float32 [N, K] = q * scale."""
     return qweight.float() * scales.float().unsqueeze(1)

@@ -83,8 +83,8 @@ class EagleHead:
         linears ran at ~6 GB/s through torch's matmul at four rows (one level 6-10 ms against a
         ~8 ms compiled int4 target step on the EPYC), a quarter of the bytes through the kernel
         costs a fraction of that (docs/eagle-training.md)."""
-        from specbuild.compiler.quantize import quantize_int8
         from specbuild.model import cpu_kernels
+        from specbuild.model.qlinear import quantize_int8
 
         for name, wt in self.w.items():
             if wt.dim() == 2:
