@@ -14,6 +14,8 @@ CPU model and its flags, and the load average of every round.
 
     python scripts/bench_compile.py BUNDLE [--rounds 5] [--threads 2] [--tokens 64] [--kernels torch,specbuild]
         [--no-compile] [--no-llama-cpp] [--llama-batch N] [--json]
+
+(`--kernels specbuild,specbuild+sdpa` compares the C++ attention rows kernel with per-row SDPA calls.)
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def main() -> None:
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--llama-batch", type=int, default=None,
                     help="llama.cpp's n_batch [64 where a batched eval survives a probe, else 1]")
-    ap.add_argument("--kernels", default="torch,specbuild", help="comma-separated: torch, specbuild, avx2")
+    ap.add_argument("--kernels", default="torch,specbuild",
+                    help="comma-separated: torch, specbuild, avx2; NAME+sdpa: attention by per-row SDPA calls "
+                         "instead of specbuild's C++ rows kernel")
     ap.add_argument("--no-compile", action="store_true", help="eager rows only (no compile at load)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -60,10 +64,15 @@ def main() -> None:
 
     engines = {}
     for kernel in args.kernels.split(","):
-        os.environ["SPECBUILD_CPU_KERNEL"] = kernel
+        # NAME+sdpa: that linear kernel with attention as one SDPA call per row instead of
+        # specbuild's C++ rows kernel (decoder.rows_attention_enabled)
+        base, _, attention = kernel.partition("+")
+        os.environ["SPECBUILD_CPU_KERNEL"] = base
+        os.environ["SPECBUILD_ROWS_ATTENTION"] = "0" if attention == "sdpa" else "1"
         cpu_kernels.reset_choices()
         engines[kernel] = Engine(args.bundle, EngineConfig(threads=args.threads, max_batch_size=1,
                                                            compile=not args.no_compile))
+    os.environ.pop("SPECBUILD_ROWS_ATTENTION", None)
     engine = next(iter(engines.values()))
     prompt_text = engine.render_chat([{"role": "user", "content": "Tell me a story about a dragon and a knight."}])
     prompt = engine.encode(prompt_text, add_special_tokens=False)

@@ -93,6 +93,20 @@ def paged_attention_rows(
     return torch.cat(out, dim=2).squeeze(0).transpose(0, 1)
 
 
+def rows_index(read_slots: torch.Tensor, mask: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """The index cpu_kernels.rows_attention reads, int64 [rows + 1 + total]: the rows' offsets,
+    then each row's visible cache slots in position order (row t: read_slots where mask[t], all
+    of them when mask is None), exactly the keys a decode step at that row's position reads."""
+    read_slots = read_slots.to(torch.int64)
+    if mask is None:
+        counts = torch.full((rows,), read_slots.shape[0], dtype=torch.int64)
+        slots = read_slots.repeat(rows)
+    else:
+        counts = mask.sum(1)
+        slots = read_slots.expand(rows, read_slots.shape[0])[mask]  # row-major: row by row, columns in order
+    return torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0), slots])
+
+
 def visible_columns(mask: torch.Tensor) -> list[int | torch.Tensor]:
     """Per row of a [T, S] mask: n when it sees exactly columns 0..n-1, else their ids."""
     out = []

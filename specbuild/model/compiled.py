@@ -98,7 +98,11 @@ class CompiledStack:
         model = self.model
 
         def stack(x, cos_u, sin_u, write_slots, read_slots, ks, vs, fmt, aux_layers, inline):
-            if inline:  # one sequence, no mask: eager's own SDPA call, in the graph
+            if inline == "rows":  # specbuild's C++ attention over every row's own keys, in the graph
+                def attend(i, q, k_cache, v_cache):  # read_slots: the forward's rows_attention index
+                    return torch.ops.specbuild_cpu.rows_attention(q.contiguous(), k_cache, v_cache, read_slots,
+                                                                  model.scale)
+            elif inline:  # one sequence, no mask: eager's own SDPA call, in the graph
                 def attend(i, q, k_cache, v_cache):
                     return paged_attention(q, k_cache, v_cache, read_slots, None, model.scale)
             else:
@@ -114,21 +118,28 @@ class CompiledStack:
         # no mask and the plain SDPA path (a one-row decode step in float32 hidden states): SDPA
         # inline in a one-row graph; otherwise the width is dynamic (unbacked: one graph for all
         # widths) and attention the eager row-invariant op
-        inline = attend.mask is None and attend.plan is None and attend.row_cols is None and \
-            attend.prompt_plan is None and (
-            attend.read_range is None or attend.read_slots.shape[0] <= INLINE_MAX_KEYS)
+        # (rows: the model's rows_attention kernel in the graph, the forward's index in place of
+        # read_slots; static width at one row, like the SDPA decode graph, else unbacked)
+        if attend.index is not None:
+            inline, keys = "rows", attend.index
+        else:
+            inline = attend.mask is None and attend.plan is None and attend.row_cols is None and \
+                attend.prompt_plan is None and (
+                attend.read_range is None or attend.read_slots.shape[0] <= INLINE_MAX_KEYS)
+            keys = attend.read_slots
         # the index tensors come as views at an offset (slices of a slot list) or not, made in
         # inference mode or not: dynamo guards on both, so fresh copies (one small op each,
         # made here in the forward's inference mode) keep every call on the graphs compiled
-        write_slots, read_slots = write_slots.clone(), attend.read_slots.clone()
-        if not inline:
+        write_slots, read_slots = write_slots.clone(), keys.clone()
+        if not inline or (inline == "rows" and x.shape[0] != 1):
             for t in (x, cos_u, sin_u, write_slots):
                 mark_unbacked(t, 0)
         torch._dynamo.mark_dynamic(read_slots, 0)
         # every static property a graph is specialised on: the format, the aux layers, the
         # attention path, the inputs' dtypes and inference-ness, the cache's shape (the width
         # and the number of keys are dynamic)
-        key = (fmt, aux_layers, inline, x.dtype, cos_u.dtype, tuple(cache.k[0].shape), cache.k[0].dtype,
+        key = (fmt, aux_layers, inline, inline == "rows" and x.shape[0] == 1, x.dtype, cos_u.dtype,
+               tuple(cache.k[0].shape), cache.k[0].dtype,
                len(cache.k), x.device, tuple(t.is_inference() for t in (x, cos_u, sin_u, write_slots, read_slots)))
         args = (x, cos_u, sin_u, write_slots, read_slots, cache.k, cache.v, fmt, aux_layers, inline)
         _local.attend = attend

@@ -765,6 +765,186 @@ at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   return out;
 }
 
+
+// ---------------------------------------------------------------- attention rows (AVX2 + FMA) --
+// rows_attention: each query row over its own list of cache slots (a decode step's keys, a
+// verify row's prefix, a tree node's ancestors), float32 throughout. Each (row, kv head) is
+// computed by one thread with instructions that depend only on that row's query, its keys in
+// their order and their count, never on the other rows of the call or the thread count: the
+// decode step and every row of a verify pass call this same kernel, so a row gives the decode
+// step's bits by construction (no per-row SDPA calls and the Python around them). Scores: 4 keys
+// at a time (one accumulator each, the D/8 vectors of the query in order), reduced pairwise
+// within the vector; softmax: max, exp (exp8 below, a Cephes-style polynomial) and their sum
+// in fixed order; output: sum_j p_j v_j in key order, divided by the sum.
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.37f)), _mm256_set1_ps(-87.33f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+  p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 a) {  // ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7))
+  const __m256 h = _mm256_hadd_ps(a, a);
+  const __m256 h2 = _mm256_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
+}
+
+__attribute__((target("avx2,fma"))) inline __m128 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  // the same pairwise order as hsum8 for each of the four
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  const __m256 h = _mm256_hadd_ps(ab, cd);
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+__attribute__((target("avx2,fma"))) inline __m256i tail_mask(int64_t left) {  // lanes < left set
+  alignas(32) int32_t m[8];
+  for (int i = 0; i < 8; ++i) m[i] = i < left ? -1 : 0;
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
+}
+
+// one query head over n keys; s: n floats of scratch; out: D floats
+template <int DV>
+__attribute__((target("avx2,fma"))) void attend_head(const float* q, const float* kc, int64_t ks, const float* vc,
+                                                      int64_t vs, const int64_t* slots, int64_t n, float scale,
+                                                      float* s, float* out) {
+  __m256 qv[DV];
+  for (int c = 0; c < DV; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* k0 = kc + slots[j] * ks;
+    const float* k1 = kc + slots[j + 1] * ks;
+    const float* k2 = kc + slots[j + 2] * ks;
+    const float* k3 = kc + slots[j + 3] * ks;
+    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0)), a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k1));
+    __m256 a2 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k2)), a3 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k3));
+    for (int c = 1; c < DV; ++c) {
+      a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a0);
+      a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k1 + 8 * c), a1);
+      a2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k2 + 8 * c), a2);
+      a3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k3 + 8 * c), a3);
+    }
+    _mm_storeu_ps(s + j, _mm_mul_ps(hsum8x4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+  }
+  for (; j < n; ++j) {
+    const float* k0 = kc + slots[j] * ks;
+    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+    for (int c = 1; c < DV; ++c) a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a0);
+    s[j] = hsum8(a0) * scale;
+  }
+  float m = s[0];
+  for (int64_t i = 1; i < n; ++i) m = s[i] > m ? s[i] : m;
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  if (j < n) {
+    const __m256i mk = tail_mask(n - j);
+    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, mk), mv)), _mm256_castsi256_ps(mk));
+    _mm256_maskstore_ps(s + j, mk, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  const __m256 total = _mm256_set1_ps(hsum8(sum));
+  __m256 acc[DV];
+  for (int c = 0; c < DV; ++c) acc[c] = _mm256_setzero_ps();
+  for (j = 0; j < n; ++j) {
+    const float* v0 = vc + slots[j] * vs;
+    const __m256 p = _mm256_broadcast_ss(s + j);
+    for (int c = 0; c < DV; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v0 + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < DV; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_div_ps(acc[c], total));
+}
+
+using HeadFn = void (*)(const float*, const float*, int64_t, const float*, int64_t, const int64_t*, int64_t, float,
+                        float*, float*);
+
+template <int DV>
+HeadFn head_fn_for() { return &attend_head<DV>; }
+
+HeadFn head_fn(int64_t D) {  // every multiple of 8 up to 128, and 256
+  switch (D) {
+#define CASE(DV) case 8 * DV: return head_fn_for<DV>();
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13)
+    CASE(14) CASE(15) CASE(16) CASE(32)
+#undef CASE
+    default: return nullptr;
+  }
+}
+
+
+// q [T, H, D] float32; k_cache, v_cache [slots, KV, D] float32 (last dim contiguous); index int64
+// [T + 1 + total]: row t's keys are the slots index[T + 1 + index[t] .. T + 1 + index[t + 1]].
+at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& index_in, double scale) {
+  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+              "rows_attention: this CPU lacks AVX2 + FMA");
+  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "rows_attention: q must be [T, H, D] and the caches two equal [slots, KV, D], got ", q_in.sizes(), ", ",
+              k_cache.sizes(), ", ", v_cache.sizes());
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "rows_attention: q and the caches must be float32");
+  const int64_t T = q_in.size(0), H = q_in.size(1), D = q_in.size(2), KV = k_cache.size(1), N = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(2) == D && KV > 0 && H % KV == 0, "rows_attention: head_dim ", D, " vs cache ",
+              k_cache.size(2), ", heads ", H, " must be a multiple of kv heads ", KV);
+  const HeadFn fn = head_fn(D);
+  TORCH_CHECK(fn != nullptr, "rows_attention: head_dim ", D, " is not a multiple of 8 up to 128, or 256");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(1) == D,
+              "rows_attention: each cache row must be [KV, D] contiguous");
+  at::Tensor index = index_in.to(at::kLong).contiguous();
+  TORCH_CHECK(index.dim() == 1 && index.numel() >= T + 1, "rows_attention: index must be 1-d with at least T + 1 = ",
+              T + 1, " entries, got ", index.sizes());
+  const int64_t* off = index.data_ptr<int64_t>();
+  const int64_t* slots = off + T + 1;
+  TORCH_CHECK(off[0] == 0 && index.numel() == T + 1 + off[T], "rows_attention: index holds ", index.numel(),
+              " entries, its offsets say ", T + 1, " + ", off[T]);
+  int64_t nmax = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(off[t + 1] >= off[t], "rows_attention: offsets must not decrease (row ", t, ")");
+    nmax = std::max(nmax, off[t + 1] - off[t]);
+  }
+  for (int64_t i = 0; i < off[T]; ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < N, "rows_attention: slot ", slots[i], " outside the cache's ", N, " rows");
+  at::Tensor q = q_in.contiguous();
+  at::Tensor out = at::zeros({T, H, D}, q.options());
+  if (T == 0 || nmax == 0) return out;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t G = H / KV, ks = k_cache.stride(0), vs = v_cache.stride(0);
+  const float sc = static_cast<float>(scale);
+  // items are (row, kv head): how many a thread takes is chosen from the work only (never
+  // what an item computes); small calls (a decode step over few keys) stay on one thread
+  const int64_t items = T * KV;
+  const int64_t work = std::max<int64_t>(1, off[T] * G * D / std::max<int64_t>(T, 1));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s(nmax + 8);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / KV, g = i % KV, n = off[t + 1] - off[t];
+      if (n == 0) continue;
+      for (int64_t hh = 0; hh < G; ++hh) {
+        const int64_t h = g * G + hh;
+        fn(qp + (t * H + h) * D, kp + g * D, ks, vp + g * D, vs, slots + off[t], n, sc, s.data(), op + (t * H + h) * D);
+      }
+    }
+  });
+  return out;
+}
+
 int64_t isa_level() { return detect_isa(); }
 
 }  // namespace
@@ -776,6 +956,7 @@ TORCH_LIBRARY(specbuild_cpu, m) {
   m.def("int4_q8_mm(Tensor x, Tensor packed, int n, int group_size, bool f16_scales, int path) -> Tensor");
   m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("q8_paths() -> int");
+  m.def("rows_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor index, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specbuild_cpu, CPU, m) {
@@ -783,6 +964,7 @@ TORCH_LIBRARY_IMPL(specbuild_cpu, CPU, m) {
   m.impl("int8_mm", &int8_mm);
   m.impl("int4_q8_mm", &int4_q8_mm);
   m.impl("q8_quantize", &q8_quantize);
+  m.impl("rows_attention", &rows_attention);
 }
 
 TORCH_LIBRARY_IMPL(specbuild_cpu, CompositeExplicitAutograd, m) {

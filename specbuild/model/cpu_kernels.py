@@ -151,6 +151,10 @@ def _register_fakes() -> None:
         return (x.new_empty(t, k, dtype=torch.int8), x.new_empty(t, k // Q8_BLOCK, dtype=torch.float32),
                 x.new_empty(t, k // Q8_BLOCK, dtype=torch.float32))
 
+    @torch.library.register_fake("specbuild_cpu::rows_attention")
+    def _(q, k_cache, v_cache, index, scale):
+        return q.new_empty(q.shape)
+
 
 def _load() -> dict:
     """Build and load once per process; the state dict (available, isa, reason, path)."""
@@ -330,6 +334,31 @@ def q8_quantize(x: torch.Tensor):
     if not _state:
         _load()
     return torch.ops.specbuild_cpu.q8_quantize(x)
+
+
+ROWS_ATTENTION_HEAD_DIMS = (*range(8, 129, 8), 256)  # what rows_attention is built for (cpu_kernels.cpp)
+
+
+def rows_attention_usable(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, device) -> bool:
+    """Whether rows_attention can run attention of these shapes here: float32 query and cache
+    on the CPU, a head_dim it is built for, the kernels available, and SPECBUILD_CPU_KERNEL not
+    `torch` (which keeps every forward on torch's own ops)."""
+    if mode() == "torch" or torch.device(device).type != "cpu":
+        return False
+    if q_dtype != torch.float32 or cache_dtype != torch.float32 or head_dim not in ROWS_ATTENTION_HEAD_DIMS:
+        return False
+    return bool(_load()["available"])
+
+
+def rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Each query row of q [T, H, D] over its own cache slots: index int64 [T + 1 + total] holds
+    the rows' offsets (index[0] = 0, index[T] = total) and then every row's slots in position
+    order (attention.rows_index builds it). float32; a row with no keys comes out zero. A row's
+    bits depend only on its query, its keys and their order (cpu_kernels.cpp)."""
+    if not _state:
+        _load()
+    return torch.ops.specbuild_cpu.rows_attention(q, k_cache, v_cache, index, scale)
 
 
 # ---- which kernel runs ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ verification). Plain tensors run exactly as F.linear.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from specbuild.bundle import ModelConfig
 from specbuild.model.attention import (InvariantPlan, contiguous_range, paged_attention, paged_attention_invariant,
-                                       paged_attention_rows, visible_columns)
+                                       paged_attention_rows, rows_index, visible_columns)
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.qlinear import QLinear, as_dense, embed_rows, linear, rows_policy, weight_nbytes, width_classes
 
@@ -171,6 +172,10 @@ class Decoder:
         # it gets alone (measured here: kernels switch with the row count; row_policies)
         self.rows_per_call: dict[str, tuple[int, int]] = row_policies(self.w, config.num_layers) \
             if self.row_invariant else {}
+        # float32 hidden states with rounded kernel inputs: generated and draft rows (the decode
+        # step's one row too) through specbuild's C++ attention kernel, one call per layer for all
+        # rows, each row over exactly its keys (rows_attention_enabled)
+        self.rows_attention = self.row_invariant and rows_attention_enabled(self.dtype, config.head_dim, self.device)
         self.compiled = None  # compiled.CompiledStack once compile() is called
         self.compiled_aux: tuple[int, ...] = ()  # aux layers every compiled forward computes
 
@@ -311,12 +316,18 @@ class Attend:
     def __init__(self, model: "Decoder", batch: ForwardBatch, t: int) -> None:
         self.read_slots, self.mask, self.scale = batch.read_slots, batch.mask, model.scale
         self.plan = self.row_cols = self.read_range = None
+        # (prompt row ids, other row ids, InvariantPlan of the prompt rows); ids None: all rows
+        self.prompt_plan = None
+        # model.rows_attention: every row (prompt, generated, draft) over exactly its keys through
+        # one C++ call per layer (cpu_kernels.rows_attention; it also beats the batched invariant
+        # path on prompt rows: one layer, 256 rows after 512 keys, 1 thread, 11.3 ms against 30.5)
+        self.index = rows_index(batch.read_slots, batch.mask, t) if model.rows_attention else None
+        if self.index is not None:
+            return
         # row-invariant attention (prefill too: its K/V must not depend on the batch): half-precision
         # hidden states in one batched call per sequence, float32 ones row by row (measured on 2
         # cores, SmolLM2 shapes, 30 layers: float32 rows 0.6 / 2.8 / 10.9 ms at widths 1 / 5 / 17,
         # batched 1.8 / 4.0 / 9.5; bfloat16 rows 1.8 / 9.7 / 35.6, batched 1.9 / 4.0 / 9.7)
-        # (prompt row ids, other row ids, InvariantPlan of the prompt rows); ids None: all rows
-        self.prompt_plan = None
         if model.row_invariant and model.dtype in (torch.bfloat16, torch.float16):
             self.plan = InvariantPlan(batch.mask, batch.read_slots, t)
         elif model.row_invariant and batch.prompt_rows is not None and bool(batch.prompt_rows.any()):
@@ -339,6 +350,8 @@ class Attend:
             self.read_range = contiguous_range(batch.read_slots)
 
     def __call__(self, i: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if self.index is not None:
+            return torch.ops.specbuild_cpu.rows_attention(q.contiguous(), k_cache, v_cache, self.index, self.scale)
         if self.plan is not None:
             return paged_attention_invariant(q, k_cache, v_cache, self.plan, self.scale)
         if self.prompt_plan is not None:
@@ -354,6 +367,22 @@ class Attend:
             return paged_attention_rows(q, k_cache, v_cache, self.read_slots, self.row_cols, self.scale,
                                         self.read_range)
         return paged_attention(q, k_cache, v_cache, self.read_slots, self.mask, self.scale, self.read_range)
+
+
+def rows_attention_enabled(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """Whether a row-invariant float32 model runs its decode and verify rows' attention through
+    cpu_kernels.rows_attention (one C++ call per layer; each row's bits depend only on its own
+    query and keys, so a verify row is the decode step by construction) rather than one SDPA call
+    per row (paged_attention_rows). Measured on a 2-core AMD EPYC, SmolLM2 shapes, one thread:
+    5.8 / 10.3 / 29.1 us a layer at 1 / 64 / 256 keys against SDPA's 29.9 / 48.6 / 85.2 (one
+    row), and the Python views around per-row calls are gone (docs/compiled-step.md).
+    $SPECBUILD_ROWS_ATTENTION=0 keeps the SDPA path (for comparisons); SPECBUILD_CPU_KERNEL=torch
+    does too."""
+    if dtype != torch.float32 or os.environ.get("SPECBUILD_ROWS_ATTENTION", "1").strip() == "0":
+        return False
+    from specbuild.model import cpu_kernels
+
+    return cpu_kernels.rows_attention_usable(dtype, dtype, head_dim, device)
 
 
 def row_invariant_needed(weights: dict, dtype: torch.dtype) -> bool:

@@ -167,14 +167,18 @@ def test_a_failed_compile_is_one_clear_error(engines, monkeypatch):
         Engine(engines["float32"].bundle_dir, EngineConfig(max_batch_size=1, compile=True))
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_prompt_rows_are_invariant_to_chunking_and_neighbours(engines, compiled):
-    """int4 (float32 hidden states, bfloat16 kernel inputs) takes prompt rows batched
-    (decoder.Attend's prompt_plan): a prompt's K/V and last logits are the same bits in one
-    chunk, in chunks of 7, and beside another sequence's decode row."""
+@pytest.mark.parametrize("compiled,kernel", [(False, True), (False, False), (True, True)])
+def test_prompt_rows_are_invariant_to_chunking_and_neighbours(engines, compiled, kernel):
+    """int4 (float32 hidden states, bfloat16 kernel inputs) takes prompt rows through the C++
+    rows kernel (decoder.Attend's index; kernel=False: the batched fallback, prompt_plan): a
+    prompt's K/V and last logits are the same bits in one chunk, in chunks of 7, and beside
+    another sequence's decode row."""
     engine = engines["int4"] if compiled else Engine(engines["int4"].bundle_dir, EngineConfig(max_batch_size=4))
     model, cache = engine.model, engine.cache
     assert model.row_invariant and model.dtype == torch.float32
+    if not kernel:
+        model.rows_attention = False  # this eager engine's own model: the fallback path
+    assert model.rows_attention == kernel, "the C++ kernel is built here, so the int4 bundle runs it"
     torch.manual_seed(1)
     n = 40
     ids = torch.randint(1, 300, (n,))
@@ -209,7 +213,11 @@ def test_prompt_rows_are_invariant_to_chunking_and_neighbours(engines, compiled)
 
     probe = ForwardBatch(ids[:3], torch.arange(3), torch.arange(3), torch.arange(3),
                          torch.ones(3, 3, dtype=torch.bool).tril(), torch.tensor([2]), torch.ones(3, dtype=torch.bool))
-    assert Attend(model, probe, 3).prompt_plan is not None  # the batched path, not one SDPA call per row
+    a = Attend(model, probe, 3)
+    if kernel:  # one C++ call per layer for all rows: index = offsets, then each row's slots
+        assert a.prompt_plan is None and a.index.tolist() == [0, 1, 3, 6, 0, 0, 1, 0, 1, 2]
+    else:
+        assert a.prompt_plan is not None  # the batched path, not one SDPA call per row
     (k1, v1), l1 = run(801, n)
     (k2, v2), l2 = run(803, 7)
     (k3, v3), l3 = run(805, n, partner=True)

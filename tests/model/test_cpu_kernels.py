@@ -393,3 +393,74 @@ def assert_speculation_equals_plain(engine) -> None:
         out = generate(method)
         assert [r["token_ids"] for r in out] == plain, method
         assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0
+
+
+# ---- rows_attention: each query row over its own cache slots ---------------------------------
+
+def attention_case(heads=9, kv=3, d=64, slots=700, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(slots, kv, d, generator=g)
+    v = torch.randn(slots, kv, d, generator=g)
+    return k, v, torch.randperm(slots, generator=g)
+
+
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_rows_attention_matches_a_float64_reference(d):
+    from specbuild.model.attention import paged_attention_reference, rows_index
+
+    levels()
+    k, v, perm = attention_case(d=d)
+    read = perm[:300]
+    lens = [1, 7, 8, 9, 100, 300]  # key counts around the 4-key and 8-lane steps
+    mask = torch.zeros(len(lens), 300, dtype=torch.bool)
+    for t, n in enumerate(lens):
+        mask[t, :n] = True
+    mask[2, 3] = False  # a tree row: its keys are not a prefix
+    q = torch.randn(len(lens), 9, d)
+    out = cpu_kernels.rows_attention(q, k, v, rows_index(read, mask, len(lens)), d ** -0.5)
+    ref = paged_attention_reference(q, k, v, read, mask, d ** -0.5)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_rows_attention_rows_are_invariant_to_their_neighbours_and_threads():
+    """A row's output has the same bits alone, beside other rows (any order), and at 1 or 2
+    threads: what lets the decode step and a verify pass share one kernel losslessly."""
+    from specbuild.model.attention import rows_index
+
+    levels()
+    k, v, perm = attention_case()
+    read = perm[:400]
+    q = torch.randn(17, 9, 64)
+    lens = [40 + 21 * t for t in range(17)]
+    mask = torch.zeros(17, 400, dtype=torch.bool)
+    for t, n in enumerate(lens):
+        mask[t, :n] = True
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        both = cpu_kernels.rows_attention(q, k, v, rows_index(read, mask, 17), 0.125)
+        flipped = cpu_kernels.rows_attention(q.flip(0), k, v, rows_index(read, mask.flip(0), 17), 0.125).flip(0)
+        torch.set_num_threads(1)
+        for t in range(17):
+            alone = cpu_kernels.rows_attention(q[t:t + 1], k, v, rows_index(read[:lens[t]], None, 1), 0.125)
+            assert torch.equal(alone[0], both[t]) and torch.equal(flipped[t], both[t]), t
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rows_attention_refuses_a_bad_index():
+    levels()
+    k, v, _ = attention_case(slots=50)
+    q = torch.randn(2, 9, 64)
+    op = cpu_kernels.rows_attention
+    with pytest.raises(RuntimeError, match="slot 50 outside the cache's 50 rows"):
+        op(q, k, v, torch.tensor([0, 1, 2, 0, 50]), 0.125)
+    with pytest.raises(RuntimeError, match="offsets must not decrease"):
+        op(q, k, v, torch.tensor([0, 2, 1, 0]), 0.125)
+    with pytest.raises(RuntimeError, match="index holds 5 entries, its offsets say 3 \\+ 3"):
+        op(q, k, v, torch.tensor([0, 1, 3, 0, 1]), 0.125)
+    with pytest.raises(RuntimeError, match="head_dim 20 is not a multiple of 8"):
+        op(torch.randn(1, 2, 20), torch.randn(5, 1, 20), torch.randn(5, 1, 20), torch.tensor([0, 1, 0]), 0.1)
+    # a row with no keys comes out zero (as SDPA's)
+    out = op(q, k, v, torch.tensor([0, 0, 1, 3]), 0.125)
+    assert torch.equal(out[0], torch.zeros(9, 64)) and out[1].abs().sum() > 0
