@@ -100,8 +100,7 @@ class CompiledStack:
         def stack(x, cos_u, sin_u, write_slots, read_slots, ks, vs, fmt, aux_layers, inline):
             if inline == "rows":  # specbuild's C++ attention over every row's own keys, in the graph
                 def attend(i, q, k_cache, v_cache):  # read_slots: the forward's rows_attention index
-                    return torch.ops.specbuild_cpu.rows_attention(q.contiguous(), k_cache, v_cache, read_slots,
-                                                                  model.scale)
+                    return torch.ops.specbuild_cpu.rows_attention(q, k_cache, v_cache, read_slots, model.scale)
             elif inline:  # one sequence, no mask: eager's own SDPA call, in the graph
                 def attend(i, q, k_cache, v_cache):
                     return paged_attention(q, k_cache, v_cache, read_slots, None, model.scale)

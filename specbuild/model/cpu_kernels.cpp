@@ -765,7 +765,6 @@ at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   return out;
 }
 
-
 // ---------------------------------------------------------------- attention rows (AVX2 + FMA) --
 // rows_attention: each query row over its own list of cache slots (a decode step's keys, a
 // verify row's prefix, a tree node's ancestors), float32 throughout. Each (row, kv head) is
@@ -883,7 +882,6 @@ HeadFn head_fn(int64_t D) {  // every multiple of 8 up to 128, and 256
     default: return nullptr;
   }
 }
-
 
 // q [T, H, D] float32; k_cache, v_cache [slots, KV, D] float32 (last dim contiguous); index int64
 // [T + 1 + total]: row t's keys are the slots index[T + 1 + index[t] .. T + 1 + index[t + 1]].

@@ -339,13 +339,13 @@ def q8_quantize(x: torch.Tensor):
 ROWS_ATTENTION_HEAD_DIMS = (*range(8, 129, 8), 256)  # what rows_attention is built for (cpu_kernels.cpp)
 
 
-def rows_attention_usable(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, device) -> bool:
-    """Whether rows_attention can run attention of these shapes here: float32 query and cache
-    on the CPU, a head_dim it is built for, the kernels available, and SPECBUILD_CPU_KERNEL not
+def rows_attention_usable(dtype: torch.dtype, head_dim: int, device) -> bool:
+    """Whether rows_attention can run a model's attention here: float32 queries and cache (the
+    model's dtype) on the CPU, a head_dim it is built for, the kernels available, and SPECBUILD_CPU_KERNEL not
     `torch` (which keeps every forward on torch's own ops)."""
     if mode() == "torch" or torch.device(device).type != "cpu":
         return False
-    if q_dtype != torch.float32 or cache_dtype != torch.float32 or head_dim not in ROWS_ATTENTION_HEAD_DIMS:
+    if dtype != torch.float32 or head_dim not in ROWS_ATTENTION_HEAD_DIMS:
         return False
     return bool(_load()["available"])
 

@@ -172,9 +172,9 @@ class Decoder:
         # it gets alone (measured here: kernels switch with the row count; row_policies)
         self.rows_per_call: dict[str, tuple[int, int]] = row_policies(self.w, config.num_layers) \
             if self.row_invariant else {}
-        # float32 hidden states with rounded kernel inputs: generated and draft rows (the decode
-        # step's one row too) through specbuild's C++ attention kernel, one call per layer for all
-        # rows, each row over exactly its keys (rows_attention_enabled)
+        # float32 hidden states with rounded kernel inputs: every row's attention (prompt, decode,
+        # verify, tree) through specbuild's C++ kernel, one call per layer for all rows, each row
+        # over exactly its keys (rows_attention_enabled)
         self.rows_attention = self.row_invariant and rows_attention_enabled(self.dtype, config.head_dim, self.device)
         self.compiled = None  # compiled.CompiledStack once compile() is called
         self.compiled_aux: tuple[int, ...] = ()  # aux layers every compiled forward computes
@@ -351,7 +351,7 @@ class Attend:
 
     def __call__(self, i: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         if self.index is not None:
-            return torch.ops.specbuild_cpu.rows_attention(q.contiguous(), k_cache, v_cache, self.index, self.scale)
+            return torch.ops.specbuild_cpu.rows_attention(q, k_cache, v_cache, self.index, self.scale)
         if self.plan is not None:
             return paged_attention_invariant(q, k_cache, v_cache, self.plan, self.scale)
         if self.prompt_plan is not None:
@@ -378,11 +378,11 @@ def rows_attention_enabled(dtype: torch.dtype, head_dim: int, device: torch.devi
     row), and the Python views around per-row calls are gone (docs/compiled-step.md).
     $SPECBUILD_ROWS_ATTENTION=0 keeps the SDPA path (for comparisons); SPECBUILD_CPU_KERNEL=torch
     does too."""
-    if dtype != torch.float32 or os.environ.get("SPECBUILD_ROWS_ATTENTION", "1").strip() == "0":
+    if os.environ.get("SPECBUILD_ROWS_ATTENTION", "1").strip() == "0":
         return False
     from specbuild.model import cpu_kernels
 
-    return cpu_kernels.rows_attention_usable(dtype, dtype, head_dim, device)
+    return cpu_kernels.rows_attention_usable(dtype, head_dim, device)
 
 
 def row_invariant_needed(weights: dict, dtype: torch.dtype) -> bool:
