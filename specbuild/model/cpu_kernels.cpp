@@ -812,70 +812,98 @@ __attribute__((target("avx2,fma"))) inline __m256i tail_mask(int64_t left) {  //
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
 }
 
-// one query head over n keys; s: n floats of scratch; out: D floats
+// the G query heads of one kv head (q and out: G * D floats, head after head) over n keys;
+// s: G * n floats of scratch. Every key and value row is read from memory once for the group
+// (the group's other heads find it in L1), while each head's arithmetic is what it would be
+// alone: its scores 4 keys at a time, its softmax, its values summed in key order (the
+// accumulators go through `out` between blocks of keys: exact).
 template <int DV>
-__attribute__((target("avx2,fma"))) void attend_head(const float* q, const float* kc, int64_t ks, const float* vc,
-                                                      int64_t vs, const int64_t* slots, int64_t n, float scale,
-                                                      float* s, float* out) {
-  __m256 qv[DV];
-  for (int c = 0; c < DV; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+__attribute__((target("avx2,fma"))) void attend_group(const float* q, int64_t G, const float* kc, int64_t ks,
+                                                       const float* vc, int64_t vs, const int64_t* slots, int64_t n,
+                                                       float scale, float* s, float* out) {
+  constexpr int64_t D = 8 * DV;
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     const float* k0 = kc + slots[j] * ks;
     const float* k1 = kc + slots[j + 1] * ks;
     const float* k2 = kc + slots[j + 2] * ks;
     const float* k3 = kc + slots[j + 3] * ks;
-    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0)), a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k1));
-    __m256 a2 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k2)), a3 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k3));
-    for (int c = 1; c < DV; ++c) {
-      a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a0);
-      a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k1 + 8 * c), a1);
-      a2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k2 + 8 * c), a2);
-      a3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k3 + 8 * c), a3);
+    for (int64_t hh = 0; hh < G; ++hh) {
+      const float* qh = q + hh * D;
+      const __m256 q0 = _mm256_loadu_ps(qh);
+      __m256 a0 = _mm256_mul_ps(q0, _mm256_loadu_ps(k0)), a1 = _mm256_mul_ps(q0, _mm256_loadu_ps(k1));
+      __m256 a2 = _mm256_mul_ps(q0, _mm256_loadu_ps(k2)), a3 = _mm256_mul_ps(q0, _mm256_loadu_ps(k3));
+      for (int c = 1; c < DV; ++c) {
+        const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
+        a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 8 * c), a0);
+        a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k1 + 8 * c), a1);
+        a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k2 + 8 * c), a2);
+        a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k3 + 8 * c), a3);
+      }
+      _mm_storeu_ps(s + hh * n + j, _mm_mul_ps(hsum8x4(a0, a1, a2, a3), _mm_set1_ps(scale)));
     }
-    _mm_storeu_ps(s + j, _mm_mul_ps(hsum8x4(a0, a1, a2, a3), _mm_set1_ps(scale)));
   }
   for (; j < n; ++j) {
     const float* k0 = kc + slots[j] * ks;
-    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
-    for (int c = 1; c < DV; ++c) a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a0);
-    s[j] = hsum8(a0) * scale;
+    for (int64_t hh = 0; hh < G; ++hh) {
+      const float* qh = q + hh * D;
+      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(k0));
+      for (int c = 1; c < DV; ++c) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(k0 + 8 * c), a0);
+      s[hh * n + j] = hsum8(a0) * scale;
+    }
   }
-  float m = s[0];
-  for (int64_t i = 1; i < n; ++i) m = s[i] > m ? s[i] : m;
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 sum = _mm256_setzero_ps();
-  for (j = 0; j + 8 <= n; j += 8) {
-    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-    _mm256_storeu_ps(s + j, p);
-    sum = _mm256_add_ps(sum, p);
+  for (int64_t hh = 0; hh < G; ++hh) {  // softmax numerators in place; the sum kept in out's first lane
+    float* sh = s + hh * n;
+    float m = sh[0];
+    for (int64_t i = 1; i < n; ++i) m = sh[i] > m ? sh[i] : m;
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), mv));
+      _mm256_storeu_ps(sh + j, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    if (j < n) {
+      const __m256i mk = tail_mask(n - j);
+      const __m256 p =
+          _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(sh + j, mk), mv)), _mm256_castsi256_ps(mk));
+      _mm256_maskstore_ps(sh + j, mk, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    s[G * n + hh] = hsum8(sum);
   }
-  if (j < n) {
-    const __m256i mk = tail_mask(n - j);
-    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, mk), mv)), _mm256_castsi256_ps(mk));
-    _mm256_maskstore_ps(s + j, mk, p);
-    sum = _mm256_add_ps(sum, p);
+  constexpr int64_t VB = 32;  // keys per block of values: 32 rows of a kv head stay in L1 for the group
+  for (int64_t j0 = 0; j0 < n; j0 += VB) {
+    const int64_t j1 = std::min(n, j0 + VB);
+    for (int64_t hh = 0; hh < G; ++hh) {
+      const float* sh = s + hh * n;
+      float* oh = out + hh * D;
+      __m256 acc[DV];
+      for (int c = 0; c < DV; ++c) acc[c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(oh + 8 * c);
+      for (j = j0; j < j1; ++j) {
+        const float* v0 = vc + slots[j] * vs;
+        const __m256 p = _mm256_broadcast_ss(sh + j);
+        for (int c = 0; c < DV; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v0 + 8 * c), acc[c]);
+      }
+      for (int c = 0; c < DV; ++c) _mm256_storeu_ps(oh + 8 * c, acc[c]);
+    }
   }
-  const __m256 total = _mm256_set1_ps(hsum8(sum));
-  __m256 acc[DV];
-  for (int c = 0; c < DV; ++c) acc[c] = _mm256_setzero_ps();
-  for (j = 0; j < n; ++j) {
-    const float* v0 = vc + slots[j] * vs;
-    const __m256 p = _mm256_broadcast_ss(s + j);
-    for (int c = 0; c < DV; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v0 + 8 * c), acc[c]);
+  for (int64_t hh = 0; hh < G; ++hh) {
+    const __m256 total = _mm256_set1_ps(s[G * n + hh]);
+    float* oh = out + hh * D;
+    for (int c = 0; c < DV; ++c) _mm256_storeu_ps(oh + 8 * c, _mm256_div_ps(_mm256_loadu_ps(oh + 8 * c), total));
   }
-  for (int c = 0; c < DV; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_div_ps(acc[c], total));
 }
 
-using HeadFn = void (*)(const float*, const float*, int64_t, const float*, int64_t, const int64_t*, int64_t, float,
-                        float*, float*);
+using GroupFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, const int64_t*, int64_t,
+                         float, float*, float*);
 
 template <int DV>
-HeadFn head_fn_for() { return &attend_head<DV>; }
+GroupFn group_fn_for() { return &attend_group<DV>; }
 
-HeadFn head_fn(int64_t D) {  // every multiple of 8 up to 128, and 256
+GroupFn group_fn(int64_t D) {  // every multiple of 8 up to 128, and 256
   switch (D) {
-#define CASE(DV) case 8 * DV: return head_fn_for<DV>();
+#define CASE(DV) case 8 * DV: return group_fn_for<DV>();
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13)
     CASE(14) CASE(15) CASE(16) CASE(32)
 #undef CASE
@@ -897,7 +925,7 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k_cache, con
   const int64_t T = q_in.size(0), H = q_in.size(1), D = q_in.size(2), KV = k_cache.size(1), N = k_cache.size(0);
   TORCH_CHECK(k_cache.size(2) == D && KV > 0 && H % KV == 0, "rows_attention: head_dim ", D, " vs cache ",
               k_cache.size(2), ", heads ", H, " must be a multiple of kv heads ", KV);
-  const HeadFn fn = head_fn(D);
+  const GroupFn fn = group_fn(D);
   TORCH_CHECK(fn != nullptr, "rows_attention: head_dim ", D, " is not a multiple of 8 up to 128, or 256");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(1) == D,
               "rows_attention: each cache row must be [KV, D] contiguous");
@@ -924,20 +952,19 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k_cache, con
   float* op = out.data_ptr<float>();
   const int64_t G = H / KV, ks = k_cache.stride(0), vs = v_cache.stride(0);
   const float sc = static_cast<float>(scale);
-  // items are (row, kv head): how many a thread takes is chosen from the work only (never
-  // what an item computes); small calls (a decode step over few keys) stay on one thread
+  // items are (row, kv head): the group's query heads share each key and value read; how
+  // many items a thread takes is chosen from the work only (never what an item computes);
+  // small calls (a decode step over few keys) stay on one thread
   const int64_t items = T * KV;
   const int64_t work = std::max<int64_t>(1, off[T] * G * D / std::max<int64_t>(T, 1));
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s(nmax + 8);
+    std::vector<float> s(G * (nmax + 1) + 8);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / KV, g = i % KV, n = off[t + 1] - off[t];
       if (n == 0) continue;
-      for (int64_t hh = 0; hh < G; ++hh) {
-        const int64_t h = g * G + hh;
-        fn(qp + (t * H + h) * D, kp + g * D, ks, vp + g * D, vs, slots + off[t], n, sc, s.data(), op + (t * H + h) * D);
-      }
+      fn(qp + (t * H + g * G) * D, G, kp + g * D, ks, vp + g * D, vs, slots + off[t], n, sc, s.data(),
+         op + (t * H + g * G) * D);
     }
   });
   return out;
