@@ -190,6 +190,28 @@ def test_lm_head_rescoring_is_exact_at_the_top_and_width_invariant():
         assert torch.equal(head(x[t:t + 1]), logits[t:t + 1])
 
 
+def test_lm_head_on_specbuilds_int8_kernel_returns_its_float32_sums():
+    """With specbuild's int8 kernel the lm_head returns the kernel's float32 sums of the rounded
+    inputs (no top-k rescoring): rounded to bfloat16 they are the kernel's bfloat16 output, the
+    greedy token is the exact one's, and a row's logits do not depend on the rows beside it."""
+    w = torch.randn(700, 96, generator=torch.Generator().manual_seed(7))
+    impl = Int8Format(*quantize_int8(w, torch.bfloat16), torch.bfloat16)
+    if not impl.float_sums:
+        pytest.skip("specbuild's CPU kernel is not available here (no compiler or no AVX2)")
+    head = QLinear(impl, torch.float32)
+    head.rescore_top = 16
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(8))
+    logits = head(x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits.bfloat16(), impl(x.bfloat16()))  # the same sums, unrounded
+    exact = x.bfloat16().double() @ head.dense().double().T
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    assert float(((logits.double() - exact).abs() / exact.abs().clamp_min(1)).max()) < 1e-5  # float32, everywhere
+    for t in range(9):
+        assert torch.equal(head(x[t:t + 1]), logits[t:t + 1])
+    assert torch.equal(head(x.flip(0)), logits.flip(0))
+
+
 def test_plan_does_not_extrapolate_a_format_measured_only_narrow():
     costs = {"float32": {1: 10.0, 4: 11.0, 16: 14.0}, "int4": {1: 300.0}}  # int4 dropped after width 1
     plan = FormatPlan.from_costs(costs, max_width=64)
