@@ -36,6 +36,10 @@ VARIANTS = {
     "noasserts": NOASSERTS,
     "cpp_wrapper": {"cpp_wrapper": True},
     "cpp_wrapper+noasserts": {"cpp_wrapper": True, **NOASSERTS},
+    # the generated glue kernels (norms, rope, residuals, SiLU, KV writes) single-threaded: no
+    # OpenMP region around work of a few thousand floats; the weight and attention kernels
+    # (extern ops) keep torch's thread pool
+    "cpp_wrapper+glue1": {"cpp_wrapper": True, "cpp.threads": 1},
 }
 
 
