@@ -852,7 +852,7 @@ __attribute__((target("avx2,fma"))) void attend_group(const float* q, int64_t G,
       s[hh * n + j] = hsum8(a0) * scale;
     }
   }
-  for (int64_t hh = 0; hh < G; ++hh) {  // softmax numerators in place; the sum kept in out's first lane
+  for (int64_t hh = 0; hh < G; ++hh) {  // softmax numerators in place; the sums after the G score rows
     float* sh = s + hh * n;
     float m = sh[0];
     for (int64_t i = 1; i < n; ++i) m = sh[i] > m ? sh[i] : m;
