@@ -369,15 +369,14 @@ class QLinear:
         primary when None or not held)."""
         impl = self.formats.get(fmt) or self.formats[self.primary]
         xa = x.to(self.act_dtype)
-        if self.rescore_top and self.act_dtype != torch.float32 and not reference and \
-                getattr(impl, "float_sums", False):
-            # specbuild's int8 kernel: its float32 sums (fixed order per row, any width) as they
-            # are, from the rounded inputs held in float32: every logit at float32 precision and
-            # row-invariant, so no top-k rescoring (~0.4 ms of a 2-thread decode step)
-            return impl(xa.float())
-        out = impl.reference(xa) if reference else impl(xa)
         if self.rescore_top and self.act_dtype != torch.float32:
-            return self.rescored(xa, out)
+            if not reference and getattr(impl, "float_sums", False):
+                # specbuild's int8 kernel: its float32 sums (fixed order per row, any width) as
+                # they are, from the rounded inputs held in float32: every logit at float32
+                # precision and row-invariant, so no top-k rescoring (~0.4 ms of a 2-thread step)
+                return impl(xa.float())
+            return self.rescored(xa, impl.reference(xa) if reference else impl(xa))
+        out = impl.reference(xa) if reference else impl(xa)
         return out.to(self.dtype)
 
     def rescored(self, xa: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
