@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -238,6 +239,10 @@ class Engine(BaseEngine):
                                   f"{str(e).splitlines()[0][:300] if str(e) else ''}); inductor's CPU backend needs a "
                                   "C++ compiler (g++); run without --compile") from e
             log.info("compiled the layer stacks in %.1fs", self.compile_seconds)
+            # which stack runs and why, in one line (the kernels' own lines say which linears run)
+            how = "one fused C++ call (model/fused.py: int4 layers on specbuild's kernel, rows attention)" \
+                if self.model.fused_why is None else f"torch.compile (inductor; not fused: {self.model.fused_why})"
+            print(f"specbuild: the target's layer stack runs as {how}", file=sys.stderr)
         _ = self.speculator.controller  # cost calibration now (cached per machine + bundle), never in a request
         self.default_speculation = SpeculationConfig.make(
             None, **{k: v for k, v in self.meta.default_speculation.items()})

@@ -33,6 +33,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include <cstdint>
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -64,7 +66,7 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
 // scale). The products are exact in fp32 (8-bit mantissas); only the sums round.
 // Accumulators per (row, column block): ga/gb (alternate input pairs of a group: two
 // chains so one row has parallel work), acc (the output).
-template <int R, int C, bool F32S>
+template <int R, int C, bool F32S, int PF>
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,fma"))) void int4_tile_bf16(
     const uint8_t* w, int64_t blk_bytes, int64_t grp_bytes, int ngroups, int G, const uint16_t* x, int64_t K,
     const float* sx, float* out /* [R][C * 16] */) {
@@ -89,7 +91,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,fma"))) void int4_ti
       }
       for (int c = 0; c < C; ++c) {
         const uint8_t* p = w + c * blk_bytes + g * grp_bytes + o * 64;
-        _mm_prefetch((const char*)(p + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char*)(p + PF), _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512((const void*)p);
         // (v shifted) & 0x0078 | 0x4180 for the nibble at bits 4j
         const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mask, bias, 0xea);
@@ -458,7 +460,12 @@ void write_out(const float* tile, int R, int C, int64_t row0, int64_t col0, int6
   }
 }
 
-enum Isa : int64_t { ISA_AVX2 = 1, ISA_AVX512 = 2 };
+// ISA_AVX512_FAR: the AVX-512 BF16 int4 path with its weight prefetch FAR_PREFETCH bytes ahead
+// instead of PREFETCH: the same instructions otherwise, so the same bits (measured on a 2-core
+// Intel Xeon, Sapphire Rapids: one row over SmolLM2's layers 6.99 ms against 8.98; chosen per CPU
+// at load, cpu_kernels.choose). int8 runs it as ISA_AVX512.
+enum Isa : int64_t { ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_FAR = 3 };
+constexpr int FAR_PREFETCH = 2048;
 
 int64_t detect_isa() {
   __builtin_cpu_init();
@@ -470,9 +477,9 @@ int64_t detect_isa() {
 }
 
 void check_isa(int64_t isa) {
-  TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512, "specbuild_cpu: isa must be 1 (AVX2) or 2 (AVX-512 BF16), got ",
-              isa);
-  TORCH_CHECK(isa <= detect_isa(), "specbuild_cpu: this CPU lacks ISA level ", isa, " (it has ", detect_isa(), ")");
+  TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512 || isa == ISA_AVX512_FAR,
+              "specbuild_cpu: isa must be 1 (AVX2), 2 (AVX-512 BF16) or 3 (AVX-512 BF16, far prefetch), got ", isa);
+  TORCH_CHECK(std::min<int64_t>(isa, ISA_AVX512) <= detect_isa(), "specbuild_cpu: this CPU lacks ISA level ", isa, " (it has ", detect_isa(), ")");
 }
 
 // x rows as the kernels read them: bf16 bits (the AVX-512 int4 path) or fp32, plus the per-group
@@ -490,7 +497,7 @@ std::vector<float> group_sums(const at::Tensor& xb, int64_t G) {  // xb: bfloat1
   return sx;
 }
 
-template <bool F32S>
+template <bool F32S, int PF>
 void int4_avx512(const at::Tensor& x, const uint8_t* w, int64_t nblocks, int64_t N, int64_t G, const float* sx,
                  at::Tensor& out) {
   const int64_t T = x.size(0), K = x.size(1), ng = K / G;
@@ -511,7 +518,7 @@ void int4_avx512(const at::Tensor& x, const uint8_t* w, int64_t nblocks, int64_t
         const float* sr = sx + t0 * ng;
         for (int64_t b = b0; b < b0 + nb; ++b) {
           const uint8_t* wb = w + b * blk;
-#define TILE(RR) int4_tile_bf16<RR, 1, F32S>(wb, blk, grp, ng, G, xr, K, sr, tile)
+#define TILE(RR) int4_tile_bf16<RR, 1, F32S, PF>(wb, blk, grp, ng, G, xr, K, sr, tile)
           if (R == 8) TILE(8); else if (R == 4) TILE(4); else if (R == 2) TILE(2); else TILE(1);
 #undef TILE
           write_out(tile, R, 1, t0, b * COLS, N, out);
@@ -520,6 +527,14 @@ void int4_avx512(const at::Tensor& x, const uint8_t* w, int64_t nblocks, int64_t
       }
     }
   });
+}
+
+void int4_avx512_any(const at::Tensor& x, const uint8_t* w, int64_t nblocks, int64_t N, int64_t G, const float* sx,
+                     bool f32s, bool far, at::Tensor& out) {
+  if (f32s) far ? int4_avx512<true, FAR_PREFETCH>(x, w, nblocks, N, G, sx, out)
+            : int4_avx512<true, PREFETCH>(x, w, nblocks, N, G, sx, out);
+  else far ? int4_avx512<false, FAR_PREFETCH>(x, w, nblocks, N, G, sx, out)
+           : int4_avx512<false, PREFETCH>(x, w, nblocks, N, G, sx, out);
 }
 
 template <bool F32S>
@@ -561,10 +576,9 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
   at::Tensor out = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return out;
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  if (isa == ISA_AVX512 && x.scalar_type() == at::kBFloat16) {
+  if (isa >= ISA_AVX512 && x.scalar_type() == at::kBFloat16) {
     std::vector<float> sx = group_sums(x, G);
-    if (f32_scales) int4_avx512<true>(x, w, nblocks, N, G, sx.data(), out);
-    else int4_avx512<false>(x, w, nblocks, N, G, sx.data(), out);
+    int4_avx512_any(x, w, nblocks, N, G, sx.data(), f32_scales, isa == ISA_AVX512_FAR, out);
   } else {
     at::Tensor xf = x.to(at::kFloat).contiguous();
     if (f32_scales) int4_avx2<true>(xf, w, nblocks, N, G, out);
@@ -589,7 +603,7 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
   at::Tensor xf = x_in.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   const int8_t* w = packed.data_ptr<int8_t>();
-  if (isa == ISA_AVX512) {
+  if (isa >= ISA_AVX512) {
     constexpr int UNIT = 8;
     const int64_t units = (nblocks + UNIT - 1) / UNIT;
     at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
@@ -911,6 +925,50 @@ GroupFn group_fn(int64_t D) {  // every multiple of 8 up to 128, and 256
   }
 }
 
+// rows_attention's work on checked inputs: q [T, H, D] contiguous, out [T, H, D] zeroed; off the
+// index (offsets, then slots); nmax the most keys of any row
+void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_t KV, const float* kp, int64_t ks,
+                        const float* vp, int64_t vs, const int64_t* off, int64_t nmax, float sc, GroupFn fn,
+                        float* op) {
+  if (T == 0 || nmax == 0) return;
+  const int64_t* slots = off + T + 1;
+  const int64_t G = H / KV;
+  // items are (row, kv head): the group's query heads share each key and value read; how
+  // many items a thread takes is chosen from the work only (never what an item computes);
+  // small calls (a decode step over few keys) stay on one thread
+  const int64_t items = T * KV;
+  const int64_t work = std::max<int64_t>(1, off[T] * G * D / std::max<int64_t>(T, 1));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s(G * (nmax + 1) + 8);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / KV, g = i % KV, n = off[t + 1] - off[t];
+      if (n == 0) continue;
+      fn(qp + (t * H + g * G) * D, G, kp + g * D, ks, vp + g * D, vs, slots + off[t], n, sc, s.data(),
+         op + (t * H + g * G) * D);
+    }
+  });
+}
+
+// the most keys of any row of a rows_attention index for T rows over a cache of N slots, after
+// checking that it is well formed (offsets from 0, not decreasing, every slot inside the cache)
+int64_t checked_index(const at::Tensor& index, int64_t T, int64_t N, const char* op) {
+  TORCH_CHECK(index.dim() == 1 && index.numel() >= T + 1, op, ": index must be 1-d with at least T + 1 = ", T + 1,
+              " entries, got ", index.sizes());
+  const int64_t* off = index.data_ptr<int64_t>();
+  const int64_t* slots = off + T + 1;
+  TORCH_CHECK(off[0] == 0 && index.numel() == T + 1 + off[T], op, ": index holds ", index.numel(),
+              " entries, its offsets say ", T + 1, " + ", off[T]);
+  int64_t nmax = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(off[t + 1] >= off[t], op, ": offsets must not decrease (row ", t, ")");
+    nmax = std::max(nmax, off[t + 1] - off[t]);
+  }
+  for (int64_t i = 0; i < off[T]; ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < N, op, ": slot ", slots[i], " outside the cache's ", N, " rows");
+  return nmax;
+}
+
 // q [T, H, D] float32; k_cache, v_cache [slots, KV, D] float32 (last dim contiguous); index int64
 // [T + 1 + total]: row t's keys are the slots index[T + 1 + index[t] .. T + 1 + index[t + 1]].
 at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -930,44 +988,262 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k_cache, con
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(1) == D,
               "rows_attention: each cache row must be [KV, D] contiguous");
   at::Tensor index = index_in.to(at::kLong).contiguous();
-  TORCH_CHECK(index.dim() == 1 && index.numel() >= T + 1, "rows_attention: index must be 1-d with at least T + 1 = ",
-              T + 1, " entries, got ", index.sizes());
+  const int64_t nmax = checked_index(index, T, N, "rows_attention");
   const int64_t* off = index.data_ptr<int64_t>();
-  const int64_t* slots = off + T + 1;
-  TORCH_CHECK(off[0] == 0 && index.numel() == T + 1 + off[T], "rows_attention: index holds ", index.numel(),
-              " entries, its offsets say ", T + 1, " + ", off[T]);
-  int64_t nmax = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(off[t + 1] >= off[t], "rows_attention: offsets must not decrease (row ", t, ")");
-    nmax = std::max(nmax, off[t + 1] - off[t]);
-  }
-  for (int64_t i = 0; i < off[T]; ++i)
-    TORCH_CHECK(slots[i] >= 0 && slots[i] < N, "rows_attention: slot ", slots[i], " outside the cache's ", N, " rows");
   at::Tensor q = q_in.contiguous();
   at::Tensor out = at::zeros({T, H, D}, q.options());
-  if (T == 0 || nmax == 0) return out;
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t G = H / KV, ks = k_cache.stride(0), vs = v_cache.stride(0);
-  const float sc = static_cast<float>(scale);
-  // items are (row, kv head): the group's query heads share each key and value read; how
-  // many items a thread takes is chosen from the work only (never what an item computes);
-  // small calls (a decode step over few keys) stay on one thread
-  const int64_t items = T * KV;
-  const int64_t work = std::max<int64_t>(1, off[T] * G * D / std::max<int64_t>(T, 1));
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s(G * (nmax + 1) + 8);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / KV, g = i % KV, n = off[t + 1] - off[t];
-      if (n == 0) continue;
-      fn(qp + (t * H + g * G) * D, G, kp + g * D, ks, vp + g * D, vs, slots + off[t], n, sc, s.data(),
-         op + (t * H + g * G) * D);
-    }
-  });
+  rows_attention_run(q.data_ptr<float>(), T, H, D, KV, k_cache.data_ptr<float>(), k_cache.stride(0),
+                     v_cache.data_ptr<float>(), v_cache.stride(0), off, nmax, static_cast<float>(scale), fn,
+                     out.data_ptr<float>());
   return out;
+}
+
+// ---------------------------------------------------------------- the whole layer stack ------
+// int4_stack: every decoder layer of a model with float32 hidden states whose four linears per
+// layer (qkv, o, gate_up, down) are int4 on this file's kernel with bfloat16 inputs and whose
+// attention is rows_attention, in one call. It computes what the Python layer stack computes
+// (decoder.Decoder.layer_stack with those weights): per row, RMSNorm in float32 scaled by the
+// weight, the input rounded to bfloat16, the int4 kernel, its bfloat16 output widened (plus the
+// qkv bias), rope with the signed sine table, the new K/V written at the row's slot,
+// rows_attention, the residual adds, SiLU(gate) * up rounded to bfloat16. No library offers
+// this: torch.compile fuses the same glue into ~150 generated kernels a step (about 2 ms of a
+// 5.3 ms graph on 2 cores: buffers, OpenMP regions, the wrapper) around these same kernels;
+// here the glue of a layer is a few loops over the row's 576-1536 floats between the five
+// parallel kernel calls. Row invariance: the glue is per row with a fixed instruction sequence
+// (nothing reduces across rows; the thread split is by whole rows), the int4 kernel and
+// rows_attention are row-invariant, so every row of a w-row call gets the bits it gets alone.
+// The glue needs AVX2 + FMA (rows_attention does too).
+
+__attribute__((target("avx2,fma"))) void bf16_from_f32(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  const __m256i abs = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), quiet = _mm256_set1_epi32(0x400000);
+  for (; i + 8 <= n; i += 8) {  // f32_to_bf16 in every lane: round to nearest even, NaN stays NaN
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+    r = _mm256_srli_epi32(_mm256_blendv_epi8(r, _mm256_or_si256(u, quiet), nan), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  }
+  for (; i < n; ++i) y[i] = f32_to_bf16(x[i]);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// w * (x * (1 / sqrt(mean(x^2) + eps))) of one row (n a multiple of 8), into f (float32 scratch)
+__attribute__((target("avx2,fma"))) void norm_row(const float* x, const float* w, int64_t n, float eps, float* f) {
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    a = _mm256_fmadd_ps(v, v, a);
+  }
+  const float r = 1.0f / std::sqrt(hsum8(a) / static_cast<float>(n) + eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(f + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), rv)));
+}
+
+// x += the bfloat16 values d (a linear's output), n a multiple of 8
+__attribute__((target("avx2,fma"))) void add_row(float* x, const uint16_t* d, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), widen8(d + i)));
+}
+
+// SiLU(gate) * up of one row: gate_up holds the gate's F values and then the up's (bfloat16)
+__attribute__((target("avx2,fma"))) void silu_row(const uint16_t* gu, int64_t F, float* f) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (int64_t i = 0; i < F; i += 8) {
+    const __m256 g = widen8(gu + i), u = widen8(gu + F + i);
+    const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+    _mm256_storeu_ps(f + i, _mm256_mul_ps(s, u));
+  }
+}
+
+// one row's qkv output (bfloat16, plus the bias when given) into q (float32 [H, D], roped), and
+// its K (roped) and V into the caches' rows kr, vr ([KV, D] each); cos, sn: the row's tables [D]
+__attribute__((target("avx2,fma"))) void qkv_row(const uint16_t* qkv, const float* bias, int64_t H, int64_t KV,
+                                                  int64_t D, const float* cos, const float* sn, float* q, float* kr,
+                                                  float* vr, float* f) {
+  const int64_t n = (H + 2 * KV) * D, half = D / 2;
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 v = widen8(qkv + i);
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + i));
+    _mm256_storeu_ps(f + i, v);
+  }
+  for (int64_t h = 0; h < H + KV; ++h) {
+    const float* xh = f + h * D;
+    float* dst = h < H ? q + h * D : kr + (h - H) * D;
+    for (int64_t d = 0; d < D; ++d) {  // x * cos + rotate_half(x) * signed sin, as two products and a sum
+      const float a = xh[d] * cos[d], b = xh[d < half ? d + half : d - half] * sn[d];
+      dst[d] = a + b;
+    }
+  }
+  std::memcpy(vr, f + (H + KV) * D, KV * D * sizeof(float));
+}
+
+struct Int4Linear {
+  const uint8_t* w;
+  int64_t N, K, G, nblocks;
+  bool f32s;
+};
+
+// out [T, N] bfloat16 = the int4 kernel over xb [T, K] bfloat16 (the path int4_mm takes for isa)
+void int4_into(const Int4Linear& l, int64_t isa, const at::Tensor& xb, at::Tensor& out) {
+  if (isa >= ISA_AVX512) {
+    std::vector<float> sx = group_sums(xb, l.G);
+    int4_avx512_any(xb, l.w, l.nblocks, l.N, l.G, sx.data(), l.f32s, isa == ISA_AVX512_FAR, out);
+  } else {
+    at::Tensor xf = xb.to(at::kFloat).contiguous();
+    if (l.f32s) int4_avx2<true>(xf, l.w, l.nblocks, l.N, l.G, out);
+    else int4_avx2<false>(xf, l.w, l.nblocks, l.N, l.G, out);
+  }
+}
+
+// rows t0..t1 of fn(t) on torch's threads: whole rows per thread, so the split never changes a
+// row's bits; up to 8 rows (a decode step, a verify window) stay on the calling thread
+template <class Fn>
+void each_row(int64_t T, const Fn& fn) {
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) fn(t);
+  });
+}
+
+constexpr int STACK_WEIGHTS = 7;  // per layer: attn_norm, qkv, qkv_bias (empty: none), o, mlp_norm, gate_up, down
+constexpr int STACK_DIMS = 6;  // meta: hidden, heads, kv heads, head_dim, intermediate, isa; then per layer and
+                               // linear (qkv, o, gate_up, down): group size, f32 scales (0/1)
+
+std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                                   const at::Tensor& write_slots_in, at::TensorList k_caches, at::TensorList v_caches,
+                                   const at::Tensor& index_in, at::TensorList weights, at::IntArrayRef meta,
+                                   double scale, double eps, at::IntArrayRef aux_layers) {
+  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "int4_stack: this CPU lacks AVX2 + FMA");
+  TORCH_CHECK(meta.size() >= STACK_DIMS, "int4_stack: meta needs ", STACK_DIMS, " model sizes first");
+  const int64_t Hd = meta[0], H = meta[1], KV = meta[2], D = meta[3], F = meta[4], isa = meta[5];
+  check_isa(isa);
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(weights.size()) == L * STACK_WEIGHTS &&
+              static_cast<int64_t>(meta.size()) == STACK_DIMS + 8 * L,
+              "int4_stack: ", L, " layers need as many v caches, ", L * STACK_WEIGHTS, " weights and ",
+              STACK_DIMS + 8 * L, " meta entries; got ", v_caches.size(), ", ", weights.size(), ", ", meta.size());
+  TORCH_CHECK(Hd % 8 == 0 && F % 8 == 0 && D % 8 == 0 && KV > 0 && H % KV == 0 && H * D % 8 == 0,
+              "int4_stack: hidden ", Hd, ", intermediate ", F, " and head_dim ", D,
+              " must be multiples of 8, heads ", H, " a multiple of kv heads ", KV);
+  const GroupFn fn = group_fn(D);
+  TORCH_CHECK(fn != nullptr, "int4_stack: head_dim ", D, " is not a multiple of 8 up to 128, or 256");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == Hd && x_in.scalar_type() == at::kFloat,
+              "int4_stack: x must be float32 [T, ", Hd, "], got ", x_in.scalar_type(), " ", x_in.sizes());
+  const int64_t T = x_in.size(0);
+  at::Tensor cosv = cos_in.reshape({T, D}).to(at::kFloat).contiguous();
+  at::Tensor sinv = sin_in.reshape({T, D}).to(at::kFloat).contiguous();
+  at::Tensor ws = write_slots_in.to(at::kLong).contiguous();
+  TORCH_CHECK(ws.dim() == 1 && ws.numel() == T, "int4_stack: write_slots must be [", T, "], got ", ws.sizes());
+  const int64_t qkvn = (H + 2 * KV) * D, qn = H * D;
+  std::vector<Int4Linear> lin(4 * L);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor& kc = k_caches[l];
+    const at::Tensor& vc = v_caches[l];
+    TORCH_CHECK(kc.dim() == 3 && kc.size(1) == KV && kc.size(2) == D && vc.sizes() == kc.sizes() &&
+                kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
+                vc.is_contiguous(), "int4_stack: layer ", l, "'s caches must be two contiguous float32 [slots, ", KV,
+                ", ", D, "], got ", kc.sizes(), " / ", vc.sizes());
+    const int64_t shapes[4][2] = {{qkvn, Hd}, {Hd, qn}, {2 * F, Hd}, {Hd, F}};
+    const int64_t widx[4] = {1, 3, 5, 6};
+    for (int j = 0; j < 4; ++j) {
+      const at::Tensor& p = weights[l * STACK_WEIGHTS + widx[j]];
+      const int64_t N = shapes[j][0], K = shapes[j][1], G = meta[STACK_DIMS + 8 * l + 2 * j];
+      const bool f32s = meta[STACK_DIMS + 8 * l + 2 * j + 1] != 0;
+      TORCH_CHECK(G > 0 && G % 8 == 0 && K % G == 0, "int4_stack: layer ", l, " linear ", j, ": group size ", G,
+                  " must divide ", K, " and be a multiple of 8");
+      const int64_t nblocks = (N + COLS - 1) / COLS, grp = G * 8 + COLS * 2 * (f32s ? 4 : 2);
+      TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 1 &&
+                  p.numel() == nblocks * (K / G) * grp, "int4_stack: layer ", l, " linear ", j, " [", N, ", ", K,
+                  "] needs ", nblocks * (K / G) * grp, " packed bytes, got ", p.numel());
+      lin[4 * l + j] = Int4Linear{p.data_ptr<uint8_t>(), N, K, G, nblocks, f32s};
+    }
+    const at::Tensor& bias = weights[l * STACK_WEIGHTS + 2];
+    TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == qkvn),
+                "int4_stack: layer ", l, "'s qkv bias must be empty or float32 [", qkvn, "]");
+    for (int j : {0, 4}) {
+      const at::Tensor& nw = weights[l * STACK_WEIGHTS + j];
+      TORCH_CHECK(nw.scalar_type() == at::kFloat && nw.is_contiguous() && nw.numel() == Hd, "int4_stack: layer ", l,
+                  "'s norm weights must be float32 [", Hd, "]");
+    }
+  }
+  const int64_t N = L ? k_caches[0].size(0) : 0;
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(ws.data_ptr<int64_t>()[t] >= 0 && ws.data_ptr<int64_t>()[t] < N, "int4_stack: write slot ",
+                ws.data_ptr<int64_t>()[t], " outside the cache's ", N, " rows");
+  at::Tensor index = index_in.to(at::kLong).contiguous();
+  const int64_t nmax = checked_index(index, T, N, "int4_stack");
+  for (int64_t a : aux_layers)
+    TORCH_CHECK(a >= 0 && a < L, "int4_stack: aux layer ", a, " outside the stack's ", L, " layers");
+
+  at::Tensor x = x_in.contiguous().clone();
+  std::vector<at::Tensor> outs{x};
+  const auto bf = x.options().dtype(at::kBFloat16);
+  at::Tensor hb = at::empty({T, std::max(Hd, std::max(qn, F))}, bf);  // a linear's bfloat16 input
+  at::Tensor ob = at::empty({T, std::max(qkvn, 2 * F)}, bf);  // a linear's bfloat16 output
+  at::Tensor q = at::empty({T, H, D}, x.options());
+  at::Tensor att = at::empty({T, H, D}, x.options());
+  at::Tensor scratch = at::empty({T, std::max(qkvn, std::max(F, Hd))}, x.options());
+  float* xp = x.data_ptr<float>();
+  uint16_t* hp = reinterpret_cast<uint16_t*>(hb.data_ptr<at::BFloat16>());
+  const uint16_t* op = reinterpret_cast<const uint16_t*>(ob.data_ptr<at::BFloat16>());
+  float* qp = q.data_ptr<float>();
+  float* ap = att.data_ptr<float>();
+  float* fp = scratch.data_ptr<float>();
+  const int64_t fs = scratch.size(1);
+  const float* cp = cosv.data_ptr<float>();
+  const float* sp = sinv.data_ptr<float>();
+  const int64_t* slot = ws.data_ptr<int64_t>();
+  const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
+  // a linear's input and output: the front of hb / ob as [T, K] / [T, n], contiguous
+  auto input = [&](int64_t K) { return at::from_blob(hb.data_ptr(), {T, K}, bf); };
+  auto output = [&](int64_t n) { return at::from_blob(ob.data_ptr(), {T, n}, bf); };
+  for (int64_t l = 0; l < L; ++l) {
+    if (std::find(aux_layers.begin(), aux_layers.end(), l) != aux_layers.end()) outs.push_back(x.clone());
+    const at::Tensor* w = &weights[l * STACK_WEIGHTS];
+    const float* bias = w[2].numel() ? w[2].data_ptr<float>() : nullptr;
+    float* kc = k_caches[l].data_ptr<float>();
+    float* vc = v_caches[l].data_ptr<float>();
+    const int64_t cs = KV * D;
+    // attention half
+    each_row(T, [&](int64_t t) {
+      norm_row(xp + t * Hd, w[0].data_ptr<float>(), Hd, e, fp + t * fs);
+      bf16_from_f32(fp + t * fs, hp + t * Hd, Hd);
+    });
+    at::Tensor o = output(qkvn);
+    int4_into(lin[4 * l], isa, input(Hd), o);
+    const uint16_t* qkvp = reinterpret_cast<const uint16_t*>(o.data_ptr<at::BFloat16>());
+    each_row(T, [&](int64_t t) {
+      qkv_row(qkvp + t * qkvn, bias, H, KV, D, cp + t * D, sp + t * D, qp + t * qn, kc + slot[t] * cs,
+              vc + slot[t] * cs, fp + t * fs);
+    });
+    att.zero_();
+    rows_attention_run(qp, T, H, D, KV, kc, cs, vc, cs, index.data_ptr<int64_t>(), nmax, sc, fn, ap);
+    each_row(T, [&](int64_t t) { bf16_from_f32(ap + t * qn, hp + t * qn, qn); });
+    o = output(Hd);
+    int4_into(lin[4 * l + 1], isa, input(qn), o);
+    each_row(T, [&](int64_t t) { add_row(xp + t * Hd, op + t * Hd, Hd); });
+    // MLP half
+    each_row(T, [&](int64_t t) {
+      norm_row(xp + t * Hd, w[4].data_ptr<float>(), Hd, e, fp + t * fs);
+      bf16_from_f32(fp + t * fs, hp + t * Hd, Hd);
+    });
+    o = output(2 * F);
+    int4_into(lin[4 * l + 2], isa, input(Hd), o);
+    each_row(T, [&](int64_t t) {
+      silu_row(op + t * 2 * F, F, fp + t * fs);
+      bf16_from_f32(fp + t * fs, hp + t * F, F);
+    });
+    o = output(Hd);
+    int4_into(lin[4 * l + 3], isa, input(F), o);
+    each_row(T, [&](int64_t t) { add_row(xp + t * Hd, op + t * Hd, Hd); });
+  }
+  return outs;
 }
 
 int64_t isa_level() { return detect_isa(); }
@@ -982,6 +1258,9 @@ TORCH_LIBRARY(specbuild_cpu, m) {
   m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("q8_paths() -> int");
   m.def("rows_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor index, float scale) -> Tensor");
+  m.def("int4_stack(Tensor x, Tensor cos, Tensor sin, Tensor write_slots, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, Tensor index, Tensor[] weights, int[] meta, float scale, float eps, "
+        "int[] aux_layers) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(specbuild_cpu, CPU, m) {
@@ -990,6 +1269,7 @@ TORCH_LIBRARY_IMPL(specbuild_cpu, CPU, m) {
   m.impl("int4_q8_mm", &int4_q8_mm);
   m.impl("q8_quantize", &q8_quantize);
   m.impl("rows_attention", &rows_attention);
+  m.impl("int4_stack", &int4_stack);
 }
 
 TORCH_LIBRARY_IMPL(specbuild_cpu, CompositeExplicitAutograd, m) {

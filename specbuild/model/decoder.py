@@ -176,7 +176,8 @@ class Decoder:
         # verify, tree) through specbuild's C++ kernel, one call per layer for all rows, each row
         # over exactly its keys (rows_attention_enabled)
         self.rows_attention = self.row_invariant and rows_attention_enabled(self.dtype, config.head_dim, self.device)
-        self.compiled = None  # compiled.CompiledStack once compile() is called
+        self.compiled = None  # compiled.CompiledStack or fused.FusedStack once compile() is called
+        self.fused_why: str | None = None  # why compile() did not take the fused stack (None: it did)
         self.compiled_aux: tuple[int, ...] = ()  # aux layers every compiled forward computes
 
     def compile(self, aux_layers: tuple[int, ...] = ()) -> None:
@@ -190,8 +191,12 @@ class Decoder:
         every width. One graph for every forward keeps plain decoding and the head's verify
         passes in one arithmetic."""
         from specbuild.model.compiled import CompiledStack
+        from specbuild.model.fused import FusedStack, fused_reason
 
-        self.compiled = CompiledStack(self)
+        # int4 layers on specbuild's kernel with rows_attention: the whole stack in one C++ call
+        # (model/fused.py: the same arithmetic per row, no inductor glue); otherwise torch.compile
+        self.fused_why = fused_reason(self)
+        self.compiled = FusedStack(self) if self.fused_why is None else CompiledStack(self)
         self.compiled_aux = tuple(sorted(set(aux_layers)))
 
     def format_for(self, group: str, width: int) -> str | None:

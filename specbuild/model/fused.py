@@ -1,0 +1,97 @@
+"""The whole layer stack as one call into specbuild's C++ kernels (cpu_kernels.cpp, int4_stack).
+
+For the bundles the quickstart builds (float32 hidden states, int4 layer weights on specbuild's
+int4 kernel with bfloat16 inputs, attention through rows_attention) a compiling engine runs
+this instead of torch.compile: the same per-row arithmetic as Decoder.layer_stack (RMSNorm,
+the int4 kernel on the input rounded to bfloat16, its bfloat16 output widened, rope, the K/V
+write, rows_attention, the residual adds, SiLU(gate) * up), with the glue between the kernels
+written as a few loops per row in C++ rather than inductor's ~150 generated kernels, buffers and
+OpenMP regions a step (docs/compiled-step.md measures both). It needs no inductor compile at
+load either (seconds instead of minutes on 2 cores the first time).
+
+What keeps it lossless: every forward of the engine (prefill chunks, decode steps, verify
+passes, trees) runs this same call, and within it each row's bits do not depend on the other
+rows (the glue is per row, the thread split by whole rows, the int4 kernel and rows_attention
+are row-invariant). tests/model/test_compiled.py checks that every row of a w-row pass equals
+the decode step bit for bit and that greedy speculation equals plain decoding, on this path.
+
+$SPECBUILD_FUSED_STACK=0 keeps the torch.compile stack (model/compiled.py) for comparisons."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+STACK_WEIGHTS = ("attn_norm", "qkv", "qkv_bias", "o", "mlp_norm", "gate_up", "down")  # per layer, cpu_kernels.cpp
+LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def fused_reason(model) -> str | None:
+    """None when `model` (a Decoder) can run its layer stack through int4_stack, else why not
+    (a sentence naming what does not fit)."""
+    from specbuild.model import cpu_kernels
+    from specbuild.model.qlinear import QLinear
+
+    if os.environ.get("SPECBUILD_FUSED_STACK", "1").strip() == "0":
+        return "SPECBUILD_FUSED_STACK=0"
+    c = model.config
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return f"the fused stack runs float32 hidden states on the CPU (this model: {model.dtype} on {model.device})"
+    if not model.rows_attention:
+        return "its attention does not run through rows_attention (float32 hidden states with rounded kernel inputs)"
+    if c.hidden_size % 8 or c.intermediate_size % 8 or c.head_dim % 8:
+        return f"hidden {c.hidden_size}, intermediate {c.intermediate_size} and head_dim {c.head_dim} must be " \
+               "multiples of 8"
+    if not cpu_kernels.status().get("available"):
+        return "specbuild's CPU kernels are not available"
+    for i in range(c.num_layers):
+        for name in LINEARS:
+            w = model.w.get(f"layers.{i}.{name}")
+            if not isinstance(w, QLinear) or w.primary != "int4":
+                return f"layers.{i}.{name} is not an int4 weight"
+            impl = w.formats["int4"]
+            if not impl.kernel or impl.cpu_packed is None or impl.act_dtype != torch.bfloat16:
+                return f"layers.{i}.{name} does not run on specbuild's int4 kernel with bfloat16 inputs"
+    plan = model.plans.get("layers")
+    if plan is not None and set(plan.formats) != {"int4"}:
+        return f"the layers' format plan runs other formats at some widths ({plan.describe()})"
+    return None
+
+
+class FusedStack:
+    """Decoder.layer_stack through one int4_stack call; `run` has CompiledStack.run's contract."""
+
+    rows = (1, 1 << 30)  # any width in one call (int4 and rows_attention need no row policy)
+
+    def __init__(self, model) -> None:
+        why = fused_reason(model)
+        if why is not None:
+            raise ValueError(f"the fused C++ layer stack cannot run this model: {why}")
+        c, w = model.config, model.w
+        self.model = model
+        empty = torch.empty(0, dtype=torch.float32)
+        weights, meta = [], [c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, 0]
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            for name in STACK_WEIGHTS:
+                if name in LINEARS:
+                    impl = w[p + name].formats["int4"]
+                    weights.append(impl.cpu_packed)
+                    meta += [impl.group_size, int(impl.act_dtype != torch.bfloat16)]
+                    meta[5] = impl.kernel
+                elif name == "qkv_bias":
+                    bias = w.get(p + "qkv_bias")
+                    weights.append(empty if bias is None else bias.float().contiguous())
+                else:
+                    weights.append(w[p + name].float().contiguous())
+        self.weights, self.meta = weights, meta
+        self.eps, self.scale = float(c.rms_norm_eps), float(model.scale)
+
+    def run(self, x, cos_u, sin_u, write_slots, cache, fmt, attend, aux_layers):
+        if attend.index is None:
+            raise ValueError("the fused layer stack needs the forward's rows_attention index")
+        outs = torch.ops.specbuild_cpu.int4_stack(x, cos_u, sin_u, write_slots, cache.k, cache.v, attend.index,
+                                                  self.weights, self.meta, self.scale, self.eps,
+                                                  sorted(set(aux_layers)))
+        return outs[0], list(outs[1:])

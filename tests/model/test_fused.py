@@ -1,0 +1,161 @@
+"""The fused C++ layer stack (model/fused.py, cpu_kernels.cpp int4_stack): which bundles take
+it, that it computes the eager layer stack's model, that its rows are the decode step's bits
+at every width and beside other sequences, that it returns an EAGLE head's aux layers, and
+that bad inputs name the value. (tests/model/test_compiled.py runs the engine-level contracts
+on it too: verify rows equal the decode step, greedy speculation equals plain decoding.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specbuild.compiler.compile import CompileOptions, compile_bundle
+from specbuild.engine.engine import Engine, EngineConfig
+from specbuild.model import cpu_kernels
+from specbuild.model.decoder import Attend, ForwardBatch
+from specbuild.model.fused import FusedStack, fused_reason
+from specbuild.model.timing import scratch_sequence, verify_batch
+from tiny import make_tiny_hf
+
+
+def kernels_or_skip() -> None:
+    st = cpu_kernels.status()
+    if not st["available"] and cpu_kernels._compiler() is not None:
+        pytest.fail(f"a compiler exists but the kernels did not build: {st['reason']}")
+    if not st["available"]:
+        pytest.skip(st["reason"])
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused")
+    target = make_tiny_hf(str(root / "target"), scale=4.0, seed=5, layers=3, inter=96)
+    out = {}
+    for name, opts in {"int4": {"dtype": "float32", "quantize": "int4", "lm_head_format": "int8"},
+                       "float32": {"dtype": "float32"}}.items():
+        out[name] = compile_bundle(target, str(root / name), CompileOptions(max_draft_len=8, **opts))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(bundles):
+    kernels_or_skip()
+    return Engine(bundles["int4"], EngineConfig(max_batch_size=4, compile=True))
+
+
+def test_int4_bundles_take_the_fused_stack_and_others_say_why_not(bundles, engine, monkeypatch):
+    assert isinstance(engine.model.compiled, FusedStack) and engine.model.fused_why is None
+    other = Engine(bundles["float32"], EngineConfig(max_batch_size=1))
+    assert "rows_attention" in fused_reason(other.model)  # float32 weights: no rounded inputs, SDPA attention
+    with pytest.raises(ValueError, match="cannot run this model"):
+        FusedStack(other.model)
+    monkeypatch.setenv("SPECBUILD_FUSED_STACK", "0")
+    assert fused_reason(engine.model) == "SPECBUILD_FUSED_STACK=0"
+
+
+def test_the_fused_stack_computes_the_eager_model(engine):
+    """One decode step and a 5-row verify pass: the fused stack's logits are the eager layer
+    stack's up to rounding (the glue's float32 sums in another order), and the greedy tokens
+    are the same."""
+    model, cache = engine.model, engine.cache
+    fused = model.compiled
+    with torch.inference_mode(), scratch_sequence(cache, 40) as slots:
+        prompt = verify_batch(slots, 0, 30)  # fills the scratch cache through the fused stack
+        model.forward(prompt, cache)
+        for width in (1, 5):
+            batch = verify_batch(slots, 30, width)
+            a = model.forward(batch, cache).logits
+            model.compiled = None
+            try:
+                b = model.forward(batch, cache).logits
+            finally:
+                model.compiled = fused
+            assert a.shape == b.shape == (width, model.config.vocab_size)
+            assert torch.equal(a.argmax(-1), b.argmax(-1)), width
+            assert float((a - b).abs().max()) < 2e-2 * float(b.abs().max()), width
+
+
+def test_fused_rows_are_the_decode_steps_bits_at_every_width(engine):
+    """Each row of a w-row chain pass (w = 1..9) equals the one-row step at its position, bit
+    for bit, logits and the K/V it wrote: the lossless contract, on the op itself."""
+    model, cache = engine.model, engine.cache
+    with torch.inference_mode(), scratch_sequence(cache, 48) as slots:
+        model.forward(verify_batch(slots, 0, 20), cache)
+        alone, kv = [], []
+        for i in range(9):  # token 100 + i at position 20 + i, one step at a time
+            b = verify_batch(slots, 20 + i, 1, token=100 + i)
+            alone.append(model.forward(b, cache).logits[0])
+            kv.append((cache.k[0][slots[20 + i]].clone(), cache.v[-1][slots[20 + i]].clone()))
+        for width in range(1, 10):
+            for start in (0, 9 - width):
+                batch = verify_batch(slots, 20 + start, width, token=100 + start)
+                out = model.forward(batch, cache).logits
+                for r in range(width):
+                    assert torch.equal(out[r], alone[start + r]), (width, start, r)
+                    k, v = kv[start + r]
+                    assert torch.equal(cache.k[0][slots[20 + start + r]], k)
+                    assert torch.equal(cache.v[-1][slots[20 + start + r]], v)
+
+
+def test_fused_aux_layers_are_the_residuals_entering_them(engine):
+    model, cache = engine.model, engine.cache
+    fused = model.compiled
+    with torch.inference_mode(), scratch_sequence(cache, 16) as slots:
+        batch = verify_batch(slots, 0, 12)
+        x, cos_u, sin_u = model.stack_inputs(batch)
+        at = Attend(model, batch, 12)
+        out, aux = fused.run(x, cos_u, sin_u, batch.write_slots, cache, None, at, (2, 0, 2))
+        assert len(aux) == 2 and torch.equal(aux[0], x)  # layer 0's input is the embedding itself
+        # the stack up to layer 2, run again as a 2-layer stack over the same cache, gives aux[1]
+        part = FusedStack.__new__(FusedStack)
+        part.weights, part.eps, part.scale = fused.weights[:2 * 7], fused.eps, fused.scale
+        part.meta = fused.meta[:6] + fused.meta[6:6 + 2 * 8]
+
+        class TwoLayers:  # the cache's first two layers
+            k, v = cache.k[:2], cache.v[:2]
+
+        two, _ = part.run(x, cos_u, sin_u, batch.write_slots, TwoLayers, None, at, ())
+        assert torch.equal(two, aux[1])
+        assert out.shape == x.shape and not torch.equal(out, aux[1])
+
+
+def test_bad_inputs_name_the_value(engine):
+    model, cache = engine.model, engine.cache
+    fused = model.compiled
+    op = torch.ops.specbuild_cpu.int4_stack
+    with torch.inference_mode(), scratch_sequence(cache, 8) as slots:
+        batch = verify_batch(slots, 0, 2)
+        x, cos_u, sin_u = model.stack_inputs(batch)
+        index = Attend(model, batch, 2).index
+        args = [x, cos_u, sin_u, batch.write_slots, cache.k, cache.v, index, fused.weights, fused.meta,
+                fused.scale, fused.eps, []]
+        with pytest.raises(RuntimeError, match="meta entries"):
+            op(*args[:8], fused.meta[:-1], *args[9:])
+        with pytest.raises(RuntimeError, match="needs .* packed bytes"):
+            w = list(fused.weights)
+            w[1] = w[1][:-16].clone()
+            op(*args[:7], w, *args[8:])
+        with pytest.raises(RuntimeError, match="write slot 99999 outside"):
+            op(*args[:3], torch.tensor([0, 99999]), *args[4:])
+        with pytest.raises(RuntimeError, match="aux layer 7 outside"):
+            op(*args[:11], [7])
+        with pytest.raises(RuntimeError, match="x must be float32"):
+            op(x.bfloat16(), *args[1:])
+
+
+def test_a_mixed_batch_gives_each_sequence_its_own_bits(engine):
+    """A prefill chunk of one sequence beside the decode row of another: each gets what it
+    gets alone (nothing crosses rows in the glue either)."""
+    model, cache = engine.model, engine.cache
+    with torch.inference_mode(), scratch_sequence(cache, 24) as a, scratch_sequence(cache, 24) as b:
+        model.forward(verify_batch(b, 0, 10), cache)
+        alone_b = model.forward(verify_batch(b, 10, 1, token=7), cache).logits[0]
+        pa = verify_batch(a, 0, 6)
+        alone_a = model.forward(pa, cache).logits[-1]
+        mask = torch.zeros(7, 17, dtype=torch.bool)
+        mask[:6, :6] = torch.ones(6, 6, dtype=torch.bool).tril()
+        mask[6, 6:] = True
+        both = ForwardBatch(torch.cat([pa.input_ids, torch.tensor([7])]), torch.cat([pa.positions, torch.tensor([10])]),
+                            torch.cat([a[:6], b[10:11]]), torch.cat([a[:6], b[:11]]), mask, torch.tensor([5, 6]))
+        out = model.forward(both, cache).logits
+        assert torch.equal(out[0], alone_a) and torch.equal(out[1], alone_b)
