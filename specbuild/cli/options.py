@@ -26,7 +26,8 @@ SHARED: dict[str, dict[str, Any]] = {
     "--backend": dict(default="auto", show_default=True, type=click.Choice(BACKENDS),
                       help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch."),
     "--compile": dict(decls=("--compile", "compile_"), is_flag=True,
-                      help="Torch backend, CPU: run the layer stack compiled (torch.compile; a compile at load, "
+                      help="Torch backend, CPU: run the layer stack compiled: int4 bundles on specbuild's "
+                           "kernels as one fused C++ call, others through torch.compile (a compile at load, "
                            "cached on disk)."),
     "--max-batch-size": dict(type=int, default=None, help="Most sequences per step [bundle limit]."),
     "--kv-cache-tokens": dict(type=int, default=None, help="KV cache size in tokens [enough for a full batch]."),
