@@ -277,10 +277,12 @@ def test_smollm2_q4_1_with_float32_activations_is_the_gguf(smollm2_gguf, smollm2
     engine = Engine(bundle, EngineConfig(threads=2, max_batch_size=1))
     # torch's int4 kernel is slow with float32 inputs, so the plan takes the exact float32 copy;
     # where specbuild's own CPU kernel runs (it dequantises float32 inputs' weights exactly) the
-    # int4 weights themselves may measure faster and be kept
+    # int4 weights themselves may measure faster and be kept, at every width or at the narrow
+    # ones only (measured so on a 2-core Intel Xeon: int4 for one row, float32 beyond); both are
+    # exact here, so any mix of the two gives the float32 bundle's logits
     formats = engine.model.plans["layers"].formats
-    assert formats in (("float32",), ("int4",))
-    if formats == ("float32",):
+    assert formats and set(formats) <= {"float32", "int4"}, formats
+    if formats[0] == "float32":
         assert weight_bytes(engine.model.w, True) > 500e6  # what width-1 steps read: the float32 copies
     plain = Engine(smollm2_bundle, EngineConfig(threads=2, max_batch_size=1))
     ids = plain.encode("The capital of France is")
