@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """specbuild's int4 kernel alone over a bundle's 120 layer weights (4 linears x 30 layers for
-SmolLM2-135M), at 1, 5 and 17 bfloat16 rows, for each AVX-512 BF16 level (2: prefetch 512 bytes
-ahead, 3: 2048; the same bits), interleaved rounds, medians. Prints the CPU model and flags.
+SmolLM2-135M), at 1, 5 and 17 bfloat16 rows, for each AVX-512 level the CPU has (2: BF16 dot
+products, prefetch 512 bytes ahead; 3: the same, 2048 ahead, the same bits; 4: fp32 multiply-adds,
+its own bits), interleaved rounds, medians. Prints the CPU model and flags.
 
     python scripts/bench_int4_kernel.py BUNDLE [--threads 2] [--rounds 15]
 """
@@ -32,9 +33,9 @@ def main() -> None:
              for n in ("qkv", "o", "gate_up", "down")]
     if not all(i.kernel and i.act_dtype == torch.bfloat16 for i in impls):
         raise SystemExit("this bundle's int4 layers do not run specbuild's kernel with bfloat16 inputs here")
-    levels = [lv for lv in (2, 3) if cpu_kernels.isa() >= 2]
+    levels = [lv for lv in (2, 3) if cpu_kernels.isa() >= 2] + [4] * cpu_kernels.has_isa4()
     if not levels:
-        raise SystemExit("this CPU has no AVX-512 BF16 path")
+        raise SystemExit("this CPU has no AVX-512 path")
     nbytes = sum(i.cpu_packed.numel() for i in impls)
     print(cpu_info())
     for w in (1, 5, 17):

@@ -354,10 +354,14 @@ def kernel_candidates(act_dtype: torch.dtype = torch.bfloat16, layers: int = 30,
 
     gen = torch.Generator().manual_seed(0)
     levels = [lv for lv in (2, 1) if lv <= cpu_kernels.isa()] if cpu_kernels.status()["available"] else []
+    # int4 with bfloat16 inputs also has level 3 (level 2's bits, prefetch further ahead) and 4
+    # (fp32 multiply-adds); int8 has one AVX-512 path
+    int4_levels = levels + ([3] if 2 in levels and act_dtype == torch.bfloat16 else []) + (
+        [4] if levels and act_dtype == torch.bfloat16 and cpu_kernels.has_isa4() else [])
     q8 = [p for p in (2, 3, 1) if p in cpu_kernels.q8_paths()]
     if cpu_kernels.mode() == "avx2":
         q8 = [p for p in q8 if p == 1]
-    int4 = {"torch": [], **{f"specbuild {cpu_kernels.ISA_NAMES[lv]}": [] for lv in levels},
+    int4 = {"torch": [], **{f"specbuild {cpu_kernels.ISA_NAMES[lv]}": [] for lv in int4_levels},
             **{f"int4 x int8 {cpu_kernels.Q8_PATHS[p]}": [] for p in q8}}
     f32 = act_dtype != torch.bfloat16
     for n, k in LAYER_SHAPES * layers:
@@ -371,7 +375,7 @@ def kernel_candidates(act_dtype: torch.dtype = torch.bfloat16, layers: int = 30,
                               act_dtype))
         if levels:
             packed = cpu_kernels.repack_int4(q, s, z, group, f32)
-            for lv in levels:
+            for lv in int4_levels:
                 int4[f"specbuild {cpu_kernels.ISA_NAMES[lv]}"].append(
                     (k, packed.numel(), lambda x, p=packed, n=n, lv=lv: cpu_kernels.int4_mm(x, p, n, group, f32, lv),
                      act_dtype))

@@ -34,6 +34,7 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -49,6 +50,12 @@ inline float bf16_to_f32(uint16_t v) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+inline int32_t load32(const void* p) {  // an unaligned 4-byte load without aliasing questions
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
 inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
@@ -127,6 +134,127 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,fma"))) void int4_ti
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * C * COLS + c * COLS, acc[r][c]);
+}
+
+// The same arithmetic for 2-8 rows with few registers: the inputs are broadcast from memory as
+// each vdpbf16ps's operand (no per-row broadcast array) and the output accumulators live in the
+// tile buffer between groups, so 2R chains + 4 decoded weights + 2 constants fit the 32 zmm
+// registers at R = 8 (the array form spilled there). Per row the instructions and their order are
+// those of int4_tile_bf16<R, 1>, so every row gets the same bits as a one-row call.
+template <int R, bool F32S, int PF>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,fma"))) void int4_rows_bf16(
+    const uint8_t* w, int64_t grp_bytes, int ngroups, int G, const uint16_t* x, int64_t K, const float* sx,
+    float* out /* [R][16] */) {
+  const __m512i mask = _mm512_set1_epi16(0x0078), bias = _mm512_set1_epi16(0x4180);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * COLS, _mm512_setzero_ps());
+  const int octets = G / 8;
+  for (int g = 0; g < ngroups; ++g) {
+    __m512 ga[R], gb[R];
+    for (int r = 0; r < R; ++r) ga[r] = gb[r] = _mm512_setzero_ps();
+    const uint8_t* pg = w + g * grp_bytes;
+    const uint16_t* xg = x + g * G;
+    for (int o = 0; o < octets; ++o) {
+      const uint8_t* p = pg + o * 64;
+      _mm_prefetch((const char*)(p + PF), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512((const void*)p);
+      const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), mask, bias, 0xea);
+      const __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), mask, bias, 0xea);
+      const __m512bh w2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 5), mask, bias, 0xea);
+      const __m512bh w3 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 9), mask, bias, 0xea);
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* xr = xg + r * K + 8 * o;
+        ga[r] = _mm512_dpbf16_ps(ga[r], w0, (__m512bh)_mm512_set1_epi32(load32(xr)));
+        gb[r] = _mm512_dpbf16_ps(gb[r], w1, (__m512bh)_mm512_set1_epi32(load32(xr + 2)));
+        ga[r] = _mm512_dpbf16_ps(ga[r], w2, (__m512bh)_mm512_set1_epi32(load32(xr + 4)));
+        gb[r] = _mm512_dpbf16_ps(gb[r], w3, (__m512bh)_mm512_set1_epi32(load32(xr + 6)));
+      }
+    }
+    const uint8_t* sp = pg + octets * 64;
+    __m512 s, z;
+    if (F32S) {
+      s = _mm512_loadu_ps((const float*)sp);
+      z = _mm512_loadu_ps((const float*)sp + COLS);
+    } else {
+      s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)sp)), 16));
+      z = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + 32))), 16));
+    }
+    const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), s, z);
+    for (int r = 0; r < R; ++r) {
+      const __m512 t = _mm512_add_ps(ga[r], gb[r]);
+      __m512 acc = _mm512_loadu_ps(out + r * COLS);
+      acc = _mm512_fmadd_ps(t, s, acc);
+      acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * ngroups + g]), acc);
+      _mm512_storeu_ps(out + r * COLS, acc);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- int4, AVX-512 FMA -------
+// ISA level 4, for bfloat16 inputs on CPUs whose vdpbf16ps is slow: on a 2-core Intel Xeon
+// (Sapphire Rapids class, 2026-12-03) a loop of independent vdpbf16ps zmm ran at 1.0 G/s per core
+// against 4.05 G/s for vfmadd231ps zmm, so 32 multiply-adds per instruction lose to 16 at twice
+// the rate four times over, and a verify pass of 5-17 rows was bound by it. Here the inputs are
+// widened to fp32 once per call (exact) and each weight v becomes the float 16 + v with one shift
+// and one ternary-logic op (0x41800000 | v << 19), which an fp32 multiply-add with the input's
+// broadcast takes directly. Dword c of an octet holds column c's eight inputs (input 2j at bits
+// 4j, input 2j + 1 at bits 16 + 4j). Two chains per (row, group), input k into chain k mod 2,
+// summed as c0 + c1; then, as at level 2, acc += d * scale + sx * (zero - 24 * scale). The products are exact (8-bit by 5-bit mantissas); only the sums round, in an order
+// fixed per row whatever the tile, so every width gives a row the bits of a one-row call. The
+// bits differ from level 2's (another summation order): the level is fixed per weight at load.
+constexpr int FMA_CHAINS = 2;  // 4 measured no faster at one row and limits tiles to 4 rows
+template <int R, bool F32S, int PF>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void int4_rows_fma(
+    const uint8_t* w, int64_t grp_bytes, int ngroups, int G, const float* x, int64_t K, const float* sx,
+    float* out /* [R][16] */) {
+  const __m512i mask = _mm512_set1_epi32(0x00780000), bias = _mm512_set1_epi32(0x41800000);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int octets = G / 8;
+  for (int g = 0; g < ngroups; ++g) {
+    __m512 c[R][FMA_CHAINS];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < FMA_CHAINS; ++j) c[r][j] = _mm512_setzero_ps();
+    const uint8_t* pg = w + g * grp_bytes;
+    const float* xg = x + g * G;
+    for (int o = 0; o < octets; ++o) {
+      const uint8_t* p = pg + o * 64;
+      _mm_prefetch((const char*)(p + PF), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512((const void*)p);
+#define SPECBUILD_FMA_INPUT(k, shifted)                                                     \
+  {                                                                                         \
+    const __m512 wk = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(shifted, mask, bias, 0xea)); \
+    for (int r = 0; r < R; ++r)                                                             \
+      c[r][(k) % FMA_CHAINS] = _mm512_fmadd_ps(wk, _mm512_set1_ps(xg[r * K + 8 * o + (k)]), c[r][(k) % FMA_CHAINS]); \
+  }
+      SPECBUILD_FMA_INPUT(0, _mm512_slli_epi32(v, 19))
+      SPECBUILD_FMA_INPUT(1, _mm512_slli_epi32(v, 3))
+      SPECBUILD_FMA_INPUT(2, _mm512_slli_epi32(v, 15))
+      SPECBUILD_FMA_INPUT(3, _mm512_srli_epi32(v, 1))
+      SPECBUILD_FMA_INPUT(4, _mm512_slli_epi32(v, 11))
+      SPECBUILD_FMA_INPUT(5, _mm512_srli_epi32(v, 5))
+      SPECBUILD_FMA_INPUT(6, _mm512_slli_epi32(v, 7))
+      SPECBUILD_FMA_INPUT(7, _mm512_srli_epi32(v, 9))
+#undef SPECBUILD_FMA_INPUT
+    }
+    const uint8_t* sp = pg + octets * 64;
+    __m512 s, z;
+    if (F32S) {
+      s = _mm512_loadu_ps((const float*)sp);
+      z = _mm512_loadu_ps((const float*)sp + COLS);
+    } else {
+      s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)sp)), 16));
+      z = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + 32))), 16));
+    }
+    const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), s, z);
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_add_ps(c[r][0], c[r][1]);
+      acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * ngroups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * COLS, acc[r]);
 }
 
 // ---------------------------------------------------------------- int4, AVX2 + FMA ----------
@@ -464,7 +592,7 @@ void write_out(const float* tile, int R, int C, int64_t row0, int64_t col0, int6
 // instead of PREFETCH: the same instructions otherwise, so the same bits (measured on a 2-core
 // Intel Xeon, Sapphire Rapids: one row over SmolLM2's layers 6.99 ms against 8.98; chosen per CPU
 // at load, cpu_kernels.choose). int8 runs it as ISA_AVX512.
-enum Isa : int64_t { ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_FAR = 3 };
+enum Isa : int64_t { ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_FAR = 3, ISA_AVX512_FMA = 4 };
 constexpr int FAR_PREFETCH = 2048;
 
 int64_t detect_isa() {
@@ -476,10 +604,23 @@ int64_t detect_isa() {
   return 0;
 }
 
+// level 4 needs AVX-512F/BW/VL and FMA only (no BF16: Skylake/Cascade Lake servers have it too)
+bool has_avx512_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+}
+
 void check_isa(int64_t isa) {
-  TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512 || isa == ISA_AVX512_FAR,
-              "specbuild_cpu: isa must be 1 (AVX2), 2 (AVX-512 BF16) or 3 (AVX-512 BF16, far prefetch), got ", isa);
-  TORCH_CHECK(std::min<int64_t>(isa, ISA_AVX512) <= detect_isa(), "specbuild_cpu: this CPU lacks ISA level ", isa, " (it has ", detect_isa(), ")");
+  TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512 || isa == ISA_AVX512_FAR || isa == ISA_AVX512_FMA,
+              "specbuild_cpu: isa must be 1 (AVX2), 2 (AVX-512 BF16), 3 (AVX-512 BF16, far prefetch) or 4 "
+              "(AVX-512 FMA), got ", isa);
+  if (isa == ISA_AVX512_FMA) {
+    TORCH_CHECK(has_avx512_fma(), "specbuild_cpu: this CPU lacks ISA level 4 (AVX-512F/BW/VL with FMA)");
+  } else {
+    TORCH_CHECK(std::min<int64_t>(isa, ISA_AVX512) <= detect_isa(), "specbuild_cpu: this CPU lacks ISA level ", isa,
+                " (it has ", detect_isa(), ")");
+  }
 }
 
 // x rows as the kernels read them: bf16 bits (the AVX-512 int4 path) or fp32, plus the per-group
@@ -518,8 +659,9 @@ void int4_avx512(const at::Tensor& x, const uint8_t* w, int64_t nblocks, int64_t
         const float* sr = sx + t0 * ng;
         for (int64_t b = b0; b < b0 + nb; ++b) {
           const uint8_t* wb = w + b * blk;
-#define TILE(RR) int4_tile_bf16<RR, 1, F32S, PF>(wb, blk, grp, ng, G, xr, K, sr, tile)
-          if (R == 8) TILE(8); else if (R == 4) TILE(4); else if (R == 2) TILE(2); else TILE(1);
+#define TILE(RR) int4_rows_bf16<RR, F32S, PF>(wb, grp, ng, G, xr, K, sr, tile)
+          if (R == 8) TILE(8); else if (R == 4) TILE(4); else if (R == 2) TILE(2);
+          else int4_tile_bf16<1, 1, F32S, PF>(wb, blk, grp, ng, G, xr, K, sr, tile);
 #undef TILE
           write_out(tile, R, 1, t0, b * COLS, N, out);
         }
@@ -529,8 +671,47 @@ void int4_avx512(const at::Tensor& x, const uint8_t* w, int64_t nblocks, int64_t
   });
 }
 
+// Level 4: rows in tiles of 8/4/2/1 (two chains per row: 16 of the 32 zmm registers at R = 8),
+// each unit's blocks passed once per row tile while they sit in L1/L2.
+template <bool F32S>
+void int4_fma(const at::Tensor& x, const uint8_t* w, int64_t nblocks, int64_t N, int64_t G, const float* sx,
+              at::Tensor& out) {
+  const int64_t T = x.size(0), K = x.size(1), ng = K / G;
+  const int64_t grp = G * 8 + COLS * 2 * (F32S ? 4 : 2), blk = grp * ng;
+  std::vector<float> xf(T * K);  // the inputs widened to fp32 once (exact)
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < T * K; ++i) xf[i] = bf16_to_f32(xb[i]);
+  constexpr int UNIT = 4;
+  const int64_t units = (nblocks + UNIT - 1) / UNIT;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    alignas(64) float tile[8 * COLS];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b0 = u * UNIT, nb = std::min<int64_t>(UNIT, nblocks - b0);
+      for (int64_t t0 = 0; t0 < T; ) {
+        const int R = row_tile(T - t0);
+        const float* xr = xf.data() + t0 * K;
+        const float* sr = sx + t0 * ng;
+        for (int64_t b = b0; b < b0 + nb; ++b) {
+          const uint8_t* wb = w + b * blk;
+          if (R == 8) int4_rows_fma<8, F32S, FAR_PREFETCH>(wb, grp, ng, G, xr, K, sr, tile);
+          else if (R == 4) int4_rows_fma<4, F32S, FAR_PREFETCH>(wb, grp, ng, G, xr, K, sr, tile);
+          else if (R == 2) int4_rows_fma<2, F32S, FAR_PREFETCH>(wb, grp, ng, G, xr, K, sr, tile);
+          else int4_rows_fma<1, F32S, FAR_PREFETCH>(wb, grp, ng, G, xr, K, sr, tile);
+          write_out(tile, R, 1, t0, b * COLS, N, out);
+        }
+        t0 += R;
+      }
+    }
+  });
+}
+
 void int4_avx512_any(const at::Tensor& x, const uint8_t* w, int64_t nblocks, int64_t N, int64_t G, const float* sx,
-                     bool f32s, bool far, at::Tensor& out) {
+                     bool f32s, int64_t isa, at::Tensor& out) {
+  if (isa == ISA_AVX512_FMA) {
+    f32s ? int4_fma<true>(x, w, nblocks, N, G, sx, out) : int4_fma<false>(x, w, nblocks, N, G, sx, out);
+    return;
+  }
+  const bool far = isa == ISA_AVX512_FAR;
   if (f32s) far ? int4_avx512<true, FAR_PREFETCH>(x, w, nblocks, N, G, sx, out)
             : int4_avx512<true, PREFETCH>(x, w, nblocks, N, G, sx, out);
   else far ? int4_avx512<false, FAR_PREFETCH>(x, w, nblocks, N, G, sx, out)
@@ -578,7 +759,7 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
   const uint8_t* w = packed.data_ptr<uint8_t>();
   if (isa >= ISA_AVX512 && x.scalar_type() == at::kBFloat16) {
     std::vector<float> sx = group_sums(x, G);
-    int4_avx512_any(x, w, nblocks, N, G, sx.data(), f32_scales, isa == ISA_AVX512_FAR, out);
+    int4_avx512_any(x, w, nblocks, N, G, sx.data(), f32_scales, isa, out);
   } else {
     at::Tensor xf = x.to(at::kFloat).contiguous();
     if (f32_scales) int4_avx2<true>(xf, w, nblocks, N, G, out);
@@ -603,6 +784,7 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
   at::Tensor xf = x_in.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   const int8_t* w = packed.data_ptr<int8_t>();
+  if (isa == ISA_AVX512_FMA) isa = detect_isa();  // int8 has one AVX-512 path (level 2) or AVX2
   if (isa >= ISA_AVX512) {
     constexpr int UNIT = 8;
     const int64_t units = (nblocks + UNIT - 1) / UNIT;
@@ -1094,7 +1276,7 @@ struct Int4Linear {
 void int4_into(const Int4Linear& l, int64_t isa, const at::Tensor& xb, at::Tensor& out) {
   if (isa >= ISA_AVX512) {
     std::vector<float> sx = group_sums(xb, l.G);
-    int4_avx512_any(xb, l.w, l.nblocks, l.N, l.G, sx.data(), l.f32s, isa == ISA_AVX512_FAR, out);
+    int4_avx512_any(xb, l.w, l.nblocks, l.N, l.G, sx.data(), l.f32s, isa, out);
   } else {
     at::Tensor xf = xb.to(at::kFloat).contiguous();
     if (l.f32s) int4_avx2<true>(xf, l.w, l.nblocks, l.N, l.G, out);
@@ -1248,12 +1430,76 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
 
 int64_t isa_level() { return detect_isa(); }
 
+// ---------------------------------------------------------------- dot-product rates ----------
+// Multiply-adds per nanosecond of one core through vdpbf16ps zmm (32 per instruction) and
+// vfmadd231ps zmm (16), eight independent chains each, best of `reps` short runs: a property of
+// the core's execution ports, not of the memory system or the load, so the choice between the
+// int4 paths with different bits (levels 2/3 against 4) comes out the same in every process on
+// a machine. (Measured: a 2-core Intel Xeon, Sapphire Rapids class, 32 against 65 per ns; AMD's
+// Zen 4 runs vdpbf16ps zmm at its vfmadd rate, i.e. twice the multiply-adds.)
+template <class Step>
+double best_rate(int reps, double macs_per_iter, Step step) {
+  double best = 0.0;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    constexpr int64_t ITERS = 20000;
+    step(ITERS);
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, ITERS * macs_per_iter / std::max(ns, 1.0));
+  }
+  return best;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"), noinline)) float dp_loop(int64_t iters) {
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0);
+  __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+  for (int64_t i = 0; i < iters; ++i) {
+    c0 = _mm512_dpbf16_ps(c0, a, b); c1 = _mm512_dpbf16_ps(c1, a, b);
+    c2 = _mm512_dpbf16_ps(c2, a, b); c3 = _mm512_dpbf16_ps(c3, a, b);
+    c4 = _mm512_dpbf16_ps(c4, a, b); c5 = _mm512_dpbf16_ps(c5, a, b);
+    c6 = _mm512_dpbf16_ps(c6, a, b); c7 = _mm512_dpbf16_ps(c7, a, b);
+    asm volatile("" : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4), "+v"(c5), "+v"(c6), "+v"(c7));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                                            _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7))));
+}
+
+__attribute__((target("avx512f,fma"), noinline)) float fma_loop(int64_t iters) {
+  const __m512 a = _mm512_set1_ps(1.0f), b = _mm512_setzero_ps();
+  __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+  for (int64_t i = 0; i < iters; ++i) {
+    c0 = _mm512_fmadd_ps(c0, a, b); c1 = _mm512_fmadd_ps(c1, a, b);
+    c2 = _mm512_fmadd_ps(c2, a, b); c3 = _mm512_fmadd_ps(c3, a, b);
+    c4 = _mm512_fmadd_ps(c4, a, b); c5 = _mm512_fmadd_ps(c5, a, b);
+    c6 = _mm512_fmadd_ps(c6, a, b); c7 = _mm512_fmadd_ps(c7, a, b);
+    asm volatile("" : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4), "+v"(c5), "+v"(c6), "+v"(c7));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                                            _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7))));
+}
+
+// [vdpbf16ps rate, vfmadd rate] in multiply-adds per ns (0 where the CPU lacks the instruction)
+std::vector<double> dot_rates(int64_t reps) {
+  TORCH_CHECK(reps >= 1 && reps <= 1000, "dot_rates: reps must be 1..1000, got ", reps);
+  volatile float sink = 0.0f;
+  const double dp = detect_isa() >= ISA_AVX512
+                        ? best_rate(int(reps), 8 * 32.0, [&](int64_t n) { sink = sink + dp_loop(n); })
+                        : 0.0;
+  const double fm = has_avx512_fma()
+                        ? best_rate(int(reps), 8 * 16.0, [&](int64_t n) { sink = sink + fma_loop(n); })
+                        : 0.0;
+  return {dp, fm};
+}
+bool has_isa4() { return has_avx512_fma(); }
+
 }  // namespace
 
 TORCH_LIBRARY(specbuild_cpu, m) {
   m.def("int4_mm(Tensor x, Tensor packed, int n, int group_size, bool f32_scales, int isa) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor packed, int n, int isa) -> Tensor");
   m.def("isa_level() -> int");
+  m.def("has_isa4() -> bool");
+  m.def("dot_rates(int reps) -> float[]");
   m.def("int4_q8_mm(Tensor x, Tensor packed, int n, int group_size, bool f16_scales, int path) -> Tensor");
   m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("q8_paths() -> int");
@@ -1274,5 +1520,7 @@ TORCH_LIBRARY_IMPL(specbuild_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(specbuild_cpu, CompositeExplicitAutograd, m) {
   m.impl("isa_level", &isa_level);
+  m.impl("has_isa4", &has_isa4);
+  m.impl("dot_rates", &dot_rates);
   m.impl("q8_paths", &q8_paths);
 }

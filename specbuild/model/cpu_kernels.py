@@ -56,7 +56,7 @@ from specbuild.errors import BundleError
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
 COLS = 16  # output columns per block (cpu_kernels.cpp)
-ISA_NAMES = {1: "AVX2", 2: "AVX-512 BF16", 3: "AVX-512 BF16 (far prefetch)"}
+ISA_NAMES = {1: "AVX2", 2: "AVX-512 BF16", 3: "AVX-512 BF16 (far prefetch)", 4: "AVX-512 FMA"}
 Q8_PATHS = {1: "AVX2", 2: "AVX512-VNNI", 3: "AVX-VNNI", 4: "AVX512-VL VNNI ymm"}  # int4_q8_mm's `path`
 Q8_BLOCK = 32  # inputs per int8 block (one float32 scale each)
 _lock = threading.Lock()
@@ -193,6 +193,24 @@ def isa() -> int:
     if not st["available"]:
         return 0
     return 1 if mode() == "avx2" else st["isa"]
+
+
+FMA_OVER_BF16 = 1.5  # see choose(); measured 2.07 on an Intel Xeon (Sapphire Rapids class), ~0.5 expected on Zen 4
+
+
+def dot_rates(reps: int = 5) -> tuple[float, float]:
+    """(vdpbf16ps, vfmadd231ps) multiply-adds per ns on one core, best of `reps` ~0.1 ms loops;
+    0 for an instruction the CPU lacks."""
+    _load()
+    dp, fm = torch.ops.specbuild_cpu.dot_rates(reps)
+    return float(dp), float(fm)
+
+
+def has_isa4() -> bool:
+    """Whether level 4 (int4 with bfloat16 inputs through fp32 multiply-adds: AVX-512F/BW/VL and
+    FMA, no BF16 needed) can run here; never under SPECBUILD_CPU_KERNEL=avx2."""
+    st = _load()
+    return bool(st["available"] and mode() != "avx2" and torch.ops.specbuild_cpu.has_isa4())
 
 
 def q8_paths() -> list[int]:
@@ -430,22 +448,35 @@ def choose(kind: str, act_dtype: torch.dtype, device: torch.device | str = "cpu"
         if m in ("specbuild", "avx2"):
             raise KernelBuildError(f"SPECBUILD_CPU_KERNEL={m}: {status()['reason']}")
         return _announce(key, 0, status()["reason"].splitlines()[0])
-    # int4 with bfloat16 inputs on AVX-512 BF16: also the same path with its prefetch further
-    # ahead (level 3, the same bits), which the CPU's memory system decides (cpu_kernels.cpp)
-    far = (3,) if kind == "int4" and level == 2 and act_dtype == torch.bfloat16 else ()
-    if m in ("specbuild", "avx2") and not (far and m == "specbuild"):
-        return _announce(key, level, f"SPECBUILD_CPU_KERNEL={m}")
-    costs = _sample_costs(kind, act_dtype, level, levels=far)
-    if m == "specbuild":  # ours in any case: only near or far prefetch is measured
-        ours = level if costs["specbuild"] <= costs[3] else 3
-        return _announce(key, ours, f"SPECBUILD_CPU_KERNEL={m}; prefetch {costs['specbuild']:.2f} ms near, "
-                                    f"{costs[3]:.2f} ms far")
-    ours = min([level, *far], key=lambda lv: costs["specbuild" if lv == level else lv])
+    # int4 with bfloat16 inputs on AVX-512: the fp32 multiply-add path (level 4, its own bits)
+    # where the core's vfmadd runs FMA_OVER_BF16 times vdpbf16ps's multiply-adds or more (or there
+    # is no BF16), decided by instruction rates so that every process on a machine computes the
+    # same bits; else the BF16 path, with its prefetch near (2) or far (3, the same bits) as the
+    # memory system decides, measured (cpu_kernels.cpp)
+    alts: tuple[int, ...] = ()
+    rates = ""
+    if kind == "int4" and act_dtype == torch.bfloat16 and has_isa4():
+        dp, fm = dot_rates()
+        rates = f"; multiply-adds per ns: vfmadd {fm:.0f}, vdpbf16ps {dp:.0f}"
+        if level < 2 or fm >= FMA_OVER_BF16 * dp:
+            level = 4
+    if kind == "int4" and level == 2 and act_dtype == torch.bfloat16:
+        alts = (3,)
+    if m in ("specbuild", "avx2") and not (alts and m == "specbuild"):
+        return _announce(key, level, f"SPECBUILD_CPU_KERNEL={m}{rates}")
+    costs = _sample_costs(kind, act_dtype, level, levels=alts)
+    ours = min([level, *alts], key=lambda lv: costs["specbuild" if lv == level else lv])
     mine = costs["specbuild" if ours == level else ours]
+    paths = "; ".join(f"{ISA_NAMES[lv]} {costs['specbuild' if lv == level else lv]:.2f} ms"
+                      for lv in (level, *alts))
+    if m == "specbuild":  # ours in any case: only its paths are compared
+        return _announce(key, ours, f"SPECBUILD_CPU_KERNEL={m}; sample weights at widths "
+                                    f"{'/'.join(map(str, SAMPLE_WIDTHS))}: {paths}{rates}")
     why = (f"sample weights at widths {'/'.join(map(str, SAMPLE_WIDTHS))}: specbuild {mine:.2f} ms, "
            f"torch {costs['torch']:.2f} ms")
-    if far:
-        why += f"; prefetch {costs['specbuild']:.2f} ms near, {costs[3]:.2f} ms far"
+    if alts:
+        why += f"; {paths}"
+    why += rates
     return _announce(key, ours if mine < costs["torch"] else 0, why)
 
 

@@ -25,8 +25,10 @@ def levels() -> list[int]:
         pytest.fail(f"a compiler exists but the kernels did not build: {st['reason']}")
     if not st["available"]:
         pytest.skip(st["reason"])
-    # 3: the AVX-512 BF16 int4 path with its prefetch further ahead (int8 runs it as 2)
-    return [lv for lv in (1, 2, 3) if min(lv, 2) <= st["isa"]]
+    # 3: the AVX-512 BF16 int4 path with its prefetch further ahead (int8 runs it as 2); 4: the
+    # AVX-512 fp32 multiply-add int4 path for bfloat16 inputs (float32 inputs and int8 run the
+    # CPU's own best path for it)
+    return [lv for lv in (1, 2, 3) if min(lv, 2) <= st["isa"]] + [4] * cpu_kernels.has_isa4()
 
 
 @pytest.fixture

@@ -78,6 +78,28 @@ def test_the_fused_stack_computes_the_eager_model(engine):
 def test_fused_rows_are_the_decode_steps_bits_at_every_width(engine):
     """Each row of a w-row chain pass (w = 1..9) equals the one-row step at its position, bit
     for bit, logits and the K/V it wrote: the lossless contract, on the op itself."""
+    check_rows_are_the_decode_steps_bits(engine)
+
+
+@pytest.mark.parametrize("level", [2, 3, 4])
+def test_every_int4_level_keeps_the_rows_bits_in_the_fused_stack(bundles, level, monkeypatch):
+    """The same contract with the int4 linears held to each AVX-512 level this CPU has (the
+    choice at load picks one by measurement; each must be lossless wherever it is picked)."""
+    kernels_or_skip()
+    if level == 4 and not cpu_kernels.has_isa4() or level < 4 and cpu_kernels.isa() < 2:
+        pytest.skip(f"this CPU has no int4 level {level}")
+    cpu_kernels.reset_choices()
+    monkeypatch.setitem(cpu_kernels._choices, ("int4", torch.bfloat16), level)
+    try:
+        eng = Engine(bundles["int4"], EngineConfig(max_batch_size=2, compile=True))
+    finally:
+        cpu_kernels.reset_choices()
+    assert isinstance(eng.model.compiled, FusedStack)
+    assert eng.model.w["layers.0.qkv"].formats["int4"].kernel == level
+    check_rows_are_the_decode_steps_bits(eng)
+
+
+def check_rows_are_the_decode_steps_bits(engine) -> None:
     model, cache = engine.model, engine.cache
     with torch.inference_mode(), scratch_sequence(cache, 48) as slots:
         model.forward(verify_batch(slots, 0, 20), cache)
