@@ -361,7 +361,8 @@ def kernel_candidates(act_dtype: torch.dtype = torch.bfloat16, layers: int = 30,
     q8 = [p for p in (2, 3, 1) if p in cpu_kernels.q8_paths()]
     if cpu_kernels.mode() == "avx2":
         q8 = [p for p in q8 if p == 1]
-    int4 = {"torch": [], **{f"specbuild {cpu_kernels.ISA_NAMES[lv]}": [] for lv in int4_levels},
+    int8_levels = levels + ([3] if 2 in levels else [])  # 3: one-row tiles in AVX-512 (the same bits)
+    int4 = {"torch": [], **{f"specbuild {cpu_kernels.level_name('int4', lv)}": [] for lv in int4_levels},
             **{f"int4 x int8 {cpu_kernels.Q8_PATHS[p]}": [] for p in q8}}
     f32 = act_dtype != torch.bfloat16
     for n, k in LAYER_SHAPES * layers:
@@ -376,7 +377,7 @@ def kernel_candidates(act_dtype: torch.dtype = torch.bfloat16, layers: int = 30,
         if levels:
             packed = cpu_kernels.repack_int4(q, s, z, group, f32)
             for lv in int4_levels:
-                int4[f"specbuild {cpu_kernels.ISA_NAMES[lv]}"].append(
+                int4[f"specbuild {cpu_kernels.level_name('int4', lv)}"].append(
                     (k, packed.numel(), lambda x, p=packed, n=n, lv=lv: cpu_kernels.int4_mm(x, p, n, group, f32, lv),
                      act_dtype))
         if q8:  # scales as GGUF Q4_1 holds them (fp16 d, m), so the fp16 layout of a Q4_1 bundle
@@ -395,8 +396,8 @@ def kernel_candidates(act_dtype: torch.dtype = torch.bfloat16, layers: int = 30,
                        lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, s8), act_dtype)]}
     if levels:
         p8 = cpu_kernels.repack_int8(w8, s8)
-        for lv in levels:
-            head[f"specbuild {cpu_kernels.ISA_NAMES[lv]}"] = [
+        for lv in int8_levels:
+            head[f"specbuild {cpu_kernels.level_name('int8', lv)}"] = [
                 (k, p8.numel(), lambda x, lv=lv: cpu_kernels.int8_mm(x, p8, n, lv), act_dtype)]
     out = {}
     for group_name, cands in (("int4 layers", int4), ("int8 lm_head", head)):

@@ -311,7 +311,7 @@ __attribute__((target("avx2,fma"))) void int4_rows_avx2(const uint8_t* w, int64_
 // ---------------------------------------------------------------- int8, AVX-512F -------------
 // Two chains per (row, block): even and odd inputs, then (even + odd) * scale: per output
 // element exactly the operations of the AVX2 code below, so the two give the same bits and a
-// call may mix them (one-row tiles run the AVX2 code: faster there, measured on an EPYC).
+// call may mix them (one-row tiles run the AVX2 code at level 2, this code at level 3).
 template <int R, int C>
 __attribute__((target("avx512f,fma"))) void int8_tile_avx512(const int8_t* w, int64_t blk_bytes, int64_t K,
                                                              const float* x, float* out /* [R][C * 16] */) {
@@ -784,7 +784,12 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
   at::Tensor xf = x_in.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   const int8_t* w = packed.data_ptr<int8_t>();
-  if (isa == ISA_AVX512_FMA) isa = detect_isa();  // int8 has one AVX-512 path (level 2) or AVX2
+  // int8 levels: 2 runs one-row tiles through the AVX2 code, 3 through the AVX-512 code (the same
+  // operations per output, so the same bits; measured: AVX2 ahead on an AMD EPYC at one row, the
+  // AVX-512 code twice as fast on an Intel Xeon, Sapphire Rapids class: 1.0 against 2.0 ms for a
+  // [49152, 576] lm_head; chosen per CPU at load); 4 (an int4 level) runs as the CPU's best.
+  if (isa == ISA_AVX512_FMA) isa = detect_isa();
+  const bool row512 = isa == ISA_AVX512_FAR;
   if (isa >= ISA_AVX512) {
     constexpr int UNIT = 8;
     const int64_t units = (nblocks + UNIT - 1) / UNIT;
@@ -795,7 +800,7 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
         for (int64_t t0 = 0; t0 < T; ) {
           const int R = row_tile(T - t0);
           const int C = nb == UNIT ? UNIT / R : 1;
-          if (R == 1) {  // one row: the AVX2 code is faster here (measured) and gives the same bits
+          if (R == 1 && !row512) {  // one row through the AVX2 code (level 2): the same bits
             for (int64_t b = b0; b < b0 + nb; ++b) {
               int8_row_avx2(w + b * blk, K, xp + t0 * K, tile);
               write_out(tile, 1, 1, t0, b * COLS, N, out);
@@ -1437,18 +1442,14 @@ int64_t isa_level() { return detect_isa(); }
 // int4 paths with different bits (levels 2/3 against 4) comes out the same in every process on
 // a machine. (Measured: a 2-core Intel Xeon, Sapphire Rapids class, 32 against 65 per ns; AMD's
 // Zen 4 runs vdpbf16ps zmm at its vfmadd rate, i.e. twice the multiply-adds.)
+// ns for one run of `step` over ITERS iterations
 template <class Step>
-double best_rate(int reps, double macs_per_iter, Step step) {
-  double best = 0.0;
-  for (int r = 0; r < reps; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    constexpr int64_t ITERS = 20000;
-    step(ITERS);
-    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, ITERS * macs_per_iter / std::max(ns, 1.0));
-  }
-  return best;
+double run_ns(Step step) {
+  const auto t0 = std::chrono::steady_clock::now();
+  step();
+  return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
 }
+constexpr int64_t RATE_ITERS = 20000;
 
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"), noinline)) float dp_loop(int64_t iters) {
   const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0);
@@ -1478,16 +1479,24 @@ __attribute__((target("avx512f,fma"), noinline)) float fma_loop(int64_t iters) {
                                             _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7))));
 }
 
-// [vdpbf16ps rate, vfmadd rate] in multiply-adds per ns (0 where the CPU lacks the instruction)
+// [vdpbf16ps rate, vfmadd rate] in multiply-adds per ns (0 where the CPU lacks the instruction):
+// one warm-up run each (the upper halves of the vector units wake up), then `reps` runs of each
+// interleaved, the best of each
 std::vector<double> dot_rates(int64_t reps) {
   TORCH_CHECK(reps >= 1 && reps <= 1000, "dot_rates: reps must be 1..1000, got ", reps);
   volatile float sink = 0.0f;
-  const double dp = detect_isa() >= ISA_AVX512
-                        ? best_rate(int(reps), 8 * 32.0, [&](int64_t n) { sink = sink + dp_loop(n); })
-                        : 0.0;
-  const double fm = has_avx512_fma()
-                        ? best_rate(int(reps), 8 * 16.0, [&](int64_t n) { sink = sink + fma_loop(n); })
-                        : 0.0;
+  const bool dp_ok = detect_isa() >= ISA_AVX512, fm_ok = has_avx512_fma();
+  double dp = 0.0, fm = 0.0;
+  for (int64_t r = 0; r <= reps; ++r) {
+    if (dp_ok) {
+      const double ns = run_ns([&] { sink = sink + dp_loop(RATE_ITERS); });
+      if (r) dp = std::max(dp, RATE_ITERS * 8 * 32.0 / std::max(ns, 1.0));
+    }
+    if (fm_ok) {
+      const double ns = run_ns([&] { sink = sink + fma_loop(RATE_ITERS); });
+      if (r) fm = std::max(fm, RATE_ITERS * 8 * 16.0 / std::max(ns, 1.0));
+    }
+  }
   return {dp, fm};
 }
 bool has_isa4() { return has_avx512_fma(); }

@@ -57,11 +57,18 @@ from specbuild.errors import BundleError
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
 COLS = 16  # output columns per block (cpu_kernels.cpp)
 ISA_NAMES = {1: "AVX2", 2: "AVX-512 BF16", 3: "AVX-512 BF16 (far prefetch)", 4: "AVX-512 FMA"}
+INT8_NAMES = {1: "AVX2", 2: "AVX-512", 3: "AVX-512 (one-row tiles too)"}  # int8's levels (int4's 4 runs as 2)
+
+
+def level_name(kind: str, level: int) -> str:
+    """The name of `kind`'s ("int4", "int8") ISA level, as the load line prints it."""
+    return (INT8_NAMES if kind == "int8" else ISA_NAMES).get(level, ISA_NAMES.get(level, str(level)))
 Q8_PATHS = {1: "AVX2", 2: "AVX512-VNNI", 3: "AVX-VNNI", 4: "AVX512-VL VNNI ymm"}  # int4_q8_mm's `path`
 Q8_BLOCK = 32  # inputs per int8 block (one float32 scale each)
 _lock = threading.Lock()
 _state: dict = {}
 _choices: dict = {}  # (kind, act dtype) -> ISA level (0: torch's kernel)
+_ours: dict = {}  # (kind, act dtype) -> the best of specbuild's levels, even where torch's kernel won
 
 
 class KernelBuildError(BundleError):
@@ -195,11 +202,12 @@ def isa() -> int:
     return 1 if mode() == "avx2" else st["isa"]
 
 
-FMA_OVER_BF16 = 1.5  # see choose(); measured 2.07 on an Intel Xeon (Sapphire Rapids class), ~0.5 expected on Zen 4
+FMA_OVER_BF16 = 1.25  # see choose(); measured 1.9-2.5 on an Intel Xeon (Sapphire Rapids class), ~0.5 expected on Zen 4
 
 
-def dot_rates(reps: int = 5) -> tuple[float, float]:
-    """(vdpbf16ps, vfmadd231ps) multiply-adds per ns on one core, best of `reps` ~0.1 ms loops;
+def dot_rates(reps: int = 20) -> tuple[float, float]:
+    """(vdpbf16ps, vfmadd231ps) multiply-adds per ns on one core, best of `reps` ~0.1 ms loops each
+    (interleaved, after a warm-up; ~6 ms in all);
     0 for an instruction the CPU lacks."""
     _load()
     dp, fm = torch.ops.specbuild_cpu.dot_rates(reps)
@@ -411,6 +419,8 @@ def _sample_costs(kind: str, act_dtype: torch.dtype, level: int, repeats: int = 
             s = torch.rand(n, generator=gen).to(act_dtype) * 0.01
             packed = repack_int8(q, s)
             ours.append((k, lambda x, p=packed, n=n: int8_mm(x, p, n, level)))
+            for lv, fns in alts.items():
+                fns.append((k, lambda x, p=packed, n=n, lv=lv: int8_mm(x, p, n, lv)))
             theirs.append((k, lambda x, q=q, s=s: torch.ops.aten._weight_int8pack_mm(x, q, s)))
     runs = [("specbuild", ours), ("torch", theirs), *alts.items()]
     total = {name: 0.0 for name, _ in runs}
@@ -460,14 +470,14 @@ def choose(kind: str, act_dtype: torch.dtype, device: torch.device | str = "cpu"
         rates = f"; multiply-adds per ns: vfmadd {fm:.0f}, vdpbf16ps {dp:.0f}"
         if level < 2 or fm >= FMA_OVER_BF16 * dp:
             level = 4
-    if kind == "int4" and level == 2 and act_dtype == torch.bfloat16:
-        alts = (3,)
+    if level == 2 and (kind == "int8" or act_dtype == torch.bfloat16):
+        alts = (3,)  # int4: prefetch further ahead; int8: one-row tiles in AVX-512 (the same bits)
     if m in ("specbuild", "avx2") and not (alts and m == "specbuild"):
         return _announce(key, level, f"SPECBUILD_CPU_KERNEL={m}{rates}")
     costs = _sample_costs(kind, act_dtype, level, levels=alts)
     ours = min([level, *alts], key=lambda lv: costs["specbuild" if lv == level else lv])
     mine = costs["specbuild" if ours == level else ours]
-    paths = "; ".join(f"{ISA_NAMES[lv]} {costs['specbuild' if lv == level else lv]:.2f} ms"
+    paths = "; ".join(f"{level_name(kind, lv)} {costs['specbuild' if lv == level else lv]:.2f} ms"
                       for lv in (level, *alts))
     if m == "specbuild":  # ours in any case: only its paths are compared
         return _announce(key, ours, f"SPECBUILD_CPU_KERNEL={m}; sample weights at widths "
@@ -477,15 +487,25 @@ def choose(kind: str, act_dtype: torch.dtype, device: torch.device | str = "cpu"
     if alts:
         why += f"; {paths}"
     why += rates
-    return _announce(key, ours if mine < costs["torch"] else 0, why)
+    return _announce(key, ours if mine < costs["torch"] else 0, why, ours=ours)
 
 
-def _announce(key: tuple, level: int, why: str) -> int:
+def ours_level(kind: str, act_dtype: torch.dtype) -> int:
+    """The fastest of specbuild's own levels for `kind` with `act_dtype` inputs (choose() decides
+    it once; 0 where specbuild's kernels cannot run): for callers that run specbuild's kernel
+    whichever kernel the target's weights take (the EAGLE head's int8 linears)."""
+    choose(kind, act_dtype)
+    with _lock:
+        return _ours.get((kind, act_dtype), 0)
+
+
+def _announce(key: tuple, level: int, why: str, ours: int | None = None) -> int:
     kind, act = key
     with _lock:
         if key not in _choices:
             _choices[key] = level
-            which = f"specbuild's {ISA_NAMES[level]} kernel" if level else "torch's kernel"
+            _ours[key] = level if ours is None else ours
+            which = f"specbuild's {level_name(kind, level)} kernel" if level else "torch's kernel"
             act_name = str(act).removeprefix("torch.")
             print(f"specbuild: {kind} linears ({act_name} inputs) run {which} ({why})", file=sys.stderr)
         return _choices[key]
@@ -495,3 +515,4 @@ def reset_choices() -> None:
     """Forget the per-process choices (tests that change SPECBUILD_CPU_KERNEL)."""
     with _lock:
         _choices.clear()
+        _ours.clear()

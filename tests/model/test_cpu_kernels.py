@@ -101,15 +101,19 @@ def test_rows_are_invariant_to_width_and_position(kind, act):
 
 
 def test_the_int8_paths_give_the_same_bits():
-    """The AVX-512 int8 code runs one-row tiles through the AVX2 code; that is safe only
-    because both do the same operations per output element."""
+    """int8 level 2 runs one-row tiles through the AVX2 code, level 3 through the AVX-512 code
+    (whichever is faster on the CPU is chosen at load); that is safe only because both do the
+    same operations per output element: every level, every width, the same bits."""
     if 2 not in levels():
         pytest.skip("needs AVX-512 BF16")
     q, scales = quantize_int8(torch.randn(200, 577), torch.bfloat16)
     packed = cpu_kernels.repack_int8(q, scales)
     for act in (torch.bfloat16, torch.float32):
         x = torch.randn(17, 577).to(act)
-        assert torch.equal(cpu_kernels.int8_mm(x, packed, 200, 1), cpu_kernels.int8_mm(x, packed, 200, 2))
+        for width in (1, 3, 17):
+            avx2 = cpu_kernels.int8_mm(x[:width], packed, 200, 1)
+            for level in (2, 3):
+                assert torch.equal(cpu_kernels.int8_mm(x[:width], packed, 200, level), avx2), (act, width, level)
 
 
 def test_bad_inputs_name_the_value():

@@ -271,7 +271,9 @@ def head_kernel_level(device) -> int:
     if torch.device(device).type != "cpu" or cpu_kernels.mode() == "torch":
         return 0
     level = cpu_kernels.isa()
+    if level == 2:  # the same bits at 2 and 3 (one-row tiles in AVX2 or AVX-512): the faster one here
+        level = cpu_kernels.ours_level("int8", torch.bfloat16) or level
     if level:
-        print(f"specbuild: the EAGLE head's linears run int8 through specbuild's {cpu_kernels.ISA_NAMES[level]} kernel "
+        print(f"specbuild: the EAGLE head's linears run int8 through specbuild's {cpu_kernels.level_name('int8', level)} kernel "
               "(drafts only: the target's output does not depend on it)", file=sys.stderr)
     return level
