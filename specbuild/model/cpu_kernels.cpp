@@ -193,8 +193,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,fma"))) void int4_ro
 // ---------------------------------------------------------------- int4, AVX-512 FMA -------
 // ISA level 4, for bfloat16 inputs on CPUs whose vdpbf16ps is slow: on a 2-core Intel Xeon
 // (Sapphire Rapids class, 2026-12-03) a loop of independent vdpbf16ps zmm ran at 1.0 G/s per core
-// against 4.05 G/s for vfmadd231ps zmm, so 32 multiply-adds per instruction lose to 16 at twice
-// the rate four times over, and a verify pass of 5-17 rows was bound by it. Here the inputs are
+// against 4.05 G/s for vfmadd231ps zmm, so 32 multiply-adds per instruction lose to 16 at four
+// times the rate, and a verify pass of 5-17 rows was bound by it. Here the inputs are
 // widened to fp32 once per call (exact) and each weight v becomes the float 16 + v with one shift
 // and one ternary-logic op (0x41800000 | v << 19), which an fp32 multiply-add with the input's
 // broadcast takes directly. Dword c of an octet holds column c's eight inputs (input 2j at bits
@@ -1440,9 +1440,11 @@ int64_t isa_level() { return detect_isa(); }
 // vfmadd231ps zmm (16), eight independent chains each, best of `reps` short runs: a property of
 // the core's execution ports, not of the memory system or the load, so the choice between the
 // int4 paths with different bits (levels 2/3 against 4) comes out the same in every process on
-// a machine. (Measured: a 2-core Intel Xeon, Sapphire Rapids class, 32 against 65 per ns; AMD's
-// Zen 4 runs vdpbf16ps zmm at its vfmadd rate, i.e. twice the multiply-adds.)
-// ns for one run of `step` over ITERS iterations
+// a machine. (Measured on 2-core Intel Xeons with the same name and flags: 30-39 against 63-80
+// per ns on 2026-12-03; on 2026-12-02 vdpbf16ps ran at the vfmadd instruction rate, i.e. twice
+// the multiply-adds. Hence a measurement and not a table of CPU models.)
+//
+// ns for one run of `step`
 template <class Step>
 double run_ns(Step step) {
   const auto t0 = std::chrono::steady_clock::now();

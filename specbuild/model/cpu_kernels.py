@@ -202,7 +202,7 @@ def isa() -> int:
     return 1 if mode() == "avx2" else st["isa"]
 
 
-FMA_OVER_BF16 = 1.25  # see choose(); measured 1.9-2.5 on an Intel Xeon (Sapphire Rapids class), ~0.5 expected on Zen 4
+FMA_OVER_BF16 = 1.25  # see choose(); 1.9-2.6 on the Xeon of 2026-12-03, ~1.0 on the one of 2026-12-02 (docs/cpu-kernels.md)
 
 
 def dot_rates(reps: int = 20) -> tuple[float, float]:
