@@ -66,6 +66,23 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
   return uint16_t(u >> 16);
 }
 
+// A group's 16 scales and the constant zero - (8 + 16) * scale, from the group's tail (fp32 or
+// bfloat16 values): the per-group update shared by the AVX-512 int4 paths.
+template <bool F32S>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"), always_inline)) inline void group_scale(
+    const uint8_t* sp, __m512& s, __m512& m) {
+  __m512 z;
+  if (F32S) {
+    s = _mm512_loadu_ps((const float*)sp);
+    z = _mm512_loadu_ps((const float*)sp + COLS);
+  } else {
+    s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)sp)), 16));
+    z = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + 32))), 16));
+  }
+  m = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), s, z);  // zero - (8 + 16) * scale
+}
+
 // ---------------------------------------------------------------- int4, AVX-512 BF16 -------
 // A value v (0..15) becomes the bfloat16 16 + v with two integer ops (shift, ternary logic:
 // 0x4180 | v << 3 is 16 + v exactly), so no shuffle is needed; the group's dot product of
@@ -115,16 +132,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,fma"))) void int4_ti
     }
     for (int c = 0; c < C; ++c) {
       const uint8_t* sp = w + c * blk_bytes + g * grp_bytes + octets * 64;
-      __m512 s, z;
-      if (F32S) {
-        s = _mm512_loadu_ps((const float*)sp);
-        z = _mm512_loadu_ps((const float*)sp + COLS);
-      } else {
-        s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)sp)), 16));
-        z = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + 32))), 16));
-      }
-      const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), s, z);  // zero - (8 + 16) * scale
+      __m512 s, m;
+      group_scale<F32S>(sp, s, m);
       for (int r = 0; r < R; ++r) {
         const __m512 t = _mm512_add_ps(ga[r][c], gb[r][c]);
         acc[r][c] = _mm512_fmadd_ps(t, s, acc[r][c]);
@@ -170,16 +179,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl,fma"))) void int4_ro
       }
     }
     const uint8_t* sp = pg + octets * 64;
-    __m512 s, z;
-    if (F32S) {
-      s = _mm512_loadu_ps((const float*)sp);
-      z = _mm512_loadu_ps((const float*)sp + COLS);
-    } else {
-      s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)sp)), 16));
-      z = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + 32))), 16));
-    }
-    const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), s, z);
+    __m512 s, m;
+    group_scale<F32S>(sp, s, m);
     for (int r = 0; r < R; ++r) {
       const __m512 t = _mm512_add_ps(ga[r], gb[r]);
       __m512 acc = _mm512_loadu_ps(out + r * COLS);
@@ -238,16 +239,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void int4_rows_fma(
 #undef SPECBUILD_FMA_INPUT
     }
     const uint8_t* sp = pg + octets * 64;
-    __m512 s, z;
-    if (F32S) {
-      s = _mm512_loadu_ps((const float*)sp);
-      z = _mm512_loadu_ps((const float*)sp + COLS);
-    } else {
-      s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)sp)), 16));
-      z = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + 32))), 16));
-    }
-    const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), s, z);
+    __m512 s, m;
+    group_scale<F32S>(sp, s, m);
     for (int r = 0; r < R; ++r) {
       const __m512 d = _mm512_add_ps(c[r][0], c[r][1]);
       acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
