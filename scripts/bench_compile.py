@@ -13,7 +13,10 @@ read per step, its floor (those bytes over the best copy bandwidth) and decode o
 CPU model and its flags, and the load average of every round.
 
     python scripts/bench_compile.py BUNDLE [--rounds 5] [--threads 2] [--tokens 64] [--kernels torch,specbuild]
-        [--no-compile] [--no-llama-cpp] [--llama-batch N] [--json]
+        [--no-compile] [--no-llama-cpp] [--llama-batch N] [--also OTHER_BUNDLE] [--json]
+
+(`--also bundles/smollm2-135m-spec-int4a8` adds another format of the same model to the same
+rounds, rows labelled with its directory's name.)
 
 (`--kernels specbuild,specbuild+sdpa` compares the C++ attention rows kernel with per-row SDPA calls.)
 """
@@ -52,6 +55,9 @@ def main() -> None:
                     help="comma-separated: torch, specbuild, avx2; NAME+sdpa: attention by per-row SDPA calls "
                          "instead of specbuild's C++ rows kernel")
     ap.add_argument("--no-compile", action="store_true", help="eager rows only (no compile at load)")
+    ap.add_argument("--also", action="append", default=[], metavar="BUNDLE",
+                    help="another bundle of the same model (another format: int4-a8, ...) measured in the same "
+                         "rounds with each kernel; repeatable")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -63,15 +69,17 @@ def main() -> None:
     from specbuild.model.timing import copy_bandwidth, forward_costs
 
     engines = {}
-    for kernel in args.kernels.split(","):
-        # NAME+sdpa: that linear kernel with attention as one SDPA call per row instead of
-        # specbuild's C++ rows kernel (decoder.rows_attention_enabled)
-        base, _, attention = kernel.partition("+")
-        os.environ["SPECBUILD_CPU_KERNEL"] = base
-        os.environ["SPECBUILD_ROWS_ATTENTION"] = "0" if attention == "sdpa" else "1"
-        cpu_kernels.reset_choices()
-        engines[kernel] = Engine(args.bundle, EngineConfig(threads=args.threads, max_batch_size=1,
-                                                           compile=not args.no_compile))
+    for path in [args.bundle, *args.also]:
+        for kernel in args.kernels.split(","):
+            # NAME+sdpa: that linear kernel with attention as one SDPA call per row instead of
+            # specbuild's C++ rows kernel (decoder.rows_attention_enabled)
+            base, _, attention = kernel.partition("+")
+            os.environ["SPECBUILD_CPU_KERNEL"] = base
+            os.environ["SPECBUILD_ROWS_ATTENTION"] = "0" if attention == "sdpa" else "1"
+            cpu_kernels.reset_choices()
+            label = kernel if path == args.bundle else f"{os.path.basename(path.rstrip('/'))} {kernel}"
+            engines[label] = Engine(path, EngineConfig(threads=args.threads, max_batch_size=1,
+                                                       compile=not args.no_compile))
     os.environ.pop("SPECBUILD_ROWS_ATTENTION", None)
     engine = next(iter(engines.values()))
     prompt_text = engine.render_chat([{"role": "user", "content": "Tell me a story about a dragon and a knight."}])
@@ -120,7 +128,7 @@ def main() -> None:
         med["weight_mb"] = round(nbytes[m] / 1e6, 1)
         med["floor_ms"] = round(nbytes[m] / (gbps * 1e9) * 1e3, 2)
         med["decode_over_floor"] = round(med["decode_ms"] / med["floor_ms"], 2)
-    report = {"bundle": args.bundle, "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
+    report = {"bundle": args.bundle, "also": args.also, "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
               "compile_s": {k: e.compile_seconds for k, e in engines.items()}, "cpu": cpu_info(),
               "kernel_status": cpu_kernels.status(), "load_average_per_round": loads,
               "loadavg_end": open("/proc/loadavg").read().strip(), "copy_gb_per_s": round(gbps, 2),
@@ -139,10 +147,11 @@ def main() -> None:
     else:
         print(llama_note)
     print(f"floor = weight bytes read per step / copy bandwidth ({gbps:.1f} GB/s: best copy of 256 MB of the run)")
-    print(f"{'':20s} {'decode ms/token':>16s} {'MB':>6s} {'floor':>6s} {'xfloor':>6s} "
+    width = max(20, *(len(m) for m in report["medians"]))
+    print(f"{'':{width}s} {'decode ms/token':>16s} {'MB':>6s} {'floor':>6s} {'xfloor':>6s} "
           + " ".join(f"{'w' + str(w):>7s}" for w in WIDTHS) + "  w5/w1  w17/w1")
     for mode, med in report["medians"].items():
-        line = f"{mode:20s} {med['decode_ms']:16.2f} {med['weight_mb']:6.1f} {med['floor_ms']:6.2f} {med['decode_over_floor']:6.2f} "
+        line = f"{mode:{width}s} {med['decode_ms']:16.2f} {med['weight_mb']:6.1f} {med['floor_ms']:6.2f} {med['decode_over_floor']:6.2f} "
         if "w1" in med:
             line += " ".join(f"{med['w' + str(w)]:7.2f}" for w in WIDTHS)
             line += f"  {med['w5'] / med['w1']:5.2f}  {med['w17'] / med['w1']:6.2f}"

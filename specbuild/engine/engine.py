@@ -240,7 +240,9 @@ class Engine(BaseEngine):
                                   "C++ compiler (g++); run without --compile") from e
             log.info("compiled the layer stacks in %.1fs", self.compile_seconds)
             # which stack runs and why, in one line (the kernels' own lines say which linears run)
-            how = "one fused C++ call (model/fused.py: int4 layers on specbuild's kernel, rows attention)" \
+            kernel = "the int4 x int8 kernel (int4-a8)" if getattr(self.model.compiled, "kind", "") == "int4-a8" \
+                else "specbuild's kernel"
+            how = f"one fused C++ call (model/fused.py: int4 layers on {kernel}, rows attention)" \
                 if self.model.fused_why is None else f"torch.compile (inductor; not fused: {self.model.fused_why})"
             print(f"specbuild: the target's layer stack runs as {how}", file=sys.stderr)
         _ = self.speculator.controller  # cost calibration now (cached per machine + bundle), never in a request

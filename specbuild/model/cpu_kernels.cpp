@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -850,14 +851,14 @@ struct Q8Rows {
   std::vector<float> dx, qs;
 };
 
-Q8Rows q8_rows(const at::Tensor& xf) {  // xf: float32 [T, K], contiguous
-  const int64_t T = xf.size(0), K = xf.size(1), nbk = K / QB;
+Q8Rows q8_rows(const float* x, int64_t T, int64_t K) {  // x: float32 [T, K], contiguous
+  const int64_t nbk = K / QB;
   Q8Rows r{std::vector<int8_t>(T * K), std::vector<float>(T * nbk), std::vector<float>(T * nbk)};
-  const float* x = xf.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) q8_quantize_row(x + t * K, K, r.q.data() + t * K, r.dx.data() + t * nbk,
                                                   r.qs.data() + t * nbk);
   return r;
 }
+Q8Rows q8_rows(const at::Tensor& xf) { return q8_rows(xf.data_ptr<float>(), xf.size(0), xf.size(1)); }
 
 void check_q8_input(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.dim() == 2, op, ": x must be [T, K], got ", x.sizes());
@@ -1213,6 +1214,10 @@ __attribute__((target("avx2,fma"))) inline __m256 widen8(const uint16_t* p) {
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
+// eight of a linear's outputs as float32: bfloat16 ones widened (the int4 kernel's), float32 ones
+// as they are (the int4 x int8 kernel's)
+__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* p) { return widen8(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 // w * (x * (1 / sqrt(mean(x^2) + eps))) of one row (n a multiple of 8), into f (float32 scratch)
 __attribute__((target("avx2,fma"))) void norm_row(const float* x, const float* w, int64_t n, float eps, float* f) {
@@ -1227,29 +1232,33 @@ __attribute__((target("avx2,fma"))) void norm_row(const float* x, const float* w
     _mm256_storeu_ps(f + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), rv)));
 }
 
-// x += the bfloat16 values d (a linear's output), n a multiple of 8
-__attribute__((target("avx2,fma"))) void add_row(float* x, const uint16_t* d, int64_t n) {
-  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), widen8(d + i)));
+// x += the values d (a linear's output: bfloat16 or float32), n a multiple of 8
+template <class O>
+__attribute__((target("avx2,fma"))) void add_row(float* x, const O* d, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), load8(d + i)));
 }
 
-// SiLU(gate) * up of one row: gate_up holds the gate's F values and then the up's (bfloat16)
-__attribute__((target("avx2,fma"))) void silu_row(const uint16_t* gu, int64_t F, float* f) {
+// SiLU(gate) * up of one row: gate_up holds the gate's F values and then the up's
+template <class O>
+__attribute__((target("avx2,fma"))) void silu_row(const O* gu, int64_t F, float* f) {
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
   for (int64_t i = 0; i < F; i += 8) {
-    const __m256 g = widen8(gu + i), u = widen8(gu + F + i);
+    const __m256 g = load8(gu + i), u = load8(gu + F + i);
     const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
     _mm256_storeu_ps(f + i, _mm256_mul_ps(s, u));
   }
 }
 
-// one row's qkv output (bfloat16, plus the bias when given) into q (float32 [H, D], roped), and
-// its K (roped) and V into the caches' rows kr, vr ([KV, D] each); cos, sn: the row's tables [D]
-__attribute__((target("avx2,fma"))) void qkv_row(const uint16_t* qkv, const float* bias, int64_t H, int64_t KV,
+// one row's qkv output (bfloat16 or float32, plus the bias when given) into q (float32 [H, D],
+// roped), and its K (roped) and V into the caches' rows kr, vr ([KV, D] each); cos, sn: the
+// row's tables [D]
+template <class O>
+__attribute__((target("avx2,fma"))) void qkv_row(const O* qkv, const float* bias, int64_t H, int64_t KV,
                                                   int64_t D, const float* cos, const float* sn, float* q, float* kr,
                                                   float* vr, float* f) {
   const int64_t n = (H + 2 * KV) * D, half = D / 2;
   for (int64_t i = 0; i < n; i += 8) {
-    __m256 v = widen8(qkv + i);
+    __m256 v = load8(qkv + i);
     if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + i));
     _mm256_storeu_ps(f + i, v);
   }
@@ -1282,6 +1291,14 @@ void int4_into(const Int4Linear& l, int64_t isa, const at::Tensor& xb, at::Tenso
   }
 }
 
+// out [T, N] float32 = the int4 x int8 kernel (int4_q8_mm's `path`) over x [T, K] float32, each
+// row rounded to int8 blocks as int4_q8_mm rounds it
+void q8_into(const Int4Linear& l, int64_t path, const float* x, int64_t T, at::Tensor& out) {
+  const Q8Rows xr = q8_rows(x, T, l.K);
+  if (l.f32s) int4_q8_run<false>(l.w, l.nblocks, l.N, l.K, l.G, T, xr, path, out);
+  else int4_q8_run<true>(l.w, l.nblocks, l.N, l.K, l.G, T, xr, path, out);
+}
+
 // rows t0..t1 of fn(t) on torch's threads: whole rows per thread, so the split never changes a
 // row's bits; up to 8 rows (a decode step, a verify window) stay on the calling thread
 template <class Fn>
@@ -1292,8 +1309,12 @@ void each_row(int64_t T, const Fn& fn) {
 }
 
 constexpr int STACK_WEIGHTS = 7;  // per layer: attn_norm, qkv, qkv_bias (empty: none), o, mlp_norm, gate_up, down
-constexpr int STACK_DIMS = 6;  // meta: hidden, heads, kv heads, head_dim, intermediate, isa; then per layer and
-                               // linear (qkv, o, gate_up, down): group size, f32 scales (0/1)
+constexpr int STACK_DIMS = 7;  // meta: hidden, heads, kv heads, head_dim, intermediate, isa, q8 path; then per
+                               // layer and linear (qkv, o, gate_up, down): group size, f32 scales (0/1)
+// q8 path 0: the linears are the int4 kernel at `isa` with bfloat16 inputs and outputs (the int4
+// format); 1-4: int4_q8_mm's path with float32 inputs rounded to int8 blocks and float32
+// outputs (the int4-a8 format: what decoder.Decoder.layer_stack computes with those weights,
+// nothing rounded to bfloat16)
 
 std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                                    const at::Tensor& write_slots_in, at::TensorList k_caches, at::TensorList v_caches,
@@ -1301,8 +1322,13 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
                                    double scale, double eps, at::IntArrayRef aux_layers) {
   TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "int4_stack: this CPU lacks AVX2 + FMA");
   TORCH_CHECK(meta.size() >= STACK_DIMS, "int4_stack: meta needs ", STACK_DIMS, " model sizes first");
-  const int64_t Hd = meta[0], H = meta[1], KV = meta[2], D = meta[3], F = meta[4], isa = meta[5];
-  check_isa(isa);
+  const int64_t Hd = meta[0], H = meta[1], KV = meta[2], D = meta[3], F = meta[4], isa = meta[5], q8 = meta[6];
+  if (q8) {
+    TORCH_CHECK(q8 >= Q8_AVX2 && q8 <= Q8_VNNI256 && ((q8_paths() >> q8) & 1), "int4_stack: q8 path ", q8,
+                " is not one this CPU runs (bitmask ", q8_paths(), ")");
+  } else {
+    check_isa(isa);
+  }
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(weights.size()) == L * STACK_WEIGHTS &&
               static_cast<int64_t>(meta.size()) == STACK_DIMS + 8 * L,
@@ -1335,8 +1361,8 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
       const at::Tensor& p = weights[l * STACK_WEIGHTS + widx[j]];
       const int64_t N = shapes[j][0], K = shapes[j][1], G = meta[STACK_DIMS + 8 * l + 2 * j];
       const bool f32s = meta[STACK_DIMS + 8 * l + 2 * j + 1] != 0;
-      TORCH_CHECK(G > 0 && G % 8 == 0 && K % G == 0, "int4_stack: layer ", l, " linear ", j, ": group size ", G,
-                  " must divide ", K, " and be a multiple of 8");
+      TORCH_CHECK(G > 0 && G % (q8 ? QB : 8) == 0 && K % G == 0, "int4_stack: layer ", l, " linear ", j,
+                  ": group size ", G, " must divide ", K, " and be a multiple of ", (q8 ? QB : 8));
       const int64_t nblocks = (N + COLS - 1) / COLS, grp = G * 8 + COLS * 2 * (f32s ? 4 : 2);
       TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 1 &&
                   p.numel() == nblocks * (K / G) * grp, "int4_stack: layer ", l, " linear ", j, " [", N, ", ", K,
@@ -1364,14 +1390,17 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
   at::Tensor x = x_in.contiguous().clone();
   std::vector<at::Tensor> outs{x};
   const auto bf = x.options().dtype(at::kBFloat16);
-  at::Tensor hb = at::empty({T, std::max(Hd, std::max(qn, F))}, bf);  // a linear's bfloat16 input
-  at::Tensor ob = at::empty({T, std::max(qkvn, 2 * F)}, bf);  // a linear's bfloat16 output
+  const int64_t kmax = std::max(Hd, std::max(qn, F)), nout = std::max(qkvn, 2 * F);
+  // a linear's input: bfloat16 (int4) or float32 (int4-a8) [T, K] at the front of hb / hf; its
+  // output: bfloat16 or float32 [T, n] at the front of ob / of
+  at::Tensor hb = at::empty({q8 ? 0 : T, kmax}, bf), ob = at::empty({q8 ? 0 : T, nout}, bf);
+  at::Tensor hf = at::empty({q8 ? T : 0, kmax}, x.options()), of = at::empty({q8 ? T : 0, nout}, x.options());
   at::Tensor q = at::empty({T, H, D}, x.options());
   at::Tensor att = at::empty({T, H, D}, x.options());
   at::Tensor scratch = at::empty({T, std::max(qkvn, std::max(F, Hd))}, x.options());
   float* xp = x.data_ptr<float>();
   uint16_t* hp = reinterpret_cast<uint16_t*>(hb.data_ptr<at::BFloat16>());
-  const uint16_t* op = reinterpret_cast<const uint16_t*>(ob.data_ptr<at::BFloat16>());
+  float* hfp = hf.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   float* ap = att.data_ptr<float>();
   float* fp = scratch.data_ptr<float>();
@@ -1380,49 +1409,65 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
   const float* sp = sinv.data_ptr<float>();
   const int64_t* slot = ws.data_ptr<int64_t>();
   const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
-  // a linear's input and output: the front of hb / ob as [T, K] / [T, n], contiguous
-  auto input = [&](int64_t K) { return at::from_blob(hb.data_ptr(), {T, K}, bf); };
-  auto output = [&](int64_t n) { return at::from_blob(ob.data_ptr(), {T, n}, bf); };
-  for (int64_t l = 0; l < L; ++l) {
-    if (std::find(aux_layers.begin(), aux_layers.end(), l) != aux_layers.end()) outs.push_back(x.clone());
-    const at::Tensor* w = &weights[l * STACK_WEIGHTS];
-    const float* bias = w[2].numel() ? w[2].data_ptr<float>() : nullptr;
-    float* kc = k_caches[l].data_ptr<float>();
-    float* vc = v_caches[l].data_ptr<float>();
-    const int64_t cs = KV * D;
-    // attention half
-    each_row(T, [&](int64_t t) {
-      norm_row(xp + t * Hd, w[0].data_ptr<float>(), Hd, e, fp + t * fs);
-      bf16_from_f32(fp + t * fs, hp + t * Hd, Hd);
-    });
-    at::Tensor o = output(qkvn);
-    int4_into(lin[4 * l], isa, input(Hd), o);
-    const uint16_t* qkvp = reinterpret_cast<const uint16_t*>(o.data_ptr<at::BFloat16>());
-    each_row(T, [&](int64_t t) {
-      qkv_row(qkvp + t * qkvn, bias, H, KV, D, cp + t * D, sp + t * D, qp + t * qn, kc + slot[t] * cs,
-              vc + slot[t] * cs, fp + t * fs);
-    });
-    att.zero_();
-    rows_attention_run(qp, T, H, D, KV, kc, cs, vc, cs, index.data_ptr<int64_t>(), nmax, sc, fn, ap);
-    each_row(T, [&](int64_t t) { bf16_from_f32(ap + t * qn, hp + t * qn, qn); });
-    o = output(Hd);
-    int4_into(lin[4 * l + 1], isa, input(qn), o);
-    each_row(T, [&](int64_t t) { add_row(xp + t * Hd, op + t * Hd, Hd); });
-    // MLP half
-    each_row(T, [&](int64_t t) {
-      norm_row(xp + t * Hd, w[4].data_ptr<float>(), Hd, e, fp + t * fs);
-      bf16_from_f32(fp + t * fs, hp + t * Hd, Hd);
-    });
-    o = output(2 * F);
-    int4_into(lin[4 * l + 2], isa, input(Hd), o);
-    each_row(T, [&](int64_t t) {
-      silu_row(op + t * 2 * F, F, fp + t * fs);
-      bf16_from_f32(fp + t * fs, hp + t * F, F);
-    });
-    o = output(Hd);
-    int4_into(lin[4 * l + 3], isa, input(F), o);
-    each_row(T, [&](int64_t t) { add_row(xp + t * Hd, op + t * Hd, Hd); });
-  }
+  // linear j of layer l over the rows' K inputs in the input buffer (`from`: float32 inputs
+  // elsewhere, int4-a8 only) into n outputs at the front of the output buffer
+  auto run_linear = [&](int64_t idx, int64_t K, int64_t n, const float* from) {
+    if (q8) {
+      at::Tensor o = at::from_blob(of.data_ptr(), {T, n}, x.options());
+      q8_into(lin[idx], q8, from ? from : hfp, T, o);
+    } else {
+      at::Tensor o = at::from_blob(ob.data_ptr(), {T, n}, bf);
+      int4_into(lin[idx], isa, at::from_blob(hb.data_ptr(), {T, K}, bf), o);
+    }
+  };
+  // the layers with the outputs' element type O (uint16_t: bfloat16; float)
+  auto layers = [&](const auto* op) {
+    using O = std::remove_const_t<std::remove_pointer_t<decltype(op)>>;
+    constexpr bool F32 = std::is_same_v<O, float>;
+    // a linear's input row t of n values from the float32 values f: rounded to bfloat16 into hb,
+    // or copied into hf (int4-a8 rounds its inputs to int8 itself)
+    auto stage = [&](int64_t t, const float* f, int64_t n) {
+      if constexpr (F32) std::memcpy(hfp + t * n, f, n * sizeof(float));
+      else bf16_from_f32(f, hp + t * n, n);
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      if (std::find(aux_layers.begin(), aux_layers.end(), l) != aux_layers.end()) outs.push_back(x.clone());
+      const at::Tensor* w = &weights[l * STACK_WEIGHTS];
+      const float* bias = w[2].numel() ? w[2].data_ptr<float>() : nullptr;
+      float* kc = k_caches[l].data_ptr<float>();
+      float* vc = v_caches[l].data_ptr<float>();
+      const int64_t cs = KV * D;
+      // attention half
+      each_row(T, [&](int64_t t) {
+        norm_row(xp + t * Hd, w[0].data_ptr<float>(), Hd, e, fp + t * fs);
+        stage(t, fp + t * fs, Hd);
+      });
+      run_linear(4 * l, Hd, qkvn, nullptr);
+      each_row(T, [&](int64_t t) {
+        qkv_row<O>(op + t * qkvn, bias, H, KV, D, cp + t * D, sp + t * D, qp + t * qn, kc + slot[t] * cs,
+                   vc + slot[t] * cs, fp + t * fs);
+      });
+      att.zero_();
+      rows_attention_run(qp, T, H, D, KV, kc, cs, vc, cs, index.data_ptr<int64_t>(), nmax, sc, fn, ap);
+      if constexpr (!F32) each_row(T, [&](int64_t t) { stage(t, ap + t * qn, qn); });
+      run_linear(4 * l + 1, qn, Hd, F32 ? ap : nullptr);  // int4-a8: the attention rows are its input
+      each_row(T, [&](int64_t t) { add_row<O>(xp + t * Hd, op + t * Hd, Hd); });
+      // MLP half
+      each_row(T, [&](int64_t t) {
+        norm_row(xp + t * Hd, w[4].data_ptr<float>(), Hd, e, fp + t * fs);
+        stage(t, fp + t * fs, Hd);
+      });
+      run_linear(4 * l + 2, Hd, 2 * F, nullptr);
+      each_row(T, [&](int64_t t) {
+        silu_row<O>(op + t * 2 * F, F, fp + t * fs);
+        stage(t, fp + t * fs, F);
+      });
+      run_linear(4 * l + 3, F, Hd, nullptr);
+      each_row(T, [&](int64_t t) { add_row<O>(xp + t * Hd, op + t * Hd, Hd); });
+    }
+  };
+  if (q8) layers(static_cast<const float*>(of.data_ptr<float>()));
+  else layers(reinterpret_cast<const uint16_t*>(ob.data_ptr<at::BFloat16>()));
   return outs;
 }
 

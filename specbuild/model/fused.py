@@ -9,6 +9,10 @@ written as a few loops per row in C++ rather than inductor's ~150 generated kern
 OpenMP regions a step (docs/compiled-step.md measures both). It needs no inductor compile at
 load either (seconds instead of minutes on 2 cores the first time).
 
+int4-a8 bundles (`--activations int8`: the int4 weights against inputs rounded to int8 blocks,
+cpu_kernels.int4_q8_mm) run the same stack with that kernel: float32 inputs and outputs around
+it, nothing rounded to bfloat16, as Decoder.layer_stack computes them with those weights.
+
 What keeps it lossless: every forward of the engine (prefill chunks, decode steps, verify
 passes, trees) runs this same call, and within it each row's bits do not depend on the other
 rows (the glue is per row, the thread split by whole rows, the int4 kernel and rows_attention
@@ -25,6 +29,8 @@ import torch
 
 STACK_WEIGHTS = ("attn_norm", "qkv", "qkv_bias", "o", "mlp_norm", "gate_up", "down")  # per layer, cpu_kernels.cpp
 LINEARS = ("qkv", "o", "gate_up", "down")
+STACK_DIMS = 7  # meta's model entries before the per-linear ones (cpu_kernels.cpp, int4_stack)
+FORMATS = ("int4", "int4-a8")  # the layer formats it runs (every linear of the stack in the same one)
 
 
 def fused_reason(model) -> str | None:
@@ -45,16 +51,22 @@ def fused_reason(model) -> str | None:
                "multiples of 8"
     if not cpu_kernels.status().get("available"):
         return "specbuild's CPU kernels are not available"
+    first = model.w.get("layers.0.qkv")
+    kind = first.primary if isinstance(first, QLinear) else None
+    if kind not in FORMATS:
+        return "layers.0.qkv is not an int4 weight"
     for i in range(c.num_layers):
         for name in LINEARS:
             w = model.w.get(f"layers.{i}.{name}")
-            if not isinstance(w, QLinear) or w.primary != "int4":
-                return f"layers.{i}.{name} is not an int4 weight"
-            impl = w.formats["int4"]
-            if not impl.kernel or impl.cpu_packed is None or impl.act_dtype != torch.bfloat16:
+            if not isinstance(w, QLinear) or w.primary != kind:
+                return f"layers.{i}.{name} is not an {kind} weight like layers.0.qkv"
+            impl = w.formats[kind]
+            if kind == "int4" and (not impl.kernel or impl.cpu_packed is None or impl.act_dtype != torch.bfloat16):
                 return f"layers.{i}.{name} does not run on specbuild's int4 kernel with bfloat16 inputs"
+            if kind == "int4-a8" and impl.group_size % cpu_kernels.Q8_BLOCK:
+                return f"layers.{i}.{name}'s groups of {impl.group_size} are not whole int8 blocks"
     plan = model.plans.get("layers")
-    if plan is not None and set(plan.formats) != {"int4"}:
+    if plan is not None and set(plan.formats) != {kind}:
         return f"the layers' format plan runs other formats at some widths ({plan.describe()})"
     return None
 
@@ -70,16 +82,22 @@ class FusedStack:
             raise ValueError(f"the fused C++ layer stack cannot run this model: {why}")
         c, w = model.config, model.w
         self.model = model
+        self.kind = w["layers.0.qkv"].primary
         empty = torch.empty(0, dtype=torch.float32)
-        weights, meta = [], [c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, 0]
+        # meta[5]: the int4 kernel's ISA level; meta[6]: the int4 x int8 kernel's path (0: int4)
+        weights, meta = [], [c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, 0, 0]
         for i in range(c.num_layers):
             p = f"layers.{i}."
             for name in STACK_WEIGHTS:
                 if name in LINEARS:
-                    impl = w[p + name].formats["int4"]
+                    impl = w[p + name].formats[self.kind]
                     weights.append(impl.cpu_packed)
-                    meta += [impl.group_size, int(impl.act_dtype != torch.bfloat16)]
-                    meta[5] = impl.kernel
+                    if self.kind == "int4-a8":  # per linear: group size, fp32 scales (0/1)
+                        meta += [impl.group_size, int(not impl.f16_scales)]
+                        meta[6] = impl.path
+                    else:
+                        meta += [impl.group_size, int(impl.act_dtype != torch.bfloat16)]
+                        meta[5] = impl.kernel
                 elif name == "qkv_bias":
                     bias = w.get(p + "qkv_bias")
                     weights.append(empty if bias is None else bias.float().contiguous())

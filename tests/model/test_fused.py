@@ -13,7 +13,7 @@ from specbuild.compiler.compile import CompileOptions, compile_bundle
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.model import cpu_kernels
 from specbuild.model.decoder import Attend, ForwardBatch
-from specbuild.model.fused import FusedStack, fused_reason
+from specbuild.model.fused import STACK_DIMS, FusedStack, fused_reason
 from specbuild.model.timing import scratch_sequence, verify_batch
 from tiny import make_tiny_hf
 
@@ -32,6 +32,8 @@ def bundles(tmp_path_factory):
     target = make_tiny_hf(str(root / "target"), scale=4.0, seed=5, layers=3, inter=96)
     out = {}
     for name, opts in {"int4": {"dtype": "float32", "quantize": "int4", "lm_head_format": "int8"},
+                       "int4-a8": {"dtype": "float32", "quantize": "int4", "lm_head_format": "int8",
+                                   "activations": "int8", "group_size": 32},
                        "float32": {"dtype": "float32"}}.items():
         out[name] = compile_bundle(target, str(root / name), CompileOptions(max_draft_len=8, **opts))
     return out
@@ -99,6 +101,60 @@ def test_every_int4_level_keeps_the_rows_bits_in_the_fused_stack(bundles, level,
     check_rows_are_the_decode_steps_bits(eng)
 
 
+@pytest.fixture(scope="module")
+def a8_engine(bundles):
+    kernels_or_skip()
+    if not cpu_kernels.q8_path():
+        pytest.skip("this CPU runs no int4 x int8 path (AVX2 + FMA + F16C)")
+    return Engine(bundles["int4-a8"], EngineConfig(max_batch_size=4, compile=True))
+
+
+def test_int4_a8_bundles_take_the_fused_stack_with_the_int8_input_kernel(a8_engine):
+    model = a8_engine.model
+    assert isinstance(model.compiled, FusedStack) and model.fused_why is None
+    assert model.compiled.kind == "int4-a8" and model.compiled.meta[6] == cpu_kernels.q8_path()
+    check_fused_is_the_eager_model(a8_engine)
+
+
+@pytest.mark.parametrize("path", sorted(cpu_kernels.Q8_PATHS))
+def test_int4_a8_fused_rows_are_the_decode_steps_bits_on_every_path(bundles, a8_engine, path):
+    """Each int4 x int8 path this CPU runs, held for the whole stack: every row of a w-row
+    pass is the one-row step's bits, and every path gives the same bits (the same integers and
+    the same float epilogue)."""
+    if path not in cpu_kernels.q8_paths():
+        pytest.skip(f"this CPU cannot run int4 x int8 path {cpu_kernels.Q8_PATHS[path]}")
+    fused = a8_engine.model.compiled
+    meta = list(fused.meta)
+    try:
+        fused.meta = meta[:6] + [path] + meta[7:]
+        check_rows_are_the_decode_steps_bits(a8_engine)
+        with torch.inference_mode(), scratch_sequence(a8_engine.cache, 24) as slots:
+            batch = verify_batch(slots, 0, 11)
+            got = a8_engine.model.forward(batch, a8_engine.cache).logits
+            fused.meta = meta
+            want = a8_engine.model.forward(batch, a8_engine.cache).logits
+        assert torch.equal(got, want), path
+    finally:
+        fused.meta = meta
+
+
+def check_fused_is_the_eager_model(engine) -> None:
+    model, cache = engine.model, engine.cache
+    fused = model.compiled
+    with torch.inference_mode(), scratch_sequence(cache, 40) as slots:
+        model.forward(verify_batch(slots, 0, 30), cache)
+        for width in (1, 5):
+            batch = verify_batch(slots, 30, width)
+            a = model.forward(batch, cache).logits
+            model.compiled = None
+            try:
+                b = model.forward(batch, cache).logits
+            finally:
+                model.compiled = fused
+            assert torch.equal(a.argmax(-1), b.argmax(-1)), width
+            assert float((a - b).abs().max()) < 2e-2 * float(b.abs().max()), width
+
+
 def check_rows_are_the_decode_steps_bits(engine) -> None:
     model, cache = engine.model, engine.cache
     with torch.inference_mode(), scratch_sequence(cache, 48) as slots:
@@ -131,7 +187,7 @@ def test_fused_aux_layers_are_the_residuals_entering_them(engine):
         # the stack up to layer 2, run again as a 2-layer stack over the same cache, gives aux[1]
         part = FusedStack.__new__(FusedStack)
         part.weights, part.eps, part.scale = fused.weights[:2 * 7], fused.eps, fused.scale
-        part.meta = fused.meta[:6] + fused.meta[6:6 + 2 * 8]
+        part.meta = fused.meta[:STACK_DIMS] + fused.meta[STACK_DIMS:STACK_DIMS + 2 * 8]
 
         class TwoLayers:  # the cache's first two layers
             k, v = cache.k[:2], cache.v[:2]
