@@ -194,6 +194,8 @@ def describe_target(engine, bundle_dir: str) -> tuple[str, str]:
     quant = read_quant(os.path.join(bundle_dir, target["path"]))
     if quant and quant.get("quantize") not in (None, "none"):
         act = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int8": "a8"}.get(quant.get("activations"), "?")
+        if quant.get("activations") == "auto":  # what it loaded as here
+            act = "a8" if getattr(engine.model.w.get("layers.0.qkv"), "primary", "") == "int4-a8" else "bf16"
         fmt = f"{quant['quantize']}/{act}"
     return fmt, f"{fmt}, from {os.path.basename(target.get('source', '')) or '?'} ({target.get('source_format', '?')})"
 

@@ -89,10 +89,13 @@ def main() -> None:
               help="Weight-only quantization of the layers' linear weights (a GGUF's Q4_1 is carried into int4).")
 @click.option("--group-size", default=32, show_default=True, type=click.Choice(["32", "64", "128"]),
               help="Inputs per int4 scale/zero (32 carries GGUF Q4_1 blocks as they are).")
-@click.option("--activations", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32", "int8"]),
+@click.option("--activations", default="bfloat16", show_default=True,
+              type=click.Choice(["bfloat16", "float32", "int8", "auto"]),
               help="Dtype quantized weights multiply in (float32: Q4_1 exact, but torch's CPU kernels are slow; "
-                   "int8: lossy, opt-in: with --quantize int8 each input row rounded to int8 with its own scale, "
-                   "W8A8; with --quantize int4 to int8 blocks of 32, specbuild's int4 x int8 CPU kernel).")
+                   "int8: with --quantize int8 each input row rounded to int8 with its own scale, W8A8 (+3% "
+                   "perplexity); with --quantize int4 to int8 blocks of 32, specbuild's int4 x int8 CPU kernel "
+                   "(int4-a8, within 0.1% of float32's perplexity); auto, --quantize int4 only: int4-a8 where "
+                   "that kernel runs (x86-64 with AVX2), else bfloat16, chosen at load and said in one line).")
 @click.option("--embedding-format", default="dense", show_default=True,
               type=click.Choice(["dense", "float32", "bfloat16", "float16", "int8", "int4"]),
               help="Embedding storage (dense = --dtype); tied embeddings follow --lm-head-format.")

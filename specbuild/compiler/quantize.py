@@ -112,7 +112,8 @@ def convert_tensor(w: torch.Tensor, fmt: str, act: str, group_size: int,
                    raw: tuple[str, torch.Tensor] | None = None) -> Quantized:
     """w: the source's float32 values [N, K]; raw: (GGUF type, rows' bytes) when the source
     was quantized. Returns the tensor in format `fmt` with its report."""
-    act_dtype = torch.float32 if act == "int8" else ACT_DTYPES[act]  # int8 activations: float32 scales
+    # int8 activations (and auto, which may load as them): float32 scales, as exact as the source
+    act_dtype = torch.float32 if act in ("int8", "auto") else ACT_DTYPES[act]
     w = w.float()
     source_type = raw[0] if raw is not None else None
     if fmt == "int4":
@@ -188,8 +189,13 @@ def check_quant_options(options) -> None:
         raise SpecbuildError(f"--quantize {options.quantize!r} is not one of none, int8, int4")
     if options.group_size not in GROUP_SIZES:
         raise SpecbuildError(f"--group-size {options.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
-    if options.activations not in ("bfloat16", "float32", "int8"):
-        raise SpecbuildError(f"activations {options.activations!r} is not one of bfloat16, float32, int8")
+    if options.activations not in ("bfloat16", "float32", "int8", "auto"):
+        raise SpecbuildError(f"activations {options.activations!r} is not one of bfloat16, float32, int8, auto")
+    if options.activations == "auto" and options.quantize != "int4":
+        # auto picks at load between int4-a8 and int4 with bfloat16 inputs: both read the same
+        # int4 values (scales kept exact, rounded to bfloat16 at load where that path runs)
+        raise SpecbuildError(f"--activations auto needs --quantize int4 (it chooses the int4 layers' input "
+                             f"format at load), got --quantize {options.quantize!r}")
     if options.activations == "int8":
         # int8-a8 (--quantize int8) runs through torch._int_mm (int8 x int8 -> int32); int4-a8
         # (--quantize int4) through specbuild's own int4 x int8 CPU kernel (model/cpu_kernels.py;

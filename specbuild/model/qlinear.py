@@ -27,6 +27,8 @@ goes to F.linear unchanged. Each fast path has a plain dequantise-then-matmul
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -574,6 +576,28 @@ def _device(q: QLinear) -> torch.device:
 
 
 # ---- load: bundle tensors -> QLinear objects ---------------------------------------------------
+_auto_said: set[str] = set()
+
+
+def auto_activations(device: torch.device) -> str:
+    """What an `--activations auto` int4 bundle's layers multiply in here: "int8" (int4-a8:
+    input blocks of 32 rounded to int8, specbuild's int4 x int8 kernel; the faster verify passes,
+    perplexity within 0.1% of float32, docs/cpu-kernels.md) where that kernel runs, else
+    "bfloat16" (the int4 kernels with bfloat16 inputs). Says which and why once per process."""
+    path = cpu_kernels.q8_path() if device.type == "cpu" else 0
+    if path:
+        choice = "int8"
+        why = f"this CPU runs specbuild's int4 x int8 kernel ({cpu_kernels.Q8_PATHS[path]})"
+    else:
+        choice = "bfloat16"
+        why = (f"the weights are on {device}" if device.type != "cpu" else
+               f"specbuild's int4 x int8 kernel cannot run here: {cpu_kernels.status()['reason']}")
+    line = f"specbuild: --activations auto: the int4 layers take {'int8 input blocks (int4-a8)' if path else 'bfloat16 inputs'} ({why})"
+    if line not in _auto_said:
+        _auto_said.add(line)
+        print(line, file=sys.stderr)
+    return choice
+
 def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = True) -> dict:
     """weights.safetensors' tensors + quant.json (compiler/quantize.py) -> the decoder's weight
     dict: plain tensors as they are, every other weight a QLinear (packed here), quantized
@@ -582,11 +606,14 @@ def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = 
     from specbuild.errors import BundleError
 
     dtype = tensors["norm"].dtype  # the hidden states' dtype (norms stay plain)
+    requested = quant.get("activations", "bfloat16")
+    if requested == "auto":
+        requested = auto_activations(tensors["norm"].device)
     # int8 activations: int8-a8 (int8 weights, per-row int8 inputs) or int4-a8 (int4 weights,
     # int8 input blocks of 32; its int8 lm_head stays weight-only with float32 inputs)
-    dynamic = quant.get("activations", "bfloat16") == "int8"
+    dynamic = requested == "int8"
     int8_dynamic = dynamic and quant.get("quantize") != "int4"
-    act = torch.float32 if dynamic else ACT_DTYPES[quant.get("activations", "bfloat16")]
+    act = torch.float32 if dynamic else ACT_DTYPES[requested]
     out = dict(tensors)
     checked: set[str] = set()
     for name, entry in quant.get("tensors", {}).items():

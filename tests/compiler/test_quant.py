@@ -287,3 +287,38 @@ def test_smollm2_q4_1_with_float32_activations_is_the_gguf(smollm2_gguf, smollm2
     plain = Engine(smollm2_bundle, EngineConfig(threads=2, max_batch_size=1))
     ids = plain.encode("The capital of France is")
     assert float((last_logits(engine, ids) - last_logits(plain, ids)).abs().max()) < 1e-4
+
+
+def test_activations_auto_loads_int4_a8_where_its_kernel_runs_else_bfloat16(tiny_src, bundles, tmp_path, monkeypatch,
+                                                                            capsys):
+    """`--activations auto` stores the int4-a8 bundle's tensors (exact scales) and picks at
+    load: int4-a8 where the int4 x int8 kernel runs (then it is that bundle, logit for logit),
+    else int4 with bfloat16 inputs (scales rounded at load), saying which in one line."""
+    from specbuild.model import qlinear
+
+    auto = compile_bundle(tiny_src, str(tmp_path / "auto"), CompileOptions(max_seq_len=256, quantize="int4",
+                                                                          lm_head_format="int8", activations="auto"))
+    ids = list(range(3, 40))
+    if cpu_kernels.q8_path():
+        qlinear._auto_said.clear()
+        eng = Engine(auto, EngineConfig(max_batch_size=1))
+        assert eng.model.w["layers.0.qkv"].primary == "int4-a8"
+        assert "the int4 layers take int8 input blocks (int4-a8)" in capsys.readouterr().err
+        a8 = Engine(bundles["int4-a8"], EngineConfig(max_batch_size=1))
+        assert torch.equal(sequence_logits(eng.model, eng.cache, ids), sequence_logits(a8.model, a8.cache, ids))
+    monkeypatch.setattr(cpu_kernels, "q8_path", lambda: 0)
+    qlinear._auto_said.clear()
+    eng = Engine(auto, EngineConfig(max_batch_size=1))
+    w = eng.model.w["layers.0.qkv"]
+    assert w.primary == "int4" and w.act_dtype == torch.bfloat16
+    assert "the int4 layers take bfloat16 inputs" in capsys.readouterr().err
+    # the int4 values with bfloat16 inputs: as near float32's logits as the bfloat16 int4 bundle's
+    # (that bundle rounds its scales before choosing the codes, this one after: not the same bits)
+    bf, f32 = (Engine(bundles[n], EngineConfig(max_batch_size=1)) for n in ("int4", "float32"))
+    got, want, ref = (sequence_logits(e.model, e.cache, ids) for e in (eng, bf, f32))
+    assert float((got - ref).abs().mean()) < 2 * float((want - ref).abs().mean())
+
+
+def test_activations_auto_needs_int4(tiny_src, tmp_path):
+    with pytest.raises(SpecbuildError, match="--activations auto needs --quantize int4.*'int8'"):
+        compile_bundle(tiny_src, str(tmp_path / "b"), CompileOptions(quantize="int8", activations="auto"))
