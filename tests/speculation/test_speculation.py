@@ -285,3 +285,13 @@ def test_cost_calibration_is_cached_per_machine_and_bundle_and_done_at_load(tmp_
     out = second.generate([Request(prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6], speculation=SpeculationConfig.make(
         None, method="ngram", gamma=3), sampling=SamplingParams(max_tokens=12, ignore_eos=True))])[0]
     assert out["stats"]["drafted"] > 0 and out["stats"]["accepted"] > 0
+
+
+def test_verify_costs_are_made_monotone_from_above():
+    """A narrower pass measured above a wider one was slowed by something else: it is charged
+    the wider pass's cost (the 2-core Xeon's v1 calibration read w1 19.4 ms beside w2 13.2)."""
+    from specbuild.speculation.speculator import monotone_costs
+
+    got = monotone_costs({1: 0.0194, 2: 0.0132, 3: 0.0203, 5: 0.0161, 9: 0.0208})
+    assert got == {"1": 0.0132, "2": 0.0132, "3": 0.0161, "5": 0.0161, "9": 0.0208}
+    assert monotone_costs({1: 1.0, 2: 2.0}) == {"1": 1.0, "2": 2.0}
