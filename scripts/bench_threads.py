@@ -3,7 +3,7 @@
 thread policy, interleaved.
 
     python scripts/bench_threads.py BUNDLE [--rounds 3] [--tokens 32] [--policies ...]
-        [--neighbour torch|busy] [--json out.json]
+        [--neighbour torch|busy] [--compile] [--json out.json]
 
 One persistent worker process per policy loads the bundle once (a wait policy is read when
 OpenMP loads, so each needs its own process); in every round the parent runs each worker's
@@ -65,7 +65,8 @@ def worker(bundle: str, threads, torch_first: bool, tokens: int) -> None:
     from specbuild.engine.engine import Engine, EngineConfig
     from specbuild.model.threads import CHOSEN
 
-    engine = Engine(bundle, EngineConfig(threads=threads, max_batch_size=1))
+    compile_ = os.environ.get("SPECBUILD_BENCH_THREADS_COMPILE") == "1"  # --compile, from the parent
+    engine = Engine(bundle, EngineConfig(threads=threads, max_batch_size=1, compile=compile_))
     prompt = engine.encode(engine.render_chat([{"role": "user", "content": "Tell me a story about a dragon."}]),
                            add_special_tokens=False)
     decode_step_ms(engine, prompt, 8, 1)  # warm-up
@@ -134,7 +135,10 @@ def main() -> None:
                     help="SPECBUILD_CPU_KERNEL for every worker (fixed: a choice timed under load could differ between them)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--json")
+    ap.add_argument("--compile", action="store_true", help="the workers run the compiled (fused) layer stack")
     args = ap.parse_args()
+    if args.compile:
+        os.environ["SPECBUILD_BENCH_THREADS_COMPILE"] = "1"  # the workers inherit it
     if args.worker:
         _, threads, torch_first = POLICIES[args.worker]
         worker(args.bundle, threads, torch_first, args.tokens)
@@ -186,7 +190,7 @@ def main() -> None:
                      "wait_policy": next(w.policy for w in workers if w.name == n),
                      "threads": threads_seen[n], "samples": results[n]})
     print(f"{args.bundle}: plain decoding ms/token over {args.tokens} tokens, {args.rounds} interleaved rounds, "
-          f"medians; neighbour: {args.neighbour}; kernel {args.kernel}; CPU {cpu['model']}")
+          f"medians; neighbour: {args.neighbour}; kernel {args.kernel}; {'compiled' if args.compile else 'eager'}; CPU {cpu['model']}")
     print(f"flags: {cpu['flags']}")
     print("load average per phase: idle " + " ".join(f"{x:.2f}" for x in loads["idle"])
           + "; loaded " + " ".join(f"{x:.2f}" for x in loads["loaded"]))

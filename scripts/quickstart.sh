@@ -4,10 +4,14 @@
 # answer a chat prompt, then compare plain decoding with each speculation method on a few
 # held-out prompts (scripts/demo.py: methods interleaved, medians, the load average printed).
 #
-# The bundle is the fastest lossless format on a CPU: the GGUF's own 4-bit weights
-# (--quantize int4 --lm-head-format int8), its layer stack run compiled (--compile) where a
-# C++ compiler exists. Environment:
+# The bundle is the fastest format on a CPU within 1% of float32's perplexity: the GGUF's own
+# 4-bit weights (--quantize int4 --lm-head-format int8) with --activations auto (int4-a8, the
+# layers' inputs rounded to int8 blocks of 32 as llama.cpp's Q4_1 path rounds them, where
+# specbuild's int4 x int8 kernel runs: x86-64 with AVX2; bfloat16 inputs elsewhere), its layer
+# stack run compiled (--compile) where a C++ compiler exists. Speculation is lossless against
+# that arithmetic. Environment:
 #   SPECBUILD_QUICKSTART_FORMAT=int4|float32   weight format (default int4)
+#   SPECBUILD_QUICKSTART_ACTIVATIONS=auto|bfloat16   the int4 layers' inputs (default auto)
 #   SPECBUILD_QUICKSTART_COMPILE=auto|1|0      torch.compile the layer stack (default auto:
 #                                              where a C++ compiler is found)
 #   BUNDLE=DIR                                 where the bundle goes
@@ -19,7 +23,9 @@ FORMAT=${SPECBUILD_QUICKSTART_FORMAT:-int4}
 case "$FORMAT" in
   # Medusa heads share the target's lm_head, which int8 stores quantized (compile refuses the
   # pair), so the int4 bundle carries the draft model and the EAGLE-3 head; float32 all three.
-  int4) ROLES=(--quantize int4 --lm-head-format int8); DEFAULT_BUNDLE=bundles/smollm2-135m-spec-int4 ;;
+  int4) ROLES=(--quantize int4 --lm-head-format int8 --activations "${SPECBUILD_QUICKSTART_ACTIVATIONS:-auto}")
+        DEFAULT_BUNDLE=bundles/smollm2-135m-spec-int4
+        [ "${SPECBUILD_QUICKSTART_ACTIVATIONS:-auto}" = auto ] || DEFAULT_BUNDLE=$DEFAULT_BUNDLE-${SPECBUILD_QUICKSTART_ACTIVATIONS} ;;
   float32) ROLES=(--medusa smollm2-135m-medusa); DEFAULT_BUNDLE=bundles/smollm2-135m-spec ;;
   *) echo "error: SPECBUILD_QUICKSTART_FORMAT=$FORMAT is not one of int4, float32" >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """The whole layer stack as one call into specbuild's C++ kernels (cpu_kernels.cpp, int4_stack).
 
-For the bundles the quickstart builds (float32 hidden states, int4 layer weights on specbuild's
-int4 kernel with bfloat16 inputs, attention through rows_attention) a compiling engine runs
+For int4 bundles (float32 hidden states, int4 layer weights on specbuild's int4 kernel with
+bfloat16 inputs, attention through rows_attention) a compiling engine runs
 this instead of torch.compile: the same per-row arithmetic as Decoder.layer_stack (RMSNorm,
 the int4 kernel on the input rounded to bfloat16, its bfloat16 output widened, rope, the K/V
 write, rows_attention, the residual adds, SiLU(gate) * up), with the glue between the kernels
