@@ -59,22 +59,7 @@ def test_the_fused_stack_computes_the_eager_model(engine):
     """One decode step and a 5-row verify pass: the fused stack's logits are the eager layer
     stack's up to rounding (the glue's float32 sums in another order), and the greedy tokens
     are the same."""
-    model, cache = engine.model, engine.cache
-    fused = model.compiled
-    with torch.inference_mode(), scratch_sequence(cache, 40) as slots:
-        prompt = verify_batch(slots, 0, 30)  # fills the scratch cache through the fused stack
-        model.forward(prompt, cache)
-        for width in (1, 5):
-            batch = verify_batch(slots, 30, width)
-            a = model.forward(batch, cache).logits
-            model.compiled = None
-            try:
-                b = model.forward(batch, cache).logits
-            finally:
-                model.compiled = fused
-            assert a.shape == b.shape == (width, model.config.vocab_size)
-            assert torch.equal(a.argmax(-1), b.argmax(-1)), width
-            assert float((a - b).abs().max()) < 2e-2 * float(b.abs().max()), width
+    check_fused_is_the_eager_model(engine)
 
 
 def test_fused_rows_are_the_decode_steps_bits_at_every_width(engine):
@@ -142,7 +127,7 @@ def check_fused_is_the_eager_model(engine) -> None:
     model, cache = engine.model, engine.cache
     fused = model.compiled
     with torch.inference_mode(), scratch_sequence(cache, 40) as slots:
-        model.forward(verify_batch(slots, 0, 30), cache)
+        model.forward(verify_batch(slots, 0, 30), cache)  # fills the scratch cache through the fused stack
         for width in (1, 5):
             batch = verify_batch(slots, 30, width)
             a = model.forward(batch, cache).logits
@@ -151,6 +136,7 @@ def check_fused_is_the_eager_model(engine) -> None:
                 b = model.forward(batch, cache).logits
             finally:
                 model.compiled = fused
+            assert a.shape == b.shape == (width, model.config.vocab_size)
             assert torch.equal(a.argmax(-1), b.argmax(-1)), width
             assert float((a - b).abs().max()) < 2e-2 * float(b.abs().max()), width
 
