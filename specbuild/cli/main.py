@@ -94,7 +94,7 @@ def main() -> None:
               help="Dtype quantized weights multiply in (float32: Q4_1 exact, but torch's CPU kernels are slow; "
                    "int8: with --quantize int8 each input row rounded to int8 with its own scale, W8A8 (+3% "
                    "perplexity); with --quantize int4 to int8 blocks of 32, specbuild's int4 x int8 CPU kernel "
-                   "(int4-a8, within 0.1% of float32's perplexity); auto, --quantize int4 only: int4-a8 where "
+                   "(int4-a8, perplexity +0.07-0.26% of float32's); auto, --quantize int4 only: int4-a8 where "
                    "that kernel runs (x86-64 with AVX2), else bfloat16, chosen at load and said in one line).")
 @click.option("--embedding-format", default="dense", show_default=True,
               type=click.Choice(["dense", "float32", "bfloat16", "float16", "int8", "int4"]),

@@ -582,7 +582,7 @@ _auto_said: set[str] = set()
 def auto_activations(device: torch.device) -> str:
     """What an `--activations auto` int4 bundle's layers multiply in here: "int8" (int4-a8:
     input blocks of 32 rounded to int8, specbuild's int4 x int8 kernel; the faster verify passes,
-    perplexity within 0.1% of float32, docs/cpu-kernels.md) where that kernel runs, else
+    perplexity +0.07-0.26% of float32's, docs/cpu-kernels.md) where that kernel runs, else
     "bfloat16" (the int4 kernels with bfloat16 inputs). Says which and why once per process."""
     path = cpu_kernels.q8_path() if device.type == "cpu" else 0
     if path:
@@ -597,6 +597,7 @@ def auto_activations(device: torch.device) -> str:
         _auto_said.add(line)
         print(line, file=sys.stderr)
     return choice
+
 
 def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = True) -> dict:
     """weights.safetensors' tensors + quant.json (compiler/quantize.py) -> the decoder's weight
