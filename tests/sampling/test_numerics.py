@@ -19,7 +19,7 @@ from specbuild.sampling.acceptance import (verify_chain_greedy, verify_chain_sam
 from specbuild.sampling.params import TEMPERATURE_FLOOR, SamplingParams, sample_from, warp_probs
 
 VOCAB = 24
-FAST = settings(max_examples=60, deadline=None, database=None)
+FAST = settings(max_examples=60, deadline=None, derandomize=True, database=None)  # same examples every run: CI cannot flake
 
 
 def params_or_none(**kw):
@@ -59,8 +59,11 @@ def test_warped_rows_are_always_distributions(x, temperature, top_p, top_k):
         kept = probs.argmax(-1)
         assert probs.max(-1).values.tolist() == [1.0, 1.0]
         assert torch.equal(tempered.gather(-1, kept[:, None])[:, 0], tempered.max(-1).values)
-    elif top_k == 1:  # the top logit (and any exact tie with it) only
-        assert bool(((probs > 0) == (x == x.max(-1, keepdim=True).values)).all())
+    elif top_k == 1:  # the top logit (and exact ties with it) only; top_p < 1 may drop some ties
+        ties = x == x.max(-1, keepdim=True).values
+        assert not bool(((probs > 0) & ~ties).any())
+        if top_p == 1.0:
+            assert bool(((probs > 0) == ties).all())
 
 def test_the_floor_is_greedy_and_documented():
     for t in (1e-45, 1e-38, 1e-6, TEMPERATURE_FLOOR / 2):
