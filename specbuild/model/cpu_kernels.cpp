@@ -1424,11 +1424,15 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
   auto layers = [&](const auto* op) {
     using O = std::remove_const_t<std::remove_pointer_t<decltype(op)>>;
     constexpr bool F32 = std::is_same_v<O, float>;
-    // a linear's input row t of n values from the float32 values f: rounded to bfloat16 into hb,
-    // or copied into hf (int4-a8 rounds its inputs to int8 itself)
-    auto stage = [&](int64_t t, const float* f, int64_t n) {
-      if constexpr (F32) std::memcpy(hfp + t * n, f, n * sizeof(float));
-      else bf16_from_f32(f, hp + t * n, n);
+    // where row t's n float32 inputs of the next linear are computed: in hf itself (int4-a8
+    // rounds them to int8 inside its kernel), or in the scratch row, then rounded to bfloat16
+    // into hb by stage
+    auto in_row = [&](int64_t t, int64_t n) -> float* {
+      if constexpr (F32) return hfp + t * n;
+      else return fp + t * fs;
+    };
+    auto stage = [&](int64_t t, int64_t n) {
+      if constexpr (!F32) bf16_from_f32(fp + t * fs, hp + t * n, n);
     };
     for (int64_t l = 0; l < L; ++l) {
       if (std::find(aux_layers.begin(), aux_layers.end(), l) != aux_layers.end()) outs.push_back(x.clone());
@@ -1439,8 +1443,8 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
       const int64_t cs = KV * D;
       // attention half
       each_row(T, [&](int64_t t) {
-        norm_row(xp + t * Hd, w[0].data_ptr<float>(), Hd, e, fp + t * fs);
-        stage(t, fp + t * fs, Hd);
+        norm_row(xp + t * Hd, w[0].data_ptr<float>(), Hd, e, in_row(t, Hd));
+        stage(t, Hd);
       });
       run_linear(4 * l, Hd, qkvn, nullptr);
       each_row(T, [&](int64_t t) {
@@ -1449,18 +1453,18 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
       });
       att.zero_();
       rows_attention_run(qp, T, H, D, KV, kc, cs, vc, cs, index.data_ptr<int64_t>(), nmax, sc, fn, ap);
-      if constexpr (!F32) each_row(T, [&](int64_t t) { stage(t, ap + t * qn, qn); });
+      if constexpr (!F32) each_row(T, [&](int64_t t) { bf16_from_f32(ap + t * qn, hp + t * qn, qn); });
       run_linear(4 * l + 1, qn, Hd, F32 ? ap : nullptr);  // int4-a8: the attention rows are its input
       each_row(T, [&](int64_t t) { add_row<O>(xp + t * Hd, op + t * Hd, Hd); });
       // MLP half
       each_row(T, [&](int64_t t) {
-        norm_row(xp + t * Hd, w[4].data_ptr<float>(), Hd, e, fp + t * fs);
-        stage(t, fp + t * fs, Hd);
+        norm_row(xp + t * Hd, w[4].data_ptr<float>(), Hd, e, in_row(t, Hd));
+        stage(t, Hd);
       });
       run_linear(4 * l + 2, Hd, 2 * F, nullptr);
       each_row(T, [&](int64_t t) {
-        silu_row<O>(op + t * 2 * F, F, fp + t * fs);
-        stage(t, fp + t * fs, F);
+        silu_row<O>(op + t * 2 * F, F, in_row(t, F));
+        stage(t, F);
       });
       run_linear(4 * l + 3, F, Hd, nullptr);
       each_row(T, [&](int64_t t) { add_row<O>(xp + t * Hd, op + t * Hd, Hd); });
