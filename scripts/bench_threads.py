@@ -14,7 +14,9 @@ torch job of the issue; `busy`: two processes spinning in Python) and runs them 
 
     libgomp      torch imported before specbuild: libgomp's default wait policy, 2 threads
     default      specbuild's default: the spin count chosen from the cores free at start
-                 (specbuild/model/threads.py), 2 threads
+                 (specbuild/model/threads.py), up to 2 threads, fewer while a trial under
+                 others' load finds fewer faster (model/threads.ThreadGovernor)
+    fixed        the default's spin count, 2 threads always (SPECBUILD_ADAPT_THREADS=0)
     spin         GOMP_SPINCOUNT=10000 (specbuild's choice on a quiet machine), 2 threads
     passive      OMP_WAIT_POLICY=PASSIVE, 2 threads
     spin-1000    GOMP_SPINCOUNT=1000, 2 threads (spin-100: 100)
@@ -47,6 +49,7 @@ POLICIES = {  # name -> (environment, threads, import torch before specbuild)
     "spin-1000": ({"GOMP_SPINCOUNT": "1000"}, 2, False),
     "spin-100": ({"GOMP_SPINCOUNT": "100"}, 2, False),
     "spin-1t": ({"GOMP_SPINCOUNT": "10000"}, 1, False),
+    "fixed": ({"SPECBUILD_ADAPT_THREADS": "0"}, 2, False),
 }
 NEIGHBOURS = {
     "torch": [["-c", "import torch\ntorch.set_num_threads(2)\na = torch.randn(768, 768)\nwhile True:\n    a @ a"]],
@@ -77,7 +80,9 @@ def worker(bundle: str, threads, torch_first: bool, tokens: int) -> None:
         if cmd == "quit":
             return
         ms = decode_step_ms(engine, prompt, tokens, 1)[0]
-        print(json.dumps({"ms": ms, "threads": torch.get_num_threads()}), flush=True)
+        gov = engine.threads_governor
+        print(json.dumps({"ms": ms, "threads": torch.get_num_threads(),
+                          "governor": gov.describe() if gov is not None else engine.threads_why}), flush=True)
 
 
 class Worker:
@@ -129,7 +134,7 @@ def main() -> None:
     ap.add_argument("bundle")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--policies", default="default,libgomp,spin,passive,spin-100,spin-1t")
+    ap.add_argument("--policies", default="default,fixed,libgomp,spin,passive,spin-100,spin-1t")
     ap.add_argument("--neighbour", default="torch", choices=sorted(NEIGHBOURS))
     ap.add_argument("--kernel", default="specbuild",
                     help="SPECBUILD_CPU_KERNEL for every worker (fixed: a choice timed under load could differ between them)")
@@ -155,6 +160,7 @@ def main() -> None:
     workers = []
     results = {n: {"idle": [], "loaded": []} for n in names}
     threads_seen = {n: {"idle": [], "loaded": []} for n in names}
+    governors = {n: {"idle": [], "loaded": []} for n in names}  # the thread governor's state after each decode
     loads = {"idle": [], "loaded": []}
     try:
         for n in names:
@@ -170,6 +176,7 @@ def main() -> None:
                         got = w.decode()
                         results[w.name][phase].append(got["ms"])
                         threads_seen[w.name][phase].append(got["threads"])
+                        governors[w.name][phase].append(got.get("governor"))
                     loads[phase].append(os.getloadavg()[0])
                 finally:
                     stop_neighbour(neighbour)
@@ -188,7 +195,7 @@ def main() -> None:
                      "loaded_over_idle": round(loaded / idle, 2),
                      "loaded_over_default_idle": round(loaded / base, 2) if base else None,
                      "wait_policy": next(w.policy for w in workers if w.name == n),
-                     "threads": threads_seen[n], "samples": results[n]})
+                     "threads": threads_seen[n], "governor": governors[n], "samples": results[n]})
     print(f"{args.bundle}: plain decoding ms/token over {args.tokens} tokens, {args.rounds} interleaved rounds, "
           f"medians; neighbour: {args.neighbour}; kernel {args.kernel}; {'compiled' if args.compile else 'eager'}; CPU {cpu['model']}")
     print(f"flags: {cpu['flags']}")

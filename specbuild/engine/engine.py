@@ -57,6 +57,11 @@ class EngineConfig:
     # same kernels; every forward then runs compiled, so speculation stays lossless. Costs a
     # compile at load (cached on disk by inductor after the first)
     compile: bool = False
+    # adapt the thread count to the cores other processes leave free (model/threads.ThreadGovernor:
+    # a trial of the full count against fewer when others' load appears, the faster kept); only
+    # where the thread count cannot change a result (checked at load). SPECBUILD_ADAPT_THREADS=0
+    # turns it off too
+    adapt_threads: bool = True
     # the suffix drafter's store of earlier requests (speculation/proposers/suffix.py): its cap in
     # tokens (whole requests evicted, least recently used first), its scope (global: one store;
     # content_type: one per request content type) and whether prompts join it beside outputs
@@ -258,7 +263,36 @@ class Engine(BaseEngine):
                                    config.prefill_chunk, waiting=self.waiting, running=self.running,
                                    planning=planning, binning=config.binning)
         self.policies = None  # speculation.policy.PolicyTable (set_policies) or None
+        self.threads_governor, self.threads_why = self.make_governor()
         self.load_seconds = time.perf_counter() - t0
+
+    def make_governor(self):
+        """(ThreadGovernor or None, why): the governor where it may run (a CPU engine of more than
+        one thread whose results the thread count does not change), else None and the reason."""
+        from specbuild.model.fused import LINEARS
+        from specbuild.model.qlinear import QLinear
+        from specbuild.model.threads import ThreadGovernor
+        from specbuild.model.timing import thread_count_changes_results
+
+        threads = torch.get_num_threads()
+        if not self.config.adapt_threads:
+            return None, "adapt_threads=False"
+        if os.environ.get("SPECBUILD_ADAPT_THREADS") == "0":
+            return None, "SPECBUILD_ADAPT_THREADS=0"
+        if torch.device(self.config.device).type != "cpu":
+            return None, f"device {self.config.device}"
+        if threads < 2:
+            return None, "one thread"
+        m = self.model
+        if not m.rows_attention or not all(isinstance(m.w.get(f"layers.{i}.{n}"), QLinear)
+                                           for i in range(m.config.num_layers) for n in LINEARS):
+            # torch's float kernels may split a sum differently by thread count (measured: float32
+            # logits differ between 2 threads and 1); specbuild's int kernels and rows attention
+            # give each output to one thread
+            return None, "its layers are not all on specbuild's quantized kernels with rows attention"
+        if thread_count_changes_results(self.model, self.cache, threads):
+            return None, f"this model's logits differ between {threads} threads and 1 (torch's kernels split sums by thread)"
+        return ThreadGovernor(threads), f"up to {threads} threads, fewer when others' load makes fewer faster"
 
     @classmethod
     def from_bundle(cls, bundle_dir: str, **kwargs) -> "Engine":
@@ -400,8 +434,11 @@ class Engine(BaseEngine):
         """With a telemetry sink attached (set_sink), its counters in stats():
         telemetry_rows_dropped / _written / _queued, telemetry_write_errors; and the suffix
         drafter's global store: suffix_store_requests / _tokens / _max_tokens / _evictions /
-        _warm_tokens (what the warm corpus put in at load; those tokens count in _tokens too)."""
+        _warm_tokens (what the warm corpus put in at load; those tokens count in _tokens too); and
+        threads: the step's thread count now, with the ThreadGovernor's state (or why it is off)."""
         out = dict(self.scheduler.sink.stats())
+        out["threads"] = self.threads_governor.describe() if self.threads_governor is not None \
+            else {"threads": torch.get_num_threads(), "adaptive": False, "why": self.threads_why}
         suffix = self.speculator.proposers.get("suffix")
         if hasattr(suffix, "store"):
             st = suffix.store.stats()
@@ -427,7 +464,15 @@ class Engine(BaseEngine):
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> int:
         with self._lock:
-            return self.scheduler.run_step()
+            governor = self.threads_governor
+            if governor is None:
+                return self.scheduler.run_step()
+            governor.before()
+            t0 = time.perf_counter()
+            n = self.scheduler.run_step()
+            if n:
+                governor.after(time.perf_counter() - t0)
+            return n
 
     def _fail_running(self, message: str) -> None:
         """Release and fail every running request (called with the lock held)."""

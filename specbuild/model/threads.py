@@ -17,8 +17,13 @@ a wake-up per region instead, which is what a quiet machine notices. So, unless 
 
 Free cores are read from /proc/stat: the idle (and I/O wait) time of each CPU this process
 may run on, over a short sample while this process sleeps. Where /proc/stat cannot be read,
-the cores count as free. The thread count stays torch's (or --threads): one thread beside a
-busy neighbour measured 2-4x slower than two that sleep when they wait.
+the cores count as free.
+
+The thread count is torch's (or --threads) at load; while serving, ThreadGovernor (below) lowers
+it when others' load appears and a trial finds fewer threads faster, and restores it when the
+load goes (docs/cpu-kernels.md, "The thread governor"). One thread beside a busy neighbour has
+measured 2-4x slower than two that sleep (AMD EPYC, eager) and 1.8x faster than two (Intel Xeon,
+compiled int4), which is why it is a trial and not a rule.
 """
 
 from __future__ import annotations
@@ -104,3 +109,140 @@ def wait_policy(environ=None, free: float | None = None, measure=free_cores) -> 
     CHOSEN.clear()
     CHOSEN.update(chosen)
     return chosen
+
+
+# ---- the thread count while serving -----------------------------------------------------------
+# Beside a CPU-bound neighbour, fewer threads can beat more (compiled int4-a8 SmolLM2, 2-core
+# Xeon, 2026-12-03: 1 thread 23.7 ms/token loaded against 42.3 for 2 spinning and 31.6 for 2
+# passive), and elsewhere the opposite was measured (float32 eager: one thread 2-4x slower than two
+# sleeping ones). So the count is not chosen by a rule: when others' load appears on this
+# process's cores, the governor runs a trial, alternating steps between the candidate counts, and
+# keeps the faster for a while; when the load is gone it goes back to the full count.
+CHECK_S = 0.25      # how often others' CPU use is read (/proc/stat minus this process's own)
+TRIAL_STEPS = 6     # steps per candidate in a trial (alternating, so both see the same mix of widths)
+HOLD_S = 10.0       # how long a trial's winner holds while the load stays before the next trial
+STALE_S = 4 * CHECK_S  # a reading older than this (the engine was idle) is a new baseline
+RESAMPLE_S = CHECK_S  # ... and the next check a full window later (jiffies are 10 ms: shorter windows read noise)
+BUSY_ENTER = 0.6    # cores' worth of others' use at which the cores count as contended
+BUSY_LEAVE = 0.35   # ... and below which they count as free again
+
+
+def busy_jiffies(cpus: list[int], reader=read_cpu_times) -> int:
+    """Busy jiffies (total minus idle and I/O wait; steal counts as busy) summed over `cpus`."""
+    times = reader()
+    return sum(times[c][1] - times[c][0] for c in cpus if c in times)
+
+
+class ThreadGovernor:
+    """The torch thread count of an engine's steps, adapted to the cores others leave free.
+
+    before() is called before each step, after(seconds) with the step's wall time. Candidate
+    counts: the full count, and the cores left after others' use (at least 1). A trial
+    alternates them step by step (TRIAL_STEPS each) and keeps the one with the lower median step
+    time; the winner holds for HOLD_S, then, if the load is still there, a new trial runs.
+
+    Only for models whose results do not depend on the thread count (the engine checks this at
+    load): the thread count must never change a token. Clock, /proc/stat reader, own-CPU clock
+    and setter are injectable (tests drive it without timing anything)."""
+
+    def __init__(self, max_threads: int, cpus: list[int] | None = None, clock=time.monotonic,
+                 reader=read_cpu_times, own_cpu=time.process_time, set_threads=None, tick_s: float | None = None):
+        if max_threads < 1:
+            raise ValueError(f"max_threads={max_threads} must be at least 1")
+        self.max_threads = max_threads
+        self.cpus = allowed_cpus() if cpus is None else cpus
+        self.clock, self.reader, self.own_cpu = clock, reader, own_cpu
+        if set_threads is None:
+            import torch
+
+            set_threads = torch.set_num_threads
+        self.set_threads = set_threads
+        self.tick_s = tick_s if tick_s is not None else 1.0 / os.sysconf("SC_CLK_TCK")
+        self.threads = max_threads
+        self.state = "free"  # free | trial | hold
+        self.others = 0.0  # cores' worth of others' use at the last check
+        self.trials = 0
+        self.changes = 0
+        self.hold_until = 0.0
+        self.candidates: list[int] = [max_threads]
+        self.samples: dict[int, list[float]] = {}
+        self._last: tuple[float, int, float] | None = None  # (wall, busy jiffies, own cpu) at the last check
+        self._next_check = 0.0
+        self._primed = False
+        self.broken: str | None = None  # why /proc/stat could not be read (the governor then stays put)
+
+    def _read_others(self, now: float) -> float | None:
+        try:
+            sample = (now, busy_jiffies(self.cpus, self.reader), self.own_cpu())
+        except (OSError, ValueError, IndexError, KeyError) as e:
+            self.broken = f"{type(e).__name__}: {e}"
+            return None
+        last, self._last = self._last, sample
+        if last is None or sample[0] <= last[0]:
+            return None
+        if sample[0] - last[0] > STALE_S:  # after an idle gap: measure from now, not over the gap
+            self._next_check = now + RESAMPLE_S
+            return None
+        wall = sample[0] - last[0]
+        busy = (sample[1] - last[1]) * self.tick_s
+        return max(0.0, (busy - (sample[2] - last[2])) / wall)
+
+    def _use(self, n: int) -> None:
+        if n != self.threads:
+            self.set_threads(n)
+            self.threads = n
+            self.changes += 1
+
+    def before(self) -> int:
+        """Set the thread count for the next step; returns it."""
+        now = self.clock()
+        if not self._primed:  # the step thread's own count (OpenMP's is per thread)
+            self.set_threads(self.threads)
+            self._primed = True
+        if self.broken is None and now >= self._next_check:
+            self._next_check = now + CHECK_S
+            others = self._read_others(now)
+            if others is not None:
+                self.others = others
+                self._on_load(now, others)
+        if self.state == "trial":
+            counts = {n: len(self.samples[n]) for n in self.candidates}
+            self._use(min(self.candidates, key=lambda n: (counts[n], -n)))  # the arm with fewer samples
+        return self.threads
+
+    def _on_load(self, now: float, others: float) -> None:
+        if self.state == "trial":
+            return  # a trial finishes before the load is looked at again
+        if others < BUSY_LEAVE or (self.state == "free" and others < BUSY_ENTER):
+            self.state = "free"
+            self._use(self.max_threads)
+            return
+        if self.state == "hold" and now < self.hold_until:
+            return
+        left = max(1, min(self.max_threads, int(len(self.cpus) - others + 0.5)))
+        if left >= self.max_threads:
+            self.state = "free"
+            self._use(self.max_threads)
+            return
+        self.candidates = [self.max_threads, left]
+        self.samples = {n: [] for n in self.candidates}
+        self.state = "trial"
+        self.trials += 1
+
+    def after(self, seconds: float) -> None:
+        """The wall time of the step that ran at the current count."""
+        if self.state != "trial" or self.threads not in self.samples:
+            return
+        self.samples[self.threads].append(seconds)
+        if all(len(v) >= TRIAL_STEPS for v in self.samples.values()):
+            best = min(self.candidates, key=lambda n: (sorted(self.samples[n])[len(self.samples[n]) // 2], -n))
+            self._use(best)
+            self.state = "hold"
+            self.hold_until = self.clock() + HOLD_S
+
+    def describe(self) -> dict:
+        out = {"threads": self.threads, "adaptive": True, "max_threads": self.max_threads, "state": self.state,
+               "others_cores": round(self.others, 2), "trials": self.trials, "changes": self.changes}
+        if self.broken:
+            out["broken"] = self.broken
+        return out

@@ -55,6 +55,23 @@ def verify_batch(slots: torch.Tensor, context: int, width: int, token: int = 100
                         slots[context:n], slots[:n], mask, torch.arange(width, device=dev))
 
 
+def thread_count_changes_results(model, cache: PagedKVCache, threads: int) -> bool:
+    """Whether `threads` and one thread give different logits: a 24-row prefill, then a one-row
+    step and a 5-row verify pass after it, on a scratch sequence (model/threads.ThreadGovernor
+    adapts the thread count only where this is False). Restores torch's thread count."""
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode(), scratch_sequence(cache, 32) as slots:
+            outs = {}
+            for n in (threads, 1):
+                torch.set_num_threads(n)
+                outs[n] = [model.forward(verify_batch(slots, c, w), cache).logits.clone()
+                           for c, w in ((0, 24), (24, 1), (24, 5))]
+        return not all(torch.equal(a, b) for a, b in zip(outs[threads], outs[1]))
+    finally:
+        torch.set_num_threads(before)
+
+
 def warm_up_compiled(model, cache, aux_layer_sets=((),)) -> float:
     """Compile every graph a forward of a compiling Decoder (model/compiled.py) can take, at
     load (a compile inside a request would cost it tens of seconds): a one-row decode step,

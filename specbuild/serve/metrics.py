@@ -185,6 +185,9 @@ class ServerMetrics:
                   "(accepted drafts + 1; 1.0 without speculation).", self.mean_accepted_tokens),
             Gauge(p + "gamma", "Mean current gamma (draft length) over running requests that speculate.",
                   lambda: engine.stats()["gamma"]),
+            Gauge(p + "threads", "CPU threads the engine's steps run with now (fewer while others' load makes "
+                  "fewer faster; no sample: the backend does not say).",
+                  lambda: (engine.stats().get("threads") or {}).get("threads")),
             Gauge(p + "gamma_mean", "Mean gamma per speculation step over finished requests.",
                   lambda: self.gamma_sum.get() / self.gamma_steps.get() if self.gamma_steps.get() else 0.0),
         ]

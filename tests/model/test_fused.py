@@ -223,3 +223,71 @@ def test_a_mixed_batch_gives_each_sequence_its_own_bits(engine):
                             torch.cat([a[:6], b[10:11]]), torch.cat([a[:6], b[:11]]), mask, torch.tensor([5, 6]))
         out = model.forward(both, cache).logits
         assert torch.equal(out[0], alone_a) and torch.equal(out[1], alone_b)
+
+
+def test_the_thread_governor_changes_the_count_but_never_a_token(engine):
+    """The engine runs its steps under a ThreadGovernor where the thread count cannot change a
+    result: driven here by a fake machine that reports a neighbour's load and makes one thread
+    the faster, the count changes mid-request (the trial alternates, then one thread holds) and
+    plain and speculative greedy outputs are the tokens of the fixed-count engine."""
+    from specbuild.engine.sequence import Request
+    from specbuild.model import threads as T
+    from specbuild.sampling.params import SamplingParams
+    from specbuild.speculation.config import SpeculationConfig
+
+    assert engine.threads_governor is not None or torch.get_num_threads() < 2, engine.threads_why
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10], [20, 21, 22, 20, 21, 22, 20], list(range(30, 70))]
+
+    def run(method):
+        reqs = [Request(prompt_ids=p, speculation=SpeculationConfig.make(None, method=method, gamma=4),
+                        sampling=SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
+        return engine.generate(reqs)
+
+    saved, threads = engine.threads_governor, torch.get_num_threads()
+    try:
+        engine.threads_governor = None
+        want = {m: [r["token_ids"] for r in run(m)] for m in ("none", "ngram")}
+        clock = {"now": 0.0, "busy": 0.0}
+
+        def reader():  # 1.5 cores of others' use, whatever we do (own CPU reads 0)
+            total = int(clock["now"] * 200)
+            return {0: (total - int(clock["busy"]), total), 1: (total, total)}
+
+        def set_threads(n):
+            torch.set_num_threads(n)
+
+        gov = T.ThreadGovernor(2, cpus=[0, 1], clock=lambda: clock["now"], reader=reader, own_cpu=lambda: 0.0,
+                               set_threads=set_threads, tick_s=0.01)
+        real_after = gov.after
+
+        def after(seconds):  # one thread is the faster, and fake time moves on
+            clock["now"] += 0.05
+            clock["busy"] += 1.5 * 0.05 * 100
+            real_after(0.01 if gov.threads == 1 else 0.03)
+
+        gov.after = after
+        engine.threads_governor = gov
+        for method in ("none", "ngram"):
+            out = run(method)
+            assert [r["token_ids"] for r in out] == want[method], method
+            if method == "ngram":
+                assert sum(r["stats"]["drafted"] for r in out) > 0 and sum(r["stats"]["accepted"] for r in out) > 0
+        assert gov.trials >= 1 and gov.changes >= 2 and gov.threads == 1, gov.describe()
+        assert engine.stats()["threads"]["adaptive"] is True
+    finally:
+        engine.threads_governor = saved
+        torch.set_num_threads(threads)
+
+
+def test_no_governor_where_the_thread_count_could_change_a_result(bundles, monkeypatch):
+    """float32 layers run torch's kernels, whose sums may split by thread count: the count stays
+    fixed, and stats() says why; SPECBUILD_ADAPT_THREADS=0 and adapt_threads=False turn it off."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to adapt")
+    other = Engine(bundles["float32"], EngineConfig(max_batch_size=1))
+    assert other.threads_governor is None and "quantized kernels" in other.threads_why
+    assert other.stats()["threads"] == {"threads": torch.get_num_threads(), "adaptive": False, "why": other.threads_why}
+    kernels_or_skip()
+    assert Engine(bundles["int4"], EngineConfig(max_batch_size=1, adapt_threads=False)).threads_why == "adapt_threads=False"
+    monkeypatch.setenv("SPECBUILD_ADAPT_THREADS", "0")
+    assert Engine(bundles["int4"], EngineConfig(max_batch_size=1)).threads_governor is None

@@ -75,3 +75,99 @@ def test_import_sets_the_policy_before_torch_loads():
     assert out.returncode == 0, out.stderr
     spin, policy = out.stdout.split()
     assert spin in (T.QUIET_SPINCOUNT, T.BUSY_SPINCOUNT) and policy == f"GOMP_SPINCOUNT={spin}"
+
+
+# ---- the thread governor (no timing: a fake clock, /proc/stat and own-CPU clock) ---------------
+class FakeMachine:
+    """Two CPUs; `others` cores' worth of another process's use and `own` of ours per second."""
+
+    def __init__(self, others: float = 0.0, own: float = 2.0):
+        self.now, self.others, self.own = 0.0, others, own
+        self.busy, self.cpu = 0.0, 0.0  # busy jiffies (100 per s per core), own CPU seconds
+        self.set_calls: list[int] = []
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.busy += (self.others + self.own) * seconds * 100
+        self.cpu += self.own * seconds
+
+    def reader(self):  # cpu -> (idle, total); all busy time on cpu 0 (the governor sums the CPUs)
+        total = int(self.now * 100)
+        return {0: (total - int(self.busy), total), 1: (total, total)}
+
+    def governor(self, max_threads: int = 2) -> T.ThreadGovernor:
+        return T.ThreadGovernor(max_threads, cpus=[0, 1], clock=lambda: self.now, reader=self.reader,
+                                own_cpu=lambda: self.cpu, set_threads=self.set_calls.append, tick_s=0.01)
+
+
+def run_steps(m: FakeMachine, g: T.ThreadGovernor, n: int, step_s) -> list[int]:
+    """n steps; step_s(threads) is a step's wall time at that count. Returns the counts used."""
+    used = []
+    for _ in range(n):
+        t = g.before()
+        used.append(t)
+        m.advance(step_s(t))
+        g.after(step_s(t))
+    return used
+
+
+def test_governor_keeps_the_full_count_on_free_cores():
+    m = FakeMachine(others=0.1)
+    g = m.governor()
+    used = run_steps(m, g, 200, lambda t: 0.01)
+    assert set(used) == {2} and g.trials == 0 and g.state == "free"
+    assert m.set_calls == [2]  # the step thread's count, set once
+
+
+def test_under_load_a_trial_picks_the_faster_count_and_both_arms_run():
+    m = FakeMachine(others=1.2)
+    g = m.governor()
+    used = run_steps(m, g, 200, lambda t: 0.02 if t == 1 else 0.04)  # one thread faster under load
+    assert g.trials >= 1 and used.count(2) >= T.TRIAL_STEPS and used.count(1) >= T.TRIAL_STEPS
+    assert used[-1] == 1 and g.state == "hold" and g.describe()["others_cores"] == pytest.approx(1.2, abs=0.1)
+    # where the full count is faster under load, the trial keeps it
+    m = FakeMachine(others=1.2)
+    g = m.governor()
+    used = run_steps(m, g, 200, lambda t: 0.05 if t == 1 else 0.03)
+    assert g.trials >= 1 and 1 in used and used[-1] == 2 and g.state == "hold"
+
+
+def test_the_winner_holds_then_a_new_trial_runs_and_free_cores_restore_the_full_count():
+    m = FakeMachine(others=1.2)
+    g = m.governor()
+    run_steps(m, g, 100, lambda t: 0.02 if t == 1 else 0.04)
+    first = g.trials
+    run_steps(m, g, int(T.HOLD_S / 0.02) + 50, lambda t: 0.02 if t == 1 else 0.04)
+    assert g.trials == first + 1  # one more trial after HOLD_S, not one per check
+    m.others = 0.0
+    used = run_steps(m, g, 100, lambda t: 0.02 if t == 1 else 0.04)
+    assert used[-1] == 2 and g.state == "free"
+
+
+def test_an_idle_gap_is_not_read_as_load():
+    """Between requests the engine does not step; the first reading after a gap is a new
+    baseline, so others' load during the gap (gone now) starts no trial."""
+    m = FakeMachine(others=0.0)
+    g = m.governor()
+    run_steps(m, g, 50, lambda t: 0.01)
+    m.others, m.own = 1.5, 0.0
+    m.advance(5.0)  # a neighbour ran while we were idle, and stopped
+    m.others, m.own = 0.0, 2.0
+    used = run_steps(m, g, 100, lambda t: 0.01)
+    assert set(used) == {2} and g.trials == 0
+
+
+def test_one_core_left_means_no_trial_and_unreadable_stat_leaves_the_count():
+    m = FakeMachine(others=1.2)
+    g = m.governor(max_threads=1)
+    assert set(run_steps(m, g, 100, lambda t: 0.02)) == {1} and g.trials == 0
+
+    def broken():
+        raise OSError("no /proc here")
+
+    m = FakeMachine(others=1.2)
+    g = T.ThreadGovernor(2, cpus=[0, 1], clock=lambda: m.now, reader=broken, own_cpu=lambda: m.cpu,
+                         set_threads=m.set_calls.append, tick_s=0.01)
+    assert set(run_steps(m, g, 50, lambda t: 0.02)) == {2} and "no /proc" in g.describe()["broken"]
+    with pytest.raises(ValueError, match="max_threads=0"):
+        T.ThreadGovernor(0, cpus=[0], set_threads=lambda n: None)
