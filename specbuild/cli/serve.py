@@ -109,6 +109,11 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
         fail_once(e)
     ctx = dist_context(bundle, backend, "serve", parallel_draft)
     tag = "" if ctx.role == "single" else f" rank{ctx.rank}"
+    if threads is None and ctx.role in ("verifier", "drafter"):  # MineDraft's ranks share the cores
+        from specbuild.model.threads import rank_threads
+
+        threads, why = rank_threads(ctx.world_size)
+        click.echo(f"rank {ctx.rank}: {threads} thread{'s' if threads != 1 else ''} ({why})", err=True)
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s{tag} %(levelname)s %(name)s: %(message)s")
     if ctx.role == "drafter":
         serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout)

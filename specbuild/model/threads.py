@@ -111,6 +111,22 @@ def wait_policy(environ=None, free: float | None = None, measure=free_cores) -> 
     return chosen
 
 
+def rank_threads(world_size: int, environ=None, cores: int | None = None) -> tuple[int, str]:
+    """(threads, why) for one of `world_size` MPI ranks when --threads is not given: this host's
+    usable cores shared among the ranks on this host (MPICH's MPI_LOCALNRANKS, Open MPI's
+    OMPI_COMM_WORLD_LOCAL_SIZE, else all ranks), at least 1. Two ranks of two threads each on
+    two cores would spin against each other at every parallel region."""
+    environ = os.environ if environ is None else environ
+    cores = len(allowed_cpus()) if cores is None else cores
+    local, source = world_size, "ranks in the world"
+    for key in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if environ.get(key, "").strip().isdigit() and int(environ[key]) > 0:
+            local, source = int(environ[key]), key
+            break
+    n = max(1, cores // max(1, local))
+    return n, f"{cores} usable cores / {local} ranks on this host ({source}); --threads to choose"
+
+
 # ---- the thread count while serving -----------------------------------------------------------
 # Beside a CPU-bound neighbour, fewer threads can beat more (compiled int4-a8 SmolLM2, 2-core
 # Xeon, 2026-12-03: 1 thread 23.7 ms/token loaded against 42.3 for 2 spinning and 31.6 for 2

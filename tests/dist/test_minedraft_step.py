@@ -6,6 +6,7 @@ by /health) always counts every running request. In process, over the loopback d
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -122,8 +123,12 @@ def test_heads_only_bundle_is_refused_with_the_reason(tmp_path):
         M.plugin(bundle, M.LoopbackTransport(None))
     need_mpi()
     proc = subprocess.run([MPIRUN, "-disable-auto-cleanup", "-n", "2", *CLI, "serve", bundle, "--port", "0",
-                           "--threads", "1", "--parallel-draft"], capture_output=True, text=True, timeout=120, cwd=REPO)
+                           "--parallel-draft"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode != 0, proc.stdout + proc.stderr
+    # no --threads: the two ranks share this host's cores instead of each taking all of them
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    for rank in (0, 1):
+        assert f"rank {rank}: {share} thread" in proc.stderr and "2 ranks on this host (MPI_LOCALNRANKS)" in proc.stderr
     assert "error: draft rank: bundle" in proc.stderr and proc.stderr.count(reason) == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "KeyError" not in proc.stderr
 

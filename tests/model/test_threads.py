@@ -171,3 +171,12 @@ def test_one_core_left_means_no_trial_and_unreadable_stat_leaves_the_count():
     assert set(run_steps(m, g, 50, lambda t: 0.02)) == {2} and "no /proc" in g.describe()["broken"]
     with pytest.raises(ValueError, match="max_threads=0"):
         T.ThreadGovernor(0, cpus=[0], set_threads=lambda n: None)
+
+
+def test_mpi_ranks_share_the_hosts_cores_unless_threads_is_given():
+    assert T.rank_threads(2, {"MPI_LOCALNRANKS": "2"}, cores=2)[0] == 1
+    n, why = T.rank_threads(2, {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, cores=16)
+    assert n == 8 and "OMPI_COMM_WORLD_LOCAL_SIZE" in why and "--threads" in why
+    assert T.rank_threads(2, {"MPI_LOCALNRANKS": "1"}, cores=4)[0] == 4  # the peer is on another host
+    assert T.rank_threads(3, {}, cores=2)[0] == 1  # no launcher variable: every rank counts
+    assert T.rank_threads(2, {"MPI_LOCALNRANKS": "junk"}, cores=2)[0] == 1
