@@ -358,7 +358,7 @@ def kernel_candidates(act_dtype: torch.dtype = torch.bfloat16, layers: int = 30,
     # (fp32 multiply-adds); int8 has one AVX-512 path
     int4_levels = levels + ([3] if 2 in levels and act_dtype == torch.bfloat16 else []) + (
         [4] if levels and act_dtype == torch.bfloat16 and cpu_kernels.has_isa4() else [])
-    q8 = [p for p in (2, 3, 1) if p in cpu_kernels.q8_paths()]
+    q8 = [p for p in (2, 5, 3, 1) if p in cpu_kernels.q8_paths()]
     if cpu_kernels.mode() == "avx2":
         q8 = [p for p in q8 if p == 1]
     int8_levels = levels + ([3] if 2 in levels else [])  # 3: one-row tiles in AVX-512 (the same bits)

@@ -447,7 +447,7 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i dpbusd_bcast(__m512
 // AVX512-VNNI: R rows x C column blocks (the driver uses C = 1), one zmm int32 accumulator per
 // (row, block) and block of 32 inputs (two for one row: more independent chains; integer sums,
 // so the split changes nothing), the activation bytes broadcast four at a time.
-template <int R, int C, bool F16S>
+template <int R, int C, bool F16S, int PF = PREFETCH>
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) void q8_tile_vnni512(
     const uint8_t* w, int64_t blk_bytes, int64_t grp_bytes, int ngroups, int G, const int8_t* xq, int64_t K,
     const float* dx, const float* qs, float* out /* [R][C * 16] */) {
@@ -467,7 +467,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) void q8_tile_vnn
         const int64_t kk = int64_t(g) * G + b * QB + 8 * o;
         for (int c = 0; c < C; ++c) {
           const uint8_t* p = w + c * blk_bytes + g * grp_bytes + (b * 4 + o) * 64;
-          _mm_prefetch((const char*)(p + PREFETCH), _MM_HINT_T0);
+          _mm_prefetch((const char*)(p + PF), _MM_HINT_T0);
           const __m512i v = _mm512_loadu_si512((const void*)p);
           const __m512i vl = _mm512_and_si512(v, nib), vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
           for (int r = 0; r < R; ++r) {
@@ -832,7 +832,9 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
 }
 
 // int4 x Q8: the ISA paths (an argument, fixed per weight at load like int4_mm's isa).
-enum Q8Path : int64_t { Q8_AVX2 = 1, Q8_VNNI512 = 2, Q8_AVXVNNI = 3, Q8_VNNI256 = 4 };
+// Q8_VNNI512_FAR: Q8_VNNI512's instructions with the weight prefetch FAR_PREFETCH bytes ahead (the
+// same bits; a speed choice per CPU, as ISA_AVX512_FAR is for the bfloat16 int4 path).
+enum Q8Path : int64_t { Q8_AVX2 = 1, Q8_VNNI512 = 2, Q8_AVXVNNI = 3, Q8_VNNI256 = 4, Q8_VNNI512_FAR = 5 };
 
 int64_t q8_paths() {  // bit p set: path p runs on this CPU
   __builtin_cpu_init();
@@ -841,7 +843,7 @@ int64_t q8_paths() {  // bit p set: path p runs on this CPU
                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   int64_t m = 0;
   if (avx2) m |= int64_t(1) << Q8_AVX2;
-  if (avx2 && v512) m |= (int64_t(1) << Q8_VNNI512) | (int64_t(1) << Q8_VNNI256);
+  if (avx2 && v512) m |= (int64_t(1) << Q8_VNNI512) | (int64_t(1) << Q8_VNNI256) | (int64_t(1) << Q8_VNNI512_FAR);
   if (avx2 && __builtin_cpu_supports("avxvnni")) m |= int64_t(1) << Q8_AVXVNNI;
   return m;
 }
@@ -902,15 +904,21 @@ void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_
         const int8_t* xt = xq + t0 * K;
         const float *dt = dx + t0 * nbk, *st = qs + t0 * nbk;
         int R;
-        if (path == Q8_VNNI512) {
+        if (path == Q8_VNNI512 || path == Q8_VNNI512_FAR) {
           // one column block per tile: one weight stream at a time measured faster than 2-4
           // interleaved ones (EPYC, 1 thread, SmolLM2's layers: one row 4.5 / 6.0 / 8.4 ms against
           // 6.5 / 7.0 / 9.3 in three A/B runs; wider, the same or better)
           R = row_tile(left);
           for (int64_t b = b0; b < b0 + nb; ++b) {
             const uint8_t* wb = w + b * blk;
-#define TILE(RR) q8_tile_vnni512<RR, 1, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile)
-            if (R == 8) TILE(8); else if (R == 4) TILE(4); else if (R == 2) TILE(2); else TILE(1);
+#define TILE(RR, PF) q8_tile_vnni512<RR, 1, F16S, PF>(wb, blk, grp, ng, G, xt, K, dt, st, tile)
+            if (path == Q8_VNNI512_FAR) {
+              if (R == 8) TILE(8, FAR_PREFETCH); else if (R == 4) TILE(4, FAR_PREFETCH);
+              else if (R == 2) TILE(2, FAR_PREFETCH); else TILE(1, FAR_PREFETCH);
+            } else {
+              if (R == 8) TILE(8, PREFETCH); else if (R == 4) TILE(4, PREFETCH); else if (R == 2) TILE(2, PREFETCH);
+              else TILE(1, PREFETCH);
+            }
 #undef TILE
             write_out(tile, R, 1, t0, b * COLS, N, out);
           }
@@ -937,8 +945,9 @@ void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_
 
 at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, int64_t G, bool f16_scales,
                       int64_t path) {
-  TORCH_CHECK(path >= Q8_AVX2 && path <= Q8_VNNI256,
-              "int4_q8_mm: path must be 1 (AVX2), 2 (AVX512-VNNI), 3 (AVX-VNNI) or 4 (AVX512-VL VNNI ymm), got ", path);
+  TORCH_CHECK(path >= Q8_AVX2 && path <= Q8_VNNI512_FAR,
+              "int4_q8_mm: path must be 1 (AVX2), 2 (AVX512-VNNI), 3 (AVX-VNNI), 4 (AVX512-VL VNNI ymm) or 5 "
+              "(AVX512-VNNI, far prefetch), got ", path);
   TORCH_CHECK((q8_paths() >> path) & 1, "int4_q8_mm: this CPU cannot run path ", path, " (runnable paths: bitmask ",
               q8_paths(), ")");
   check_q8_input(x_in, "int4_q8_mm");
@@ -1324,7 +1333,7 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
   TORCH_CHECK(meta.size() >= STACK_DIMS, "int4_stack: meta needs ", STACK_DIMS, " model sizes first");
   const int64_t Hd = meta[0], H = meta[1], KV = meta[2], D = meta[3], F = meta[4], isa = meta[5], q8 = meta[6];
   if (q8) {
-    TORCH_CHECK(q8 >= Q8_AVX2 && q8 <= Q8_VNNI256 && ((q8_paths() >> q8) & 1), "int4_stack: q8 path ", q8,
+    TORCH_CHECK(q8 >= Q8_AVX2 && q8 <= Q8_VNNI512_FAR && ((q8_paths() >> q8) & 1), "int4_stack: q8 path ", q8,
                 " is not one this CPU runs (bitmask ", q8_paths(), ")");
   } else {
     check_isa(isa);

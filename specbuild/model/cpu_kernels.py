@@ -63,7 +63,8 @@ INT8_NAMES = {1: "AVX2", 2: "AVX-512", 3: "AVX-512 (one-row tiles too)"}  # int8
 def level_name(kind: str, level: int) -> str:
     """The name of `kind`'s ("int4", "int8") ISA level, as the load line prints it."""
     return (INT8_NAMES if kind == "int8" else ISA_NAMES).get(level, ISA_NAMES.get(level, str(level)))
-Q8_PATHS = {1: "AVX2", 2: "AVX512-VNNI", 3: "AVX-VNNI", 4: "AVX512-VL VNNI ymm"}  # int4_q8_mm's `path`
+# int4_q8_mm's `path`; 5 is 2's instructions with the weight prefetch further ahead (the same bits)
+Q8_PATHS = {1: "AVX2", 2: "AVX512-VNNI", 3: "AVX-VNNI", 4: "AVX512-VL VNNI ymm", 5: "AVX512-VNNI far prefetch"}
 Q8_BLOCK = 32  # inputs per int8 block (one float32 scale each)
 _lock = threading.Lock()
 _state: dict = {}
@@ -230,15 +231,66 @@ def q8_paths() -> list[int]:
 
 
 def q8_path() -> int:
-    """The path int4-a8 weights run in this process: AVX512-VNNI, else AVX-VNNI, else AVX2
-    (SPECBUILD_CPU_KERNEL=avx2 forces AVX2); 0 when none can run. Every path gives the same
-    bits, so this is a speed choice only."""
+    """The path int4-a8 weights run in this process: AVX512-VNNI (its prefetch near, 2, or far,
+    5, whichever a quick interleaved measurement on sample weights finds faster, once per
+    process, said in one line on stderr), else AVX-VNNI, else AVX2 (SPECBUILD_CPU_KERNEL=avx2
+    forces AVX2; SPECBUILD_Q8_PATH=N forces path N); 0 when none can run. Every path gives
+    the same bits, so this is a speed choice only."""
     paths = q8_paths()
     if not paths:
         return 0
     if mode() == "avx2":
         return 1
-    return next(p for p in (2, 3, 1) if p in paths)
+    forced = os.environ.get("SPECBUILD_Q8_PATH", "").strip()
+    if forced:  # a benchmark's A/B (the same bits on every path)
+        if not forced.isdigit() or int(forced) not in paths:
+            raise KernelBuildError(f"SPECBUILD_Q8_PATH={forced!r} is not a path this CPU runs: "
+                                   + ", ".join(f"{p} ({Q8_PATHS[p]})" for p in paths))
+        return int(forced)
+    base = next(p for p in (2, 3, 1) if p in paths)
+    if base != 2 or 5 not in paths:
+        return base
+    with _lock:
+        if "q8" in _choices:
+            return _choices["q8"]
+    costs = _q8_sample_costs((2, 5))
+    pick = min(costs, key=lambda p: (costs[p], p))
+    with _lock:
+        if "q8" not in _choices:
+            _choices["q8"] = pick
+            print(f"specbuild: int4-a8 linears run the int4 x int8 kernel's {Q8_PATHS[pick]} path (sample weights at "
+                  f"widths {'/'.join(map(str, SAMPLE_WIDTHS))}: " +
+                  "; ".join(f"{Q8_PATHS[p]} {c:.2f} ms" for p, c in costs.items()) + "; the same bits)", file=sys.stderr)
+        return _choices["q8"]
+
+
+def _q8_sample_costs(paths: tuple[int, ...], repeats: int = 5) -> dict[int, float]:
+    """Milliseconds for one pass of int4_q8_mm over the sample weights at SAMPLE_WIDTHS (summed)
+    on each of `paths`, interleaved, best of `repeats` rounds."""
+    gen = torch.Generator().manual_seed(0)
+    weights = []
+    for n, k in [s for s in SAMPLE_SHAPES for _ in range(4)]:
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+        # scales as GGUF Q4_1 holds them (fp16 d and m): the fp16 layout the shipped bundle runs
+        s = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+        m = (torch.randn(n, k // 32, generator=gen) * 0.01).half().float()
+        z = m + 8.0 * s
+        f16 = q8_fp16_exact(s, z)
+        weights.append((n, k, f16, repack_int4_q8(q, s, z, 32, f16)))
+    total = {p: 0.0 for p in paths}
+    for w in SAMPLE_WIDTHS:
+        xs = {k: torch.randn(w, k, generator=gen) for k in (576, 1536)}
+        best = {p: float("inf") for p in paths}
+        for r in range(repeats + 1):
+            for p in paths:
+                t0 = time.perf_counter()
+                for n, k, f16, packed in weights:
+                    int4_q8_mm(xs[k], packed, n, 32, f16, p)
+                if r:
+                    best[p] = min(best[p], time.perf_counter() - t0)
+        for p in paths:
+            total[p] += best[p] * 1e3
+    return total
 
 
 # ---- layouts ---------------------------------------------------------------------------------

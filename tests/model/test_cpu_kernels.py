@@ -471,3 +471,16 @@ def test_rows_attention_refuses_a_bad_index():
     # a row with no keys comes out zero (as SDPA's)
     out = op(q, k, v, torch.tensor([0, 0, 1, 3]), 0.125)
     assert torch.equal(out[0], torch.zeros(9, 64)) and out[1].abs().sum() > 0
+
+
+def test_q8_path_is_a_runnable_path_and_can_be_forced(monkeypatch):
+    """q8_path() picks among the paths this CPU runs (AVX512-VNNI near or far prefetch by a
+    measurement: the same bits, tested above); SPECBUILD_Q8_PATH forces one, and a path this CPU
+    cannot run is refused with the runnable ones named."""
+    paths = q8_paths()
+    assert cpu_kernels.q8_path() in paths
+    monkeypatch.setenv("SPECBUILD_Q8_PATH", str(paths[0]))
+    assert cpu_kernels.q8_path() == paths[0]
+    monkeypatch.setenv("SPECBUILD_Q8_PATH", "9")
+    with pytest.raises(cpu_kernels.KernelBuildError, match=r"SPECBUILD_Q8_PATH='9' is not a path this CPU runs: 1 \(AVX2\)"):
+        cpu_kernels.q8_path()
