@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action="store_true", help="run the target's layer stack compiled (CPU)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="where the target runs: cpu, cuda, cuda:N [cpu]")
+    ap.add_argument("--prefill-chunk", type=int, default=256,
+                    help="prompt tokens prefilled per engine step [256]; thousands on a GPU")
     ap.add_argument("--ignore-eos", action="store_true", help="answers run to --max-answer-tokens (tests)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -57,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                            limit=args.limit, time_limit=args.time_limit, batch=args.batch, seed=args.seed,
                            ignore_eos=args.ignore_eos, data=args.data)
         manifest = build_corpus(args.bundle, args.out, cfg, compile=args.compile, threads=args.threads,
-                                progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
-    except SpecbuildError as err:
+                                progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
+                                device=args.device, prefill_chunk=args.prefill_chunk)
+    except (SpecbuildError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps({k: manifest[k] for k in ("complete", "totals", "sources", "heldout", "dropped", "seconds")},

@@ -29,6 +29,7 @@ from specbuild.cli.options import shared
 @shared("--checkpoint-minutes")
 @shared("--seed")
 @shared("--threads")
+@shared("--device", help="Where the target computes the features and the head trains: cpu, cuda, cuda:N.")
 @shared("--resume", help="Reuse the answers, features and checkpoint in --out.")
 @click.option("--corpus", default=None, type=click.Path(file_okay=False),
               help="Train on a corpus built by scripts/build_eagle_corpus.py (its answers and fixed held-out set) "
@@ -50,7 +51,7 @@ from specbuild.cli.options import shared
 @user_errors
 def train_eagle_cmd(bundle, data_path, out_dir, draft_vocab, ttt_steps, max_prompts, eval_prompts, max_answer_tokens,
                     max_prompt_tokens, sampled, epochs, steps, lr, train_minutes, checkpoint_minutes, seed, threads,
-                    resume, corpus, max_positions, shard_positions, features_dir, stop_at_step, ship, init_head, no_progress) -> None:
+                    device, resume, corpus, max_positions, shard_positions, features_dir, stop_at_step, ship, init_head, no_progress) -> None:
     """Train an EAGLE-3 head for BUNDLE's target by self-distillation (EAGLE-3 layout out)."""
     import torch
 
@@ -65,7 +66,7 @@ def train_eagle_cmd(bundle, data_path, out_dir, draft_vocab, ttt_steps, max_prom
                            max_positions=max_positions, shard_positions=shard_positions, stop_step=stop_at_step)
     report = train_eagle(bundle, data_path, out_dir, cfg, resume=resume, progress=not no_progress,
                          log=lambda m: click.echo(m, err=True), corpus=corpus, ship=ship, features_dir=features_dir,
-                         init=init_head)
+                         init=init_head, device=device)
     click.echo(json.dumps({k: report[k] for k in ("steps", "train_rows", "train_seconds", "eval_before", "eval_after",
                                                   "epochs", "ship") if k in report}, indent=2))
 

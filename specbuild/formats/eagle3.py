@@ -61,15 +61,16 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
 
 def d2t_from_ids(draft_ids: torch.Tensor) -> torch.Tensor:
     """[N] target ids of the draft vocabulary -> the offsets d2t (target = d + d2t[d])."""
-    return (draft_ids.to(torch.int64) - torch.arange(draft_ids.numel(), dtype=torch.int64)).contiguous()
+    return (draft_ids.to(torch.int64) - torch.arange(draft_ids.numel(), dtype=torch.int64,
+                                                     device=draft_ids.device)).contiguous()
 
 
 def ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
-    return (torch.arange(d2t.numel(), dtype=torch.int64) + d2t.to(torch.int64)).contiguous()
+    return (torch.arange(d2t.numel(), dtype=torch.int64, device=d2t.device) + d2t.to(torch.int64)).contiguous()
 
 
 def t2d_from_ids(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=draft_ids.device)
     t2d[draft_ids.to(torch.int64)] = True
     return t2d
 

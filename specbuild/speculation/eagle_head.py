@@ -58,11 +58,12 @@ class EagleHead:
         self.config = config
         self.w = weights
         self.embed = embed
-        self.draft_ids = draft_ids.to(torch.int64)
+        self.draft_ids = draft_ids.to(device=embed.device, dtype=torch.int64)
         dtype = weights["fc.weight"].dtype
         rope_cfg = SimpleNamespace(head_dim=config.head_dim, rope_theta=config.rope_theta,
                                    rope_scaling=config.rope_scaling)
-        self.cos, self.sin = rope_tables(rope_cfg, max_pos, dtype)
+        device = weights["fc.weight"].device
+        self.cos, self.sin = (t.to(device) for t in rope_tables(rope_cfg, max_pos, dtype))
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.packed: dict[str, tuple[torch.Tensor, int, int]] = {}  # name -> (int8 packed, rows, ISA level)
 
@@ -119,8 +120,8 @@ class EagleHead:
         vals = v if past_v is None else torch.cat([past_v, v])
         s = keys.shape[0]
         if mask is None:
-            mask = torch.ones(t, s, dtype=torch.bool)
-            mask[:, s - t:] = torch.ones(t, t, dtype=torch.bool).tril()
+            mask = torch.ones(t, s, dtype=torch.bool, device=emb.device)
+            mask[:, s - t:] = torch.ones(t, t, dtype=torch.bool, device=emb.device).tril()
         group = c.num_heads // c.num_kv_heads
         kk = keys.repeat_interleave(group, 1).transpose(0, 1)  # [heads, S, D]
         vv = vals.repeat_interleave(group, 1).transpose(0, 1)
@@ -138,7 +139,7 @@ class EagleHead:
         return self.lin(rms_norm(out, self.w["norm.weight"], self.config.rms_norm_eps), "lm_head.weight")
 
     def to_target(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
-        full = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype)
+        full = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype, device=logits.device)
         full[:, self.draft_ids] = logits
         return full
 

@@ -328,14 +328,22 @@ def generate_jobs(engine, jobs: list[dict], path: str, cfg: CorpusConfig, deadli
 
 # ---- the command -------------------------------------------------------------------------------------
 def build_corpus(bundle_dir: str, out_dir: str, cfg: CorpusConfig = CorpusConfig(), *, compile: bool = False,
-                 threads: int | None = None, progress: bool = True, log=print) -> dict:
-    """Build or continue the corpus in `out_dir` (module docstring); returns the manifest."""
+                 threads: int | None = None, progress: bool = True, log=print, device: str = "cpu",
+                 prefill_chunk: int = 256) -> dict:
+    """Build or continue the corpus in `out_dir` (module docstring); returns the manifest.
+    `device` and `prefill_chunk` (prompt tokens prefilled per engine step) go to the Engine: on
+    a GPU, a bundle compiled with a large --max-batch-size, `cfg.batch` as large and a prefill
+    chunk of thousands of tokens keep the device busy (docs/eagle-training.md)."""
     from specbuild.engine.engine import Engine, EngineConfig
 
     t0 = time.perf_counter()
     deadline = Deadline(cfg.time_limit)
     os.makedirs(out_dir, exist_ok=True)
-    engine = Engine(bundle_dir, EngineConfig(compile=compile, threads=threads))
+    engine = Engine(bundle_dir, EngineConfig(compile=compile, threads=threads, device=device,
+                                             prefill_chunk=prefill_chunk))
+    if cfg.batch > engine.max_batch_size:
+        log(f"--batch {cfg.batch} is above the bundle's max batch size {engine.max_batch_size}: "
+            f"{engine.max_batch_size} requests in flight (compile with --max-batch-size {cfg.batch} for more)")
 
     def chat_ids(text: str) -> list[int]:
         return engine.encode(engine.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)

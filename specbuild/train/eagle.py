@@ -104,9 +104,11 @@ def target_features(model, cache, ids: list[int], aux_layers: tuple[int, ...]) -
     try:
         cache.reserve(seq_id, n)
         slots = cache.slots(seq_id, 0, n)
-        rows = torch.arange(n)
-        batch = ForwardBatch(torch.tensor(ids), torch.arange(n), slots, slots,
-                             torch.ones(n, n, dtype=torch.bool).tril(), rows)
+        dev = cache.device
+        rows = torch.arange(n, device=dev)
+        slots = slots.to(dev)
+        batch = ForwardBatch(torch.tensor(ids, device=dev), torch.arange(n, device=dev), slots, slots,
+                             torch.ones(n, n, dtype=torch.bool, device=dev).tril(), rows)
         out = model.forward(batch, cache, return_hidden=True, aux_layers=aux_layers, aux_rows=rows)
         hidden, feats = out.hidden, out.aux
         return feats, hidden
@@ -176,8 +178,8 @@ def write_shards(engine, seqs: list[dict], aux_layers, root: str, prefix: str, s
             seq_ids = s["prompt_ids"] + s["answer_ids"]
             f, h = target_features(engine.model, engine.cache, seq_ids, aux_layers)
             ids.append(torch.tensor(seq_ids, dtype=torch.int32))
-            feats.append(f.to(torch.bfloat16))
-            hidden.append(h.to(torch.bfloat16))
+            feats.append(f.to(torch.bfloat16).cpu())
+            hidden.append(h.to(torch.bfloat16).cpu())
             offsets.append(offsets[-1] + len(seq_ids))
             starts.append(len(s["prompt_ids"]))
             bar.update(len(seq_ids))
@@ -195,11 +197,12 @@ def write_shards(engine, seqs: list[dict], aux_layers, root: str, prefix: str, s
     return index, len(todo)
 
 
-def read_shard(path: str) -> list[dict]:
-    """The sequences of one shard: {"ids" int64, "feats", "hidden" (bfloat16), "answer_start"}."""
+def read_shard(path: str, device: str = "cpu") -> list[dict]:
+    """The sequences of one shard: {"ids" int64, "feats", "hidden" (bfloat16), "answer_start"},
+    on `device`."""
     from safetensors.torch import load_file
 
-    t = load_file(path)
+    t = {k: v.to(device) if k in ("ids", "feats", "hidden") else v for k, v in load_file(path).items()}
     off = t["offsets"].tolist()
     return [{"ids": t["ids"][a:b].long(), "feats": t["feats"][a:b], "hidden": t["hidden"][a:b],
              "answer_start": int(st)} for a, b, st in zip(off[:-1], off[1:], t["answer_start"].tolist())]
@@ -213,8 +216,9 @@ class ShardStream:
     so a resumed run sees the same windows as an uninterrupted one. `chosen` (global sequence
     indices) restricts training to a subset (--max-positions)."""
 
-    def __init__(self, root: str, index: list[dict], max_rows: int, seed: int, chosen: set[int] | None = None) -> None:
-        self.root, self.index, self.seed = root, index, seed
+    def __init__(self, root: str, index: list[dict], max_rows: int, seed: int, chosen: set[int] | None = None,
+                 device: str = "cpu") -> None:
+        self.root, self.index, self.seed, self.device = root, index, seed, device
         self.windows = []  # per shard: [(local seq, start)]
         for entry in index:
             w = [(j, st) for j, (g, length) in enumerate(zip(entry["seqs"], entry["lengths"]))
@@ -240,7 +244,7 @@ class ShardStream:
     def shard(self, k: int) -> list[dict]:
         if self._shard is None or self._shard[0] != k:
             self._shard = None  # the previous one is freed before the next is read
-            self._shard = (k, read_shard(os.path.join(self.root, self.index[k]["file"])))
+            self._shard = (k, read_shard(os.path.join(self.root, self.index[k]["file"]), self.device))
             self.loads += 1
         return self._shard[1]
 
@@ -286,7 +290,7 @@ def load_head_dir(path: str, target_config, embed: torch.Tensor, max_pos: int):
     config, tensors = eagle3.read_eagle3(path)
     aux = check_against_target(config, target_config)
     draft_ids = eagle3.ids_from_d2t(tensors.pop("d2t")) if "d2t" in tensors else torch.arange(target_config.vocab_size)
-    w = {k: v.float() for k, v in tensors.items() if k not in ("t2d", "embed_tokens.weight")}
+    w = {k: v.float().to(embed.device) for k, v in tensors.items() if k not in ("t2d", "embed_tokens.weight")}
     return EagleHead(HeadConfig.from_eagle3(config, aux), w, embed, draft_ids, max_pos)
 
 
@@ -303,15 +307,16 @@ class TrainHead(torch.nn.Module):
         self.head.w = {k.replace("__", "."): p for k, p in self.params.items()}
 
     def export(self, dtype=torch.float32) -> dict[str, torch.Tensor]:
-        return {k.replace("__", "."): p.detach().to(dtype).contiguous().clone() for k, p in self.params.items()}
+        return {k.replace("__", "."): p.detach().to("cpu", dtype).contiguous().clone() for k, p in self.params.items()}
 
 
 def ttt_forward(head, ids: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Logits [T - j, N] of TTT step j (j = 1..steps) for one sequence: step j's row r is
     head position p = r + j - 1, predicting token p + 2 (label: target row p + 1)."""
     t = ids.shape[0] - 1  # head positions 0 .. T - 2
+    dev = ids.device
     emb = head.embed_tokens(ids[1:])  # [t, H]: embedding of token p + 1
-    pos = torch.arange(t)
+    pos = torch.arange(t, device=dev)
     out, k1, v1 = head.layer(emb, head.project(feats[:t]), pos, None, None, None)
     outs, logits = [out], [head.logits(out)]
     keys, vals = [k1], [v1]  # step i's keys for positions i - 1 .. t - 1
@@ -319,16 +324,16 @@ def ttt_forward(head, ids: torch.Tensor, feats: torch.Tensor, steps: int) -> lis
         n = t - (j - 1)
         if n <= 0:
             break
-        p = torch.arange(j - 1, t)  # query positions
+        p = torch.arange(j - 1, t, device=dev)  # query positions
         hid = outs[-1][:-1]  # step j - 1's output at p - 1
         # visible: step-1 keys at q <= p - j + 1; step-i keys (2 <= i < j) at q = p - j + i; own diagonal
         cols = []
-        q1 = torch.arange(t)
+        q1 = torch.arange(t, device=dev)
         cols.append(q1[None, :] <= (p - j + 1)[:, None])
         for i in range(2, j):
-            qi = torch.arange(i - 1, t)
+            qi = torch.arange(i - 1, t, device=dev)
             cols.append(qi[None, :] == (p - j + i)[:, None])
-        mask = torch.cat(cols + [torch.eye(n, dtype=torch.bool)], dim=1)
+        mask = torch.cat(cols + [torch.eye(n, dtype=torch.bool, device=dev)], dim=1)
         out, k, v = head.layer(emb[j - 1:], hid, p, torch.cat(keys), torch.cat(vals), mask)
         outs.append(out)
         logits.append(head.logits(out))
@@ -369,7 +374,7 @@ def evaluate(head, seqs: list[dict], vocab_out: torch.Tensor, full_out: torch.Te
         hidden = s["hidden"][: a0 + cfg.max_rows + 1].float()
         logits = ttt_forward(head, ids, feats, steps)
         target_tok = (hidden[1:] @ full_out.T).argmax(-1)  # [T - 1]
-        correct = [head.draft_ids[lg.argmax(-1)] == target_tok[j:] for j, lg in enumerate(logits)]
+        correct = [(head.draft_ids[lg.argmax(-1)] == target_tok[j:]).cpu() for j, lg in enumerate(logits)]
         t = ids.shape[0] - 1
         # chains start at head positions s0 >= answer start - 1 (drafting inside answers)
         for s0 in range(max(a0 - 1, 0), t):
@@ -394,12 +399,15 @@ def beats(new: dict, old: dict) -> bool:
 
 def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: EagleTrainConfig = EagleTrainConfig(),
                 resume: bool = False, progress: bool = True, log=print, corpus: str | None = None,
-                ship: str | None = None, features_dir: str | None = None, init: str | None = None) -> dict:
+                ship: str | None = None, features_dir: str | None = None, init: str | None = None,
+                device: str = "cpu") -> dict:
     """Answers (or a built corpus), feature shards, training with held-out evaluation after
     each epoch, the head in DIR; with `ship`, the head also replaces the one in `ship` when
     its held-out acceptance beats that one's on the same held-out chains (module docstring).
     With `init`, training starts from that head directory's weights and draft vocabulary
-    (a warm start: the shipped head adapted to another format's features)."""
+    (a warm start: the shipped head adapted to another format's features). `device`: where the
+    target computes the features and the head trains (a CUDA device makes the full run a matter of
+    minutes; the bundle's arithmetic there is that device's, docs/eagle-training.md)."""
     import shutil
 
     from specbuild.engine.engine import Engine, EngineConfig, load_weights
@@ -408,7 +416,7 @@ def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Eagle
 
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    engine = Engine(bundle_dir, EngineConfig())
+    engine = Engine(bundle_dir, EngineConfig(device=device))
     tc = engine.target_config
     aux = eagle3.default_aux_layers(tc.num_layers)
     os.makedirs(out_dir, exist_ok=True)
@@ -454,12 +462,12 @@ def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Eagle
         held_index, _ = write_shards(engine, eval_seqs, aux, feat_dir, "heldout", cfg.shard_positions, reuse, progress,
                                      "held-out features", fp)
         for entry in held_index:
-            eval_data += read_shard(os.path.join(feat_dir, entry["file"]))
+            eval_data += read_shard(os.path.join(feat_dir, entry["file"]), device)
     chosen = choose_positions(seqs, cfg.max_positions, cfg.seed)
     train_positions = sum(len(seqs[i]["prompt_ids"]) + len(seqs[i]["answer_ids"]) for i in chosen)
     rows_w = load_weights(os.path.join(bundle_dir, engine.meta.roles["target"]["path"]), "cpu")
-    full_out = as_dense(rows_w.get("lm_head", rows_w["embed"])).float()
-    embed = as_dense(rows_w["embed"]).float()
+    full_out = as_dense(rows_w.get("lm_head", rows_w["embed"])).float().to(device)
+    embed = as_dense(rows_w["embed"]).float().to(device)
     max_pos = engine.max_seq_len + 64
     if init is not None:  # warm start: the given head's weights and its draft vocabulary
         start = load_head_dir(init, tc, embed, max_pos)
@@ -473,13 +481,15 @@ def train_eagle(bundle_dir: str, data_path: str | None, out_dir: str, cfg: Eagle
         draft_ids = make_draft_ids([seqs[i] for i in chosen], tc.vocab_size, cfg.draft_vocab)
         head_cfg = HeadConfig(tc.hidden_size, tc.intermediate_size, tc.num_heads, tc.num_kv_heads, tc.head_dim,
                               tc.rms_norm_eps, tc.rope_theta, tc.rope_scaling, tc.vocab_size, aux)
-        head = EagleHead(head_cfg, init_head_weights(rows_w, tc, draft_ids, aux, cfg.seed), embed, draft_ids,
-                         max_pos)
-    out_rows = full_out[draft_ids].contiguous()
+        init_w = {k: v.to(device) for k, v in init_head_weights(rows_w, tc, draft_ids, aux, cfg.seed).items()}
+        head = EagleHead(head_cfg, init_w, embed, draft_ids, max_pos)
+    draft_ids = head.draft_ids.cpu()
+    out_rows = full_out[head.draft_ids].contiguous()
     del engine
     model = TrainHead(head)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    stream = ShardStream(feat_dir, index, cfg.max_rows, cfg.seed, set(chosen) if cfg.max_positions else None)
+    stream = ShardStream(feat_dir, index, cfg.max_rows, cfg.seed, set(chosen) if cfg.max_positions else None,
+                         device)
     total = cfg.steps or max(1, int(cfg.epochs * stream.per_epoch))
     log(f"training on {len(chosen)} sequences, {train_positions} positions in {len(index)} feature shards: "
         f"{total} steps, {stream.per_epoch} windows per epoch")

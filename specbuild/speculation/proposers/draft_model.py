@@ -70,7 +70,7 @@ class DraftModelProposer(DrafterBase):
         -inf elsewhere (probability zero: rejection sampling stays exact)."""
         if self.vocab_map is None:
             return logits
-        full = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype)
+        full = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype, device=logits.device)
         full[:, self.vocab_map] = logits
         return full
 

@@ -80,11 +80,12 @@ class EagleProposer(DrafterBase):
 
         h, c = self.head, self.head.config
         dtype = h.w["fc.weight"].dtype
-        kv = torch.zeros(context, c.num_kv_heads, c.head_dim, dtype=dtype)
-        emb = h.embed_tokens(torch.zeros(self.beam, dtype=torch.int64))
-        hid = torch.zeros(self.beam, c.hidden_size, dtype=dtype)
-        pos = torch.full((self.beam,), context, dtype=torch.int64)
-        mask = torch.ones(self.beam, context + self.beam, dtype=torch.bool)
+        dev = h.embed.device
+        kv = torch.zeros(context, c.num_kv_heads, c.head_dim, dtype=dtype, device=dev)
+        emb = h.embed_tokens(torch.zeros(self.beam, dtype=torch.int64, device=dev))
+        hid = torch.zeros(self.beam, c.hidden_size, dtype=dtype, device=dev)
+        pos = torch.full((self.beam,), context, dtype=torch.int64, device=dev)
+        mask = torch.ones(self.beam, context + self.beam, dtype=torch.bool, device=dev)
         def level() -> None:
             out, _, _ = h.layer(emb, hid, pos, kv, kv, mask)
             h.logits(out).float().log_softmax(-1).topk(min(self.topk, h.draft_vocab), dim=-1)
@@ -123,10 +124,11 @@ class EagleProposer(DrafterBase):
         m = last + 1 - st.n
         if m <= 0 or len(st.pending) < m:
             return None
-        feats = torch.stack(st.pending[:m])
+        dev = self.head.embed.device
+        feats = torch.stack(st.pending[:m]).to(dev)
         st.pending = st.pending[m:]
-        pos = torch.arange(st.n, last + 1)
-        emb = self.head.embed_tokens(torch.tensor(ids[st.n + 1:last + 2]))
+        pos = torch.arange(st.n, last + 1, device=dev)
+        emb = self.head.embed_tokens(torch.tensor(ids[st.n + 1:last + 2], device=dev))
         out, k, v = self.head.layer(emb, self.head.project(feats), pos, st.k, st.v, None)
         st.k = k if st.k is None else torch.cat([st.k, k])
         st.v = v if st.v is None else torch.cat([st.v, v])
@@ -157,6 +159,7 @@ class EagleProposer(DrafterBase):
         frontier = [0]
         computed: dict[int, int] = {}  # node -> index of its row among the draft rows
         base_pos = len(seq.all_ids) - 1  # head position of a depth-1 node's row
+        dev = head.embed.device
         for d in range(1, depth + 1):
             new = []
             for node in frontier:
@@ -174,8 +177,8 @@ class EagleProposer(DrafterBase):
             frontier = sorted(new, key=lambda i: -scores[i])[:self.beam]
             # run the head on the frontier: hidden = the parent's output, embed = the node's token
             hid = torch.stack([outs[parents[i]] for i in frontier])
-            emb = head.embed_tokens(torch.tensor([tokens[i] for i in frontier]))
-            pos = torch.full((len(frontier),), base_pos + d - 1, dtype=torch.int64)
+            emb = head.embed_tokens(torch.tensor([tokens[i] for i in frontier], device=dev))
+            pos = torch.full((len(frontier),), base_pos + d - 1, dtype=torch.int64, device=dev)
             past_rows = sum(r.shape[0] for r in row_k)
             mask = torch.zeros(len(frontier), st.n + past_rows + len(frontier), dtype=torch.bool)
             mask[:, :st.n] = True
@@ -189,7 +192,7 @@ class EagleProposer(DrafterBase):
                 mask[r, st.n + past_rows + r] = True
             pk = torch.cat([st.k, *row_k]) if row_k else st.k
             pv = torch.cat([st.v, *row_v]) if row_v else st.v
-            out, k, v = head.layer(emb, hid, pos, pk, pv, mask)
+            out, k, v = head.layer(emb, hid, pos, pk, pv, mask.to(dev))
             for r, i in enumerate(frontier):
                 computed[i] = past_rows + r
                 outs[i] = out[r]
