@@ -288,7 +288,8 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     check_probs(probs)
     cdf = torch.cumsum(probs.double(), dim=-1)
     total = cdf[..., -1:]
-    idx = torch.searchsorted(cdf, (uniform.double().unsqueeze(-1) * total), right=True).squeeze(-1)
+    # the uniforms come from the request's CPU generator (the same values on every device)
+    idx = torch.searchsorted(cdf, (uniform.to(cdf.device, torch.float64).unsqueeze(-1) * total), right=True).squeeze(-1)
     # guard against the u * total == total edge: pick the last token with mass
     idx = idx.clamp(max=probs.shape[-1] - 1)
     bad = probs.gather(-1, idx.unsqueeze(-1)).squeeze(-1) <= 0
