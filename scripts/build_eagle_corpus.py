@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="run the target's layer stack compiled (CPU)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="where the target runs: cpu, cuda, cuda:N [cpu]")
+    ap.add_argument("--hf-generate", default=None, metavar="SOURCE",
+                    help="answer with transformers' generate over SOURCE (the model BUNDLE was compiled from: a "
+                         "preset, .gguf or HF directory) on --device, --batch prompts per padded batch (a GPU)")
     ap.add_argument("--prefill-chunk", type=int, default=256,
                     help="prompt tokens prefilled per engine step [256]; thousands on a GPU")
     ap.add_argument("--ignore-eos", action="store_true", help="answers run to --max-answer-tokens (tests)")
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                            ignore_eos=args.ignore_eos, data=args.data)
         manifest = build_corpus(args.bundle, args.out, cfg, compile=args.compile, threads=args.threads,
                                 progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
-                                device=args.device, prefill_chunk=args.prefill_chunk)
+                                device=args.device, prefill_chunk=args.prefill_chunk, hf_source=args.hf_generate)
     except (SpecbuildError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The EAGLE-3 corpus and head for a target, built and trained on one CUDA GPU within a time
 # budget (docs/eagle-training.md, section 6): the same library code as on a CPU
-# (scripts/build_eagle_corpus.py, `specbuild train-eagle`), with --device cuda, batches of
-# hundreds of requests and three training runs side by side on one feature set (all the
-# positions, and two seeded subsets: the scale curve).
+# (scripts/build_eagle_corpus.py, `specbuild train-eagle`) with --device cuda; the answers come
+# from transformers' generate over the same weights in float32 (--hf-generate: the engine's
+# CUDA step is too slow for bulk generation), BATCH prompts per padded batch; then three
+# training runs side by side on one feature set (all the positions, and two seeded subsets:
+# the scale curve).
 #
 #   OUT=DIR scripts/gpu_eagle_run.sh MODEL [SECONDS]
 #
@@ -12,8 +14,8 @@
 # $OUT (default $WORK/out): eagle_run.log (with the corpus summary), corpus.tar.xz (prompts, answers, manifest), the
 # reports of the three runs (reports.tar.xz) and the full run's head (head.tar, split into
 # parts of at most 15 MiB: cat head.tar.part* > head.tar).
-# Knobs (environment): WORK, DEVICE (cuda), BATCH (256 requests in flight), SELF_INSTRUCT (600),
-# LOCAL_FILES (600), TEMPERATURES (0,0.7,1.0), STEPS (9000 per run), SUBSETS ("75000 250000":
+# Knobs (environment): WORK, DEVICE (cuda), BATCH (256 prompts per generate batch), SELF_INSTRUCT (600),
+# LOCAL_FILES (600), TEMPERATURES (0,0.7,1.0), STEPS (6000 per run), SUBSETS ("75000 250000":
 # the positions of the subset runs; "" for none), SHIP (the head to beat:
 # specbuild/data/drafters/smollm2-135m-eagle), PYTHON.
 set -uo pipefail
@@ -26,7 +28,7 @@ WORK=${WORK:-/tmp/specbuild-eagle-gpu}
 OUTD=${OUT:-$WORK/out}
 DEVICE=${DEVICE:-cuda}
 BATCH=${BATCH:-256}
-STEPS=${STEPS:-9000}
+STEPS=${STEPS:-6000}
 SUBSETS=${SUBSETS-75000 250000}
 SHIP=${SHIP:-specbuild/data/drafters/smollm2-135m-eagle}
 T0=$(date +%s)
@@ -41,16 +43,16 @@ minutes() { "$PY" -c "print(round(max(0.2, $1 / 60), 2))"; }
   "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
   lscpu 2>/dev/null | sed -n 's/^Model name: *//p'
 } >> "$LOG" 2>&1
-log "budget ${BUDGET}s; compiling $MODEL (bfloat16, --max-batch-size $BATCH)"
+log "budget ${BUDGET}s; compiling $MODEL (float32)"
 if [ ! -f "$WORK/bundle/bundle.json" ]; then
-  "$PY" -m specbuild compile --target "$MODEL" --dtype bfloat16 --max-batch-size "$BATCH" --out "$WORK/bundle" \
+  "$PY" -m specbuild compile --target "$MODEL" --out "$WORK/bundle" \
     >> "$LOG" 2>&1 || { log "compile failed"; exit 1; }
 fi
 
 CORPUS_MIN=$(minutes "$(left) * ${CORPUS_SHARE:-0.4}")
-log "corpus: --time-limit $CORPUS_MIN min, $BATCH requests in flight on $DEVICE"
+log "corpus: --time-limit $CORPUS_MIN min, transformers generate in batches of $BATCH on $DEVICE"
 "$PY" scripts/build_eagle_corpus.py "$WORK/bundle" --out "$WORK/corpus" --device "$DEVICE" --batch "$BATCH" \
-  --prefill-chunk 4096 --self-instruct "${SELF_INSTRUCT:-600}" --local-files "${LOCAL_FILES:-600}" \
+  --hf-generate "$MODEL" --self-instruct "${SELF_INSTRUCT:-600}" --local-files "${LOCAL_FILES:-600}" \
   --temperatures "${TEMPERATURES:-0,0.7,1.0}" --max-answer-tokens 192 --time-limit "$CORPUS_MIN" --no-progress \
   > "$WORK/corpus_summary.json" 2>> "$LOG"
 log "corpus exit status $? (0 complete, 3 stopped by the time limit: a partial corpus)"
@@ -69,7 +71,8 @@ train() {  # name, seconds, extra args
     > "$WORK/train-$name.json" 2> "$WORK/train-$name.log"
   echo "train $name: exit status $?" >> "$WORK/train-$name.log"
 }
-REST=$(( $(left) - 45 ))  # features + evaluation + packing out of what is left
+REST=$(( $(left) - 45 - ${FEATURE_SECONDS:-60} ))  # --train-minutes counts the optimizer loop only: the
+# features (written first), the evaluations and the packing come out of what is left
 log "training: all positions, $STEPS steps, at most $(minutes "$REST") min of training"
 train all "$REST" &
 PIDS=($!)
@@ -81,7 +84,7 @@ done
 for n in $SUBSETS; do
   [ -f "$WORK/feat/heldout.json" ] || break
   log "training: a subset of $n positions, $STEPS steps"
-  train "$n" "$(( $(left) - 45 ))" --max-positions "$n" &
+  train "$n" "$(( $(left) - 60 ))" --max-positions "$n" &
   PIDS+=($!)
 done
 wait "${PIDS[@]}"

@@ -326,14 +326,104 @@ def generate_jobs(engine, jobs: list[dict], path: str, cfg: CorpusConfig, deadli
     return True
 
 
+class HFGenerator:
+    """Bulk answers from Hugging Face transformers' `generate` over the same weights (`source`:
+    the GGUF, preset or directory the bundle was compiled from), for a GPU: the engine's CUDA
+    step costs 36 ms at batch 1 and ~140 ms at batch 8 on an H200 (per-sequence work and device
+    syncs; docs/gpu-check.md), so at batch 256 it wrote 153 short tasks in 3 minutes, while
+    `generate` runs a padded batch as a few kernels per layer. A well-kept library does this
+    job, so none is written here. Sampling is plain (temperature only: top-k and top-p off),
+    the distribution the target's answers are drawn from; each batch is seeded from its first
+    job's id. Answers end at (and include) the first EOS token, as the engine's do. In float32
+    its greedy answers equal the float32 engine's token for token (tests/train/test_corpus.py)."""
+
+    def __init__(self, source: str, device: str, dtype: str = "float32", log=print) -> None:
+        import tempfile
+
+        from transformers import AutoModelForCausalLM
+
+        from specbuild.formats.checkpoints import read_checkpoint
+        from specbuild.formats.hf_export import write_hf_dir
+
+        with tempfile.TemporaryDirectory() as tmp:
+            write_hf_dir(read_checkpoint(source), tmp, dtype)
+            self.model = AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, dtype)).to(device).eval()
+        self.device = device
+        log(f"generator: transformers generate over {source} ({dtype}, {device})")
+
+    @torch.inference_mode()
+    def answer(self, jobs: list[dict], eos_ids: tuple[int, ...], max_tokens: int, temperature: float,
+               seed: int) -> list[list[int]]:
+        """One padded batch (left padding); returns each job's answer ids."""
+        width = max(len(j["prompt_ids"]) for j in jobs)
+        pad = eos_ids[0] if eos_ids else 0
+        ids = torch.full((len(jobs), width), pad, dtype=torch.int64)
+        att = torch.zeros((len(jobs), width), dtype=torch.int64)
+        for i, j in enumerate(jobs):
+            n = len(j["prompt_ids"])
+            ids[i, width - n:] = torch.tensor(j["prompt_ids"])
+            att[i, width - n:] = 1
+        torch.manual_seed(seed)
+        sample = temperature > 0
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=att.to(self.device),
+                                  max_new_tokens=max_tokens, do_sample=sample,
+                                  temperature=temperature if sample else None, top_k=0 if sample else None,
+                                  top_p=1.0 if sample else None, eos_token_id=list(eos_ids) or None,
+                                  pad_token_id=pad)
+        answers = []
+        for row in out[:, width:].tolist():
+            cut = next((k + 1 for k, t in enumerate(row) if t in eos_ids), len(row))
+            answers.append(row[:cut])
+        return answers
+
+
+def generate_jobs_hf(gen: HFGenerator, engine, jobs: list[dict], path: str, cfg: CorpusConfig, deadline: Deadline,
+                     progress: bool, desc: str) -> bool:
+    """generate_jobs' contract (resumable jsonl, True when all are done) with HFGenerator:
+    jobs grouped by temperature and answer length, sorted by prompt length, cfg.batch at once."""
+    from tqdm import tqdm
+
+    repair_jsonl(path)
+    done = {str(r["id"]) for r in read_jsonl(path)}
+    todo = [j for j in jobs if str(j["id"]) not in done]
+    if not todo:
+        return True
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, unit="answer", disable=not progress,
+               smoothing=0.05)
+    groups: dict[tuple[float, int], list[dict]] = {}
+    for j in todo:
+        groups.setdefault((j["temperature"], j.get("max_tokens", cfg.max_answer_tokens)), []).append(j)
+    with open(path, "a", encoding="utf-8") as out:
+        for (temp, max_tokens), group in groups.items():
+            group.sort(key=lambda j: len(j["prompt_ids"]))
+            for k in range(0, len(group), cfg.batch):
+                if deadline.passed():
+                    bar.close()
+                    return False
+                batch = group[k:k + cfg.batch]
+                answers = gen.answer(batch, engine.eos_ids, max_tokens, temp, stable_seed(f"{batch[0]['id']}:{cfg.seed}"))
+                for job, ans in zip(batch, answers):
+                    rec = {k2: v for k2, v in job.items() if k2 != "text"}
+                    rec["answer_ids"] = ans
+                    rec["answer_text"] = engine.tokenizer.decode([t for t in ans if t not in engine.eos_ids])
+                    out.write(json.dumps(rec) + "\n")
+                out.flush()
+                bar.update(len(batch))
+    bar.close()
+    return True
+
+
 # ---- the command -------------------------------------------------------------------------------------
 def build_corpus(bundle_dir: str, out_dir: str, cfg: CorpusConfig = CorpusConfig(), *, compile: bool = False,
                  threads: int | None = None, progress: bool = True, log=print, device: str = "cpu",
-                 prefill_chunk: int = 256) -> dict:
+                 prefill_chunk: int = 256, hf_source: str | None = None) -> dict:
     """Build or continue the corpus in `out_dir` (module docstring); returns the manifest.
     `device` and `prefill_chunk` (prompt tokens prefilled per engine step) go to the Engine: on
     a GPU, a bundle compiled with a large --max-batch-size, `cfg.batch` as large and a prefill
-    chunk of thousands of tokens keep the device busy (docs/eagle-training.md)."""
+    chunk of thousands of tokens keep the device busy (docs/eagle-training.md). With `hf_source`
+    (the model the bundle was compiled from) the answers come from HFGenerator on `device`
+    instead (float32: measured equal to the float32 engine's greedy answers token for token), and
+    the engine serves the chat template and the tokenizer only."""
     from specbuild.engine.engine import Engine, EngineConfig
 
     t0 = time.perf_counter()
@@ -341,7 +431,13 @@ def build_corpus(bundle_dir: str, out_dir: str, cfg: CorpusConfig = CorpusConfig
     os.makedirs(out_dir, exist_ok=True)
     engine = Engine(bundle_dir, EngineConfig(compile=compile, threads=threads, device=device,
                                              prefill_chunk=prefill_chunk))
-    if cfg.batch > engine.max_batch_size:
+    run_jobs = generate_jobs
+    if hf_source is not None:
+        gen = HFGenerator(hf_source, device, log=log)
+
+        def run_jobs(engine, jobs, path, cfg, deadline, progress, desc):
+            return generate_jobs_hf(gen, engine, jobs, path, cfg, deadline, progress, desc)
+    if cfg.batch > engine.max_batch_size and hf_source is None:
         log(f"--batch {cfg.batch} is above the bundle's max batch size {engine.max_batch_size}: "
             f"{engine.max_batch_size} requests in flight (compile with --max-batch-size {cfg.batch} for more)")
 
@@ -358,7 +454,7 @@ def build_corpus(bundle_dir: str, out_dir: str, cfg: CorpusConfig = CorpusConfig
     # self-instruct: the target writes tasks (resumable like the answers)
     si_path = os.path.join(out_dir, SELF_INSTRUCT)
     si_jobs = [{**j, "prompt_ids": chat_ids(j["text"])} for j in self_instruct_jobs(cfg)]
-    if not generate_jobs(engine, si_jobs, si_path, cfg, deadline, progress, "self-instruct tasks"):
+    if not run_jobs(engine, si_jobs, si_path, cfg, deadline, progress, "self-instruct tasks"):
         log(f"--time-limit {cfg.time_limit} reached while the target wrote tasks; run again to continue")
         return write_manifest(out_dir, bundle_dir, cfg, [], [], {}, False, compile, time.perf_counter() - t0)
     written = sorted(read_jsonl(si_path), key=lambda r: int(str(r["id"])[2:]))
@@ -400,10 +496,10 @@ def build_corpus(bundle_dir: str, out_dir: str, cfg: CorpusConfig = CorpusConfig
         return [{"id": f"{p['id']}@{t:g}", "prompt_id": p["id"], "source": p["source"], "temperature": t,
                  "prompt_ids": p["prompt_ids"]} for p in rows for t in temps]
 
-    complete = generate_jobs(engine, jobs_of(held, (0.0,)), os.path.join(out_dir, HELDOUT_ANSWERS), cfg,
+    complete = run_jobs(engine, jobs_of(held, (0.0,)), os.path.join(out_dir, HELDOUT_ANSWERS), cfg,
                              deadline, progress, "held-out answers")
     if complete:
-        complete = generate_jobs(engine, jobs_of(prompts, cfg.temperatures), os.path.join(out_dir, ANSWERS), cfg,
+        complete = run_jobs(engine, jobs_of(prompts, cfg.temperatures), os.path.join(out_dir, ANSWERS), cfg,
                                  deadline, progress, "target answers")
     if not complete:
         log(f"--time-limit {cfg.time_limit} reached; run again to continue")

@@ -297,3 +297,30 @@ def test_shared_features_dir_reuses_shards_of_the_same_bundle_only(tmp_path, tin
     moved = train_eagle(other, None, str(tmp_path / "c"), train_cfg(steps=1), progress=False, log=lambda m: None,
                         corpus=corpus["dir"], features_dir=feat)
     assert moved["shards_computed"] == moved["feature_shards"]  # another bundle: its own features
+
+
+def test_hf_generate_answers_equal_the_engines_greedy_answers(tmp_path, tiny, local_root):
+    """--hf-generate (transformers' generate over the model the bundle came from, padded
+    batches; the GPU path) gives the engine's greedy answers token for token in float32, EOS
+    included, and a sampled answer per prompt at the other temperature."""
+    pytest.importorskip("transformers")
+    # no self-instruct tasks: they are sampled, so the two builds would write different prompts
+    cfg = small_cfg(local_root, self_instruct=0, ignore_eos=False, max_answer_tokens=16, batch=3)
+    a = cp.build_corpus(tiny["bundle"], str(tmp_path / "engine"), cfg, progress=False, log=lambda m: None)
+    logs = []
+    b = cp.build_corpus(tiny["bundle"], str(tmp_path / "hf"), cfg, progress=False, log=logs.append,
+                        hf_source=tiny["target"])
+    assert a["complete"] and b["complete"]
+    assert any("transformers generate" in m for m in logs)
+    for name in (cp.ANSWERS, cp.HELDOUT_ANSWERS):
+        ea = {r["id"]: r for r in cp.read_jsonl(str(tmp_path / "engine" / name))}
+        hb = {r["id"]: r for r in cp.read_jsonl(str(tmp_path / "hf" / name))}
+        assert set(ea) == set(hb) and ea
+        greedy = [k for k in ea if ea[k]["temperature"] == 0.0]
+        assert greedy
+        for k in greedy:
+            assert hb[k]["prompt_ids"] == ea[k]["prompt_ids"]
+            assert hb[k]["answer_ids"] == ea[k]["answer_ids"], k
+        sampled = [k for k in hb if hb[k]["temperature"] > 0]
+        assert all(1 <= len(hb[k]["answer_ids"]) <= 16 for k in sampled)
+    assert b["totals"]["answers"] == a["totals"]["answers"] > 0
