@@ -335,7 +335,7 @@ class HFGenerator:
     job, so none is written here. Sampling is plain (temperature only: top-k and top-p off),
     the distribution the target's answers are drawn from; each batch is seeded from its first
     job's id. Answers end at (and include) the first EOS token, as the engine's do. In float32
-    its greedy answers equal the float32 engine's token for token (tests/train/test_corpus.py)."""
+    its greedy answers equal the float32 engine's token for token (tests/train/test_eagle_scale.py)."""
 
     def __init__(self, source: str, device: str, dtype: str = "float32", log=print) -> None:
         import tempfile
@@ -418,12 +418,11 @@ def build_corpus(bundle_dir: str, out_dir: str, cfg: CorpusConfig = CorpusConfig
                  threads: int | None = None, progress: bool = True, log=print, device: str = "cpu",
                  prefill_chunk: int = 256, hf_source: str | None = None) -> dict:
     """Build or continue the corpus in `out_dir` (module docstring); returns the manifest.
-    `device` and `prefill_chunk` (prompt tokens prefilled per engine step) go to the Engine: on
-    a GPU, a bundle compiled with a large --max-batch-size, `cfg.batch` as large and a prefill
-    chunk of thousands of tokens keep the device busy (docs/eagle-training.md). With `hf_source`
-    (the model the bundle was compiled from) the answers come from HFGenerator on `device`
-    instead (float32: measured equal to the float32 engine's greedy answers token for token), and
-    the engine serves the chat template and the tokenizer only."""
+    `device` and `prefill_chunk` (prompt tokens prefilled per engine step) go to the Engine. On a
+    GPU the engine's step is overhead-bound (docs/gpu-check.md), so there pass `hf_source` (the
+    model the bundle was compiled from): the answers then come from HFGenerator on `device`
+    (float32: measured equal to the float32 engine's greedy answers token for token), and the
+    engine serves the chat template and the tokenizer only (docs/eagle-training.md, section 6)."""
     from specbuild.engine.engine import Engine, EngineConfig
 
     t0 = time.perf_counter()
