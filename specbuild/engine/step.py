@@ -206,7 +206,8 @@ class StepRunner:
         t0 = time.perf_counter()
         out = self.model.forward(batch, self.cache, return_hidden=proposal.hidden,
                                  aux_layers=proposal.aux_layers if rows else (),
-                                 aux_rows=torch.tensor(rows, dtype=torch.int64) if rows else None)
+                                 aux_rows=torch.tensor(rows, dtype=torch.int64, device=self.cache.device) if rows
+                                 else None)
         self.target_ms = (time.perf_counter() - t0) * 1e3
         self.passes += 1
         return out, aux0

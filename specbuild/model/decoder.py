@@ -239,7 +239,6 @@ class Decoder:
             x, aux = self.layer_stack(*self.stack_inputs(batch), batch.write_slots, cache.k, cache.v, fmt,
                                       Attend(self, batch, t), aux_layers)
         if aux_layers:
-            aux_rows = aux_rows.to(aux[0].device)  # callers build it on the CPU (step.py)
             aux = [a.index_select(0, aux_rows) for a in aux]
         rows = x.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != t else x
         hidden = rms_norm(rows, w["norm"], c.rms_norm_eps)

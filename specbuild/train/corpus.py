@@ -277,52 +277,76 @@ class Deadline:
 
 
 def generate_jobs(engine, jobs: list[dict], path: str, cfg: CorpusConfig, deadline: Deadline, progress: bool,
-                  desc: str) -> bool:
-    """Answer every job {"id", "prompt_ids", "temperature", ...} not yet in `path` (jsonl),
-    `cfg.batch` in flight; each finished answer is appended at once. Returns True when all
-    are done, False when the deadline stopped it (in-flight requests are aborted; a rerun
-    redoes them)."""
+                  desc: str, gen: "HFGenerator | None" = None) -> bool:
+    """Answer every job {"id", "prompt_ids", "temperature", ...} not yet in `path` (jsonl);
+    each finished answer is appended at once. Returns True when all are done, False when the
+    deadline stopped it (a rerun redoes what was in flight). The engine keeps `cfg.batch`
+    requests in flight (aborted at the deadline); with `gen` (HFGenerator) the jobs go as
+    padded batches of `cfg.batch`, grouped by temperature and answer length and sorted by
+    prompt length."""
     from tqdm import tqdm
-
-    from specbuild.engine.sequence import Request
-    from specbuild.sampling.params import SamplingParams
 
     repair_jsonl(path)
     done = {str(r["id"]) for r in read_jsonl(path)}
     todo = [j for j in jobs if str(j["id"]) not in done]
     if not todo:
         return True
-    width = min(cfg.batch, engine.max_batch_size)
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, unit="answer", disable=not progress,
                smoothing=0.05)
-    queue, flying = list(reversed(todo)), []
     with open(path, "a", encoding="utf-8") as out:
-        while queue or flying:
-            if deadline.passed():
-                for _, h in flying:
-                    engine.abort(h)
-                bar.close()
-                return False
-            while queue and len(flying) < width:
-                job = queue.pop()
-                sampling = SamplingParams(max_tokens=job.get("max_tokens", cfg.max_answer_tokens),
-                                          temperature=job["temperature"],
-                                          seed=stable_seed(f"{job['id']}:{cfg.seed}"), ignore_eos=cfg.ignore_eos)
-                flying.append((job, engine.submit(Request(prompt_ids=job["prompt_ids"], sampling=sampling))))
-            engine.step()
-            for item in [f for f in flying if f[1].done.is_set()]:
-                flying.remove(item)
-                job, h = item
-                res = h.result()
-                if res.get("error"):
-                    raise SpecbuildError(f"the target failed on {job['id']}: {res['error']}")
-                rec = {k: v for k, v in job.items() if k != "text"}
-                rec["answer_ids"] = res["token_ids"]
-                rec["answer_text"] = res["text"]
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
-                bar.update(1)
+
+        def write(job: dict, answer_ids: list[int], text: str) -> None:
+            out.write(json.dumps({**{k: v for k, v in job.items() if k != "text"}, "answer_ids": answer_ids,
+                                  "answer_text": text}) + "\n")
+            out.flush()
+            bar.update(1)
+
+        finished = (_answer_hf if gen is not None else _answer_engine)(engine, gen, todo, cfg, deadline, write)
     bar.close()
+    return finished
+
+
+def _answer_engine(engine, gen, todo: list[dict], cfg: CorpusConfig, deadline: Deadline, write) -> bool:
+    from specbuild.engine.sequence import Request
+    from specbuild.sampling.params import SamplingParams
+
+    width = min(cfg.batch, engine.max_batch_size)
+    queue, flying = list(reversed(todo)), []
+    while queue or flying:
+        if deadline.passed():
+            for _, h in flying:
+                engine.abort(h)
+            return False
+        while queue and len(flying) < width:
+            job = queue.pop()
+            sampling = SamplingParams(max_tokens=job.get("max_tokens", cfg.max_answer_tokens),
+                                      temperature=job["temperature"],
+                                      seed=stable_seed(f"{job['id']}:{cfg.seed}"), ignore_eos=cfg.ignore_eos)
+            flying.append((job, engine.submit(Request(prompt_ids=job["prompt_ids"], sampling=sampling))))
+        engine.step()
+        for item in [f for f in flying if f[1].done.is_set()]:
+            flying.remove(item)
+            job, h = item
+            res = h.result()
+            if res.get("error"):
+                raise SpecbuildError(f"the target failed on {job['id']}: {res['error']}")
+            write(job, res["token_ids"], res["text"])
+    return True
+
+
+def _answer_hf(engine, gen: "HFGenerator", todo: list[dict], cfg: CorpusConfig, deadline: Deadline, write) -> bool:
+    groups: dict[tuple[float, int], list[dict]] = {}
+    for j in todo:
+        groups.setdefault((j["temperature"], j.get("max_tokens", cfg.max_answer_tokens)), []).append(j)
+    for (temp, max_tokens), group in groups.items():
+        group.sort(key=lambda j: len(j["prompt_ids"]))
+        for k in range(0, len(group), cfg.batch):
+            if deadline.passed():
+                return False
+            batch = group[k:k + cfg.batch]
+            answers = gen.answer(batch, engine.eos_ids, max_tokens, temp, stable_seed(f"{batch[0]['id']}:{cfg.seed}"))
+            for job, ans in zip(batch, answers):
+                write(job, ans, engine.tokenizer.decode([t for t in ans if t not in engine.eos_ids]))
     return True
 
 
@@ -377,42 +401,6 @@ class HFGenerator:
         return answers
 
 
-def generate_jobs_hf(gen: HFGenerator, engine, jobs: list[dict], path: str, cfg: CorpusConfig, deadline: Deadline,
-                     progress: bool, desc: str) -> bool:
-    """generate_jobs' contract (resumable jsonl, True when all are done) with HFGenerator:
-    jobs grouped by temperature and answer length, sorted by prompt length, cfg.batch at once."""
-    from tqdm import tqdm
-
-    repair_jsonl(path)
-    done = {str(r["id"]) for r in read_jsonl(path)}
-    todo = [j for j in jobs if str(j["id"]) not in done]
-    if not todo:
-        return True
-    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, unit="answer", disable=not progress,
-               smoothing=0.05)
-    groups: dict[tuple[float, int], list[dict]] = {}
-    for j in todo:
-        groups.setdefault((j["temperature"], j.get("max_tokens", cfg.max_answer_tokens)), []).append(j)
-    with open(path, "a", encoding="utf-8") as out:
-        for (temp, max_tokens), group in groups.items():
-            group.sort(key=lambda j: len(j["prompt_ids"]))
-            for k in range(0, len(group), cfg.batch):
-                if deadline.passed():
-                    bar.close()
-                    return False
-                batch = group[k:k + cfg.batch]
-                answers = gen.answer(batch, engine.eos_ids, max_tokens, temp, stable_seed(f"{batch[0]['id']}:{cfg.seed}"))
-                for job, ans in zip(batch, answers):
-                    rec = {k2: v for k2, v in job.items() if k2 != "text"}
-                    rec["answer_ids"] = ans
-                    rec["answer_text"] = engine.tokenizer.decode([t for t in ans if t not in engine.eos_ids])
-                    out.write(json.dumps(rec) + "\n")
-                out.flush()
-                bar.update(len(batch))
-    bar.close()
-    return True
-
-
 # ---- the command -------------------------------------------------------------------------------------
 def build_corpus(bundle_dir: str, out_dir: str, cfg: CorpusConfig = CorpusConfig(), *, compile: bool = False,
                  threads: int | None = None, progress: bool = True, log=print, device: str = "cpu",
@@ -430,12 +418,7 @@ def build_corpus(bundle_dir: str, out_dir: str, cfg: CorpusConfig = CorpusConfig
     os.makedirs(out_dir, exist_ok=True)
     engine = Engine(bundle_dir, EngineConfig(compile=compile, threads=threads, device=device,
                                              prefill_chunk=prefill_chunk))
-    run_jobs = generate_jobs
-    if hf_source is not None:
-        gen = HFGenerator(hf_source, device, log=log)
-
-        def run_jobs(engine, jobs, path, cfg, deadline, progress, desc):
-            return generate_jobs_hf(gen, engine, jobs, path, cfg, deadline, progress, desc)
+    gen = HFGenerator(hf_source, device, log=log) if hf_source is not None else None
     if cfg.batch > engine.max_batch_size and hf_source is None:
         log(f"--batch {cfg.batch} is above the bundle's max batch size {engine.max_batch_size}: "
             f"{engine.max_batch_size} requests in flight (compile with --max-batch-size {cfg.batch} for more)")
@@ -453,7 +436,7 @@ def build_corpus(bundle_dir: str, out_dir: str, cfg: CorpusConfig = CorpusConfig
     # self-instruct: the target writes tasks (resumable like the answers)
     si_path = os.path.join(out_dir, SELF_INSTRUCT)
     si_jobs = [{**j, "prompt_ids": chat_ids(j["text"])} for j in self_instruct_jobs(cfg)]
-    if not run_jobs(engine, si_jobs, si_path, cfg, deadline, progress, "self-instruct tasks"):
+    if not generate_jobs(engine, si_jobs, si_path, cfg, deadline, progress, "self-instruct tasks", gen):
         log(f"--time-limit {cfg.time_limit} reached while the target wrote tasks; run again to continue")
         return write_manifest(out_dir, bundle_dir, cfg, [], [], {}, False, compile, time.perf_counter() - t0)
     written = sorted(read_jsonl(si_path), key=lambda r: int(str(r["id"])[2:]))
@@ -495,11 +478,11 @@ def build_corpus(bundle_dir: str, out_dir: str, cfg: CorpusConfig = CorpusConfig
         return [{"id": f"{p['id']}@{t:g}", "prompt_id": p["id"], "source": p["source"], "temperature": t,
                  "prompt_ids": p["prompt_ids"]} for p in rows for t in temps]
 
-    complete = run_jobs(engine, jobs_of(held, (0.0,)), os.path.join(out_dir, HELDOUT_ANSWERS), cfg,
-                             deadline, progress, "held-out answers")
+    complete = generate_jobs(engine, jobs_of(held, (0.0,)), os.path.join(out_dir, HELDOUT_ANSWERS), cfg,
+                             deadline, progress, "held-out answers", gen)
     if complete:
-        complete = run_jobs(engine, jobs_of(prompts, cfg.temperatures), os.path.join(out_dir, ANSWERS), cfg,
-                                 deadline, progress, "target answers")
+        complete = generate_jobs(engine, jobs_of(prompts, cfg.temperatures), os.path.join(out_dir, ANSWERS), cfg,
+                                 deadline, progress, "target answers", gen)
     if not complete:
         log(f"--time-limit {cfg.time_limit} reached; run again to continue")
     return write_manifest(out_dir, bundle_dir, cfg, prompts, held, dropped, complete, compile,
