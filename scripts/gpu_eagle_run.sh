@@ -17,7 +17,9 @@
 # Knobs (environment): WORK, DEVICE (cuda), BATCH (256 prompts per generate batch), SELF_INSTRUCT (600),
 # LOCAL_FILES (600), TEMPERATURES (0,0.7,1.0), STEPS (6000 per run), SUBSETS ("75000 250000":
 # the positions of the subset runs; "" for none), SHIP (the head to beat:
-# specbuild/data/drafters/smollm2-135m-eagle), PYTHON.
+# specbuild/data/drafters/smollm2-135m-eagle), INIT (a head directory to fine-tune instead of a
+# fresh initialisation: e.g. the shipped head), LR (AdamW peak learning rate; train-eagle's
+# default when unset), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -65,9 +67,12 @@ train() {  # name, seconds, extra args
   shift 2
   rm -rf "$WORK/ship-$name"
   cp -r "$SHIP" "$WORK/ship-$name"
+  local extra=()
+  [ -n "${INIT:-}" ] && extra+=(--init "$INIT")
+  [ -n "${LR:-}" ] && extra+=(--lr "$LR")
   "$PY" -m specbuild train-eagle "$WORK/bundle" --corpus "$WORK/corpus" --features-dir "$WORK/feat" \
     --out "$WORK/head-$name" --device "$DEVICE" --steps "$STEPS" --train-minutes "$(minutes "$secs")" \
-    --checkpoint-minutes 1000 --ship "$WORK/ship-$name" --no-progress "$@" \
+    --checkpoint-minutes 1000 --ship "$WORK/ship-$name" --no-progress "${extra[@]}" "$@" \
     > "$WORK/train-$name.json" 2> "$WORK/train-$name.log"
   echo "train $name: exit status $?" >> "$WORK/train-$name.log"
 }
