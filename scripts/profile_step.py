@@ -128,7 +128,12 @@ def main() -> None:
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in events)
     events.sort(key=lambda e: -e.self_cpu_time_total)
-    mode = "compiled " + json.dumps(model.compiled.options) if model.compiled is not None else "eager"
+    if model.compiled is None:
+        mode = "eager"
+    elif hasattr(model.compiled, "options"):  # compiled.py's torch.compile'd stack
+        mode = "compiled " + json.dumps(model.compiled.options)
+    else:  # fused.py's one C++ call for the whole layer stack
+        mode = f"compiled ({type(model.compiled).__name__})"
     print(f"{args.bundle}: {mode} {what}, {args.steps} profiled, {args.threads} thread(s), {CHOSEN.get('policy')}; "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"wall per step {wall:.2f} ms (median, unprofiled); profiled {profiled:.2f} ms; "
@@ -137,7 +142,7 @@ def main() -> None:
     for e in events[:args.top]:
         print(f"{e.key[:48]:48s} {e.count / args.steps:10.1f} {e.self_cpu_time_total / args.steps / 1e3:8.3f} "
               f"{e.self_cpu_time_total / total:6.1%}")
-    if model.compiled is not None:
+    if model.compiled is not None and hasattr(model.compiled, "direct"):
         for key, direct in model.compiled.direct.items():
             if direct is None or not hasattr(direct.compiled, "source_code"):
                 continue

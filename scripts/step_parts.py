@@ -1,11 +1,19 @@
 #!/usr/bin/env python
-"""Where a compiled int4 bundle's one-row decode step goes: the whole forward (one row after 64
-cached tokens, the fused stack where it runs), the 30 layers' int4 linears alone and the int8
-lm_head alone, on the same inputs' shapes, interleaved rounds, medians. The rest of the step
-(attention rows, norms, rope, the glue, the embedding) is the forward less the two. Prints the
-CPU model and flags and the kernels' load lines.
+"""Where a compiled int4 bundle's one-row decode step goes, in two views, interleaved rounds,
+medians, with the CPU model and flags:
 
-    python scripts/step_parts.py BUNDLE [--threads 2] [--rounds 15]
+1. The kernels: the whole forward (one row after 64 cached tokens, the fused stack where it
+   runs), the 30 layers' int4 linears alone (int4 or int4-a8, whichever the bundle loads) and
+   the int8 lm_head alone on the same shapes; the rest of the forward (attention rows, norms,
+   rope, glue, the embedding) is the forward less the two.
+2. The engine's step (`--tokens N`, 0 to skip): plain greedy decoding through Engine.generate,
+   as users run it, each part timed in place: building the forward batch, the layer stack
+   (one fused C++ call where it runs), the final norm, the lm_head, the rest of the forward,
+   and `finish` (the logits' checks, logits processing, choosing the token, appending and
+   emitting it); "outside the forward and finish" is the scheduler, the drafters' planning
+   (none here) and the loop around them.
+
+    python scripts/step_parts.py BUNDLE [--threads 2] [--rounds 15] [--tokens 200]
 """
 
 from __future__ import annotations
@@ -13,8 +21,76 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import defaultdict
 
 import torch
+
+
+class Timers:
+    """Wraps callables so that every call adds its wall time to a named total."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.undo: list = []
+
+    def wrap(self, owner, attr: str, name: str, only=None) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*a, **k):
+            if only is not None and not only(*a, **k):
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.total[name] += time.perf_counter() - t0
+                self.calls[name] += 1
+
+        setattr(owner, attr, timed)
+        self.undo.append((owner, attr, fn))
+
+    def restore(self) -> None:
+        for owner, attr, fn in reversed(self.undo):
+            setattr(owner, attr, fn)
+        self.undo.clear()
+
+
+def engine_parts(eng, prompt: list[int], tokens: int) -> dict[str, float]:
+    """One plain greedy generation of `tokens` tokens with every part timed; ms per decode step."""
+    from specbuild.engine import step as step_mod
+    from specbuild.engine.sequence import Request
+    from specbuild.model import decoder
+    from specbuild.sampling.params import SamplingParams
+    from specbuild.speculation.config import SpeculationConfig
+
+    model = eng.model
+    tm = Timers()
+    tm.wrap(step_mod, "build_forward_batch", "build forward batch")
+    tm.wrap(model, "forward", "forward (all)")
+    if model.compiled is not None:
+        tm.wrap(model.compiled, "run", "layer stack")
+    # in a compiled forward the only rms_norm / linear calls outside the stack are the final
+    # norm and the lm_head (eager: every layer's, so these rows then hold the whole stack)
+    tm.wrap(decoder, "rms_norm", "final norm" if model.compiled is not None else "norms (all layers)")
+    tm.wrap(decoder, "linear", "lm_head" if model.compiled is not None else "linears (all layers)")
+    tm.wrap(step_mod.StepRunner, "finish", "finish")
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    plain = SpeculationConfig.make(None, method="none")
+    try:
+        t0 = time.perf_counter()
+        out = eng.generate([Request(prompt_ids=prompt, sampling=params, speculation=plain)])[0]
+        wall = time.perf_counter() - t0
+    finally:
+        tm.restore()
+    steps = tm.calls["forward (all)"]
+    ms = {k: v / steps * 1e3 for k, v in tm.total.items()}
+    ms["step (tpot)"] = out["stats"]["tpot_ms"]
+    ms["wall / forward"] = wall / steps * 1e3
+    inner = sum(ms.get(k, 0.0) for k in ("layer stack", "final norm", "lm_head"))
+    ms["rest of forward"] = ms["forward (all)"] - inner
+    ms["outside forward and finish"] = ms["wall / forward"] - ms["forward (all)"] - ms["finish"] - ms["build forward batch"]
+    return ms
 
 
 def main() -> None:
@@ -24,25 +100,35 @@ def main() -> None:
     ap.add_argument("bundle")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--tokens", type=int, default=200, help="plain tokens per engine round (0: kernels only)")
+    ap.add_argument("--engine-rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.rounds < 2 or args.tokens < 0 or args.engine_rounds < 1:
+        raise SystemExit(f"error: --rounds {args.rounds} must be >= 2, --tokens {args.tokens} >= 0, "
+                         f"--engine-rounds {args.engine_rounds} >= 1")
     torch.set_num_threads(args.threads)
     from specbuild.engine.engine import Engine, EngineConfig
     from specbuild.model.timing import scratch_sequence, verify_batch
 
-    eng = Engine(args.bundle, EngineConfig(max_batch_size=1, compile=True))
+    eng = Engine(args.bundle, EngineConfig(threads=args.threads, max_batch_size=1, compile=True))
     model, cache = eng.model, eng.cache
-    impls = [model.w[f"layers.{i}.{n}"].formats.get("int4") for i in range(model.config.num_layers)
-             for n in ("qkv", "o", "gate_up", "down")]
+    impls = []
+    for i in range(model.config.num_layers):
+        for n in ("qkv", "o", "gate_up", "down"):
+            fmts = getattr(model.w[f"layers.{i}.{n}"], "formats", {})
+            impls.append(fmts.get("int4-a8") or fmts.get("int4"))
     if not all(i is not None and i.kernel for i in impls):
-        raise SystemExit("this bundle's layers do not all run int4 on specbuild's kernel here")
+        raise SystemExit("error: this bundle's layers do not all run int4 or int4-a8 on specbuild's kernel here")
     head = getattr(model.w.get("lm_head"), "formats", {}).get("int8") or \
         getattr(model.w.get("embed"), "formats", {}).get("int8")
-    xs = {k: torch.randn(1, k).bfloat16() for k in {i.in_features for i in impls}}
-    xh = torch.randn(1, model.config.hidden_size).bfloat16()
+    act = impls[0].act_dtype
+    xs = {k: torch.randn(1, k).to(act) for k in {i.in_features for i in impls}}
+    xh = torch.randn(1, model.config.hidden_size)
     parts: dict[str, list[float]] = {"forward": [], "int4 layers": []}
     if head is not None and head.kernel:
         parts["int8 lm_head"] = []
-    print(cpu_info())
+    cpu = cpu_info()
+    print(f"CPU {cpu['model']}\nflags: {cpu['flags']}")
     with torch.inference_mode(), scratch_sequence(cache, 80) as slots:
         model.forward(verify_batch(slots, 0, 64), cache)
         for _ in range(args.rounds + 1):
@@ -51,24 +137,40 @@ def main() -> None:
             parts["forward"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             for i in impls:
-                torch.ops.specbuild_cpu.int4_mm(xs[i.in_features], i.cpu_packed, i.out_features, i.group_size,
-                                                i.act_dtype != torch.bfloat16, i.kernel)
+                i(xs[i.in_features])
             parts["int4 layers"].append(time.perf_counter() - t0)
             if "int8 lm_head" in parts:
                 t0 = time.perf_counter()
-                torch.ops.specbuild_cpu.int8_mm(xh, head.cpu_packed, head.qweight.shape[0], head.kernel)
+                head(xh)
                 parts["int8 lm_head"].append(time.perf_counter() - t0)
     med = {k: statistics.median(v[1:]) * 1e3 for k, v in parts.items()}  # the first round warms up
-    mb = {"int4 layers": sum(i.cpu_packed.numel() for i in impls) / 1e6}
+    mb = {"int4 layers": sum(i.cpu_packed.numel() * i.cpu_packed.element_size() for i in impls) / 1e6}
     if "int8 lm_head" in med:
-        mb["int8 lm_head"] = head.cpu_packed.numel() / 1e6
-    print(f"{args.bundle}: {args.threads} thread(s), {args.rounds} interleaved rounds, medians; int4 level "
-          f"{impls[0].kernel}, int8 level {head.kernel if head is not None else '-'}")
+        mb["int8 lm_head"] = head.cpu_packed.numel() * head.cpu_packed.element_size() / 1e6
+    fmt = "int4-a8" if act == torch.float32 else "int4"
+    print(f"{args.bundle}: {args.threads} thread(s), {args.rounds} interleaved rounds, medians; {fmt} level "
+          f"{impls[0].kernel}, int8 level {head.kernel if head is not None else '-'}; "
+          f"load average {__import__('os').getloadavg()[0]:.2f}")
+    print("kernels, one row after 64 cached tokens:")
     for k, v in med.items():
         extra = f"  {mb[k]:.1f} MB, {mb[k] / v:.1f} GB/s" if k in mb else ""
-        print(f"  {k:14s} {v:7.2f} ms{extra}")
+        print(f"  {k:28s} {v:7.2f} ms{extra}")
     rest = med["forward"] - med["int4 layers"] - med.get("int8 lm_head", 0.0)
-    print(f"  {'the rest':14s} {rest:7.2f} ms  (forward less the kernels: attention, norms, rope, glue)")
+    print(f"  {'the rest':28s} {rest:7.2f} ms  (forward less the kernels: attention, norms, rope, glue)")
+    if args.tokens == 0:
+        return
+    prompt = eng.encode(eng.render_chat([{"role": "user", "content": "Tell me a story about a dragon and a knight."}]),
+                        add_special_tokens=False)
+    engine_parts(eng, prompt, 16)  # warm-up
+    runs = [engine_parts(eng, prompt, args.tokens) for _ in range(args.engine_rounds)]
+    print(f"the engine's plain greedy step, {args.tokens} tokens after a {len(prompt)}-token prompt, "
+          f"median of {args.engine_rounds} runs, ms per step (load average {__import__('os').getloadavg()[0]:.2f}):")
+    order = ["step (tpot)", "wall / forward", "build forward batch", "forward (all)", "layer stack", "final norm",
+             "lm_head", "norms (all layers)", "linears (all layers)", "rest of forward", "finish",
+             "outside forward and finish"]
+    for k in order:
+        if k in runs[0]:
+            print(f"  {k:28s} {statistics.median(r[k] for r in runs):7.3f}")
 
 
 if __name__ == "__main__":
