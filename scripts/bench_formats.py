@@ -26,7 +26,7 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2-135m", help="HF directory, .gguf file or preset")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", default=None,
-                    help="comma-separated names from float32,bfloat16,int8,int4,int8-a8,int4-a8,int4-bf16,int4-head4, "
+                    help="comma-separated names from float32,bfloat16,int8,int4,int8-a8,int4-a8,int4-a8-h8,int4-bf16,int4-head4, "
                          "each optionally with +compile (the same bundle, its layer stack compiled); the first is "
                          "the baseline")
     ap.add_argument("--work-dir", default=None, help="where the bundles go (a temp dir by default)")

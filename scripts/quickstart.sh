@@ -7,7 +7,9 @@
 # The bundle is the fastest format on a CPU within 1% of float32's perplexity: the GGUF's own
 # 4-bit weights (--quantize int4 --lm-head-format int8) with --activations auto (int4-a8, the
 # layers' inputs rounded to int8 blocks of 32 as llama.cpp's Q4_1 path rounds them, where
-# specbuild's int4 x int8 kernel runs: x86-64 with AVX2; bfloat16 inputs elsewhere), its layer
+# specbuild's int4 x int8 kernel runs: x86-64 with AVX2; bfloat16 inputs elsewhere) and
+# --lm-head-activations auto (the int8 lm_head's inputs rounded the same way where specbuild's
+# AVX512-VNNI int8 x int8 kernel runs; float32 inputs elsewhere), its layer
 # stack run compiled (--compile) where a C++ compiler exists. Speculation is lossless against
 # that arithmetic. Environment:
 #   SPECBUILD_QUICKSTART_FORMAT=int4|float32   weight format (default int4)
@@ -23,7 +25,11 @@ FORMAT=${SPECBUILD_QUICKSTART_FORMAT:-int4}
 case "$FORMAT" in
   # Medusa heads share the target's lm_head, which int8 stores quantized (compile refuses the
   # pair), so the int4 bundle carries the draft model and the EAGLE-3 head; float32 all three.
-  int4) ROLES=(--quantize int4 --lm-head-format int8 --activations "${SPECBUILD_QUICKSTART_ACTIVATIONS:-auto}")
+  # auto: the lm_head's inputs rounded to int8 blocks too where the AVX512-VNNI int8 x int8
+  # kernel runs (perplexity with the int4-a8 layers +0.57% of float32's, docs/cpu-kernels.md)
+  int4) HEAD_ACTS=float32; [ "${SPECBUILD_QUICKSTART_ACTIVATIONS:-auto}" = auto ] && HEAD_ACTS=auto
+        ROLES=(--quantize int4 --lm-head-format int8 --activations "${SPECBUILD_QUICKSTART_ACTIVATIONS:-auto}"
+               --lm-head-activations "$HEAD_ACTS")
         DEFAULT_BUNDLE=bundles/smollm2-135m-spec-int4
         [ "${SPECBUILD_QUICKSTART_ACTIVATIONS:-auto}" = auto ] || DEFAULT_BUNDLE=$DEFAULT_BUNDLE-${SPECBUILD_QUICKSTART_ACTIVATIONS} ;;
   float32) ROLES=(--medusa smollm2-135m-medusa); DEFAULT_BUNDLE=bundles/smollm2-135m-spec ;;

@@ -119,14 +119,14 @@ def main() -> None:
             impls.append(fmts.get("int4-a8") or fmts.get("int4"))
     if not all(i is not None and i.kernel for i in impls):
         raise SystemExit("error: this bundle's layers do not all run int4 or int4-a8 on specbuild's kernel here")
-    head = getattr(model.w.get("lm_head"), "formats", {}).get("int8") or \
-        getattr(model.w.get("embed"), "formats", {}).get("int8")
+    lm = model.lm_head  # its primary format: int8 (float32 inputs) or int8-q8 (int8 input blocks)
+    head = getattr(lm, "formats", {}).get(getattr(lm, "primary", None))
     act = impls[0].act_dtype
     xs = {k: torch.randn(1, k).to(act) for k in {i.in_features for i in impls}}
     xh = torch.randn(1, model.config.hidden_size)
     parts: dict[str, list[float]] = {"forward": [], "int4 layers": []}
-    if head is not None and head.kernel:
-        parts["int8 lm_head"] = []
+    if head is not None and getattr(head, "kernel", 0):
+        parts[f"{head.name} lm_head"] = []
     cpu = cpu_info()
     print(f"CPU {cpu['model']}\nflags: {cpu['flags']}")
     with torch.inference_mode(), scratch_sequence(cache, 80) as slots:
@@ -139,23 +139,24 @@ def main() -> None:
             for i in impls:
                 i(xs[i.in_features])
             parts["int4 layers"].append(time.perf_counter() - t0)
-            if "int8 lm_head" in parts:
+            if f"{getattr(head, 'name', '')} lm_head" in parts:
                 t0 = time.perf_counter()
                 head(xh)
-                parts["int8 lm_head"].append(time.perf_counter() - t0)
+                parts[f"{head.name} lm_head"].append(time.perf_counter() - t0)
     med = {k: statistics.median(v[1:]) * 1e3 for k, v in parts.items()}  # the first round warms up
     mb = {"int4 layers": sum(i.cpu_packed.numel() * i.cpu_packed.element_size() for i in impls) / 1e6}
-    if "int8 lm_head" in med:
-        mb["int8 lm_head"] = head.cpu_packed.numel() * head.cpu_packed.element_size() / 1e6
+    if head is not None and f"{head.name} lm_head" in med:
+        mb[f"{head.name} lm_head"] = head.nbytes / 1e6
     fmt = "int4-a8" if act == torch.float32 else "int4"
     print(f"{args.bundle}: {args.threads} thread(s), {args.rounds} interleaved rounds, medians; {fmt} level "
-          f"{impls[0].kernel}, int8 level {head.kernel if head is not None else '-'}; "
+          f"{impls[0].kernel}, lm_head {head.name if head is not None else '-'} level "
+          f"{getattr(head, 'kernel', '-')}; "
           f"load average {__import__('os').getloadavg()[0]:.2f}")
     print("kernels, one row after 64 cached tokens:")
     for k, v in med.items():
         extra = f"  {mb[k]:.1f} MB, {mb[k] / v:.1f} GB/s" if k in mb else ""
         print(f"  {k:28s} {v:7.2f} ms{extra}")
-    rest = med["forward"] - med["int4 layers"] - med.get("int8 lm_head", 0.0)
+    rest = med["forward"] - sum(v for k, v in med.items() if k != "forward")
     print(f"  {'the rest':28s} {rest:7.2f} ms  (forward less the kernels: attention, norms, rope, glue)")
     if args.tokens == 0:
         return

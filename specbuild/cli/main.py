@@ -101,12 +101,19 @@ def main() -> None:
               help="Embedding storage (dense = --dtype); tied embeddings follow --lm-head-format.")
 @click.option("--lm-head-format", default="dense", show_default=True,
               type=click.Choice(["dense", "float32", "bfloat16", "float16", "int8", "int4"]), help="lm_head format.")
+@click.option("--lm-head-activations", default="float32", show_default=True,
+              type=click.Choice(["float32", "int8", "auto"]),
+              help="What an int8 lm_head multiplies: float32 inputs, or the final hidden states rounded to int8 "
+                   "blocks of 32 as int4-a8 rounds the layers' inputs, through specbuild's AVX512-VNNI int8 x int8 "
+                   "kernel (half the cost per verify row; perplexity with int4-a8 layers +0.57% of float32's, "
+                   "docs/cpu-kernels.md); int8 needs AVX512-VNNI at load; auto: int8 where it runs, else float32, "
+                   "chosen at load and said in one line. Needs --lm-head-format int8.")
 @click.option("--wide-format", "wide_formats", multiple=True, type=click.Choice(["float32", "bfloat16"]),
               help="Dense copies of quantized weights built at load for wide verification [float32].")
 @user_errors
 def compile(target, draft, medusa, eagle, tree, out_dir, dtype, max_seq_len, max_batch_size, max_draft_len, backend, tp, pp,
             trtllm_dtype, trtllm_gather_generation_logits, quantize, group_size, activations, embedding_format,
-            lm_head_format, wide_formats) -> None:
+            lm_head_format, lm_head_activations, wide_formats) -> None:
     """Compile checkpoints into a speculation bundle."""
     import time
 
@@ -118,7 +125,7 @@ def compile(target, draft, medusa, eagle, tree, out_dir, dtype, max_seq_len, max
                              trtllm_gather_generation_logits=trtllm_gather_generation_logits,
                              quantize=quantize, group_size=int(group_size), activations=activations,
                              embedding_format=embedding_format, lm_head_format=lm_head_format,
-                             formats=tuple(wide_formats) or ("float32",))
+                             lm_head_activations=lm_head_activations, formats=tuple(wide_formats) or ("float32",))
     compile_bundle(target, out_dir, options, draft=draft, medusa=medusa, tree=tree, eagle=eagle,
                    progress=lambda m: click.echo(m, err=True))
     click.echo(f"bundle written to {out_dir} in {time.perf_counter() - t0:.1f}s", err=True)

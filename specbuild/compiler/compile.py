@@ -46,6 +46,8 @@ class CompileOptions:
     activations: str = "bfloat16"
     embedding_format: str = "dense"
     lm_head_format: str = "dense"
+    # float32 | int8: an int8 lm_head's inputs rounded to int8 blocks of 32 (opt-in, lossy)
+    lm_head_activations: str = "float32"
     formats: tuple[str, ...] = ("float32",)
 
     def __post_init__(self) -> None:
@@ -78,7 +80,8 @@ def write_role(bundle_dir: str, role: str, ckpt: Checkpoint, dtype: str,
     if quant is not None:
         with open(os.path.join(role_dir, "quant.json"), "w") as f:
             json.dump(quant, f, indent=1)
-        extra = {k: quant[k] for k in ("quantize", "activations", "formats", "bytes_by_format", "conversions")}
+        extra = {k: quant[k] for k in ("quantize", "activations", "lm_head_activations", "formats", "bytes_by_format",
+                                       "conversions") if k in quant}
     return {**extra,
         "path": role,
         "source": os.path.abspath(ckpt.source) if ckpt.source else "",

@@ -213,6 +213,12 @@ def check_quant_options(options) -> None:
     for flag, value in (("--embedding-format", options.embedding_format), ("--lm-head-format", options.lm_head_format)):
         if value not in LINEAR_FORMATS:
             raise SpecbuildError(f"{flag} {value!r} is not one of {', '.join(LINEAR_FORMATS)}")
+    lm_acts = getattr(options, "lm_head_activations", "float32")
+    if lm_acts not in ("float32", "int8", "auto"):
+        raise SpecbuildError(f"--lm-head-activations {lm_acts!r} is not one of float32, int8, auto")
+    if lm_acts != "float32" and options.lm_head_format != "int8":
+        raise SpecbuildError(f"--lm-head-activations {lm_acts} rounds the inputs of an int8 lm_head; it needs "
+                             f"--lm-head-format int8, got --lm-head-format {options.lm_head_format!r}")
     bad = [f for f in options.formats if f not in ("float32", "bfloat16")]
     if bad:
         raise SpecbuildError(f"formats {bad} are not among float32, bfloat16")
@@ -264,6 +270,9 @@ def quantize_role(ckpt, weights: dict[str, torch.Tensor], dtype: str, options) -
     quantized = any(f in ("int8", "int4") for f in convert.values())
     return {"version": 1, "quantize": options.quantize, "group_size": options.group_size,
             "activations": options.activations,
+            # written only when opted in: bundles without it load as before
+            **({"lm_head_activations": options.lm_head_activations}
+               if getattr(options, "lm_head_activations", "float32") != "float32" else {}),
             "formats": list(options.formats) if quantized and options.activations != "int8" else [],
             "bytes_by_format": by_format, "conversions": conversions, "tensors": entries}
 

@@ -969,6 +969,91 @@ at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   return out;
 }
 
+// ---------------------------------------------------------------- int8 x int8 (Q8) -----------
+// int8_q8_mm (the lm_head's int8-a8 inputs, opt-in): int8 weights with one fp32 scale per output
+// column (the int8 format's values) against inputs quantised as for int4_q8_mm (q8_quantize_row:
+// blocks of 32, d = amax / 127). vpdpbusd multiplies unsigned by signed bytes, so the weights are
+// stored offset, u = w + 128, and per (row, column, block) the exact integer
+//     isum = sum u * q - 128 * qsum = sum w * q      (|sum w * q| <= 128 * 127 * 32 < 2^24)
+// enters the fp32 accumulator as acc = fma(float(isum), dx, acc) in block order, and the output
+// is acc * s. Integer sums are exact in any order and each (row, column) owns its accumulator,
+// so a row's bits do not depend on the rows beside it. Layout (repack_int8_q8 in
+// cpu_kernels.py): per block of 16 columns, K / 4 chunks of 64 bytes (byte 4c + j: column c's
+// input 4o + j, offset by 128), then 16 fp32 scales. AVX512-VNNI only: the format is opt-in and
+// refuses to load on a CPU without it (cpu_kernels.int8_q8_available).
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void int8_q8_tile_vnni512(
+    const uint8_t* w, int64_t K, const int8_t* xq, const float* dx, const float* qs, float* out /* [R][16] */) {
+  const int64_t nbk = K / QB;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nbk; ++b) {
+    __m512i ia[R], ib[R];
+    for (int r = 0; r < R; ++r) ia[r] = ib[r] = _mm512_setzero_si512();
+    for (int o = 0; o < 8; o += 2) {
+      const uint8_t* p = w + (b * 8 + o) * 64;
+      _mm_prefetch((const char*)(p + PREFETCH), _MM_HINT_T0);
+      const __m512i v0 = _mm512_loadu_si512((const void*)p), v1 = _mm512_loadu_si512((const void*)(p + 64));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x4 = xq + r * K + b * QB + 4 * o;
+        ia[r] = dpbusd_bcast(ia[r], v0, x4);
+        ib[r] = dpbusd_bcast(ib[r], v1, x4 + 4);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i off = _mm512_set1_epi32(128 * int32_t(qs[r * nbk + b]));
+      const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(ia[r], ib[r]), off);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(dx[r * nbk + b]), acc[r]);
+    }
+  }
+  const __m512 s = _mm512_loadu_ps((const float*)(w + K * COLS));
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * COLS, _mm512_mul_ps(acc[r], s));
+}
+
+bool int8_q8_available() {
+  __builtin_cpu_init();
+  return (q8_paths() >> Q8_VNNI512) & 1;
+}
+
+at::Tensor int8_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(int8_q8_available(), "int8_q8_mm: this CPU lacks AVX512-VNNI (the int8-a8 lm_head's only path)");
+  check_q8_input(x_in, "int8_q8_mm");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 1,
+              "int8_q8_mm: packed must be a contiguous 1-d uint8 tensor");
+  const int64_t T = x_in.size(0), K = x_in.size(1), nblocks = (N + COLS - 1) / COLS, blk = K * COLS + COLS * 4;
+  TORCH_CHECK(packed.numel() == nblocks * blk, "int8_q8_mm: packed has ", packed.numel(), " bytes, [", N, ", ", K,
+              "] needs ", nblocks * blk);
+  at::Tensor out = at::empty({T, N}, x_in.options().dtype(at::kFloat));
+  if (T == 0 || N == 0) return out;
+  at::Tensor xf = x_in.to(at::kFloat).contiguous();
+  const Q8Rows xr = q8_rows(xf);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int64_t nbk = K / QB;
+  constexpr int UNIT = 4;  // column blocks per unit of work (their weights stay in cache across row tiles)
+  const int64_t units = (nblocks + UNIT - 1) / UNIT;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    alignas(64) float tile[8 * COLS];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b0 = u * UNIT, nb = std::min<int64_t>(UNIT, nblocks - b0);
+      for (int64_t t0 = 0; t0 < T;) {
+        const int R = row_tile(T - t0);
+        const int8_t* xt = xr.q.data() + t0 * K;
+        const float *dt = xr.dx.data() + t0 * nbk, *st = xr.qs.data() + t0 * nbk;
+        for (int64_t b = b0; b < b0 + nb; ++b) {
+          const uint8_t* wb = w + b * blk;
+          if (R == 8) int8_q8_tile_vnni512<8>(wb, K, xt, dt, st, tile);
+          else if (R == 4) int8_q8_tile_vnni512<4>(wb, K, xt, dt, st, tile);
+          else if (R == 2) int8_q8_tile_vnni512<2>(wb, K, xt, dt, st, tile);
+          else int8_q8_tile_vnni512<1>(wb, K, xt, dt, st, tile);
+          write_out(tile, R, 1, t0, b * COLS, N, out);
+        }
+        t0 += R;
+      }
+    }
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------- attention rows (AVX2 + FMA) --
 // rows_attention: each query row over its own list of cache slots (a decode step's keys, a
 // verify row's prefix, a tree node's ancestors), float32 throughout. Each (row, kv head) is
@@ -1565,6 +1650,8 @@ TORCH_LIBRARY(specbuild_cpu, m) {
   m.def("int4_q8_mm(Tensor x, Tensor packed, int n, int group_size, bool f16_scales, int path) -> Tensor");
   m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("q8_paths() -> int");
+  m.def("int8_q8_mm(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("int8_q8_available() -> bool");
   m.def("rows_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor index, float scale) -> Tensor");
   m.def("int4_stack(Tensor x, Tensor cos, Tensor sin, Tensor write_slots, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor index, Tensor[] weights, int[] meta, float scale, float eps, "
@@ -1575,6 +1662,7 @@ TORCH_LIBRARY_IMPL(specbuild_cpu, CPU, m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("int8_mm", &int8_mm);
   m.impl("int4_q8_mm", &int4_q8_mm);
+  m.impl("int8_q8_mm", &int8_q8_mm);
   m.impl("q8_quantize", &q8_quantize);
   m.impl("rows_attention", &rows_attention);
   m.impl("int4_stack", &int4_stack);
@@ -1585,4 +1673,5 @@ TORCH_LIBRARY_IMPL(specbuild_cpu, CompositeExplicitAutograd, m) {
   m.impl("has_isa4", &has_isa4);
   m.impl("dot_rates", &dot_rates);
   m.impl("q8_paths", &q8_paths);
+  m.impl("int8_q8_available", &int8_q8_available);
 }

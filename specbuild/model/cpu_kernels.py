@@ -18,11 +18,15 @@ the design and the measurements.
     repack_int4_q8(...)      int4 values/scales/zeros -> the layout int4_q8_mm streams
     int4_q8_mm / q8_quantize int4 weights x inputs quantised per row to int8 blocks of 32
                              (the int4-a8 format); q8_paths() / q8_path() its ISA paths
+    repack_int8_q8 / int8_q8_mm  int8 weights x the same int8 input blocks (the lm_head under
+                             --lm-head-activations int8 | auto; AVX512-VNNI only)
 
 int4 with int8 inputs (int4_q8_mm) is the project's own for the same reason: torch 2.13's CPU
 build has no x86 int4 x int8 kernel (`_dyn_quant_matmul_4bit` is ARM KleidiAI only), and
 llama.cpp's ggml, whose Q4_1 x Q8_1 dot products it follows in spirit, comes as a whole
-runtime rather than a torch op. It has a layout of its own (repack_int4_q8): vpdpbusd
+runtime rather than a torch op. (int8_q8_mm likewise: torch's `_int_mm` multiplies int8 by int8
+but takes no scale per block of 32 inputs, so the block sums could not be scaled before they
+are added.) It has a layout of its own (repack_int4_q8): vpdpbusd
 multiplies the four bytes of a 32-bit lane by four broadcast input bytes, so four
 consecutive inputs of a column must sit in one lane, and the fp32 scales are stored with
 m = zero - 8 * scale (the GGUF's own Q4_1 minimum, exactly, for carried Q4_1 weights).
@@ -152,6 +156,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("specbuild_cpu::int4_q8_mm")
     def _(x, packed, n, group_size, f16_scales, path):
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("specbuild_cpu::int8_q8_mm")
+    def _(x, packed, n):
+        return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
     @torch.library.register_fake("specbuild_cpu::q8_quantize")
     def _(x):
@@ -335,6 +343,35 @@ def repack_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     values = qw.view(nb, COLS, k).transpose(1, 2).reshape(nb, k * COLS)
     s = sc.view(nb, COLS).contiguous().view(torch.int8).view(nb, COLS * 4)
     return _aligned(torch.cat([values, s], 1).reshape(-1))
+
+
+def repack_int8_q8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """qweight: [N, K] int8; scales: [N]. Returns the 1-d uint8 buffer int8_q8_mm streams (layout
+    in cpu_kernels.cpp): per block of 16 columns, K / 4 chunks of 64 bytes (byte 4c + j: column
+    c's input 4o + j plus 128, the unsigned operand vpdpbusd takes), then 16 float32 scales.
+    Columns past N (to a multiple of 16) hold weight 0 and scale 0."""
+    n, k = qweight.shape
+    if k % Q8_BLOCK:
+        raise ValueError(f"int8 x int8 kernel: in_features {k} must be a multiple of {Q8_BLOCK} (the input blocks)")
+    pad = -n % COLS
+    u = (qweight.to(torch.int16) + 128).to(torch.uint8)
+    sc = scales.float()
+    if pad:
+        u = torch.cat([u, u.new_full((pad, k), 128)])
+        sc = torch.cat([sc, sc.new_zeros(pad)])
+    nb = (n + pad) // COLS
+    chunks = u.view(nb, COLS, k // 4, 4).permute(0, 2, 1, 3).reshape(nb, k * COLS)  # [nb, chunk, col, j]
+    s = sc.view(nb, COLS).contiguous().view(torch.uint8).view(nb, COLS * 4)
+    return _aligned(torch.cat([chunks, s], 1).reshape(-1))
+
+
+def int8_q8_available() -> bool:
+    """Whether int8_q8_mm (the lm_head with int8 input blocks) runs here: AVX512-VNNI only."""
+    return bool(_load()["available"]) and mode() != "avx2" and bool(torch.ops.specbuild_cpu.int8_q8_available())
+
+
+def int8_q8_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.ops.specbuild_cpu.int8_q8_mm(x, packed, n)
 
 
 def q8_scales_and_m(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

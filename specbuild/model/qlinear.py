@@ -192,6 +192,59 @@ class Int8DynFormat(Int8Format):
         return (xq @ self.qweight.to(torch.int64).t()).float().mul_(step).mul_(self.scales)
 
 
+class Int8Q8Format(Int8Format):
+    """Per-row int8 weights (the Int8Format values) with int8 inputs in blocks of 32, for the
+    lm_head (compile --lm-head-activations int8; opt-in, lossy against float32 inputs): each
+    input row is quantised on its own as Int4Q8Format quantises the layers' (d = amax / 127 per
+    block of 32, q = nearest(x / d)), the exact integer block sums sum(w * q) enter a float32
+    accumulator in block order (acc = fma(isum, d, acc)) and the output is acc * scale
+    (cpu_kernels.cpp, int8_q8_mm). Integer sums are exact in any order and nothing is shared
+    between rows, so a row's output is the same bits whatever other rows share the call.
+    Inputs and outputs are float32. AVX512-VNNI only: a CPU without it cannot load it (the
+    arithmetic defines the target, so there is no silent fallback to another)."""
+
+    name = "int8-q8"
+    quantizes_inputs = True
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        from specbuild.errors import BundleError
+
+        super().__init__(qweight, scales.float(), torch.float32, kernel=False)
+        if qweight.device.type != "cpu" or not cpu_kernels.int8_q8_available():
+            why = (f"the weights are on {qweight.device}" if qweight.device.type != "cpu" else
+                   cpu_kernels.status()["reason"] or "this CPU lacks AVX512-VNNI (or SPECBUILD_CPU_KERNEL=avx2)")
+            raise BundleError("this bundle's lm_head takes int8 input blocks (compiled with --lm-head-activations "
+                              "int8), which run on specbuild's AVX512-VNNI kernel only, not available here: "
+                              f"{why}; recompile without --lm-head-activations int8")
+        if self.qweight.shape[1] % cpu_kernels.Q8_BLOCK:
+            raise BundleError(f"an lm_head with int8 input blocks needs in_features a multiple of "
+                              f"{cpu_kernels.Q8_BLOCK}, got {self.qweight.shape[1]}")
+        self.kernel = 1  # specbuild's kernel runs it (the one path)
+        self.q8_packed = cpu_kernels.repack_int8_q8(self.qweight, self.scales)
+
+    @property
+    def float_sums(self) -> bool:
+        return False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] float32 -> [T, N] float32
+        return cpu_kernels.int8_q8_mm(x.float().contiguous(), self.q8_packed, self.qweight.shape[0])
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The same arithmetic spelled out in torch: rows rounded to int8 per block of 32 (the
+        kernel's own quantiser), exact integer block sums (int64), combined in float64."""
+        x = x.float()
+        t, k = x.shape
+        q, d, _ = torch.ops.specbuild_cpu.q8_quantize(x)
+        n = self.qweight.shape[0]
+        isum = torch.einsum("tbk,nbk->tnb", q.view(t, k // 32, 32).to(torch.int64),
+                            self.qweight.view(n, k // 32, 32).to(torch.int64)).double()
+        return ((isum * d.double().unsqueeze(1)).sum(-1) * self.scales.double()).float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.q8_packed.numel()
+
+
 class Int4Format:
     """Grouped int4 with scale and zero. Keeps the portable nibbles [N, K / 2] for the
     reference and for copies; packs at construction into the layout of the kernel that runs
@@ -617,6 +670,19 @@ def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = 
     act = torch.float32 if dynamic else ACT_DTYPES[requested]
     out = dict(tensors)
     checked: set[str] = set()
+    # the lm_head's inputs: int8 blocks of 32 (int8, or auto where the AVX512-VNNI int8 x int8
+    # kernel runs) or float32
+    head_acts = quant.get("lm_head_activations", "float32")
+    head_q8 = head_acts == "int8" or (head_acts == "auto" and tensors["norm"].device.type == "cpu"
+                                      and cpu_kernels.int8_q8_available())
+    if head_acts != "float32" and check:
+        how = f"--lm-head-activations {head_acts}"
+        if head_q8:
+            print(f"specbuild: {how}: the lm_head takes int8 input blocks of 32 (perplexity within 1% of float32's, "
+                  "docs/cpu-kernels.md) through specbuild's AVX512-VNNI int8 x int8 kernel", file=sys.stderr)
+        else:
+            print(f"specbuild: {how}: the lm_head takes float32 inputs (specbuild's AVX512-VNNI int8 x int8 kernel "
+                  "cannot run here)", file=sys.stderr)
     for name, entry in quant.get("tensors", {}).items():
         fmt = entry["format"]
         if fmt == "dense":
@@ -629,6 +695,8 @@ def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = 
                               int(entry["group_size"]), act)
         elif fmt == "int8" and int8_dynamic:
             impl = Int8DynFormat(out.pop(name + ".qweight"), out.pop(name + ".scales"))
+        elif fmt == "int8" and head_q8 and _is_lm_head(name, quant, out):
+            impl = Int8Q8Format(out.pop(name + ".qweight"), out.pop(name + ".scales"))
         elif fmt == "int8":
             impl = Int8Format(out.pop(name + ".qweight"), out.pop(name + ".scales"), act)
         elif fmt in ACT_DTYPES:
@@ -637,9 +705,10 @@ def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = 
             raise BundleError(f"quant.json: {name} has format {fmt!r}; this specbuild reads "
                               f"int4, int8, {', '.join(ACT_DTYPES)}")
         q = QLinear(impl, dtype)
-        if name == "lm_head" or (name == "embed" and "lm_head" not in quant["tensors"] and "lm_head" not in out):
+        if _is_lm_head(name, quant, out):
             q.rescore_top = RESCORE_TOP
-        if fmt in ("int4", "int8") and not dynamic:  # a dense copy would skip the input rounding
+        if fmt in ("int4", "int8") and not dynamic and not getattr(impl, "quantizes_inputs", False):
+            # (a dense copy would skip the input rounding)
             for copy in quant.get("formats", []):  # the wide-step copies: transposed on CPU (cheaper there)
                 q.add_copy(copy, kn=dtype != torch.float64 and tensors["norm"].device.type == "cpu")
         if check and fmt not in checked:
@@ -650,6 +719,11 @@ def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = 
             checked.add(fmt)
         out[name] = q
     return out
+
+
+def _is_lm_head(name: str, quant: dict, weights: dict) -> bool:
+    """Whether weight `name` serves as the lm_head: the lm_head, or a tied embedding."""
+    return name == "lm_head" or (name == "embed" and "lm_head" not in quant["tensors"] and "lm_head" not in weights)
 
 
 LINEAR_SUFFIXES = (".qkv", ".o", ".gate_up", ".down")

@@ -88,6 +88,11 @@ def test_tensor_formats_and_option_errors():
     with pytest.raises(SpecbuildError, match="--lm-head-format int4"):
         CompileOptions(quantize="int8", lm_head_format="int4", activations="int8")
     CompileOptions(quantize="int4", activations="int8")  # int4-a8: specbuild's int4 x int8 kernel
+    with pytest.raises(SpecbuildError, match="--lm-head-activations .float16. is not one of float32, int8, auto"):
+        CompileOptions(quantize="int4", lm_head_format="int8", lm_head_activations="float16")
+    with pytest.raises(SpecbuildError, match="needs --lm-head-format int8, got --lm-head-format 'dense'"):
+        CompileOptions(quantize="int4", lm_head_activations="int8")
+    CompileOptions(quantize="int4", lm_head_format="int8", activations="auto", lm_head_activations="int8")
 
 
 @pytest.fixture(scope="module")

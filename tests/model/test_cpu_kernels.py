@@ -382,6 +382,105 @@ def test_int4_a8_without_the_kernel_is_a_clear_error(monkeypatch, tmp_path):
         Int4Q8Format(pack_nibbles(q), scales, zeros, 32)
 
 
+# ---- int8_q8_mm: an int8 lm_head with int8 input blocks (--lm-head-activations int8) ---------
+
+def int8_q8_or_skip() -> None:
+    q8_paths()
+    if not cpu_kernels.int8_q8_available():
+        pytest.skip("the int8 x int8 kernel needs AVX512-VNNI, which this CPU lacks")
+
+
+@pytest.mark.parametrize("n,k", [(40, 96), (37, 64), (200, 576), (49152 // 64, 576)])
+def test_int8_q8_matches_a_float64_reference_and_rows_are_invariant(n, k):
+    """The kernel's output against exact integer block sums combined in float64 (the only
+    difference is the fp32 accumulation, so a few ulps), on the documented input rounding;
+    every row the same bits whatever rows share the call (1 to 17, any position)."""
+    int8_q8_or_skip()
+    gen = torch.Generator().manual_seed(n)
+    qw = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, generator=gen) * 0.01 + 1e-4
+    packed = cpu_kernels.repack_int8_q8(qw, scales)
+    x = q8_inputs(17, k)
+    q, d, _ = q8_reference_blocks(x)
+    isum = torch.einsum("tbk,nbk->tnb", q.view(17, k // 32, 32).long(), qw.view(n, k // 32, 32).long()).double()
+    ref = (isum * d.double().unsqueeze(1)).sum(-1) * scales.double()
+    out = cpu_kernels.int8_q8_mm(x, packed, n)
+    assert out.dtype == torch.float32 and out.shape == (17, n)
+    scale = ref.abs().amax(1, keepdim=True).clamp_min(1e-30)
+    assert float(((out.double() - ref).abs() / scale).max()) < 1e-5
+    for rows in ([0], [3], [16], [2, 9], list(range(5)), list(range(8, 17))):
+        assert torch.equal(cpu_kernels.int8_q8_mm(x[rows], packed, n), out[rows]), rows
+
+
+def test_int8_q8_bad_inputs_name_the_value():
+    int8_q8_or_skip()
+    qw = torch.zeros(32, 64, dtype=torch.int8)
+    packed = cpu_kernels.repack_int8_q8(qw, torch.ones(32))
+    with pytest.raises(RuntimeError, match="packed has"):
+        cpu_kernels.int8_q8_mm(torch.randn(2, 96), packed, 32)
+    with pytest.raises(RuntimeError, match="K = 48 must be a multiple of 32"):
+        cpu_kernels.int8_q8_mm(torch.randn(2, 48), packed, 32)
+    with pytest.raises(ValueError, match="in_features 48 must be a multiple of 32"):
+        cpu_kernels.repack_int8_q8(torch.zeros(16, 48, dtype=torch.int8), torch.ones(16))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_int8_inputs_lm_head_greedy_speculation_equals_plain_decoding(tmp_path, compiled, capsys):
+    """`--lm-head-activations int8`: the (tied) lm_head runs int8_q8_mm, said in one line at
+    load; greedy speculation equals plain decoding, eager and compiled."""
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
+    from specbuild.engine.engine import Engine, EngineConfig
+    from specbuild.model.qlinear import Int8Q8Format
+    from tiny import make_tiny_hf, perturbed_copy
+
+    int8_q8_or_skip()
+    target = make_tiny_hf(str(tmp_path / "target"), scale=4.0, seed=3)
+    draft = perturbed_copy(target, str(tmp_path / "draft"), noise=0.08)
+    bundle = compile_bundle(target, str(tmp_path / "h8"), CompileOptions(
+        max_draft_len=8, dtype="float32", quantize="int4", lm_head_format="int8", activations="int8",
+        lm_head_activations="int8"), draft=draft)
+    engine = Engine(bundle, EngineConfig(max_batch_size=4, compile=compiled))
+    head = engine.model.lm_head
+    assert isinstance(head.formats[head.primary], Int8Q8Format)
+    assert "the lm_head takes int8 input blocks of 32" in capsys.readouterr().err
+    x = torch.randn(3, head.shape[1])
+    assert torch.allclose(head(x), head(x, reference=True), rtol=1e-4, atol=1e-4)
+    assert engine.model.row_invariant
+    assert_speculation_equals_plain(engine)
+
+
+def test_lm_head_activations_auto_chooses_by_the_cpu_at_load(tmp_path, monkeypatch, capsys):
+    """`--lm-head-activations auto` (the quickstart's): int8 input blocks where the AVX512-VNNI
+    kernel runs, float32 inputs where it does not, said in one line either way."""
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
+    from specbuild.engine.engine import Engine, EngineConfig
+    from specbuild.model.qlinear import Int8Q8Format
+    from tiny import make_tiny_hf
+
+    q8_paths()
+    bundle = compile_bundle(make_tiny_hf(str(tmp_path / "target"), scale=4.0, seed=3), str(tmp_path / "auto"),
+                            CompileOptions(dtype="float32", quantize="int4", lm_head_format="int8",
+                                           activations="auto", lm_head_activations="auto"))
+    head = Engine(bundle, EngineConfig(max_batch_size=1)).model.lm_head
+    runs = cpu_kernels.int8_q8_available()
+    assert isinstance(head.formats[head.primary], Int8Q8Format) == runs
+    assert ("the lm_head takes int8 input blocks" if runs else "the lm_head takes float32 inputs") \
+        in capsys.readouterr().err
+    monkeypatch.setattr(cpu_kernels, "int8_q8_available", lambda: False)
+    head = Engine(bundle, EngineConfig(max_batch_size=1)).model.lm_head
+    assert not isinstance(head.formats[head.primary], Int8Q8Format)
+    assert "--lm-head-activations auto: the lm_head takes float32 inputs" in capsys.readouterr().err
+
+
+def test_int8_inputs_lm_head_without_vnni_is_a_clear_error(monkeypatch):
+    from specbuild.errors import BundleError
+    from specbuild.model.qlinear import Int8Q8Format
+
+    monkeypatch.setattr(cpu_kernels, "int8_q8_available", lambda: False)
+    with pytest.raises(BundleError, match="--lm-head-activations int8.*AVX512-VNNI kernel only"):
+        Int8Q8Format(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16))
+
+
 def assert_speculation_equals_plain(engine) -> None:
     """Greedy draft-model and prompt-lookup speculation give plain decoding's tokens, with
     drafts proposed and some accepted."""
