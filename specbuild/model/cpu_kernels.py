@@ -479,6 +479,15 @@ def rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 # ---- which kernel runs ---------------------------------------------------------------------
 SAMPLE_SHAPES = ((576, 576), (1536, 576), (576, 1536))  # SmolLM2-135M-like; the choice is per CPU, not per model
 SAMPLE_WIDTHS = (1, 5)
+# int8 runs lm_heads (and the EAGLE head's wide linears): weights far past a core's L2, where the
+# one-row AVX-512 tiles stream 3x faster than the AVX2 ones on a Xeon (0.64 against 1.95 ms for
+# SmolLM2's [49152, 576] lm_head, 2026-12-05) while on the layer-sized samples the two were
+# within noise of each other and the choice flipped between processes
+INT8_SAMPLE_SHAPES = ((16384, 576),)  # 9.4 MB
+# ... and even at 9.4 MB the two one-row codes measured within 5% of each other, while on the
+# 28.5 MB lm_head the AVX-512 tiles took 0.62-0.66 ms against 0.79-1.00 (AVX2), so the AVX2
+# one-row code (level 2) is kept only where it measures more than 10% faster (an AMD EPYC)
+INT8_ROW512_MARGIN = 1.10
 
 
 def _sample_costs(kind: str, act_dtype: torch.dtype, level: int, repeats: int = 5,
@@ -487,7 +496,7 @@ def _sample_costs(kind: str, act_dtype: torch.dtype, level: int, repeats: int = 
     kernel ("torch") and ours at `level` ("specbuild") and at each of `levels` (keyed by the
     level) interleaved, best of `repeats` rounds."""
     gen = torch.Generator().manual_seed(0)
-    shapes = [s for s in SAMPLE_SHAPES for _ in range(4)]
+    shapes = [s for s in SAMPLE_SHAPES for _ in range(4)] if kind == "int4" else list(INT8_SAMPLE_SHAPES)
     ours, theirs = [], []
     alts: dict[int, list] = {lv: [] for lv in levels}
     for n, k in shapes:
@@ -565,6 +574,9 @@ def choose(kind: str, act_dtype: torch.dtype, device: torch.device | str = "cpu"
         return _announce(key, level, f"SPECBUILD_CPU_KERNEL={m}{rates}")
     costs = _sample_costs(kind, act_dtype, level, levels=alts)
     ours = min([level, *alts], key=lambda lv: costs["specbuild" if lv == level else lv])
+    if kind == "int8" and ours == 2 and 3 in alts and costs[3] <= INT8_ROW512_MARGIN * costs["specbuild"]:
+        ours = 3  # within the margin: the AVX-512 one-row tiles, which win on lm_head-sized weights
+        rates += f"; one-row tiles kept within {INT8_ROW512_MARGIN:.2f}x (they win on lm_head-sized weights)"
     mine = costs["specbuild" if ours == level else ours]
     paths = "; ".join(f"{level_name(kind, lv)} {costs['specbuild' if lv == level else lv]:.2f} ms"
                       for lv in (level, *alts))
