@@ -2,8 +2,8 @@
 """Where a compiled int4 bundle's one-row decode step goes, in two views, interleaved rounds,
 medians, with the CPU model and flags:
 
-1. The kernels: the whole forward (one row after 64 cached tokens, the fused stack where it
-   runs), the 30 layers' int4 linears alone (int4 or int4-a8, whichever the bundle loads) and
+1. The kernels: the whole forward (one row after 64 cached tokens, or each of `--widths`; the
+   fused stack where it runs), the 30 layers' int4 linears alone (int4 or int4-a8, whichever the bundle loads) and
    the int8 lm_head alone on the same shapes; the rest of the forward (attention rows, norms,
    rope, glue, the embedding) is the forward less the two.
 2. The engine's step (`--tokens N`, 0 to skip): plain greedy decoding through Engine.generate,
@@ -13,12 +13,13 @@ medians, with the CPU model and flags:
    emitting it); "outside the forward and finish" is the scheduler, the drafters' planning
    (none here) and the loop around them.
 
-    python scripts/step_parts.py BUNDLE [--threads 2] [--rounds 15] [--tokens 200]
+    python scripts/step_parts.py BUNDLE [--threads 2] [--rounds 15] [--tokens 200] [--widths 1,5,17]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -102,7 +103,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--tokens", type=int, default=200, help="plain tokens per engine round (0: kernels only)")
     ap.add_argument("--engine-rounds", type=int, default=3)
+    ap.add_argument("--widths", default="1", help="comma-separated rows of the kernels' view (a verify pass: 5, 17)")
     args = ap.parse_args()
+    try:
+        widths = [int(w) for w in args.widths.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --widths {args.widths!r} is not a comma-separated list of integers") from None
+    if not widths or min(widths) < 1 or max(widths) > 64:
+        raise SystemExit(f"error: --widths {args.widths!r}: each width must be 1 to 64")
     if args.rounds < 2 or args.tokens < 0 or args.engine_rounds < 1:
         raise SystemExit(f"error: --rounds {args.rounds} must be >= 2, --tokens {args.tokens} >= 0, "
                          f"--engine-rounds {args.engine_rounds} >= 1")
@@ -122,42 +130,43 @@ def main() -> None:
     lm = model.lm_head  # its primary format: int8 (float32 inputs) or int8-q8 (int8 input blocks)
     head = getattr(lm, "formats", {}).get(getattr(lm, "primary", None))
     act = impls[0].act_dtype
-    xs = {k: torch.randn(1, k).to(act) for k in {i.in_features for i in impls}}
-    xh = torch.randn(1, model.config.hidden_size)
-    parts: dict[str, list[float]] = {"forward": [], "int4 layers": []}
-    if head is not None and getattr(head, "kernel", 0):
-        parts[f"{head.name} lm_head"] = []
     cpu = cpu_info()
     print(f"CPU {cpu['model']}\nflags: {cpu['flags']}")
-    with torch.inference_mode(), scratch_sequence(cache, 80) as slots:
-        model.forward(verify_batch(slots, 0, 64), cache)
-        for _ in range(args.rounds + 1):
-            t0 = time.perf_counter()
-            model.forward(verify_batch(slots, 64, 1), cache)
-            parts["forward"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for i in impls:
-                i(xs[i.in_features])
-            parts["int4 layers"].append(time.perf_counter() - t0)
-            if f"{getattr(head, 'name', '')} lm_head" in parts:
-                t0 = time.perf_counter()
-                head(xh)
-                parts[f"{head.name} lm_head"].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v[1:]) * 1e3 for k, v in parts.items()}  # the first round warms up
-    mb = {"int4 layers": sum(i.cpu_packed.numel() * i.cpu_packed.element_size() for i in impls) / 1e6}
-    if head is not None and f"{head.name} lm_head" in med:
-        mb[f"{head.name} lm_head"] = head.nbytes / 1e6
     fmt = "int4-a8" if act == torch.float32 else "int4"
+    hname = f"{head.name} lm_head" if head is not None and getattr(head, "kernel", 0) else None
+    mb = {"int4 layers": sum(i.cpu_packed.numel() * i.cpu_packed.element_size() for i in impls) / 1e6}
+    if hname:
+        mb[hname] = head.nbytes / 1e6
     print(f"{args.bundle}: {args.threads} thread(s), {args.rounds} interleaved rounds, medians; {fmt} level "
           f"{impls[0].kernel}, lm_head {head.name if head is not None else '-'} level "
-          f"{getattr(head, 'kernel', '-')}; "
-          f"load average {__import__('os').getloadavg()[0]:.2f}")
-    print("kernels, one row after 64 cached tokens:")
-    for k, v in med.items():
-        extra = f"  {mb[k]:.1f} MB, {mb[k] / v:.1f} GB/s" if k in mb else ""
-        print(f"  {k:28s} {v:7.2f} ms{extra}")
-    rest = med["forward"] - sum(v for k, v in med.items() if k != "forward")
-    print(f"  {'the rest':28s} {rest:7.2f} ms  (forward less the kernels: attention, norms, rope, glue)")
+          f"{getattr(head, 'kernel', '-')}; load average {os.getloadavg()[0]:.2f}")
+    for w in widths:
+        xs = {k: torch.randn(w, k).to(act) for k in {i.in_features for i in impls}}
+        xh = torch.randn(w, model.config.hidden_size)
+        parts: dict[str, list[float]] = {"forward": [], "int4 layers": []}
+        if hname:
+            parts[hname] = []
+        with torch.inference_mode(), scratch_sequence(cache, 64 + w) as slots:
+            model.forward(verify_batch(slots, 0, 64), cache)
+            for _ in range(args.rounds + 1):
+                t0 = time.perf_counter()
+                model.forward(verify_batch(slots, 64, w), cache)
+                parts["forward"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for i in impls:
+                    i(xs[i.in_features])
+                parts["int4 layers"].append(time.perf_counter() - t0)
+                if hname:
+                    t0 = time.perf_counter()
+                    head(xh)
+                    parts[hname].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v[1:]) * 1e3 for k, v in parts.items()}  # the first round warms up
+        print(f"kernels, {w} row(s) after 64 cached tokens:")
+        for k, v in med.items():
+            extra = f"  {mb[k]:.1f} MB, {mb[k] / v:.1f} GB/s" if k in mb and w == 1 else ""
+            print(f"  {k:28s} {v:7.2f} ms{extra}")
+        rest = med["forward"] - sum(v for k, v in med.items() if k != "forward")
+        print(f"  {'the rest':28s} {rest:7.2f} ms  (forward less the kernels: attention, norms, rope, glue)")
     if args.tokens == 0:
         return
     prompt = eng.encode(eng.render_chat([{"role": "user", "content": "Tell me a story about a dragon and a knight."}]),
@@ -165,7 +174,7 @@ def main() -> None:
     engine_parts(eng, prompt, 16)  # warm-up
     runs = [engine_parts(eng, prompt, args.tokens) for _ in range(args.engine_rounds)]
     print(f"the engine's plain greedy step, {args.tokens} tokens after a {len(prompt)}-token prompt, "
-          f"median of {args.engine_rounds} runs, ms per step (load average {__import__('os').getloadavg()[0]:.2f}):")
+          f"median of {args.engine_rounds} runs, ms per step (load average {os.getloadavg()[0]:.2f}):")
     order = ["step (tpot)", "wall / forward", "build forward batch", "forward (all)", "layer stack", "final norm",
              "lm_head", "norms (all layers)", "linears (all layers)", "rest of forward", "finish",
              "outside forward and finish"]
