@@ -22,39 +22,8 @@ import argparse
 import os
 import statistics
 import time
-from collections import defaultdict
 
 import torch
-
-
-class Timers:
-    """Wraps callables so that every call adds its wall time to a named total."""
-
-    def __init__(self) -> None:
-        self.total: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-        self.undo: list = []
-
-    def wrap(self, owner, attr: str, name: str, only=None) -> None:
-        fn = getattr(owner, attr)
-
-        def timed(*a, **k):
-            if only is not None and not only(*a, **k):
-                return fn(*a, **k)
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.total[name] += time.perf_counter() - t0
-                self.calls[name] += 1
-
-        setattr(owner, attr, timed)
-        self.undo.append((owner, attr, fn))
-
-    def restore(self) -> None:
-        for owner, attr, fn in reversed(self.undo):
-            setattr(owner, attr, fn)
-        self.undo.clear()
 
 
 def engine_parts(eng, prompt: list[int], tokens: int) -> dict[str, float]:
@@ -65,8 +34,10 @@ def engine_parts(eng, prompt: list[int], tokens: int) -> dict[str, float]:
     from specbuild.sampling.params import SamplingParams
     from specbuild.speculation.config import SpeculationConfig
 
+    from bench_compiled_step import Pieces  # scripts/ is on sys.path when a script runs
+
     model = eng.model
-    tm = Timers()
+    tm = Pieces()
     tm.wrap(step_mod, "build_forward_batch", "build forward batch")
     tm.wrap(model, "forward", "forward (all)")
     if model.compiled is not None:
@@ -84,8 +55,8 @@ def engine_parts(eng, prompt: list[int], tokens: int) -> dict[str, float]:
         wall = time.perf_counter() - t0
     finally:
         tm.restore()
-    steps = tm.calls["forward (all)"]
-    ms = {k: v / steps * 1e3 for k, v in tm.total.items()}
+    steps = len(tm.times["forward (all)"])
+    ms = {k: sum(v) / steps for k, v in tm.times.items()}  # Pieces keeps ms per call
     ms["step (tpot)"] = out["stats"]["tpot_ms"]
     ms["wall / forward"] = wall / steps * 1e3
     inner = sum(ms.get(k, 0.0) for k in ("layer stack", "final norm", "lm_head"))

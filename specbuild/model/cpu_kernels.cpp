@@ -582,6 +582,27 @@ void write_out(const float* tile, int R, int C, int64_t row0, int64_t col0, int6
   }
 }
 
+// The one-block-at-a-time drivers' loop: units of 4 column blocks (their weights stay in L1/L2
+// across a unit's row tiles) shared out to the threads, row tiles of 8/4/2/1 within a unit;
+// body(b, t0, R, tile) computes rows t0..t0+R-1 of column block b into tile [R][16] and writes
+// them out. A row's tile never depends on the rows beside it.
+template <class Body>
+void block_row_tiles(int64_t nblocks, int64_t T, Body&& body) {
+  constexpr int UNIT = 4;
+  const int64_t units = (nblocks + UNIT - 1) / UNIT;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    alignas(64) float tile[8 * COLS];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b0 = u * UNIT, nb = std::min<int64_t>(UNIT, nblocks - b0);
+      for (int64_t t0 = 0; t0 < T;) {
+        const int R = row_tile(T - t0);
+        for (int64_t b = b0; b < b0 + nb; ++b) body(b, t0, R, tile);
+        t0 += R;
+      }
+    }
+  });
+}
+
 // ISA_AVX512_FAR: the AVX-512 BF16 int4 path with its weight prefetch FAR_PREFETCH bytes ahead
 // instead of PREFETCH: the same instructions otherwise, so the same bits (measured on a 2-core
 // Intel Xeon, Sapphire Rapids: one row over SmolLM2's layers 6.99 ms against 8.98; chosen per CPU
@@ -638,30 +659,18 @@ void int4_avx512(const at::Tensor& x, const uint8_t* w, int64_t nblocks, int64_t
   const int64_t T = x.size(0), K = x.size(1), ng = K / G;
   const int64_t grp = G * 8 + COLS * 2 * (F32S ? 4 : 2), blk = grp * ng;
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  constexpr int UNIT = 4;  // blocks per unit of work (weights stay in cache across row tiles)
-  const int64_t units = (nblocks + UNIT - 1) / UNIT;
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    alignas(64) float tile[8 * UNIT * COLS];
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b0 = u * UNIT, nb = std::min<int64_t>(UNIT, nblocks - b0);
-      for (int64_t t0 = 0; t0 < T; ) {
-        // one column block per tile: one weight stream at a time measured faster than 2-4
-        // interleaved ones (EPYC, 1 thread, SmolLM2's layers: one row 5.0 / 7.7 ms against
-        // 6.9 / 9.1, five rows 11.9 / 15.6 against 14.2 / 18.4, 17 rows the same)
-        const int R = row_tile(T - t0);
-        const uint16_t* xr = xb + t0 * K;
-        const float* sr = sx + t0 * ng;
-        for (int64_t b = b0; b < b0 + nb; ++b) {
-          const uint8_t* wb = w + b * blk;
+  // one column block per tile: one weight stream at a time measured faster than 2-4
+  // interleaved ones (EPYC, 1 thread, SmolLM2's layers: one row 5.0 / 7.7 ms against
+  // 6.9 / 9.1, five rows 11.9 / 15.6 against 14.2 / 18.4, 17 rows the same)
+  block_row_tiles(nblocks, T, [&](int64_t b, int64_t t0, int R, float* tile) {
+    const uint16_t* xr = xb + t0 * K;
+    const float* sr = sx + t0 * ng;
+    const uint8_t* wb = w + b * blk;
 #define TILE(RR) int4_rows_bf16<RR, F32S, PF>(wb, grp, ng, G, xr, K, sr, tile)
-          if (R == 8) TILE(8); else if (R == 4) TILE(4); else if (R == 2) TILE(2);
-          else int4_tile_bf16<1, 1, F32S, PF>(wb, blk, grp, ng, G, xr, K, sr, tile);
+    if (R == 8) TILE(8); else if (R == 4) TILE(4); else if (R == 2) TILE(2);
+    else int4_tile_bf16<1, 1, F32S, PF>(wb, blk, grp, ng, G, xr, K, sr, tile);
 #undef TILE
-          write_out(tile, R, 1, t0, b * COLS, N, out);
-        }
-        t0 += R;
-      }
-    }
+    write_out(tile, R, 1, t0, b * COLS, N, out);
   });
 }
 
@@ -675,27 +684,15 @@ void int4_fma(const at::Tensor& x, const uint8_t* w, int64_t nblocks, int64_t N,
   std::vector<float> xf(T * K);  // the inputs widened to fp32 once (exact)
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   for (int64_t i = 0; i < T * K; ++i) xf[i] = bf16_to_f32(xb[i]);
-  constexpr int UNIT = 4;
-  const int64_t units = (nblocks + UNIT - 1) / UNIT;
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    alignas(64) float tile[8 * COLS];
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b0 = u * UNIT, nb = std::min<int64_t>(UNIT, nblocks - b0);
-      for (int64_t t0 = 0; t0 < T; ) {
-        const int R = row_tile(T - t0);
-        const float* xr = xf.data() + t0 * K;
-        const float* sr = sx + t0 * ng;
-        for (int64_t b = b0; b < b0 + nb; ++b) {
-          const uint8_t* wb = w + b * blk;
-          if (R == 8) int4_rows_fma<8, F32S, FAR_PREFETCH>(wb, grp, ng, G, xr, K, sr, tile);
-          else if (R == 4) int4_rows_fma<4, F32S, FAR_PREFETCH>(wb, grp, ng, G, xr, K, sr, tile);
-          else if (R == 2) int4_rows_fma<2, F32S, FAR_PREFETCH>(wb, grp, ng, G, xr, K, sr, tile);
-          else int4_rows_fma<1, F32S, FAR_PREFETCH>(wb, grp, ng, G, xr, K, sr, tile);
-          write_out(tile, R, 1, t0, b * COLS, N, out);
-        }
-        t0 += R;
-      }
-    }
+  block_row_tiles(nblocks, T, [&](int64_t b, int64_t t0, int R, float* tile) {
+    const float* xr = xf.data() + t0 * K;
+    const float* sr = sx + t0 * ng;
+    const uint8_t* wb = w + b * blk;
+    if (R == 8) int4_rows_fma<8, F32S, FAR_PREFETCH>(wb, grp, ng, G, xr, K, sr, tile);
+    else if (R == 4) int4_rows_fma<4, F32S, FAR_PREFETCH>(wb, grp, ng, G, xr, K, sr, tile);
+    else if (R == 2) int4_rows_fma<2, F32S, FAR_PREFETCH>(wb, grp, ng, G, xr, K, sr, tile);
+    else int4_rows_fma<1, F32S, FAR_PREFETCH>(wb, grp, ng, G, xr, K, sr, tile);
+    write_out(tile, R, 1, t0, b * COLS, N, out);
   });
 }
 
@@ -1029,27 +1026,15 @@ at::Tensor int8_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   const Q8Rows xr = q8_rows(xf);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t nbk = K / QB;
-  constexpr int UNIT = 4;  // column blocks per unit of work (their weights stay in cache across row tiles)
-  const int64_t units = (nblocks + UNIT - 1) / UNIT;
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    alignas(64) float tile[8 * COLS];
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b0 = u * UNIT, nb = std::min<int64_t>(UNIT, nblocks - b0);
-      for (int64_t t0 = 0; t0 < T;) {
-        const int R = row_tile(T - t0);
-        const int8_t* xt = xr.q.data() + t0 * K;
-        const float *dt = xr.dx.data() + t0 * nbk, *st = xr.qs.data() + t0 * nbk;
-        for (int64_t b = b0; b < b0 + nb; ++b) {
-          const uint8_t* wb = w + b * blk;
-          if (R == 8) int8_q8_tile_vnni512<8>(wb, K, xt, dt, st, tile);
-          else if (R == 4) int8_q8_tile_vnni512<4>(wb, K, xt, dt, st, tile);
-          else if (R == 2) int8_q8_tile_vnni512<2>(wb, K, xt, dt, st, tile);
-          else int8_q8_tile_vnni512<1>(wb, K, xt, dt, st, tile);
-          write_out(tile, R, 1, t0, b * COLS, N, out);
-        }
-        t0 += R;
-      }
-    }
+  block_row_tiles(nblocks, T, [&](int64_t b, int64_t t0, int R, float* tile) {
+    const int8_t* xt = xr.q.data() + t0 * K;
+    const float *dt = xr.dx.data() + t0 * nbk, *st = xr.qs.data() + t0 * nbk;
+    const uint8_t* wb = w + b * blk;
+    if (R == 8) int8_q8_tile_vnni512<8>(wb, K, xt, dt, st, tile);
+    else if (R == 4) int8_q8_tile_vnni512<4>(wb, K, xt, dt, st, tile);
+    else if (R == 2) int8_q8_tile_vnni512<2>(wb, K, xt, dt, st, tile);
+    else int8_q8_tile_vnni512<1>(wb, K, xt, dt, st, tile);
+    write_out(tile, R, 1, t0, b * COLS, N, out);
   });
   return out;
 }
