@@ -566,6 +566,24 @@ SPECBUILD_Q8_YMM_TILE(q8_tile_vnni256, "avx2,fma,f16c,avx512f,avx512vl,avx512vnn
 // Row tiles: 8, 4, 2, 1 rows; the column tile follows from the row tile (registers), never
 // changing what a row computes.
 inline int row_tile(int64_t left) { return left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+// The int8-input (VNNI-512) tiles take any 1..8 rows: a verify pass of 3, 5, 6 or 7 rows is one
+// tile instead of a 2/4-row tile plus a 1-row one that unpacks every weight again for one row.
+inline int row_tile_any(int64_t left) { return left >= 8 ? 8 : int(left); }
+
+// Calls fn(std::integral_constant<int, R>) for R = r in 1..8 (a tile template per row count).
+template <class Fn>
+inline void with_rows(int r, Fn&& fn) {
+  switch (r) {
+    case 8: fn(std::integral_constant<int, 8>()); break;
+    case 7: fn(std::integral_constant<int, 7>()); break;
+    case 6: fn(std::integral_constant<int, 6>()); break;
+    case 5: fn(std::integral_constant<int, 5>()); break;
+    case 4: fn(std::integral_constant<int, 4>()); break;
+    case 3: fn(std::integral_constant<int, 3>()); break;
+    case 2: fn(std::integral_constant<int, 2>()); break;
+    default: fn(std::integral_constant<int, 1>()); break;
+  }
+}
 
 void write_out(const float* tile, int R, int C, int64_t row0, int64_t col0, int64_t N, at::Tensor& out) {
   const bool bf = out.scalar_type() == at::kBFloat16;
@@ -587,7 +605,7 @@ void write_out(const float* tile, int R, int C, int64_t row0, int64_t col0, int6
 // body(b, t0, R, tile) computes rows t0..t0+R-1 of column block b into tile [R][16] and writes
 // them out. A row's tile never depends on the rows beside it.
 template <class Body>
-void block_row_tiles(int64_t nblocks, int64_t T, Body&& body) {
+void block_row_tiles(int64_t nblocks, int64_t T, Body&& body, int (*tiles)(int64_t) = row_tile) {
   constexpr int UNIT = 4;
   const int64_t units = (nblocks + UNIT - 1) / UNIT;
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
@@ -595,7 +613,7 @@ void block_row_tiles(int64_t nblocks, int64_t T, Body&& body) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b0 = u * UNIT, nb = std::min<int64_t>(UNIT, nblocks - b0);
       for (int64_t t0 = 0; t0 < T;) {
-        const int R = row_tile(T - t0);
+        const int R = tiles(T - t0);
         for (int64_t b = b0; b < b0 + nb; ++b) body(b, t0, R, tile);
         t0 += R;
       }
@@ -905,18 +923,14 @@ void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_
           // one column block per tile: one weight stream at a time measured faster than 2-4
           // interleaved ones (EPYC, 1 thread, SmolLM2's layers: one row 4.5 / 6.0 / 8.4 ms against
           // 6.5 / 7.0 / 9.3 in three A/B runs; wider, the same or better)
-          R = row_tile(left);
+          R = row_tile_any(left);
           for (int64_t b = b0; b < b0 + nb; ++b) {
             const uint8_t* wb = w + b * blk;
-#define TILE(RR, PF) q8_tile_vnni512<RR, 1, F16S, PF>(wb, blk, grp, ng, G, xt, K, dt, st, tile)
-            if (path == Q8_VNNI512_FAR) {
-              if (R == 8) TILE(8, FAR_PREFETCH); else if (R == 4) TILE(4, FAR_PREFETCH);
-              else if (R == 2) TILE(2, FAR_PREFETCH); else TILE(1, FAR_PREFETCH);
-            } else {
-              if (R == 8) TILE(8, PREFETCH); else if (R == 4) TILE(4, PREFETCH); else if (R == 2) TILE(2, PREFETCH);
-              else TILE(1, PREFETCH);
-            }
-#undef TILE
+            with_rows(R, [&](auto rr) {
+              constexpr int RR = decltype(rr)::value;
+              if (path == Q8_VNNI512_FAR) q8_tile_vnni512<RR, 1, F16S, FAR_PREFETCH>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
+              else q8_tile_vnni512<RR, 1, F16S, PREFETCH>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
+            });
             write_out(tile, R, 1, t0, b * COLS, N, out);
           }
         } else {  // ymm: 2 rows or 1 row x 1 block (16 registers; one stream, as above: AVX2 one
@@ -1030,12 +1044,9 @@ at::Tensor int8_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
     const int8_t* xt = xr.q.data() + t0 * K;
     const float *dt = xr.dx.data() + t0 * nbk, *st = xr.qs.data() + t0 * nbk;
     const uint8_t* wb = w + b * blk;
-    if (R == 8) int8_q8_tile_vnni512<8>(wb, K, xt, dt, st, tile);
-    else if (R == 4) int8_q8_tile_vnni512<4>(wb, K, xt, dt, st, tile);
-    else if (R == 2) int8_q8_tile_vnni512<2>(wb, K, xt, dt, st, tile);
-    else int8_q8_tile_vnni512<1>(wb, K, xt, dt, st, tile);
+    with_rows(R, [&](auto rr) { int8_q8_tile_vnni512<decltype(rr)::value>(wb, K, xt, dt, st, tile); });
     write_out(tile, R, 1, t0, b * COLS, N, out);
-  });
+  }, row_tile_any);
   return out;
 }
 
