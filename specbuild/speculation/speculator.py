@@ -51,11 +51,23 @@ def monotone_costs(costs: dict[int, float]) -> dict[str, float]:
 
 def stack_plan(model) -> dict:
     """How a target's forward runs, for the cost cache's key: its compiled stack (fused C++,
-    torch.compile or none), the layers' format and the kernel level or path it runs at."""
+    torch.compile or none), the layers' and the lm_head's formats, the kernel level or path
+    the layers run at, and which build of specbuild's kernels (its source digest) loaded."""
+    import os
+
+    from specbuild.model import cpu_kernels
+
     stack = type(model.compiled).__name__ if getattr(model, "compiled", None) is not None else "eager"
     w = getattr(model, "w", {}).get("layers.0.qkv")
     impl = w.formats.get(w.primary) if hasattr(w, "formats") else None
-    return {"stack": stack, "layers": getattr(w, "primary", "dense"), "kernel": int(getattr(impl, "kernel", 0) or 0)}
+    plan = {"stack": stack, "layers": getattr(w, "primary", "dense"), "kernel": int(getattr(impl, "kernel", 0) or 0)}
+    head = getattr(model, "lm_head", None)
+    if hasattr(head, "primary"):
+        plan["lm_head"] = head.primary
+    path = cpu_kernels.status().get("path") if plan["kernel"] or plan.get("lm_head") else None
+    if path:
+        plan["build"] = os.path.basename(os.path.dirname(path))  # a kernel change re-measures the costs
+    return plan
 
 
 GRAMMAR = "grammar"  # Draft.method of the tokens a structured-output grammar forces

@@ -247,7 +247,7 @@ def test_cost_calibration_is_cached_per_machine_and_bundle_and_done_at_load(tmp_
     """The speculator's verify costs are measured at engine load (no request pays for them),
     kept under $SPECBUILD_CACHE_DIR keyed by machine and model fingerprint, and a second
     engine on the same bundle reads them back (its only forwards: the live check of the
-    cached width-1 cost, one untimed and one timed, and one untimed warm-up per width, so
+    cached width-1 cost, one untimed and three timed, and one untimed warm-up per width, so
     kernels are set up before the first request); another bundle (other weights) gets its
     own entry."""
     from specbuild.compiler.compile import compile_bundle
@@ -277,7 +277,7 @@ def test_cost_calibration_is_cached_per_machine_and_bundle_and_done_at_load(tmp_
     assert len(calibrations()) == 1
     calls.clear()
     second = Engine(bundles[0], EngineConfig(max_batch_size=1))
-    assert len(calls) == 7 and second.speculator.controller.costs["ngram"].verify_cost == \
+    assert len(calls) == 9 and second.speculator.controller.costs["ngram"].verify_cost == \
         first.speculator.controller.costs["ngram"].verify_cost
     other = Engine(bundles[1], EngineConfig(max_batch_size=1))
     assert model_fingerprint(other.model) != model_fingerprint(first.model) and calls
