@@ -569,6 +569,7 @@ inline int row_tile(int64_t left) { return left >= 8 ? 8 : left >= 4 ? 4 : left 
 // The int8-input (VNNI-512) tiles take any 1..8 rows: a verify pass of 3, 5, 6 or 7 rows is one
 // tile instead of a 2/4-row tile plus a 1-row one that unpacks every weight again for one row.
 inline int row_tile_any(int64_t left) { return left >= 8 ? 8 : int(left); }
+inline int row_tile_2(int64_t left) { return left >= 2 ? 2 : 1; }  // the ymm int8-input tiles
 
 // Calls fn(std::integral_constant<int, R>) for R = r in 1..8 (a tile template per row count).
 template <class Fn>
@@ -601,7 +602,8 @@ void write_out(const float* tile, int R, int C, int64_t row0, int64_t col0, int6
 }
 
 // The one-block-at-a-time drivers' loop: units of 4 column blocks (their weights stay in L1/L2
-// across a unit's row tiles) shared out to the threads, row tiles of 8/4/2/1 within a unit;
+// across a unit's row tiles) shared out to the threads, row tiles of tiles(rows left) rows
+// within a unit (row_tile's 8/4/2/1 unless a driver passes another);
 // body(b, t0, R, tile) computes rows t0..t0+R-1 of column block b into tile [R][16] and writes
 // them out. A row's tile never depends on the rows beside it.
 template <class Body>
@@ -908,50 +910,32 @@ void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_
   const float* dx = xr.dx.data();
   const float* qs = xr.qs.data();
   const int64_t nbk = K / QB;
-  constexpr int UNIT = 4;  // blocks per unit of work (their weights stay in cache across row tiles)
-  const int64_t units = (nblocks + UNIT - 1) / UNIT;
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    alignas(64) float tile[8 * UNIT * COLS];
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b0 = u * UNIT, nb = std::min<int64_t>(UNIT, nblocks - b0);
-      for (int64_t t0 = 0; t0 < T;) {
-        const int64_t left = T - t0;
-        const int8_t* xt = xq + t0 * K;
-        const float *dt = dx + t0 * nbk, *st = qs + t0 * nbk;
-        int R;
-        if (path == Q8_VNNI512 || path == Q8_VNNI512_FAR) {
-          // one column block per tile: one weight stream at a time measured faster than 2-4
-          // interleaved ones (EPYC, 1 thread, SmolLM2's layers: one row 4.5 / 6.0 / 8.4 ms against
-          // 6.5 / 7.0 / 9.3 in three A/B runs; wider, the same or better)
-          R = row_tile_any(left);
-          for (int64_t b = b0; b < b0 + nb; ++b) {
-            const uint8_t* wb = w + b * blk;
-            with_rows(R, [&](auto rr) {
-              constexpr int RR = decltype(rr)::value;
-              if (path == Q8_VNNI512_FAR) q8_tile_vnni512<RR, 1, F16S, FAR_PREFETCH>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
-              else q8_tile_vnni512<RR, 1, F16S, PREFETCH>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
-            });
-            write_out(tile, R, 1, t0, b * COLS, N, out);
-          }
-        } else {  // ymm: 2 rows or 1 row x 1 block (16 registers; one stream, as above: AVX2 one
-                  // row 8.3 ms against 11.4 with two blocks interleaved)
-          R = left >= 2 ? 2 : 1;
-          for (int64_t b = b0; b < b0 + nb; ++b) {
-            const uint8_t* wb = w + b * blk;
+  // one column block per tile: one weight stream at a time measured faster than 2-4 interleaved
+  // ones (EPYC, 1 thread, SmolLM2's layers, AVX512-VNNI: one row 4.5 / 6.0 / 8.4 ms against
+  // 6.5 / 7.0 / 9.3 in three A/B runs, wider the same or better; AVX2: one row 8.3 ms against
+  // 11.4 with two blocks interleaved). zmm tiles take 1-8 rows, ymm ones 2 or 1 (16 registers).
+  const bool zmm = path == Q8_VNNI512 || path == Q8_VNNI512_FAR;
+  block_row_tiles(nblocks, T, [&](int64_t b, int64_t t0, int R, float* tile) {
+    const int8_t* xt = xq + t0 * K;
+    const float *dt = dx + t0 * nbk, *st = qs + t0 * nbk;
+    const uint8_t* wb = w + b * blk;
+    if (zmm) {
+      with_rows(R, [&](auto rr) {
+        constexpr int RR = decltype(rr)::value;
+        if (path == Q8_VNNI512_FAR) q8_tile_vnni512<RR, 1, F16S, FAR_PREFETCH>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
+        else q8_tile_vnni512<RR, 1, F16S, PREFETCH>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
+      });
+    } else {
 #define YTILE(FN)                                                        \
   if (R == 2) FN<2, 2, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile); \
   else FN<1, 2, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
-            if (path == Q8_AVX2) { YTILE(q8_tile_avx2) }
-            else if (path == Q8_AVXVNNI) { YTILE(q8_tile_avxvnni) }
-            else { YTILE(q8_tile_vnni256) }
+      if (path == Q8_AVX2) { YTILE(q8_tile_avx2) }
+      else if (path == Q8_AVXVNNI) { YTILE(q8_tile_avxvnni) }
+      else { YTILE(q8_tile_vnni256) }
 #undef YTILE
-            write_out(tile, R, 1, t0, b * COLS, N, out);
-          }
-        }
-        t0 += R;
-      }
     }
-  });
+    write_out(tile, R, 1, t0, b * COLS, N, out);
+  }, zmm ? row_tile_any : row_tile_2);
 }
 
 at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, int64_t G, bool f16_scales,
@@ -1021,10 +1005,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void int8_q8_tile_vnn
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * COLS, _mm512_mul_ps(acc[r], s));
 }
 
-bool int8_q8_available() {
-  __builtin_cpu_init();
-  return (q8_paths() >> Q8_VNNI512) & 1;
-}
+bool int8_q8_available() { return (q8_paths() >> Q8_VNNI512) & 1; }
 
 at::Tensor int8_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N) {
   TORCH_CHECK(int8_q8_available(), "int8_q8_mm: this CPU lacks AVX512-VNNI (the int8-a8 lm_head's only path)");
