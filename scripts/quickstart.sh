@@ -27,11 +27,10 @@ case "$FORMAT" in
   # pair), so the int4 bundle carries the draft model and the EAGLE-3 head; float32 all three.
   # auto: the lm_head's inputs rounded to int8 blocks too where the AVX512-VNNI int8 x int8
   # kernel runs (perplexity with the int4-a8 layers +0.57% of float32's, docs/cpu-kernels.md)
-  int4) HEAD_ACTS=float32; [ "${SPECBUILD_QUICKSTART_ACTIVATIONS:-auto}" = auto ] && HEAD_ACTS=auto
-        ROLES=(--quantize int4 --lm-head-format int8 --activations "${SPECBUILD_QUICKSTART_ACTIVATIONS:-auto}"
-               --lm-head-activations "$HEAD_ACTS")
-        DEFAULT_BUNDLE=bundles/smollm2-135m-spec-int4
-        [ "${SPECBUILD_QUICKSTART_ACTIVATIONS:-auto}" = auto ] || DEFAULT_BUNDLE=$DEFAULT_BUNDLE-${SPECBUILD_QUICKSTART_ACTIVATIONS} ;;
+  int4) ACTS=${SPECBUILD_QUICKSTART_ACTIVATIONS:-auto}
+        HEAD_ACTS=float32; DEFAULT_BUNDLE=bundles/smollm2-135m-spec-int4
+        if [ "$ACTS" = auto ]; then HEAD_ACTS=auto; else DEFAULT_BUNDLE=$DEFAULT_BUNDLE-$ACTS; fi
+        ROLES=(--quantize int4 --lm-head-format int8 --activations "$ACTS" --lm-head-activations "$HEAD_ACTS") ;;
   float32) ROLES=(--medusa smollm2-135m-medusa); DEFAULT_BUNDLE=bundles/smollm2-135m-spec ;;
   *) echo "error: SPECBUILD_QUICKSTART_FORMAT=$FORMAT is not one of int4, float32" >&2; exit 2 ;;
 esac
