@@ -17,6 +17,11 @@ torch job of the issue; `busy`: two processes spinning in Python) and runs them 
                  (specbuild/model/threads.py), up to 2 threads, fewer while a trial under
                  others' load finds fewer faster (model/threads.ThreadGovernor)
     fixed        the default's spin count, 2 threads always (SPECBUILD_ADAPT_THREADS=0)
+    omp          the kernels' loops always on torch's OpenMP (SPECBUILD_POOL=0: the default
+                 before the kernels' pool; the governor then runs its thread-count trials)
+    pool         the kernels' loops always on their own pool (SPECBUILD_POOL=1); the default
+                 (SPECBUILD_POOL=auto) moves them there only while others' load is seen
+    pool-spin0   the pool with helpers that sleep at once (SPECBUILD_POOL_SPIN_US=0; -spin200: 200)
     spin         GOMP_SPINCOUNT=10000 (specbuild's choice on a quiet machine), 2 threads
     passive      OMP_WAIT_POLICY=PASSIVE, 2 threads
     spin-1000    GOMP_SPINCOUNT=1000, 2 threads (spin-100: 100)
@@ -50,6 +55,10 @@ POLICIES = {  # name -> (environment, threads, import torch before specbuild)
     "spin-100": ({"GOMP_SPINCOUNT": "100"}, 2, False),
     "spin-1t": ({"GOMP_SPINCOUNT": "10000"}, 1, False),
     "fixed": ({"SPECBUILD_ADAPT_THREADS": "0"}, 2, False),
+    "omp": ({"SPECBUILD_POOL": "0"}, 2, False),
+    "pool": ({"SPECBUILD_POOL": "1"}, 2, False),
+    "pool-spin0": ({"SPECBUILD_POOL": "1", "SPECBUILD_POOL_SPIN_US": "0"}, 2, False),
+    "pool-spin200": ({"SPECBUILD_POOL": "1", "SPECBUILD_POOL_SPIN_US": "200"}, 2, False),
 }
 NEIGHBOURS = {
     "torch": [["-c", "import torch\ntorch.set_num_threads(2)\na = torch.randn(768, 768)\nwhile True:\n    a @ a"]],
@@ -88,7 +97,8 @@ def worker(bundle: str, threads, torch_first: bool, tokens: int) -> None:
 class Worker:
     def __init__(self, name: str, bundle: str, tokens: int, kernel: str) -> None:
         env_extra, threads, torch_first = POLICIES[name]
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "SPECBUILD_POOL", "SPECBUILD_POOL_SPIN_US")}
         env.update(env_extra, SPECBUILD_CPU_KERNEL=kernel)
         cmd = [sys.executable, os.path.abspath(__file__), bundle, "--worker", name, "--tokens", str(tokens)]
         self.name = name

@@ -264,6 +264,8 @@ class Engine(BaseEngine):
                                    planning=planning, binning=config.binning)
         self.policies = None  # speculation.policy.PolicyTable (set_policies) or None
         self.threads_governor, self.threads_why = self.make_governor()
+        if self.threads_governor is not None and self.threads_governor.pool is not None:
+            print(f"specbuild: threads: {self.threads_why}", file=sys.stderr)
         self.load_seconds = time.perf_counter() - t0
 
     def make_governor(self):
@@ -292,6 +294,14 @@ class Engine(BaseEngine):
             return None, "its layers are not all on specbuild's quantized kernels with rows attention"
         if thread_count_changes_results(self.model, self.cache, threads):
             return None, f"this model's logits differ between {threads} threads and 1 (torch's kernels split sums by thread)"
+        from specbuild.model import cpu_kernels
+
+        if cpu_kernels.pool_mode() != 0:  # SPECBUILD_POOL auto or 1: others' load moves the kernels onto their pool
+            return ThreadGovernor(threads, pool=cpu_kernels.pool_contended), (
+                f"{threads} threads; the kernels' loops on "
+                + ("their own pool" if cpu_kernels.pool_mode() == 1 else
+                   "torch's OpenMP while the cores are free, on their own pool under others' load")
+                + f" (SPECBUILD_POOL={os.environ.get('SPECBUILD_POOL', 'auto')})")
         return ThreadGovernor(threads), f"up to {threads} threads, fewer when others' load makes fewer faster"
 
     @classmethod
@@ -437,7 +447,8 @@ class Engine(BaseEngine):
         _warm_tokens (what the warm corpus put in at load; those tokens count in _tokens too); and
         threads: the step's thread count now, with the ThreadGovernor's state (or why it is off)."""
         out = dict(self.scheduler.sink.stats())
-        out["threads"] = self.threads_governor.describe() if self.threads_governor is not None \
+        out["threads"] = {**self.threads_governor.describe(), "why": self.threads_why} \
+            if self.threads_governor is not None \
             else {"threads": torch.get_num_threads(), "adaptive": False, "why": self.threads_why}
         suffix = self.speculator.proposers.get("suffix")
         if hasattr(suffix, "store"):

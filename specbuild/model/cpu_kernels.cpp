@@ -34,7 +34,14 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <pthread.h>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -562,6 +569,230 @@ SPECBUILD_Q8_YMM_TILE(q8_tile_avx2, "avx2,fma,f16c", AVX2)
 SPECBUILD_Q8_YMM_TILE(q8_tile_avxvnni, "avx2,fma,f16c,avxvnni", VEX)
 SPECBUILD_Q8_YMM_TILE(q8_tile_vnni256, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", EVEX)
 
+// ---------------------------------------------------------------- the kernels' thread pool ---
+// Why a pool of the kernels' own beside torch's OpenMP (at::parallel_for): OpenMP gives each
+// thread a fixed share of a region and ends it with a barrier, so the region lasts as long as
+// its slowest thread. With another process computing on the same cores, one of our threads is
+// often off the CPU for a scheduler slice (milliseconds) and the other waits for it at every
+// region; a decode step has hundreds. Here the calling thread publishes a job of fixed chunks,
+// takes chunks itself, and waits only for chunks a helper has already started: a helper that
+// is off the CPU simply takes none. No library on the registries offers this as a torch-callable
+// primitive (torch's own pool, at::launch, has no "take what is left" join), hence this code.
+//
+// Row invariance: which thread runs a chunk, and how many chunks there are, never changes what
+// an item computes (every parallel loop below gives each item its own outputs and accumulators),
+// so the bits are OpenMP's; tests/model/test_cpu_kernels.py checks this for every kernel.
+//
+// The claim word: [epoch: 24 bits][chunks: 20][next: 20]. A helper claims chunk `next` with a
+// compare-and-swap on the whole word, so a helper that read an older job's word can never claim
+// in a newer one (the epoch differs). A job returns only after every chunk is claimed and every
+// claimed chunk finished, so its description is never rewritten while a claim on it can succeed.
+// Helpers spin SPECBUILD_POOL_SPIN_US microseconds for the next job (none while others' load is
+// seen), then sleep on a condition variable. Mode (SPECBUILD_POOL, set from cpu_kernels.py): 0 OpenMP, 1 the pool always, 2 auto
+// (the pool while the thread governor sees others' load on these cores, OpenMP otherwise).
+namespace pool {
+
+using RunFn = void (*)(void*, int64_t, int64_t);
+constexpr int EPOCH_BITS = 24, COUNT_BITS = 20;
+constexpr uint64_t FIELD = (uint64_t(1) << COUNT_BITS) - 1;
+constexpr int64_t CHUNKS_PER_THREAD = 8;  // balance under load against one claim per chunk
+inline uint64_t word_of(uint64_t epoch, uint64_t count, uint64_t next) {
+  return ((epoch & ((uint64_t(1) << EPOCH_BITS) - 1)) << (2 * COUNT_BITS)) | (count << COUNT_BITS) | next;
+}
+inline uint64_t epoch_of(uint64_t w) { return w >> (2 * COUNT_BITS); }
+inline uint64_t count_of(uint64_t w) { return (w >> COUNT_BITS) & FIELD; }
+inline uint64_t next_of(uint64_t w) { return w & FIELD; }
+
+struct Pool {
+  alignas(64) std::atomic<uint64_t> word{0};
+  alignas(64) std::atomic<int64_t> done{0};  // chunks of the current job finished
+  alignas(64) std::atomic<RunFn> fn{nullptr};  // the job's description, written before its word
+  std::atomic<void*> ctx{nullptr};
+  std::atomic<int64_t> begin{0}, end{0}, step{1};
+  std::atomic<int> participants{0};  // helpers 0..participants-1 take part in the job
+  std::atomic<int> sleepers{0};
+  std::atomic<bool> busy{false};  // one job at a time; a second caller meanwhile uses OpenMP
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;  // the first exception of a job's chunks (written under m)
+  std::mutex m;
+  std::condition_variable cv;
+  int helpers = 0;  // helper threads started (only the caller holding `busy` starts more)
+  std::atomic<int64_t> jobs{0}, helper_chunks{0}, caller_chunks{0};
+  std::atomic<int64_t> waits{0}, wait_ns{0}, long_waits{0};  // the caller waiting for helpers' chunks (> 1 ms: long)
+};
+
+std::atomic<int> g_mode{2};
+std::atomic<bool> g_contended{false};
+std::atomic<int64_t> g_spin_us{50};
+std::atomic<Pool*> g_pool{nullptr};
+std::mutex g_make;
+thread_local bool t_inside = false;  // a helper, or a caller running chunks: nested loops run inline
+
+void run_chunk(Pool* p, uint64_t i, RunFn fn, void* ctx, int64_t b, int64_t e, int64_t st, bool helper) {
+  const int64_t lo = b + int64_t(i) * st, hi = std::min(e, lo + st);
+  try {
+    fn(ctx, lo, hi);
+  } catch (...) {
+    std::lock_guard<std::mutex> g(p->m);
+    if (!p->failed.load()) {
+      p->error = std::current_exception();
+      p->failed.store(true);
+    }
+  }
+  (helper ? p->helper_chunks : p->caller_chunks).fetch_add(1, std::memory_order_relaxed);
+  p->done.fetch_add(1, std::memory_order_acq_rel);
+}
+
+// Claims and runs chunks of the job whose word was `w` until none is left or the job changed.
+void take_chunks(Pool* p, uint64_t w, bool helper) {
+  const RunFn fn = p->fn.load(std::memory_order_relaxed);
+  void* const ctx = p->ctx.load(std::memory_order_relaxed);
+  const int64_t b = p->begin.load(std::memory_order_relaxed), e = p->end.load(std::memory_order_relaxed),
+                st = p->step.load(std::memory_order_relaxed);
+  const uint64_t epoch = epoch_of(w);
+  for (;;) {
+    if (epoch_of(w) != epoch || next_of(w) >= count_of(w)) return;
+    // success means the word was still `w` (this job, this chunk unclaimed): the description read
+    // above is this job's, since a job is only replaced after all of its chunks were claimed
+    if (p->word.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire))
+      run_chunk(p, next_of(w), fn, ctx, b, e, st, helper);
+  }
+}
+
+void helper_loop(Pool* p, int index) {
+  t_inside = true;
+  uint64_t seen = epoch_of(p->word.load(std::memory_order_acquire));
+  for (;;) {
+    uint64_t w = p->word.load(std::memory_order_acquire);
+    if (epoch_of(w) == seen) {
+      // under others' load a helper sleeps at once: its spinning took CPU time the caller needed
+      // (Intel Xeon, 2 cores, compiled int4-a8 beside a 2-thread neighbour, 2026-12-06: 9.8
+      // ms/token sleeping at once, 11.5 spinning 50 us, 16.5 spinning 500 us)
+      const int64_t spin = g_contended.load(std::memory_order_relaxed) ? 0 : g_spin_us.load();
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin);
+      for (int n = 0; epoch_of(w) == seen; ++n) {
+        _mm_pause();
+        w = p->word.load(std::memory_order_acquire);
+        if ((n & 63) == 63 && std::chrono::steady_clock::now() >= until) break;
+      }
+      if (epoch_of(w) == seen) {
+        std::unique_lock<std::mutex> lk(p->m);
+        p->sleepers.fetch_add(1);
+        p->cv.wait(lk, [&] { return epoch_of(p->word.load()) != seen; });
+        p->sleepers.fetch_sub(1);
+        w = p->word.load(std::memory_order_acquire);
+      }
+    }
+    seen = epoch_of(w);
+    if (index < p->participants.load(std::memory_order_relaxed)) take_chunks(p, w, true);
+  }
+}
+
+Pool* get() {
+  Pool* p = g_pool.load(std::memory_order_acquire);
+  if (p) return p;
+  std::lock_guard<std::mutex> g(g_make);
+  p = g_pool.load();
+  if (!p) {
+    p = new Pool();  // never freed: detached helpers may sleep in it until the process exits
+    g_pool.store(p, std::memory_order_release);
+  }
+  return p;
+}
+
+void after_fork_child() {  // the helpers do not exist in a forked child: a fresh pool on next use
+  new (&g_make) std::mutex();
+  g_pool.store(nullptr);
+}
+
+bool enabled() {
+  const int mode = g_mode.load(std::memory_order_relaxed);
+  return mode == 1 || (mode == 2 && g_contended.load(std::memory_order_relaxed));
+}
+
+// fn(lo, hi) over [b, e): on the pool when it is on (chunks of at least `grain` items, at most
+// CHUNKS_PER_THREAD per thread), else at::parallel_for with the same grain.
+template <class F>
+void run(int64_t b, int64_t e, int64_t grain, F&& f, bool force = false) {
+  if (e <= b) return;
+  if (t_inside) {  // inside a pool chunk (a helper is no OpenMP thread): no nested parallelism
+    f(b, e);
+    return;
+  }
+  const int threads = at::get_num_threads();
+  if (!force && !enabled()) {
+    at::parallel_for(b, e, grain, f);
+    return;
+  }
+  const int64_t n = e - b;
+  grain = std::max<int64_t>(grain, 1);
+  if (threads < 2 || n <= grain || at::in_parallel_region()) {
+    f(b, e);
+    return;
+  }
+  Pool* p = get();
+  bool expected = false;
+  if (!p->busy.compare_exchange_strong(expected, true)) {  // another thread's job is running
+    at::parallel_for(b, e, grain, f);
+    return;
+  }
+  int64_t chunks = std::min<int64_t>({(n + grain - 1) / grain, CHUNKS_PER_THREAD * threads, int64_t(FIELD)});
+  const int64_t st = (n + chunks - 1) / chunks;
+  chunks = (n + st - 1) / st;
+  while (p->helpers < threads - 1) {
+    std::thread(helper_loop, p, p->helpers).detach();
+    ++p->helpers;
+  }
+  using FD = typename std::decay<F>::type;
+  p->fn.store([](void* c, int64_t lo, int64_t hi) { (*static_cast<FD*>(c))(lo, hi); }, std::memory_order_relaxed);
+  p->ctx.store(const_cast<void*>(static_cast<const void*>(&f)), std::memory_order_relaxed);
+  p->begin.store(b, std::memory_order_relaxed);
+  p->end.store(e, std::memory_order_relaxed);
+  p->step.store(st, std::memory_order_relaxed);
+  p->participants.store(threads - 1, std::memory_order_relaxed);
+  p->done.store(0, std::memory_order_relaxed);
+  p->failed.store(false, std::memory_order_relaxed);
+  const uint64_t w = word_of(epoch_of(p->word.load()) + 1, uint64_t(chunks), 0);
+  p->word.store(w);  // seq_cst: ordered before the sleepers read below (no lost wake-up)
+  if (p->sleepers.load() > 0) {
+    std::lock_guard<std::mutex> g(p->m);
+    p->cv.notify_all();
+  }
+  p->jobs.fetch_add(1, std::memory_order_relaxed);
+  t_inside = true;
+  take_chunks(p, w, false);
+  t_inside = false;
+  // every chunk is claimed; wait for those a helper is running (yield after a while: a helper
+  // that was preempted mid-chunk may need this core)
+  if (p->done.load(std::memory_order_acquire) < chunks) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int spins = 0; p->done.load(std::memory_order_acquire) < chunks; ++spins) {
+      if (spins < 2000) _mm_pause();
+      else std::this_thread::yield();
+    }
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    p->wait_ns.fetch_add(ns, std::memory_order_relaxed);
+    p->waits.fetch_add(1, std::memory_order_relaxed);
+    if (ns > 1000000) p->long_waits.fetch_add(1, std::memory_order_relaxed);
+  }
+  std::exception_ptr err;
+  if (p->failed.load()) {
+    std::lock_guard<std::mutex> g(p->m);
+    err = p->error;
+    p->error = nullptr;
+  }
+  p->busy.store(false, std::memory_order_release);
+  if (err) std::rethrow_exception(err);
+}
+
+const int g_atfork = pthread_atfork(nullptr, nullptr, after_fork_child);
+
+}  // namespace pool
+
+// The kernels' parallel loop: the pool or OpenMP (pool::run), the same bits either way.
+template <class F>
+inline void par_for(int64_t b, int64_t e, int64_t grain, F&& f) { pool::run(b, e, grain, f); }
+
 // ---------------------------------------------------------------- drivers --------------------
 // Row tiles: 8, 4, 2, 1 rows; the column tile follows from the row tile (registers), never
 // changing what a row computes.
@@ -610,7 +841,7 @@ template <class Body>
 void block_row_tiles(int64_t nblocks, int64_t T, Body&& body, int (*tiles)(int64_t) = row_tile) {
   constexpr int UNIT = 4;
   const int64_t units = (nblocks + UNIT - 1) / UNIT;
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+  par_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     alignas(64) float tile[8 * COLS];
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b0 = u * UNIT, nb = std::min<int64_t>(UNIT, nblocks - b0);
@@ -734,7 +965,7 @@ void int4_avx2(const at::Tensor& xf, const uint8_t* w, int64_t nblocks, int64_t 
   const int64_t T = xf.size(0), K = xf.size(1), ng = K / G;
   const int64_t grp = G * 8 + COLS * 2 * (F32S ? 4 : 2), blk = grp * ng;
   const float* xp = xf.data_ptr<float>();
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+  par_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float tile[4 * COLS];
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t t0 = 0; t0 < T; ) {
@@ -804,7 +1035,7 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
   if (isa >= ISA_AVX512) {
     constexpr int UNIT = 8;
     const int64_t units = (nblocks + UNIT - 1) / UNIT;
-    at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    par_for(0, units, 1, [&](int64_t u0, int64_t u1) {
       alignas(64) float tile[8 * UNIT * COLS];
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t b0 = u * UNIT, nb = std::min<int64_t>(UNIT, nblocks - b0);
@@ -836,7 +1067,7 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
       }
     });
   } else {
-    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    par_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
       alignas(64) float tile[COLS];
       for (int64_t b = b0; b < b1; ++b)
         for (int64_t t = 0; t < T; ++t) {
@@ -1191,7 +1422,7 @@ void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_
   const int64_t items = T * KV;
   const int64_t work = std::max<int64_t>(1, off[T] * G * D / std::max<int64_t>(T, 1));
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+  par_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> s(G * (nmax + 1) + 8);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / KV, g = i % KV, n = off[t + 1] - off[t];
@@ -1374,7 +1605,7 @@ void q8_into(const Int4Linear& l, int64_t path, const float* x, int64_t T, at::T
 // row's bits; up to 8 rows (a decode step, a verify window) stay on the calling thread
 template <class Fn>
 void each_row(int64_t T, const Fn& fn) {
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+  par_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) fn(t);
   });
 }
@@ -1616,6 +1847,54 @@ std::vector<double> dot_rates(int64_t reps) {
 }
 bool has_isa4() { return has_avx512_fma(); }
 
+// ---------------------------------------------------------------- the pool's controls --------
+// mode: 0 OpenMP, 1 the pool always, 2 auto, -1 unchanged; spin_us: a helper's spin before it
+// sleeps (-1 unchanged)
+void pool_config(int64_t mode, int64_t spin_us) {
+  TORCH_CHECK(mode >= -1 && mode <= 2, "pool_config: mode must be -1..2, got ", mode);
+  TORCH_CHECK(spin_us >= -1 && spin_us <= 100000, "pool_config: spin_us must be -1..100000, got ", spin_us);
+  if (mode >= 0) pool::g_mode.store(int(mode));
+  if (spin_us >= 0) pool::g_spin_us.store(spin_us);
+}
+
+void pool_contended(bool on) { pool::g_contended.store(on); }
+
+// [mode, contended, on the pool now, helpers started, jobs, chunks run by helpers, by callers,
+//  spin_us, waits for a helper's chunk, their total ns, those over 1 ms]
+std::vector<int64_t> pool_stats() {
+  pool::Pool* p = pool::g_pool.load();
+  return {pool::g_mode.load(), pool::g_contended.load(), pool::enabled(), p ? p->helpers : 0,
+          p ? p->jobs.load() : 0, p ? p->helper_chunks.load() : 0, p ? p->caller_chunks.load() : 0,
+          pool::g_spin_us.load(), p ? p->waits.load() : 0, p ? p->wait_ns.load() : 0,
+          p ? p->long_waits.load() : 0};
+}
+
+// The pool's contract, for tests: `reps` jobs over `items` items (grain `grain`) on the pool
+// whatever its mode, each item adding 1 to its own counter. Every counter must be 1 when its job
+// returns, and still 1 after all jobs (a chunk run after its job returned would make it 2).
+// Returns [counters wrong when their job returned, counters wrong at the end, chunks helpers ran].
+std::vector<int64_t> pool_check(int64_t items, int64_t grain, int64_t reps) {
+  TORCH_CHECK(items >= 1 && items <= (int64_t(1) << 20), "pool_check: items must be 1..2^20, got ", items);
+  TORCH_CHECK(grain >= 1 && reps >= 1 && reps <= 100000, "pool_check: grain >= 1 and reps 1..100000");
+  std::vector<std::vector<std::atomic<int>>> counts;
+  counts.reserve(reps);
+  int64_t early = 0, late = 0;
+  pool::Pool* p = pool::get();
+  const int64_t before = p->helper_chunks.load();
+  for (int64_t r = 0; r < reps; ++r) {
+    counts.emplace_back(items);
+    auto& c = counts.back();
+    for (auto& v : c) v.store(0);
+    pool::run(0, items, grain, [&c](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) c[i].fetch_add(1);
+    }, true);
+    for (auto& v : c) early += v.load() != 1;
+  }
+  for (auto& c : counts)
+    for (auto& v : c) late += v.load() != 1;
+  return {early, late, p->helper_chunks.load() - before};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specbuild_cpu, m) {
@@ -1629,6 +1908,10 @@ TORCH_LIBRARY(specbuild_cpu, m) {
   m.def("q8_paths() -> int");
   m.def("int8_q8_mm(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("int8_q8_available() -> bool");
+  m.def("pool_config(int mode, int spin_us) -> ()");
+  m.def("pool_contended(bool on) -> ()");
+  m.def("pool_stats() -> int[]");
+  m.def("pool_check(int items, int grain, int reps) -> int[]");
   m.def("rows_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor index, float scale) -> Tensor");
   m.def("int4_stack(Tensor x, Tensor cos, Tensor sin, Tensor write_slots, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor index, Tensor[] weights, int[] meta, float scale, float eps, "
@@ -1651,4 +1934,8 @@ TORCH_LIBRARY_IMPL(specbuild_cpu, CompositeExplicitAutograd, m) {
   m.impl("dot_rates", &dot_rates);
   m.impl("q8_paths", &q8_paths);
   m.impl("int8_q8_available", &int8_q8_available);
+  m.impl("pool_config", &pool_config);
+  m.impl("pool_contended", &pool_contended);
+  m.impl("pool_stats", &pool_stats);
+  m.impl("pool_check", &pool_check);
 }

@@ -190,6 +190,7 @@ def _load() -> dict:
             if isa == 0:
                 raise KernelBuildError("this CPU has neither AVX2+FMA nor AVX-512: specbuild's CPU kernels need one")
             state.update(available=True, isa=isa, path=path, reason=f"built at {path}")
+            torch.ops.specbuild_cpu.pool_config(pool_mode(), pool_spin_us())
         except KernelBuildError as e:
             state["reason"] = str(e)
         except (OSError, RuntimeError) as e:  # load_library / op registration
@@ -299,6 +300,66 @@ def _q8_sample_costs(paths: tuple[int, ...], repeats: int = 5) -> dict[int, floa
         for p in paths:
             total[p] += best[p] * 1e3
     return total
+
+
+# ---- the kernels' thread pool (cpu_kernels.cpp, namespace pool) -------------------------------
+POOL_MODES = {"0": 0, "off": 0, "omp": 0, "1": 1, "on": 1, "always": 1, "auto": 2}
+POOL_NAMES = {0: "OpenMP", 1: "the kernels' pool", 2: "auto"}
+
+
+def pool_mode() -> int:
+    """$SPECBUILD_POOL: `auto` (default: torch's OpenMP threads while the cores are free, the
+    kernels' own pool while the thread governor sees others' load on them), `1`/`on` (the pool
+    always), `0`/`off` (OpenMP always). The same bits on every setting."""
+    value = os.environ.get("SPECBUILD_POOL", "auto").strip().lower() or "auto"
+    if value not in POOL_MODES:
+        raise BundleError(f"SPECBUILD_POOL={value!r} is not one of auto, 1 (on), 0 (off)")
+    return POOL_MODES[value]
+
+
+def pool_spin_us() -> int:
+    """$SPECBUILD_POOL_SPIN_US: how long a pool helper spins for the next job before it sleeps
+    while the cores are free (default 50 microseconds: the gaps between the kernels of one step;
+    under others' load helpers sleep at once, docs/cpu-kernels.md "The kernels' pool")."""
+    value = os.environ.get("SPECBUILD_POOL_SPIN_US", "50").strip()
+    if not value.isdigit() or int(value) > 100_000:
+        raise BundleError(f"SPECBUILD_POOL_SPIN_US={value!r} must be a whole number of microseconds in 0..100000")
+    return int(value)
+
+
+def pool_contended(on: bool) -> None:
+    """Tell the kernels whether others' load shares these cores (the thread governor calls this);
+    under SPECBUILD_POOL=auto it moves the kernels' loops onto the pool while `on`."""
+    if _load()["available"]:
+        torch.ops.specbuild_cpu.pool_contended(bool(on))
+
+
+def pool_config(mode: int | None = None, spin_us: int | None = None) -> None:
+    """Set the pool's mode (0 OpenMP, 1 always, 2 auto) and helpers' spin in this process (tests,
+    benchmarks); None leaves a setting as it is."""
+    if _load()["available"]:
+        torch.ops.specbuild_cpu.pool_config(-1 if mode is None else int(mode), -1 if spin_us is None else int(spin_us))
+
+
+def pool_stats() -> dict:
+    """The pool's state: mode, contended, on (the kernels' loops run on it now), helpers started,
+    jobs, chunks run by helpers and by callers, spin_us, and the caller's waits for chunks a
+    helper was running (count, total ns, those over 1 ms: a helper preempted mid-chunk); {} where
+    the kernels are unavailable."""
+    if not _load()["available"]:
+        return {}
+    keys = ("mode", "contended", "on", "helpers", "jobs", "helper_chunks", "caller_chunks", "spin_us",
+            "waits", "wait_ns", "long_waits")
+    return dict(zip(keys, (int(v) for v in torch.ops.specbuild_cpu.pool_stats())))
+
+
+def pool_check(items: int, grain: int = 1, reps: int = 100) -> dict:
+    """Runs the pool's contract check (cpu_kernels.cpp pool_check) on torch's thread count:
+    {"early": items not run exactly once when their job returned, "late": ... after all jobs
+    (a chunk run after its job returned), "helper_chunks": chunks the helpers took}."""
+    _load()
+    early, late, helper = torch.ops.specbuild_cpu.pool_check(items, grain, reps)
+    return {"early": int(early), "late": int(late), "helper_chunks": int(helper)}
 
 
 # ---- layouts ---------------------------------------------------------------------------------

@@ -291,3 +291,27 @@ def test_no_governor_where_the_thread_count_could_change_a_result(bundles, monke
     assert Engine(bundles["int4"], EngineConfig(max_batch_size=1, adapt_threads=False)).threads_why == "adapt_threads=False"
     monkeypatch.setenv("SPECBUILD_ADAPT_THREADS", "0")
     assert Engine(bundles["int4"], EngineConfig(max_batch_size=1)).threads_governor is None
+
+
+@pytest.mark.parametrize("which", ["int4", "int4-a8"])
+def test_on_the_kernels_pool_the_rows_keep_the_decode_steps_bits(engine, a8_engine, which):
+    """The fused stack with every kernel loop on the kernels' own pool (SPECBUILD_POOL=1, as under
+    others' load): each row of a w-row pass is the one-row step's bits, and a verify pass gives
+    OpenMP's bits."""
+    eng = engine if which == "int4" else a8_engine
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode(), scratch_sequence(eng.cache, 24) as slots:
+            batch = verify_batch(slots, 0, 11)
+            cpu_kernels.pool_config(mode=0)
+            want = eng.model.forward(batch, eng.cache).logits
+            cpu_kernels.pool_config(mode=1)
+            jobs = cpu_kernels.pool_stats()["jobs"]
+            got = eng.model.forward(batch, eng.cache).logits
+            assert cpu_kernels.pool_stats()["jobs"] > jobs  # the stack's loops ran on the pool
+        assert torch.equal(got, want)
+        check_rows_are_the_decode_steps_bits(eng)
+    finally:
+        cpu_kernels.pool_config(mode=cpu_kernels.pool_mode())
+        torch.set_num_threads(saved)
