@@ -666,7 +666,7 @@ void helper_loop(Pool* p, int index) {
     uint64_t w = p->word.load(std::memory_order_acquire);
     if (epoch_of(w) == seen) {
       // under others' load a helper sleeps at once: its spinning took CPU time the caller needed
-      // (Intel Xeon, 2 cores, compiled int4-a8 beside a 2-thread neighbour, 2026-12-06: 9.8
+      // (Intel Xeon, 2 cores, compiled int4-a8 beside a 2-thread neighbour, 2026-12-05: 9.8
       // ms/token sleeping at once, 11.5 spinning 50 us, 16.5 spinning 500 us)
       const int64_t spin = g_contended.load(std::memory_order_relaxed) ? 0 : g_spin_us.load();
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin);
