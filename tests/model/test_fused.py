@@ -15,15 +15,8 @@ from specbuild.model import cpu_kernels
 from specbuild.model.decoder import Attend, ForwardBatch
 from specbuild.model.fused import STACK_DIMS, FusedStack, fused_reason
 from specbuild.model.timing import scratch_sequence, verify_batch
+from kernel_skip import kernels_or_skip
 from tiny import make_tiny_hf
-
-
-def kernels_or_skip() -> None:
-    st = cpu_kernels.status()
-    if not st["available"] and cpu_kernels._compiler() is not None:
-        pytest.fail(f"a compiler exists but the kernels did not build: {st['reason']}")
-    if not st["available"]:
-        pytest.skip(st["reason"])
 
 
 @pytest.fixture(scope="module")

@@ -19,16 +19,10 @@ from specbuild.errors import BundleError
 from specbuild.model import cpu_kernels
 from specbuild.model import threads as T
 
+from kernel_skip import kernels_or_skip
+
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 pytestmark = pytest.mark.skipif(not X86, reason="specbuild's CPU kernels are x86-64 only")
-
-
-def kernels_or_skip() -> None:
-    st = cpu_kernels.status()
-    if not st["available"] and cpu_kernels._compiler() is not None:
-        pytest.fail(f"a compiler exists but the kernels did not build: {st['reason']}")
-    if not st["available"]:
-        pytest.skip(st["reason"])
 
 
 @pytest.fixture
