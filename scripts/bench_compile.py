@@ -18,7 +18,9 @@ CPU model and its flags, and the load average of every round.
 (`--also bundles/smollm2-135m-spec-int4a8` adds another format of the same model to the same
 rounds, rows labelled with its directory's name.)
 
-(`--kernels specbuild,specbuild+sdpa` compares the C++ attention rows kernel with per-row SDPA calls.)
+(`--kernels specbuild,specbuild+sdpa` compares the C++ attention rows kernel with per-row SDPA calls;
+`--kernels specbuild,specbuild+pool` the kernels' loops on OpenMP, as on free cores by default, with
+the same loops on the kernels' own pool, as under others' load.)
 """
 
 from __future__ import annotations
@@ -68,18 +70,24 @@ def main() -> None:
     from specbuild.model.decoder import weight_bytes
     from specbuild.model.timing import copy_bandwidth, forward_costs
 
-    engines = {}
+    engines, pooled = {}, {}
     for path in [args.bundle, *args.also]:
         for kernel in args.kernels.split(","):
             # NAME+sdpa: that linear kernel with attention as one SDPA call per row instead of
-            # specbuild's C++ rows kernel (decoder.rows_attention_enabled)
-            base, _, attention = kernel.partition("+")
+            # specbuild's C++ rows kernel (decoder.rows_attention_enabled); NAME+pool: the
+            # kernels' loops on their own pool (SPECBUILD_POOL=1) while this row is timed, not
+            # on OpenMP as on free cores by default
+            base, *extras = kernel.split("+")
+            bad = [x for x in extras if x not in ("sdpa", "pool")]
+            if bad:
+                sys.exit(f"error: --kernels {kernel!r}: unknown option +{bad[0]} (options: +sdpa, +pool)")
             os.environ["SPECBUILD_CPU_KERNEL"] = base
-            os.environ["SPECBUILD_ROWS_ATTENTION"] = "0" if attention == "sdpa" else "1"
+            os.environ["SPECBUILD_ROWS_ATTENTION"] = "0" if "sdpa" in extras else "1"
             cpu_kernels.reset_choices()
             label = kernel if path == args.bundle else f"{os.path.basename(path.rstrip('/'))} {kernel}"
             engines[label] = Engine(path, EngineConfig(threads=args.threads, max_batch_size=1,
                                                        compile=not args.no_compile))
+            pooled[label] = "pool" in extras
     os.environ.pop("SPECBUILD_ROWS_ATTENTION", None)
     engine = next(iter(engines.values()))
     prompt_text = engine.render_chat([{"role": "user", "content": "Tell me a story about a dragon and a knight."}])
@@ -104,6 +112,7 @@ def main() -> None:
     for r in range(args.rounds):
         copy_gbps.append(copy_bandwidth(256 << 20, repeats=3)["gb_per_s"])
         for kernel, engine in engines.items():
+            cpu_kernels.pool_config(mode=1 if pooled[kernel] else cpu_kernels.pool_mode())
             for mode in modes:
                 engine.model.compiled = None if mode == "eager" else compiled[kernel]
                 decode = statistics.median(decode_step_ms(engine, prompt, args.tokens, 2))
@@ -116,6 +125,7 @@ def main() -> None:
         loads.append(os.getloadavg()[0])
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]['decode_ms']:.2f}" for k, v in rows.items() if v)
               + f" ms/token; copy {copy_gbps[-1]:.1f} GB/s; load {loads[-1]:.2f}", file=sys.stderr, flush=True)
+    cpu_kernels.pool_config(mode=cpu_kernels.pool_mode())
     for kernel, engine in engines.items():
         engine.model.compiled = compiled[kernel]
     gbps = max(copy_gbps)  # what the machine can do; other load only slows a copy down
