@@ -1876,6 +1876,8 @@ std::vector<int64_t> pool_stats() {
 std::vector<int64_t> pool_check(int64_t items, int64_t grain, int64_t reps) {
   TORCH_CHECK(items >= 1 && items <= (int64_t(1) << 20), "pool_check: items must be 1..2^20, got ", items);
   TORCH_CHECK(grain >= 1 && reps >= 1 && reps <= 100000, "pool_check: grain >= 1 and reps 1..100000");
+  TORCH_CHECK(items * reps <= (int64_t(1) << 26), "pool_check: items * reps must be at most 2^26 (the counters ",
+              "of every job are kept to the end), got ", items, " * ", reps);
   std::vector<std::vector<std::atomic<int>>> counts;
   counts.reserve(reps);
   int64_t early = 0, late = 0;

@@ -176,9 +176,13 @@ def test_bad_settings_name_the_value(monkeypatch):
     monkeypatch.setenv("SPECBUILD_POOL_SPIN_US", "200001")
     with pytest.raises(BundleError, match="0..100000"):
         cpu_kernels.pool_spin_us()
+    monkeypatch.delenv("SPECBUILD_POOL")
+    monkeypatch.delenv("SPECBUILD_POOL_SPIN_US")
     kernels_or_skip()
     with pytest.raises(RuntimeError, match="mode must be -1..2"):
         torch.ops.specbuild_cpu.pool_config(7, -1)
+    with pytest.raises(RuntimeError, match="items \\* reps must be at most"):
+        cpu_kernels.pool_check(1 << 20, 1, 100)
 
 
 class FakeMachine:
