@@ -304,7 +304,6 @@ def _q8_sample_costs(paths: tuple[int, ...], repeats: int = 5) -> dict[int, floa
 
 # ---- the kernels' thread pool (cpu_kernels.cpp, namespace pool) -------------------------------
 POOL_MODES = {"0": 0, "off": 0, "omp": 0, "1": 1, "on": 1, "always": 1, "auto": 2}
-POOL_NAMES = {0: "OpenMP", 1: "the kernels' pool", 2: "auto"}
 
 
 def pool_mode() -> int:

@@ -19,9 +19,11 @@ Free cores are read from /proc/stat: the idle (and I/O wait) time of each CPU th
 may run on, over a short sample while this process sleeps. Where /proc/stat cannot be read,
 the cores count as free.
 
-The thread count is torch's (or --threads) at load; while serving, ThreadGovernor (below) lowers
-it when others' load appears and a trial finds fewer threads faster, and restores it when the
-load goes (docs/cpu-kernels.md, "The thread governor"). One thread beside a busy neighbour has
+The thread count is torch's (or --threads) at load; while serving, ThreadGovernor (below) moves
+the kernels' loops onto their own pool when others' load appears (SPECBUILD_POOL=auto, the
+default; cpu_kernels.pool_contended), or with SPECBUILD_POOL=0 lowers the count when a trial finds
+fewer threads faster, and undoes either when the load goes (docs/cpu-kernels.md, "The thread
+governor" and "The kernels' own pool under others' load"). One thread beside a busy neighbour has
 measured 2-4x slower than two that sleep (AMD EPYC, eager) and 1.8x faster than two (Intel Xeon,
 compiled int4), which is why it is a trial and not a rule.
 """
@@ -160,8 +162,9 @@ class ThreadGovernor:
     With `pool` (a callable taking a bool: cpu_kernels.pool_contended, under SPECBUILD_POOL=auto
     or 1) there is no trial: under others' load the kernels' loops move onto their own pool
     (cpu_kernels.cpp: the caller never waits for a helper that is off the CPU) at the full
-    count, which beat one thread there (Intel Xeon, compiled int4-a8, 2026-12-05: 9.3 ms/token
-    against 12.5 beside a 2-thread neighbour), and move back when the load goes.
+    count, which beat one thread there (Intel Xeon, compiled int4-a8, 2026-12-05: 10.9 ms/token
+    against 13.1 beside a 2-thread neighbour, scripts/bench_threads.py), and move back when the
+    load goes.
 
     Only for models whose results do not depend on the thread count (the engine checks this at
     load): the thread count must never change a token. Clock, /proc/stat reader, own-CPU clock
