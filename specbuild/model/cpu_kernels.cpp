@@ -581,15 +581,16 @@ SPECBUILD_Q8_YMM_TILE(q8_tile_vnni256, "avx2,fma,f16c,avx512f,avx512vl,avx512vnn
 //
 // Row invariance: which thread runs a chunk, and how many chunks there are, never changes what
 // an item computes (every parallel loop below gives each item its own outputs and accumulators),
-// so the bits are OpenMP's; tests/model/test_cpu_kernels.py checks this for every kernel.
+// so the bits are OpenMP's; tests/model/test_pool.py checks this for every kernel.
 //
 // The claim word: [epoch: 24 bits][chunks: 20][next: 20]. A helper claims chunk `next` with a
 // compare-and-swap on the whole word, so a helper that read an older job's word can never claim
 // in a newer one (the epoch differs). A job returns only after every chunk is claimed and every
 // claimed chunk finished, so its description is never rewritten while a claim on it can succeed.
 // Helpers spin SPECBUILD_POOL_SPIN_US microseconds for the next job (none while others' load is
-// seen), then sleep on a condition variable. Mode (SPECBUILD_POOL, set from cpu_kernels.py): 0 OpenMP, 1 the pool always, 2 auto
-// (the pool while the thread governor sees others' load on these cores, OpenMP otherwise).
+// seen), then sleep on a condition variable. Mode (SPECBUILD_POOL, set from cpu_kernels.py):
+// 0 OpenMP, 1 the pool always, 2 auto (the pool while the thread governor sees others' load on
+// these cores, OpenMP otherwise).
 namespace pool {
 
 using RunFn = void (*)(void*, int64_t, int64_t);
