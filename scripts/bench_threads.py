@@ -21,7 +21,9 @@ torch job of the issue; `busy`: two processes spinning in Python) and runs them 
                  before the kernels' pool; the governor then runs its thread-count trials)
     pool         the kernels' loops always on their own pool (SPECBUILD_POOL=1); the default
                  (SPECBUILD_POOL=auto) moves them there only while others' load is seen
-    pool-spin0   the pool with helpers that sleep at once (SPECBUILD_POOL_SPIN_US=0; -spin200: 200)
+    pool-spin0   the pool with helpers that sleep at once (SPECBUILD_POOL_SPIN_US=0; -spin200,
+                 -spin1000: 200, 1000 us on free cores)
+    spin-100k    GOMP_SPINCOUNT=100000 (OpenMP's workers spin ~10x longer between regions), 2 threads
     spin         GOMP_SPINCOUNT=10000 (specbuild's choice on a quiet machine), 2 threads
     passive      OMP_WAIT_POLICY=PASSIVE, 2 threads
     spin-1000    GOMP_SPINCOUNT=1000, 2 threads (spin-100: 100)
@@ -59,6 +61,8 @@ POLICIES = {  # name -> (environment, threads, import torch before specbuild)
     "pool": ({"SPECBUILD_POOL": "1"}, 2, False),
     "pool-spin0": ({"SPECBUILD_POOL": "1", "SPECBUILD_POOL_SPIN_US": "0"}, 2, False),
     "pool-spin200": ({"SPECBUILD_POOL": "1", "SPECBUILD_POOL_SPIN_US": "200"}, 2, False),
+    "pool-spin1000": ({"SPECBUILD_POOL": "1", "SPECBUILD_POOL_SPIN_US": "1000"}, 2, False),
+    "spin-100k": ({"GOMP_SPINCOUNT": "100000"}, 2, False),
 }
 NEIGHBOURS = {
     "torch": [["-c", "import torch\ntorch.set_num_threads(2)\na = torch.randn(768, 768)\nwhile True:\n    a @ a"]],
