@@ -296,12 +296,14 @@ class Engine(BaseEngine):
             return None, f"this model's logits differ between {threads} threads and 1 (torch's kernels split sums by thread)"
         from specbuild.model import cpu_kernels
 
-        if cpu_kernels.pool_mode() != 0:  # SPECBUILD_POOL auto or 1: others' load moves the kernels onto their pool
-            return ThreadGovernor(threads, pool=cpu_kernels.pool_contended), (
-                f"{threads} threads; the kernels' loops on "
-                + ("their own pool" if cpu_kernels.pool_mode() == 1 else
-                   "torch's OpenMP while the cores are free, on their own pool under others' load")
-                + f" (SPECBUILD_POOL={os.environ.get('SPECBUILD_POOL', 'auto')})")
+        pool_mode = cpu_kernels.pool_mode()
+        if pool_mode == 1:
+            return ThreadGovernor(threads, pool=cpu_kernels.pool_contended), \
+                f"{threads} threads; the kernels' loops on their own pool (SPECBUILD_POOL=1)"
+        if pool_mode == 2:  # others' load moves the kernels onto their pool
+            return ThreadGovernor(threads, pool=cpu_kernels.pool_contended), \
+                f"{threads} threads; the kernels' loops on torch's OpenMP while the cores are free, on their own " \
+                "pool under others' load (SPECBUILD_POOL=auto)"
         return ThreadGovernor(threads), f"up to {threads} threads, fewer when others' load makes fewer faster"
 
     @classmethod

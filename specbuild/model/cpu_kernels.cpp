@@ -629,7 +629,7 @@ std::atomic<Pool*> g_pool{nullptr};
 std::mutex g_make;
 thread_local bool t_inside = false;  // a helper, or a caller running chunks: nested loops run inline
 
-void run_chunk(Pool* p, uint64_t i, RunFn fn, void* ctx, int64_t b, int64_t e, int64_t st, bool helper) {
+void run_chunk(Pool* p, uint64_t i, RunFn fn, void* ctx, int64_t b, int64_t e, int64_t st) {
   const int64_t lo = b + int64_t(i) * st, hi = std::min(e, lo + st);
   try {
     fn(ctx, lo, hi);
@@ -640,7 +640,6 @@ void run_chunk(Pool* p, uint64_t i, RunFn fn, void* ctx, int64_t b, int64_t e, i
       p->failed.store(true);
     }
   }
-  (helper ? p->helper_chunks : p->caller_chunks).fetch_add(1, std::memory_order_relaxed);
   p->done.fetch_add(1, std::memory_order_acq_rel);
 }
 
@@ -651,13 +650,16 @@ void take_chunks(Pool* p, uint64_t w, bool helper) {
   const int64_t b = p->begin.load(std::memory_order_relaxed), e = p->end.load(std::memory_order_relaxed),
                 st = p->step.load(std::memory_order_relaxed);
   const uint64_t epoch = epoch_of(w);
-  for (;;) {
-    if (epoch_of(w) != epoch || next_of(w) >= count_of(w)) return;
+  int64_t ran = 0;  // counted here and added once: no second shared write per chunk
+  while (epoch_of(w) == epoch && next_of(w) < count_of(w)) {
     // success means the word was still `w` (this job, this chunk unclaimed): the description read
     // above is this job's, since a job is only replaced after all of its chunks were claimed
-    if (p->word.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire))
-      run_chunk(p, next_of(w), fn, ctx, b, e, st, helper);
+    if (p->word.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+      run_chunk(p, next_of(w), fn, ctx, b, e, st);
+      ++ran;
+    }
   }
+  if (ran) (helper ? p->helper_chunks : p->caller_chunks).fetch_add(ran, std::memory_order_relaxed);
 }
 
 void helper_loop(Pool* p, int index) {
@@ -720,11 +722,11 @@ void run(int64_t b, int64_t e, int64_t grain, F&& f, bool force = false) {
     f(b, e);
     return;
   }
-  const int threads = at::get_num_threads();
   if (!force && !enabled()) {
     at::parallel_for(b, e, grain, f);
     return;
   }
+  const int threads = at::get_num_threads();
   const int64_t n = e - b;
   grain = std::max<int64_t>(grain, 1);
   if (threads < 2 || n <= grain || at::in_parallel_region()) {
