@@ -173,7 +173,14 @@ class BaseEngine:
         self._thread = threading.Thread(target=self._loop, name="specbuild-engine", daemon=True)
         self._thread.start()
 
+    def _before_loop(self) -> None:
+        """Run in the loop's thread before its first step (the torch engine chooses its threading here)."""
+
     def _loop(self) -> None:
+        try:
+            self._before_loop()
+        except Exception:  # a failed choice must not stop the loop: it runs with what it has
+            log.exception("engine loop set-up failed; stepping anyway")
         while not self._stop:
             if not self.has_work():
                 self._wake.wait(0.05)

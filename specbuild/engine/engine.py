@@ -264,8 +264,7 @@ class Engine(BaseEngine):
                                    planning=planning, binning=config.binning)
         self.policies = None  # speculation.policy.PolicyTable (set_policies) or None
         self.threads_governor, self.threads_why = self.make_governor()
-        if self.threads_governor is not None and self.threads_governor.pool is not None:
-            print(f"specbuild: threads: {self.threads_why}", file=sys.stderr)
+        self.step_thread: int | None = None  # the ident of the thread that ran the last step
         self.load_seconds = time.perf_counter() - t0
 
     def make_governor(self):
@@ -273,7 +272,7 @@ class Engine(BaseEngine):
         one thread whose results the thread count does not change), else None and the reason."""
         from specbuild.model.fused import LINEARS
         from specbuild.model.qlinear import QLinear
-        from specbuild.model.threads import ThreadGovernor
+        from specbuild.model.threads import REVISIT_S, ThreadGovernor
         from specbuild.model.timing import thread_count_changes_results
 
         threads = torch.get_num_threads()
@@ -298,13 +297,44 @@ class Engine(BaseEngine):
 
         pool_mode = cpu_kernels.pool_mode()
         if pool_mode == 1:
-            return ThreadGovernor(threads, pool=cpu_kernels.pool_contended), \
+            return ThreadGovernor(threads, pool=cpu_kernels.pool_contended, set_mode=cpu_kernels.kernels_mode,
+                                  choices=[("pool", threads)]), \
                 f"{threads} threads; the kernels' loops on their own pool (SPECBUILD_POOL=1)"
-        if pool_mode == 2:  # others' load moves the kernels onto their pool
-            return ThreadGovernor(threads, pool=cpu_kernels.pool_contended), \
-                f"{threads} threads; the kernels' loops on torch's OpenMP while the cores are free, on their own " \
-                "pool under others' load (SPECBUILD_POOL=auto)"
+        if pool_mode == 2:  # measured in the stepping thread (decide_threads); others' load: the pool
+            return ThreadGovernor(threads, pool=cpu_kernels.pool_contended, set_mode=cpu_kernels.kernels_mode,
+                                  choices=[("pool", threads), ("openmp", threads), ("openmp", 1)]), \
+                f"the fastest of the kernels' pool, OpenMP and one thread, timed in the thread that runs the " \
+                f"steps and tried again on real steps every {REVISIT_S:.0f} s; the pool under others' load " \
+                "(SPECBUILD_POOL=auto)"
         return ThreadGovernor(threads), f"up to {threads} threads, fewer when others' load makes fewer faster"
+
+    def decide_threads(self) -> dict | None:
+        """Choose the kernels' threading (ThreadGovernor.decide) in the calling thread, the one
+        that will run the steps: one-row decode forwards after 64 cached tokens, each candidate
+        in turn. Prints one line with the choice and each candidate's ms per forward. Once per
+        engine; None where there is no governor."""
+        from specbuild.model.timing import fit_context, scratch_sequence, verify_batch
+
+        g = self.threads_governor
+        if g is None or g.decided is not None:
+            return None if g is None else g.decided
+        with self._lock:
+            if g.decided is not None:
+                return g.decided
+            context = fit_context(self.model, self.cache, 64, 1)
+            with torch.inference_mode(), scratch_sequence(self.cache, context + 1) as slots:
+                batch = verify_batch(slots, context, 1)
+
+                def measure() -> float:
+                    t0 = time.perf_counter()
+                    self.model.forward(batch, self.cache)
+                    return time.perf_counter() - t0
+
+                d = g.decide(measure)
+        ms = ", ".join(f"{k} {v:.2f}" for k, v in d["ms"].items())
+        timed = f" (ms per decode forward, timed in thread {d['thread']}: {ms})" if ms else ""
+        print(f"specbuild: threads: {d['choice']}{timed}; {self.threads_why}", file=sys.stderr)
+        return d
 
     @classmethod
     def from_bundle(cls, bundle_dir: str, **kwargs) -> "Engine":
@@ -475,9 +505,15 @@ class Engine(BaseEngine):
             self.scheduler.abort(handle.seq)
 
     # ---- the loop -----------------------------------------------------------------------
+    def _before_loop(self) -> None:
+        self.decide_threads()  # in the engine loop's thread, before the first request
+
     def step(self) -> int:
+        governor = self.threads_governor
+        if governor is not None and governor.decided is None:
+            self.decide_threads()  # generate, bench: in the caller's thread, which runs the steps
         with self._lock:
-            governor = self.threads_governor
+            self.step_thread = threading.get_ident()
             if governor is None:
                 return self.scheduler.run_step()
             governor.before()

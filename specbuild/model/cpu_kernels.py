@@ -333,6 +333,15 @@ def pool_contended(on: bool) -> None:
         torch.ops.specbuild_cpu.pool_contended(bool(on))
 
 
+def kernels_mode(mode: str) -> None:
+    """Where the kernels' loops run on free cores (the thread governor's choice, model/threads.py):
+    "pool" (their own pool) or "openmp" (torch's OpenMP; under others' load they still move onto
+    the pool, pool_contended). The same bits either way."""
+    if mode not in ("pool", "openmp"):
+        raise ValueError(f"kernels mode {mode!r} is not one of pool, openmp")
+    pool_config(1 if mode == "pool" else 2)
+
+
 def pool_config(mode: int | None = None, spin_us: int | None = None) -> None:
     """Set the pool's mode (0 OpenMP, 1 always, 2 auto) and helpers' spin in this process (tests,
     benchmarks); None leaves a setting as it is."""

@@ -1,42 +1,41 @@
-"""The wait policy of torch's OpenMP threads, chosen from the cores free when specbuild starts.
+"""How the kernels' threads run: OpenMP's wait policy, fixed before torch loads, and the
+choice, made in the thread that runs the engine's steps, between the kernels' own pool, torch's
+OpenMP and one thread.
 
-Between two parallel regions (a decode step has hundreds: every linear, every attention
-call), an OpenMP thread that has finished its share waits for the next. libgomp (torch's
-OpenMP on Linux) spins 300,000 times before it sleeps; on a machine whose cores are busy with
-other processes the spinning threads take the cores from the thread the region is waiting
-for, and a step costs 10-100x its idle time. Sleeping at once (`OMP_WAIT_POLICY=PASSIVE`) costs
-a wake-up per region instead, which is what a quiet machine notices. So, unless the user set
-`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`, specbuild/__init__.py sets, before torch loads OpenMP:
+OpenMP's wait policy. Between two parallel regions (a decode step has hundreds) an OpenMP thread
+that finished its share waits for the next. libgomp spins 300,000 times before it sleeps by
+default; specbuild/__init__.py sets `GOMP_SPINCOUNT=10000` (a brief spin) unless the user set
+`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`. libgomp reads it once, when torch loads it, so it is fixed
+for the life of the process. It used to be chosen from a 0.1 s sample of /proc/stat at import
+(100 when fewer than 1.5 of 2 cores looked idle); any process starting beside specbuild, even
+the reader at the other end of a pipe, tripped it and made `generate` 2-3x slower for its whole
+life (issue 50). The kernels no longer depend on it: where others' load appears their loops move
+onto their own pool, whose helpers sleep at once under load.
 
-- `GOMP_SPINCOUNT=10000` (a brief spin) when the cores are free at start: near the spinning
-  default's speed on a quiet machine (a float32 step 30 ms against 29, PASSIVE 43), and 2.0x
-  its idle figure beside a 2-thread neighbour started later;
-- `GOMP_SPINCOUNT=100` (hardly any spin: PASSIVE's behaviour, a little cheaper at the next
-  region) when they are not: 4-10x faster than 10000 on a shared 2-core machine, idle or
-  beside a neighbour (docs/cpu-kernels.md, "Threads under load").
+The kernels' threading (ThreadGovernor.decide and its trials): candidates are the kernels' own
+pool (cpu_kernels.cpp, `pool::run`: the caller takes chunks itself and never waits at a barrier
+for a thread that is off the CPU), torch's OpenMP, and one thread, all giving the same bits. The
+engine times them in the thread that will run its steps (the engine loop's thread under `serve`,
+Triton and MPI; the caller's under `generate` and `bench`), keeps the fastest, says so in one
+line, and tries them again on real steps while it serves (every REVISIT_S), since a server's own
+event loop, waking on every token, changes which is fastest. SPECBUILD_POOL=1 or 0 fixes the
+choice to the pool or OpenMP.
 
-Free cores are read from /proc/stat: the idle (and I/O wait) time of each CPU this process
-may run on, over a short sample while this process sleeps. Where /proc/stat cannot be read,
-the cores count as free.
-
-The thread count is torch's (or --threads) at load; while serving, ThreadGovernor (below) moves
-the kernels' loops onto their own pool when others' load appears (SPECBUILD_POOL=auto, the
-default; cpu_kernels.pool_contended), or with SPECBUILD_POOL=0 lowers the count when a trial finds
-fewer threads faster, and undoes either when the load goes (docs/cpu-kernels.md, "The thread
-governor" and "The kernels' own pool under others' load"). One thread beside a busy neighbour has
-measured 2-4x slower than two that sleep (AMD EPYC, eager) and 1.8x faster than two (Intel Xeon,
-compiled int4), which is why it is a trial and not a rule.
+Under others' load (read from /proc/stat: this CPU's busy time less this process's own) the
+kernels move onto the pool at the full thread count with helpers that sleep at once; with
+SPECBUILD_POOL=0 a trial of the full count against fewer threads runs instead (docs/cpu-kernels.md,
+"The thread governor"). One thread beside a busy neighbour has measured 2-4x slower than two that
+sleep (AMD EPYC, eager) and 1.8x faster than two (Intel Xeon, compiled int4), which is why it is
+a trial and not a rule.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
-SAMPLE_S = 0.1  # a few scheduler ticks per CPU; paid once per process, at import
-QUIET_SPINCOUNT = "10000"
-BUSY_SPINCOUNT = "100"
-BUSY_BELOW = 0.75  # a core counts as taken when less than this share of it is idle, on average
+SPINCOUNT = "10000"  # GOMP_SPINCOUNT unless the user chose one (see the module doc)
 
 CHOSEN: dict = {}  # what wait_policy() chose in this process (bench scripts print it)
 
@@ -62,52 +61,17 @@ def read_cpu_times(path: str = "/proc/stat") -> dict[int, tuple[int, int]]:
     return out
 
 
-def free_cores(sample_s: float = SAMPLE_S, cpus: list[int] | None = None, reader=read_cpu_times,
-               sleep=time.sleep) -> float | None:
-    """Cores' worth of idle time among `cpus` (default: this process's) over `sample_s`, or None
-    where it cannot be read. Steal time (a VM's host running others) counts as busy."""
-    cpus = allowed_cpus() if cpus is None else cpus
-    try:
-        before = reader()
-        sleep(sample_s)
-        after = reader()
-    except (OSError, ValueError, IndexError):
-        return None
-    free, seen = 0.0, 0
-    for c in cpus:
-        if c not in before or c not in after:
-            continue
-        seen += 1
-        idle = after[c][0] - before[c][0]
-        total = after[c][1] - before[c][1]
-        free += idle / total if total > 0 else 1.0
-    return free if seen else None
-
-
-def choose_spincount(cores: int, free: float | None) -> tuple[str, str]:
-    """(GOMP_SPINCOUNT, reason) for `cores` usable cores of which `free` are idle (None: unknown)."""
-    if cores < 1:
-        raise ValueError(f"cores={cores} must be at least 1")
-    if free is None:
-        return QUIET_SPINCOUNT, f"free cores unknown; {cores} usable"
-    if free >= BUSY_BELOW * cores:
-        return QUIET_SPINCOUNT, f"{free:.1f} of {cores} usable cores free at start"
-    return BUSY_SPINCOUNT, f"only {free:.1f} of {cores} usable cores free at start"
-
-
-def wait_policy(environ=None, free: float | None = None, measure=free_cores) -> dict:
-    """Set GOMP_SPINCOUNT in `environ` (default os.environ) unless the user chose a policy
-    (OMP_WAIT_POLICY or GOMP_SPINCOUNT set); returns {"policy", "reason"} (also kept in CHOSEN).
-    `free` given: that many free cores instead of a measurement (tests)."""
+def wait_policy(environ=None) -> dict:
+    """Set GOMP_SPINCOUNT=SPINCOUNT in `environ` (default os.environ) unless the user chose a
+    policy (OMP_WAIT_POLICY or GOMP_SPINCOUNT set); returns {"policy", "reason"} (also kept in
+    CHOSEN). Decided by nothing that varies from one start to the next (see the module doc)."""
     environ = os.environ if environ is None else environ
     if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
         chosen = {"policy": " ".join(f"{k}={environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in environ),
                   "reason": "set by the user"}
     else:
-        cores = len(allowed_cpus())
-        spin, reason = choose_spincount(cores, measure() if free is None else free)
-        environ["GOMP_SPINCOUNT"] = spin
-        chosen = {"policy": f"GOMP_SPINCOUNT={spin}", "reason": reason}
+        environ["GOMP_SPINCOUNT"] = SPINCOUNT
+        chosen = {"policy": f"GOMP_SPINCOUNT={SPINCOUNT}", "reason": "specbuild's default (a brief spin)"}
     CHOSEN.clear()
     CHOSEN.update(chosen)
     return chosen
@@ -143,6 +107,21 @@ STALE_S = 4 * CHECK_S  # a reading older than this (the engine was idle) is a ne
 RESAMPLE_S = 0.05   # ... and the next check this soon (5 jiffies of 10 ms a CPU: a short phase of load is seen early)
 BUSY_ENTER = 0.6    # cores' worth of others' use at which the cores count as contended
 BUSY_LEAVE = 0.35   # ... and below which they count as free again
+# the kernels' threading on free cores (ThreadGovernor.decide, and its trials on real steps)
+REVISIT_S = 30.0    # while stepping on free cores, the candidates are tried again on real steps this often
+MODE_STEPS = 5      # real steps per candidate in such a trial (taken in turn: each sees the same mix)
+DECIDE_ROUNDS = 7   # start-up: interleaved rounds ...
+DECIDE_CALLS = 3    # ... of this many timed calls of each candidate (medians of the rounds)
+
+
+POOL_LABEL = "the kernels' pool"
+
+
+def choice_label(choice: tuple[str, int]) -> str:
+    mode, n = choice
+    if n == 1:
+        return "1 thread"
+    return f"{POOL_LABEL if mode == 'pool' else 'OpenMP'} x{n}"
 
 
 def busy_jiffies(cpus: list[int], reader=read_cpu_times) -> int:
@@ -166,13 +145,17 @@ class ThreadGovernor:
     against 13.1 beside a 2-thread neighbour, scripts/bench_threads.py), and move back when the
     load goes.
 
+    On free cores the kernels run as self.choice, one of `choices` ((mode, threads)): decide(measure)
+    picks it at start-up in the calling thread (the one that then runs the steps), and every
+    REVISIT_S a trial on real steps (MODE_STEPS each, taken in turn) picks again.
+
     Only for models whose results do not depend on the thread count (the engine checks this at
     load): the thread count must never change a token. Clock, /proc/stat reader, own-CPU clock
     and setter are injectable (tests drive it without timing anything)."""
 
     def __init__(self, max_threads: int, cpus: list[int] | None = None, clock=time.monotonic,
                  reader=read_cpu_times, own_cpu=time.process_time, set_threads=None, tick_s: float | None = None,
-                 pool=None):
+                 pool=None, set_mode=None, choices: list[tuple[str, int]] | None = None):
         if max_threads < 1:
             raise ValueError(f"max_threads={max_threads} must be at least 1")
         self.max_threads = max_threads
@@ -199,6 +182,21 @@ class ThreadGovernor:
         self._next_check = 0.0
         self._primed = False
         self.broken: str | None = None  # why /proc/stat could not be read (the governor then stays put)
+        # the kernels' threading on free cores: (mode, threads) candidates, mode "pool" (the
+        # kernels' own pool) or "openmp"; set_mode(mode) switches the kernels' loops (cpu_kernels.
+        # kernels_mode). One candidate: fixed (SPECBUILD_POOL=1 or 0), no start-up choice, no trials
+        self.set_mode = set_mode
+        self.choices = list(choices) if choices else [("openmp", max_threads)]
+        for mode, n in self.choices:
+            if mode not in ("pool", "openmp") or not 1 <= n <= max_threads:
+                raise ValueError(f"choice {(mode, n)} must be (pool|openmp, 1..{max_threads})")
+        self.choice = self.choices[0]
+        self.mode: str | None = None  # what set_mode last set
+        self.decided: dict | None = None  # decide()'s figures, and the thread it ran in
+        self.mode_trials = 0
+        self.revisit_at = 0.0
+        self.mode_samples: dict[tuple[str, int], list[float]] = {}
+        self.last_trial_ms: dict[str, float] = {}
 
     def _read_others(self, now: float) -> float | None:
         try:
@@ -222,6 +220,41 @@ class ThreadGovernor:
             self.threads = n
             self.changes += 1
 
+    def _apply(self, choice: tuple[str, int]) -> None:
+        mode, n = choice
+        if self.set_mode is not None and mode != self.mode:
+            self.set_mode(mode)
+            self.mode = mode
+        self._use(n)
+
+    def decide(self, measure) -> dict:
+        """Choose self.choice among the candidates by timing them in this thread: measure() runs
+        one call (a decode forward) and returns its seconds; interleaved rounds, medians. Returns
+        (and keeps in self.decided) {"choice", "ms": {label: median ms}, "thread", "thread_ident"}."""
+        import threading
+
+        self.set_threads(self.threads)  # this thread's own count (OpenMP's is per thread)
+        self._primed = True
+        if len(self.choices) > 1:
+            samples: dict[tuple[str, int], list[float]] = {c: [] for c in self.choices}
+            for c in self.choices:  # one untimed call each: first-call set-up (pool helpers, OpenMP team)
+                self._apply(c)
+                measure()
+            for _ in range(DECIDE_ROUNDS):
+                for c in self.choices:
+                    self._apply(c)
+                    samples[c].append(min(measure() for _ in range(DECIDE_CALLS)))
+            ms = {c: statistics.median(v) * 1e3 for c, v in samples.items()}
+            self.choice = min(self.choices, key=lambda c: (ms[c], -c[1], c[0] != "pool"))
+        else:
+            ms = {}
+        self._apply(self.choice)
+        t = threading.current_thread()
+        self.decided = {"choice": choice_label(self.choice), "ms": {choice_label(c): round(v, 3) for c, v in ms.items()},
+                        "thread": t.name, "thread_ident": t.ident}
+        self.revisit_at = self.clock() + REVISIT_S
+        return self.decided
+
     def _set_pool(self, on: bool) -> None:
         if self.pool is not None and on != self.pooled:
             self.pool(on)
@@ -240,17 +273,25 @@ class ThreadGovernor:
             if others is not None:
                 self.others = others
                 self._on_load(now, others)
+        if self.state == "free" and len(self.choices) > 1 and now >= self.revisit_at:
+            self.state = "mode-trial"
+            self.mode_samples = {c: [] for c in self.choices}
+            self.mode_trials += 1
         if self.state == "trial":
             counts = {n: len(self.samples[n]) for n in self.candidates}
             self._use(min(self.candidates, key=lambda n: (counts[n], -n)))  # the arm with fewer samples
+        elif self.state == "mode-trial":
+            self._apply(min(self.choices, key=lambda c: len(self.mode_samples[c])))  # the one with fewest steps
         return self.threads
 
     def _on_load(self, now: float, others: float) -> None:
-        if self.state == "trial":
+        if self.state in ("trial", "mode-trial"):
             return  # a trial finishes before the load is looked at again
         if others < BUSY_LEAVE or (self.state == "free" and others < BUSY_ENTER):
+            if self.state != "free":
+                self.revisit_at = now  # the load went: the free cores' choice is tried again
             self.state = "free"
-            self._use(self.max_threads)
+            self._apply(self.choice)
             self._set_pool(False)
             return
         if self.pool is not None:
@@ -272,6 +313,18 @@ class ThreadGovernor:
 
     def after(self, seconds: float) -> None:
         """The wall time of the step that ran at the current count."""
+        if self.state == "mode-trial":
+            current = (self.mode if self.set_mode is not None else self.choices[0][0], self.threads)
+            if current in self.mode_samples:
+                self.mode_samples[current].append(seconds)
+            if all(len(v) >= MODE_STEPS for v in self.mode_samples.values()):
+                ms = {c: statistics.median(v) * 1e3 for c, v in self.mode_samples.items()}
+                self.choice = min(self.choices, key=lambda c: (ms[c], -c[1], c[0] != "pool"))
+                self.last_trial_ms = {choice_label(c): round(v, 3) for c, v in ms.items()}
+                self.state = "free"
+                self._apply(self.choice)
+                self.revisit_at = self.clock() + REVISIT_S
+            return
         if self.state != "trial" or self.threads not in self.samples:
             return
         self.samples[self.threads].append(seconds)
@@ -286,6 +339,12 @@ class ThreadGovernor:
                "others_cores": round(self.others, 2), "trials": self.trials, "changes": self.changes}
         if self.pool is not None:
             out.update(pool=self.pooled, pool_switches=self.pool_switches)
+        out.update(choice=choice_label(self.choice), choices=[choice_label(c) for c in self.choices],
+                   mode_trials=self.mode_trials)
+        if self.decided is not None:
+            out["decided"] = self.decided
+        if self.last_trial_ms:
+            out["last_trial_ms"] = self.last_trial_ms
         if self.broken:
             out["broken"] = self.broken
         return out

