@@ -6,7 +6,8 @@ The methods are measured interleaved: every round runs each prompt once with eve
 the demo runs hits every method alike. tokens/s is the median over rounds of each prompt's
 rate, summed over the prompts' tokens; speedup is the median, over every (round, prompt), of
 the method's rate over plain decoding's rate in that same round and prompt. The load average
-is printed beside the table (a shared machine adds noise).
+and the CPU with its flags are printed beside the table (a shared machine adds noise). The engine
+runs its loop in its own thread, as `specbuild serve` does.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def main() -> None:
     from specbuild.speculation.config import SpeculationConfig
 
     engine = Engine(args.bundle, EngineConfig(threads=args.threads, compile=args.compile))
+    engine.start()  # the steps run in the engine loop's own thread, handed requests as `serve` hands them
     chats = []
     for p in args.prompt or prompts():  # the prompts whose answer fits the bundle's max_seq_len
         ids = engine.encode(engine.render_chat([{"role": "user", "content": p}]), add_special_tokens=False)
@@ -148,6 +150,12 @@ def main() -> None:
     print(f"\n{len(chats)} {what} x {args.repeats} rounds, methods interleaved (medians), greedy, batch 1, "
           f"{args.max_tokens} max tokens, {args.threads} threads")
     print(f"load average (1, 5, 15 min) {load_start} at start, {load_end} at end, on {os.cpu_count()} logical CPUs")
+    from specbuild.bench.served import machine
+
+    m = machine()
+    print(f"CPU: {m['cpu']}; flags: {m['flags']}")
+    print("served figures with llama.cpp's server beside them: python scripts/bench_serve.py BUNDLE")
+    engine.stop()
 
 
 if __name__ == "__main__":

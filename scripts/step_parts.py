@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """Where a compiled int4 bundle's one-row decode step goes, in two views, interleaved rounds,
-medians, with the CPU model and flags:
+medians, with the CPU model and flags. A lab view (the main thread, no HTTP): the last line gives
+the same generation in the engine loop's own thread, as the server runs it; the served figures
+users get come from scripts/bench_serve.py.
 
 1. The kernels: the whole forward (one row after 64 cached tokens, or each of `--widths`; the
    fused stack where it runs), the 30 layers' int4 linears alone (int4 or int4-a8, whichever the bundle loads) and
@@ -152,6 +154,25 @@ def main() -> None:
     for k in order:
         if k in runs[0]:
             print(f"  {k:28s} {statistics.median(r[k] for r in runs):7.3f}")
+    # the lab view above runs the step on this (main) thread; what users get runs it in the engine
+    # loop's own thread (serve, Triton, bench): the same generation that way, for comparison
+    from specbuild.engine.sequence import Request
+    from specbuild.sampling.params import SamplingParams
+    from specbuild.speculation.config import SpeculationConfig
+
+    eng.start()
+    try:
+        served = []
+        for _ in range(args.engine_rounds):
+            h = eng.submit(Request(prompt_ids=prompt, speculation=SpeculationConfig.make(None, method="none"),
+                                   sampling=SamplingParams(max_tokens=args.tokens, ignore_eos=True)))
+            served.append(h.result()["stats"]["tpot_ms"])
+    finally:
+        eng.stop()
+    main_step = statistics.median(r["step (tpot)"] for r in runs)
+    print(f"  {'served step (engine thread)':28s} {statistics.median(served):7.3f}  ({statistics.median(served) / main_step:.2f}x "
+          f"the main-thread step; the served figure with HTTP: scripts/bench_serve.py)")
+    print(f"threads: {eng.stats()['threads'].get('decided')}")
 
 
 if __name__ == "__main__":

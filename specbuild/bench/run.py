@@ -141,7 +141,14 @@ def _run(bundle_dir: str, cfg: BenchConfig, command: str) -> dict:
     chosen, unfit = choose_questions(engine, cfg, render)
     fmt, target_format = describe_target(engine, bundle_dir)
     rows = specbuild_rows(engine, cfg, methods, fmt) + peer_rows(engine, cfg, bundle_dir, fmt, env["threads"])
-    measure_rows(rows, chosen, cfg, render)
+    # specbuild's rows run as `serve` runs them: the engine loop in its own thread, the requests
+    # handed to it and their results awaited (issue 50: the main-thread step was not what users got)
+    engine.start()
+    try:
+        measure_rows(rows, chosen, cfg, render)
+    finally:
+        engine.stop()
+    env["engine_threads"] = engine.stats().get("threads")
     telemetry = None
     if sink is not None:
         from specbuild.telemetry.store import describe

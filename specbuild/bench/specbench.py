@@ -204,9 +204,10 @@ class SpecbuildRunner:
         t0 = time.perf_counter()
         handles = [self.engine.submit(Request(prompt_ids=p, sampling=self.sampling, speculation=self.speculation))
                    for p in prompts]
-        self.engine.run_until_done()
-        seconds = time.perf_counter() - t0
-        return [h.result() for h in handles], seconds
+        if not self.engine.background:  # else the engine loop's thread runs them, as under `serve`
+            self.engine.run_until_done()
+        results = [h.result() for h in handles]
+        return results, time.perf_counter() - t0
 
 
 def drafter_state(runner) -> dict | None:

@@ -312,14 +312,15 @@ class Engine(BaseEngine):
         """Choose the kernels' threading (ThreadGovernor.decide) in the calling thread, the one
         that will run the steps: one-row decode forwards after 64 cached tokens, each candidate
         in turn. Prints one line with the choice and each candidate's ms per forward. Once per
-        engine; None where there is no governor."""
+        engine and stepping thread; None where there is no governor."""
         from specbuild.model.timing import fit_context, scratch_sequence, verify_batch
 
         g = self.threads_governor
-        if g is None or g.decided is not None:
+        here = threading.get_ident()
+        if g is None or (g.decided is not None and g.decided["thread_ident"] == here):
             return None if g is None else g.decided
         with self._lock:
-            if g.decided is not None:
+            if g.decided is not None and g.decided["thread_ident"] == here:
                 return g.decided
             context = fit_context(self.model, self.cache, 64, 1)
             with torch.inference_mode(), scratch_sequence(self.cache, context + 1) as slots:
@@ -510,8 +511,9 @@ class Engine(BaseEngine):
 
     def step(self) -> int:
         governor = self.threads_governor
-        if governor is not None and governor.decided is None:
-            self.decide_threads()  # generate, bench: in the caller's thread, which runs the steps
+        if governor is not None and (governor.decided is None or governor.decided["thread_ident"] != threading.get_ident()):
+            self.decide_threads()  # generate, bench: in the caller's thread, which runs the steps; again if
+            # the steps move to another thread (decided where they ran before)
         with self._lock:
             self.step_thread = threading.get_ident()
             if governor is None:
