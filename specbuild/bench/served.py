@@ -53,6 +53,7 @@ class ServedConfig:
     request_timeout: float = 600.0
     env: dict = field(default_factory=dict)  # extra environment of the specbuild servers
     serve_args: tuple[str, ...] = ()  # extra `specbuild serve` arguments
+    texts: tuple[str, ...] | None = None  # user prompts of your own instead of the held-out ones
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 or c > 256 for c in self.concurrency):
@@ -320,7 +321,7 @@ def server_threads_line(server: Server) -> str:
 def run_served(cfg: ServedConfig, log_dir: str, say=print) -> dict:
     """Every row at every concurrency, a fresh server each; returns the report (see format_report)."""
     os.makedirs(log_dir, exist_ok=True)
-    prompts = held_out_prompts(cfg.prompts)
+    prompts = [[{"role": "user", "content": t}] for t in cfg.texts] if cfg.texts else held_out_prompts(cfg.prompts)
     report = {"machine": machine(), "config": {k: v for k, v in cfg.__dict__.items()}, "rows": [], "skipped": []}
     gguf = cfg.gguf or default_gguf()
     binary, why = find_llama_server(cfg.llama_server)

@@ -1,0 +1,73 @@
+"""The served benchmark's machinery (specbuild/bench/served.py, scripts/bench_serve.py): a real
+`specbuild serve` subprocess on a tiny bundle, streamed chat completions over a socket at a
+concurrency, the report, and the llama-server peer's command and its absence."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specbuild.bench import served as S
+
+
+def test_a_fresh_server_serves_the_load_and_the_report_names_machine_and_identity(tiny_bundle, tmp_path):
+    cfg = S.ServedConfig(bundle=tiny_bundle, methods=("none", "ngram"), concurrency=(2,), max_tokens=12,
+                         compile=False, llama_rows=(), guard=None, texts=("a b c a b c a b", "hello there", "1 2 3 1 2 3"))
+    report = S.run_served(cfg, str(tmp_path / "logs"), say=lambda line: None)
+    rows = {r["row"]: r for r in report["rows"]}
+    assert set(rows) == {"none", "ngram"}
+    for r in rows.values():
+        assert not r.get("failed") and not r["errors"], r
+        assert r["requests"] == 3 and r["output_tokens"] > 0 and r["tokens_per_s"] > 0
+        assert r["ttft_p50_ms"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"]
+        assert len(r["texts"]) == 3
+        assert os.path.exists(r["log"])  # each row's server log is kept
+    # greedy: prompt lookup's text is plain decoding's (the report checks it per prompt)
+    assert rows["ngram"]["identical"] == "3/3" and "vs_plain" in rows["ngram"]
+    text = S.format_report(report)
+    assert "CPU:" in text and "flags:" in text and "specbuild ngram" in text and "=3/3" in text
+
+
+def test_a_server_that_cannot_start_fails_its_row_only(tmp_path):
+    server = S.Server("broken", [sys.executable, "-c", "import sys; print('no such bundle'); sys.exit(3)"],
+                      S.free_port(), log_path=str(tmp_path / "x.log"))
+    with pytest.raises(RuntimeError, match="exited with status 3.*no such bundle"):
+        server.wait_ready(30)
+    server.stop()
+
+
+def test_the_peer_is_skipped_with_how_to_build_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    binary, why = S.find_llama_server(str(tmp_path / "nope"))
+    assert binary is None and "not an executable" in why
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert S.find_llama_server(str(fake)) == (str(fake), "")
+    cmd = S.llama_command("/x/llama-server", "/m.gguf", 8080, 2, 8, "ngram", 96)
+    assert cmd[:3] == ["/x/llama-server", "-m", "/m.gguf"] and "-np" in cmd and cmd[cmd.index("-np") + 1] == "8"
+    assert S.LLAMA_NGRAM_ARGS[0] in cmd
+    assert "--spec-default" in S.llama_command("b", "m", 1, 2, 1, "spec-default", 8)
+
+
+def test_bad_settings_name_the_value():
+    with pytest.raises(ValueError, match="concurrency"):
+        S.ServedConfig(bundle="b", concurrency=(0,))
+    with pytest.raises(ValueError, match="'turbo'"):
+        S.ServedConfig(bundle="b", llama_rows=("turbo",))
+    out = subprocess.run([sys.executable, "scripts/bench_serve.py", "/nonexistent"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 2 and "/nonexistent is not a bundle" in out.stderr
+
+
+def test_held_out_prompts_come_from_the_eval_split():
+    from specbuild.bench import specbench as B
+
+    prompts = S.held_out_prompts(12)
+    assert len(prompts) == 12 and all(p[0]["role"] == "user" and p[0]["content"] for p in prompts)
+    split = B.load_split()
+    first_turns = {q["turns"][0]: q["question_id"] for q in B.load_questions()}
+    assert all(first_turns[p[0]["content"]] in set(split["eval"]) for p in prompts)
