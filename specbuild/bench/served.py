@@ -8,10 +8,12 @@ completions over HTTP on the loopback; C of them at a time (the concurrency) wor
 held-out prompts. Per row: output tokens per second over the whole run, TTFT and TPOT p50/p99,
 tokens per request, and greedy identity against specbuild's plain row.
 
-The guard (issue 50): beside the served rows the engine's plain step is measured on the main
-thread of a process of its own (what scripts/step_parts.py and bench_compile.py report); the
-served plain TPOT at concurrency 1 must be within `guard` (default 1.25x) of it, else the run
-exits non-zero. It is a benchmark, not a timed unit test.
+The guard (issue 50): the served plain TPOT (a fresh server, one request at a time) against the
+engine's plain step on the main thread of a process of its own (what scripts/step_parts.py and
+bench_compile.py report), the two in alternating rounds on the same prompts and token counts; the
+median ratio must be within `guard` (default 1.25x), else the run exits non-zero. It is a
+benchmark, not a timed unit test. `rounds` > 1 repeats the whole table with the rows' order
+rotated, and each cell is the median of its rounds.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import queue
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -31,6 +34,9 @@ import time
 from dataclasses import dataclass, field
 
 DEFAULT_CONCURRENCY = (1, 4, 8, 16)
+# chat-sized questions by default: at most this many characters (~200 tokens); the long documents
+# of the summarisation and RAG rows measure prefill more than decoding (--prompt-chars 0: any)
+CHAT_CHARS = 800
 LLAMA_ROWS = ("plain", "ngram", "spec-default")  # llama-server's rows; spec-default: its --spec-default
 LLAMA_NGRAM_ARGS = ["--spec-type", "ngram-simple"]  # llama.cpp's prompt lookup (common/speculative.cpp)
 
@@ -54,6 +60,7 @@ class ServedConfig:
     env: dict = field(default_factory=dict)  # extra environment of the specbuild servers
     serve_args: tuple[str, ...] = ()  # extra `specbuild serve` arguments
     texts: tuple[str, ...] | None = None  # user prompts of your own instead of the held-out ones
+    prompt_chars: int | None = CHAT_CHARS  # held-out questions at most this long (None: any)
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 or c > 256 for c in self.concurrency):
@@ -105,12 +112,14 @@ def find_llama_server(path: str | None) -> tuple[str | None, str]:
 
 
 # ---- prompts ---------------------------------------------------------------------------------
-def held_out_prompts(n: int) -> list[list[dict]]:
+def held_out_prompts(n: int, max_chars: int | None = CHAT_CHARS) -> list[list[dict]]:
     """The first turn of `n` questions of the held-out Spec-Bench split (the eval split the
-    drafters never trained on), spread over its task groups: one chat each."""
+    drafters never trained on), spread over its task groups: one chat each. `max_chars`: only
+    questions at most this long (chat-sized; None: any, documents of ~1,000 tokens included)."""
     from specbuild.bench import specbench as B
 
-    chosen = B.select_questions(B.load_questions(), B.load_split(), "eval", per_category=max(1, n))
+    fits = None if max_chars is None else (lambda q: len(q["turns"][0]) <= max_chars)
+    chosen = B.select_questions(B.load_questions(), B.load_split(), "eval", per_category=max(1, n), fits=fits)
     by_group: dict[str, list[dict]] = {}
     for q in chosen:
         by_group.setdefault(B.task_group(q["category"]), []).append(q)
@@ -169,6 +178,11 @@ class Server:
                 self.proc.wait()
         if self.log is not subprocess.DEVNULL:
             self.log.close()
+
+
+def bundle_batch_limit(bundle: str) -> int:
+    with open(os.path.join(bundle, "bundle.json"), encoding="utf-8") as f:
+        return int(json.load(f).get("limits", {}).get("max_batch_size") or 1)
 
 
 def specbuild_command(cfg: ServedConfig, port: int, max_batch: int) -> list[str]:
@@ -277,32 +291,87 @@ def run_load(port: int, prompts: list[list[dict]], concurrency: int, max_tokens:
             "texts": {i: results[i]["text"] for i in results}}
 
 
-# ---- the main-thread step (the lab view the guard compares against) --------------------------
-def main_thread_step(cfg: ServedConfig, prompts: list[list[dict]], env: dict | None = None) -> dict:
-    """The engine's plain greedy step on the main thread of a process of its own, as step_parts.py
-    and bench_compile.py run it: median TPOT over the prompts, one at a time."""
-    code = (
-        "import json, statistics, sys\n"
-        "from specbuild.engine.engine import Engine, EngineConfig\n"
-        "from specbuild.engine.sequence import Request\n"
-        "from specbuild.sampling.params import SamplingParams\n"
-        "from specbuild.speculation.config import SpeculationConfig\n"
-        "a = json.loads(sys.argv[1])\n"
-        "e = Engine(a['bundle'], EngineConfig(threads=a['threads'], compile=a['compile']))\n"
-        "tp = []\n"
-        "for m in a['prompts']:\n"
-        "    ids = e.encode(e.render_chat(m), add_special_tokens=False)\n"
-        "    r = e.generate([Request(prompt_ids=ids, sampling=SamplingParams(temperature=0.0, max_tokens=a['n'],"
-        " ignore_eos=True), speculation=SpeculationConfig.make(None, method='none'))])[0]\n"
-        "    tp.append(r['stats']['tpot_ms'])\n"
-        "print(json.dumps({'tpot_ms': statistics.median(tp), 'all': tp, 'threads': e.stats().get('threads')}))\n")
-    arg = json.dumps({"bundle": cfg.bundle, "threads": cfg.threads, "compile": cfg.compile, "n": cfg.main_tokens,
-                      "prompts": prompts[:4]})
-    out = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True,
-                         env={**os.environ, **cfg.env, **(env or {})}, timeout=cfg.start_timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"the main-thread step measurement failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+# ---- the guard: the served step against the main-thread step, interleaved ----------------------
+WORKER = """
+import json, statistics, sys
+from specbuild.engine.engine import Engine, EngineConfig
+from specbuild.engine.sequence import Request
+from specbuild.sampling.params import SamplingParams
+from specbuild.speculation.config import SpeculationConfig
+a = json.loads(sys.argv[1])
+e = Engine(a["bundle"], EngineConfig(threads=a["threads"], compile=a["compile"]))
+ids = [e.encode(e.render_chat(m), add_special_tokens=False) for m in a["prompts"]]
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    tp = []
+    for p in ids:
+        r = e.generate([Request(prompt_ids=p, sampling=SamplingParams(temperature=0.0, max_tokens=a["n"],
+                        ignore_eos=True), speculation=SpeculationConfig.make(None, method="none"))])[0]
+        tp.append(r["stats"]["tpot_ms"])
+    print(json.dumps({"tpot_ms": statistics.median(tp), "threads": e.stats().get("threads", {}).get("decided")}),
+          flush=True)
+"""
+
+
+class MainThreadWorker:
+    """A process of its own that runs the engine's plain greedy step on its main thread (as
+    scripts/step_parts.py and bench_compile.py do) each time it is asked: the lab view."""
+
+    def __init__(self, cfg: ServedConfig, prompts: list[list[dict]]):
+        arg = json.dumps({"bundle": cfg.bundle, "threads": cfg.threads, "compile": cfg.compile, "n": cfg.main_tokens,
+                          "prompts": prompts})
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, arg], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env={**os.environ, **cfg.env})
+        self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the main-thread worker exited with status {self.proc.wait()}")
+        return json.loads(line)
+
+    def run(self) -> dict:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def run_guard(cfg: ServedConfig, log_dir: str, prompts: list[list[dict]], rounds: int = 3, say=print) -> dict:
+    """The served plain TPOT (a fresh `specbuild serve`, one request at a time, HTTP, streamed) and
+    the main-thread step (MainThreadWorker), on the same prompts and token counts, in alternating
+    rounds so that the machine's drift hits both: medians of each and of the per-round ratios."""
+    prompts = prompts[:4]
+    port = free_port()
+    server = Server("specbuild serve (guard)", specbuild_command(cfg, port, 1), port, env=cfg.env,
+                    log_path=os.path.join(log_dir, "specbuild-guard.log"))
+    worker = None
+    try:
+        server.wait_ready(cfg.start_timeout)
+        worker = MainThreadWorker(cfg, prompts)
+        extra = {**specbuild_extra("none"), "ignore_eos": True}
+        stream_chat(port, prompts[0], 8, extra, cfg.request_timeout)
+        served, main, ratios, threads = [], [], [], None
+        for r in range(rounds):
+            tp = [stream_chat(port, p, cfg.main_tokens, extra, cfg.request_timeout)["tpot"] * 1e3 for p in prompts]
+            served.append(statistics.median(tp))
+            m = worker.run()
+            main.append(m["tpot_ms"])
+            threads = m.get("threads")
+            ratios.append(served[-1] / main[-1])
+            say(f"guard round {r + 1}/{rounds}: served TPOT {served[-1]:.2f} ms, main-thread step {main[-1]:.2f} ms "
+                f"({ratios[-1]:.2f}x)")
+    finally:
+        server.stop()
+        if worker is not None:
+            worker.stop()
+    ratio = statistics.median(ratios)
+    return {"served_tpot_ms": statistics.median(served), "main_thread_step_ms": statistics.median(main),
+            "ratio": ratio, "ratios": ratios, "limit": cfg.guard, "ok": ratio <= cfg.guard, "rounds": rounds,
+            "server_threads": server_threads_line(server), "main_threads": threads}
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -318,11 +387,60 @@ def server_threads_line(server: Server) -> str:
     return ""
 
 
-def run_served(cfg: ServedConfig, log_dir: str, say=print) -> dict:
-    """Every row at every concurrency, a fresh server each; returns the report (see format_report)."""
+def run_one(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, log: str, binary, gguf) -> dict:
+    """One row at one concurrency on a fresh server."""
+    port = free_port()
+    batch = min(c, bundle_batch_limit(cfg.bundle)) if engine_name == "specbuild" else c  # beyond it, requests queue
+    if engine_name == "specbuild":
+        server = Server(f"specbuild serve ({row})", specbuild_command(cfg, port, batch), port, env=cfg.env,
+                        log_path=log)
+        extra = specbuild_extra(row)
+    else:
+        server = Server(f"llama-server ({row})", llama_command(binary, gguf, port, cfg.threads, c, row, cfg.max_tokens),
+                        port, log_path=log)
+        extra = {}
+    try:
+        server.wait_ready(cfg.start_timeout)
+        # one request first, not counted: lazy set-up on the first request is not the steady state
+        stream_chat(port, [{"role": "user", "content": "Say hello."}], 8, extra, cfg.request_timeout)
+        result = run_load(port, prompts, c, cfg.max_tokens, extra, cfg.request_timeout)
+        result["threads_line"] = server_threads_line(server) if engine_name == "specbuild" else ""
+    except Exception as e:  # noqa: BLE001 (one row failing is reported; the others still run)
+        result = {"concurrency": c, "failed": f"{type(e).__name__}: {e}", "texts": {}}
+    finally:
+        server.stop()
+    result.update(engine=engine_name, row=row, log=log, max_batch=batch)
+    return result
+
+
+MEDIAN_KEYS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+
+
+def merge_rounds(runs: list[dict]) -> dict:
+    """One cell from its rounds: the medians of each figure; texts and counts from the first round
+    (greedy: every round's text must be the same, which `stable` records)."""
+    ok = [r for r in runs if not r.get("failed")]
+    if not ok:
+        return dict(runs[0])
+    out = dict(ok[0])
+    for k in MEDIAN_KEYS:
+        vals = [r[k] for r in ok if r.get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
+    out["rounds"] = len(ok)
+    out["tokens_per_s_rounds"] = [round(r["tokens_per_s"], 1) for r in ok]
+    out["stable"] = all(r["texts"] == ok[0]["texts"] for r in ok)
+    out["errors"] = [e for r in runs for e in r.get("errors", [])] + [r["failed"] for r in runs if r.get("failed")]
+    return out
+
+
+def run_served(cfg: ServedConfig, log_dir: str, say=print, rounds: int = 1, guard_rounds: int = 3) -> dict:
+    """Every row at every concurrency, a fresh server each, `rounds` times (the rows' order rotated
+    each round, so drift hits every row alike; cells are medians); then the guard. Returns the
+    report (format_report)."""
     os.makedirs(log_dir, exist_ok=True)
-    prompts = [[{"role": "user", "content": t}] for t in cfg.texts] if cfg.texts else held_out_prompts(cfg.prompts)
-    report = {"machine": machine(), "config": {k: v for k, v in cfg.__dict__.items()}, "rows": [], "skipped": []}
+    prompts = [[{"role": "user", "content": t}] for t in cfg.texts] if cfg.texts else held_out_prompts(cfg.prompts, cfg.prompt_chars)
+    report = {"machine": machine(), "config": {k: v for k, v in cfg.__dict__.items()}, "rows": [], "skipped": [],
+              "prompts": [p[0]["content"][:80] for p in prompts], "rounds": rounds}
     gguf = cfg.gguf or default_gguf()
     binary, why = find_llama_server(cfg.llama_server)
     rows: list[tuple[str, str]] = [("specbuild", m) for m in cfg.methods]
@@ -330,31 +448,16 @@ def run_served(cfg: ServedConfig, log_dir: str, say=print) -> dict:
         rows += [("llama-server", r) for r in cfg.llama_rows]
     else:
         report["skipped"].append(f"llama-server rows: {why}")
-    for engine_name, row in rows:
+    runs: dict[tuple[str, str, int], list[dict]] = {}
+    for rnd in range(rounds):
         for c in cfg.concurrency:
-            port = free_port()
-            log = os.path.join(log_dir, f"{engine_name}-{row}-c{c}.log")
-            if engine_name == "specbuild":
-                server = Server(f"specbuild serve ({row})", specbuild_command(cfg, port, max(c, 1)), port,
-                                env=cfg.env, log_path=log)
-                extra = specbuild_extra(row)
-            else:
-                server = Server(f"llama-server ({row})", llama_command(binary, gguf, port, cfg.threads, c, row,
-                                                                       cfg.max_tokens), port, log_path=log)
-                extra = {}
-            try:
-                server.wait_ready(cfg.start_timeout)
-                # one request first, not counted: lazy set-up on the first request is not the steady state
-                stream_chat(port, [{"role": "user", "content": "Say hello."}], 8, extra, cfg.request_timeout)
-                result = run_load(port, prompts, c, cfg.max_tokens, extra, cfg.request_timeout)
-                result["threads_line"] = server_threads_line(server) if engine_name == "specbuild" else ""
-            except Exception as e:  # noqa: BLE001 (one row failing is reported; the others still run)
-                result = {"concurrency": c, "failed": f"{type(e).__name__}: {e}", "texts": {}}
-            finally:
-                server.stop()
-            result.update(engine=engine_name, row=row, log=log)
-            report["rows"].append(result)
-            say(format_row(result))
+            order = rows[rnd % len(rows):] + rows[:rnd % len(rows)]
+            for engine_name, row in order:
+                log = os.path.join(log_dir, f"{engine_name}-{row}-c{c}-r{rnd}.log")
+                result = run_one(cfg, engine_name, row, c, prompts, log, binary, gguf)
+                runs.setdefault((engine_name, row, c), []).append(result)
+                say(f"round {rnd + 1}/{rounds} " + format_row(result))
+    report["rows"] = [merge_rounds(runs[(e, r, c)]) for e, r in rows for c in cfg.concurrency if (e, r, c) in runs]
     base = {r["concurrency"]: r for r in report["rows"] if r["engine"] == "specbuild" and r["row"] == "none"}
     peer = {r["concurrency"]: r for r in report["rows"] if r["engine"] == "llama-server" and r["row"] == "plain"}
     for r in report["rows"]:
@@ -367,12 +470,8 @@ def run_served(cfg: ServedConfig, log_dir: str, say=print) -> dict:
         if r["engine"] == "specbuild" and b and r is not b and b.get("texts"):
             same = [i for i in b["texts"] if r["texts"].get(i) == b["texts"][i]]
             r["identical"] = f"{len(same)}/{len(b['texts'])}"
-    if cfg.guard is not None and "none" in cfg.methods and 1 in base and base[1].get("tpot_p50_ms"):
-        main = main_thread_step(cfg, prompts)
-        served = base[1]["tpot_p50_ms"]
-        report["guard"] = {"served_tpot_ms": served, "main_thread_step_ms": main["tpot_ms"],
-                           "ratio": served / main["tpot_ms"], "limit": cfg.guard,
-                           "ok": served <= cfg.guard * main["tpot_ms"], "main_threads": main.get("threads")}
+    if cfg.guard is not None and "none" in cfg.methods:
+        report["guard"] = run_guard(cfg, log_dir, prompts, guard_rounds, say=say)
     return report
 
 
@@ -398,7 +497,8 @@ def format_report(report: dict) -> str:
     cs = sorted({r["concurrency"] for r in report["rows"]})
     names = list(dict.fromkeys((r["engine"], r["row"]) for r in report["rows"]))
     cell = {(r["engine"], r["row"], r["concurrency"]): r for r in report["rows"]}
-    lines.append("output tokens/s over the run (x specbuild plain; x llama-server plain) [greedy identical to plain]")
+    lines.append(f"output tokens/s over the run, median of {report.get('rounds', 1)} round(s) (x specbuild plain; "
+                 "x llama-server plain) [greedy identical to plain]")
     lines.append(f"{'row':<26}" + "".join(f"{'C=' + str(c):>30}" for c in cs))
     for e, row in names:
         out = f"{e + ' ' + row:<26}"
@@ -429,9 +529,11 @@ def format_report(report: dict) -> str:
         lines += [""] + [f"server: {t}" for t in threads[:4]]
     g = report.get("guard")
     if g:
-        lines += ["", f"served plain TPOT p50 at C=1 {g['served_tpot_ms']:.2f} ms vs the engine's main-thread step "
-                      f"{g['main_thread_step_ms']:.2f} ms (lab view, scripts/step_parts.py's): {g['ratio']:.2f}x "
-                      f"(limit {g['limit']:.2f}x): {'ok' if g['ok'] else 'FAILED'}"]
+        lines += ["", f"the guard ({g['rounds']} alternating rounds, plain, {len(g['ratios'])} ratios): served TPOT p50 "
+                      f"{g['served_tpot_ms']:.2f} ms (HTTP, streamed, one request at a time) vs the engine's main-thread "
+                      f"step {g['main_thread_step_ms']:.2f} ms (the lab view): {g['ratio']:.2f}x, rounds "
+                      f"{' '.join(f'{x:.2f}' for x in g['ratios'])} (limit {g['limit']:.2f}x): "
+                      f"{'ok' if g['ok'] else 'FAILED'}"]
     for s in report["skipped"]:
         lines.append(f"skipped: {s}")
     return "\n".join(lines)

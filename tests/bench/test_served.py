@@ -71,3 +71,15 @@ def test_held_out_prompts_come_from_the_eval_split():
     split = B.load_split()
     first_turns = {q["turns"][0]: q["question_id"] for q in B.load_questions()}
     assert all(first_turns[p[0]["content"]] in set(split["eval"]) for p in prompts)
+
+
+def test_the_guard_alternates_served_and_main_thread_rounds_and_can_fail(tiny_bundle, tmp_path):
+    texts = ("a b c a b c a b", "hello there")
+    cfg = S.ServedConfig(bundle=tiny_bundle, compile=False, llama_rows=(), guard=1000.0, main_tokens=16, texts=texts)
+    prompts = [[{"role": "user", "content": t}] for t in texts]
+    said = []
+    g = S.run_guard(cfg, str(tmp_path), prompts, rounds=2, say=said.append)
+    assert g["ok"] and len(g["ratios"]) == 2 and g["served_tpot_ms"] > 0 and g["main_thread_step_ms"] > 0
+    assert [line.split(":")[0] for line in said] == ["guard round 1/2", "guard round 2/2"]
+    strict = S.ServedConfig(bundle=tiny_bundle, compile=False, llama_rows=(), guard=1e-6, main_tokens=16, texts=texts)
+    assert S.run_guard(strict, str(tmp_path), prompts, rounds=1, say=said.append)["ok"] is False
