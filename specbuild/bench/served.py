@@ -303,12 +303,9 @@ e = Engine(a["bundle"], EngineConfig(threads=a["threads"], compile=a["compile"])
 ids = [e.encode(e.render_chat(m), add_special_tokens=False) for m in a["prompts"]]
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
-    tp = []
-    for p in ids:
-        r = e.generate([Request(prompt_ids=p, sampling=SamplingParams(temperature=0.0, max_tokens=a["n"],
-                        ignore_eos=True), speculation=SpeculationConfig.make(None, method="none"))])[0]
-        tp.append(r["stats"]["tpot_ms"])
-    print(json.dumps({"tpot_ms": statistics.median(tp), "threads": e.stats().get("threads", {}).get("decided")}),
+    r = e.generate([Request(prompt_ids=ids[int(line)], sampling=SamplingParams(temperature=0.0, max_tokens=a["n"],
+                    ignore_eos=True), speculation=SpeculationConfig.make(None, method="none"))])[0]
+    print(json.dumps({"tpot_ms": r["stats"]["tpot_ms"], "threads": e.stats().get("threads", {}).get("decided")}),
           flush=True)
 """
 
@@ -330,8 +327,8 @@ class MainThreadWorker:
             raise RuntimeError(f"the main-thread worker exited with status {self.proc.wait()}")
         return json.loads(line)
 
-    def run(self) -> dict:
-        self.proc.stdin.write("go\n")
+    def run(self, prompt: int) -> dict:
+        self.proc.stdin.write(f"{prompt}\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -342,8 +339,9 @@ class MainThreadWorker:
 
 def run_guard(cfg: ServedConfig, log_dir: str, prompts: list[list[dict]], rounds: int = 3, say=print) -> dict:
     """The served plain TPOT (a fresh `specbuild serve`, one request at a time, HTTP, streamed) and
-    the main-thread step (MainThreadWorker), on the same prompts and token counts, in alternating
-    rounds so that the machine's drift hits both: medians of each and of the per-round ratios."""
+    the main-thread step (MainThreadWorker), on the same prompts and token counts, prompt by prompt
+    in turn so that the machine's drift (seconds apart, not minutes) hits both: medians of each
+    and of the pairs' ratios."""
     prompts = prompts[:4]
     port = free_port()
     server = Server("specbuild serve (guard)", specbuild_command(cfg, port, 1), port, env=cfg.env,
@@ -355,15 +353,29 @@ def run_guard(cfg: ServedConfig, log_dir: str, prompts: list[list[dict]], rounds
         extra = {**specbuild_extra("none"), "ignore_eos": True}
         stream_chat(port, prompts[0], 8, extra, cfg.request_timeout)
         served, main, ratios, threads = [], [], [], None
-        for r in range(rounds):
-            tp = [stream_chat(port, p, cfg.main_tokens, extra, cfg.request_timeout)["tpot"] * 1e3 for p in prompts]
-            served.append(statistics.median(tp))
-            m = worker.run()
-            main.append(m["tpot_ms"])
-            threads = m.get("threads")
-            ratios.append(served[-1] / main[-1])
-            say(f"guard round {r + 1}/{rounds}: served TPOT {served[-1]:.2f} ms, main-thread step {main[-1]:.2f} ms "
-                f"({ratios[-1]:.2f}x)")
+        for r in range(rounds):  # prompt by prompt, the two in turn (the order swapped each round)
+            pairs = []
+            for i, p in enumerate(prompts):
+                def one_served():
+                    return stream_chat(port, p, cfg.main_tokens, extra, cfg.request_timeout)["tpot"] * 1e3
+
+                def one_main():
+                    m = worker.run(i)
+                    return m["tpot_ms"], m.get("threads")
+
+                if (r + i) % 2 == 0:
+                    sv = one_served()
+                    mn, threads = one_main()
+                else:
+                    mn, threads = one_main()
+                    sv = one_served()
+                served.append(sv)
+                main.append(mn)
+                ratios.append(sv / mn)
+                pairs.append(sv / mn)
+            say(f"guard round {r + 1}/{rounds}: served TPOT {statistics.median(served[-len(prompts):]):.2f} ms, "
+                f"main-thread step {statistics.median(main[-len(prompts):]):.2f} ms (pairs "
+                f"{' '.join(f'{x:.2f}' for x in pairs)})")
     finally:
         server.stop()
         if worker is not None:
@@ -529,10 +541,10 @@ def format_report(report: dict) -> str:
         lines += [""] + [f"server: {t}" for t in threads[:4]]
     g = report.get("guard")
     if g:
-        lines += ["", f"the guard ({g['rounds']} alternating rounds, plain, {len(g['ratios'])} ratios): served TPOT p50 "
+        lines += ["", f"the guard ({g['rounds']} rounds, plain, {len(g['ratios'])} prompt pairs in turn): served TPOT p50 "
                       f"{g['served_tpot_ms']:.2f} ms (HTTP, streamed, one request at a time) vs the engine's main-thread "
-                      f"step {g['main_thread_step_ms']:.2f} ms (the lab view): {g['ratio']:.2f}x, rounds "
-                      f"{' '.join(f'{x:.2f}' for x in g['ratios'])} (limit {g['limit']:.2f}x): "
+                      f"step {g['main_thread_step_ms']:.2f} ms (the lab view): {g['ratio']:.2f}x, pairs "
+                      f"{min(g['ratios']):.2f}-{max(g['ratios']):.2f} (limit {g['limit']:.2f}x): "
                       f"{'ok' if g['ok'] else 'FAILED'}"]
     for s in report["skipped"]:
         lines.append(f"skipped: {s}")

@@ -170,8 +170,12 @@ class BaseEngine:
             return
         self.background = True
         self._stop = False
+        self._loop_ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="specbuild-engine", daemon=True)
         self._thread.start()
+        # the loop's set-up (the torch engine times its threading there) before anyone is told it
+        # serves: a server's /health answers, and a benchmark's next process starts, after it
+        self._loop_ready.wait(timeout=120)
 
     def _before_loop(self) -> None:
         """Run in the loop's thread before its first step (the torch engine chooses its threading here)."""
@@ -181,6 +185,10 @@ class BaseEngine:
             self._before_loop()
         except Exception:  # a failed choice must not stop the loop: it runs with what it has
             log.exception("engine loop set-up failed; stepping anyway")
+        finally:
+            ready = getattr(self, "_loop_ready", None)
+            if ready is not None:
+                ready.set()
         while not self._stop:
             if not self.has_work():
                 self._wake.wait(0.05)

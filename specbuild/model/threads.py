@@ -109,6 +109,7 @@ BUSY_ENTER = 0.6    # cores' worth of others' use at which the cores count as co
 BUSY_LEAVE = 0.35   # ... and below which they count as free again
 # the kernels' threading on free cores (ThreadGovernor.decide, and its trials on real steps)
 REVISIT_S = 30.0    # while stepping on free cores, the candidates are tried again on real steps this often
+FIRST_REVISIT_S = 3.0  # ... the first time this soon after the start-up choice (at once where others' load was seen)
 MODE_STEPS = 5      # real steps per candidate in such a trial (taken in turn: each sees the same mix)
 DECIDE_ROUNDS = 7   # start-up: interleaved rounds ...
 DECIDE_CALLS = 3    # ... of this many timed calls of each candidate (medians of the rounds)
@@ -235,6 +236,10 @@ class ThreadGovernor:
 
         self.set_threads(self.threads)  # this thread's own count (OpenMP's is per thread)
         self._primed = True
+        try:
+            start = (self.clock(), busy_jiffies(self.cpus, self.reader), self.own_cpu())
+        except (OSError, ValueError, IndexError, KeyError):
+            start = None
         if len(self.choices) > 1:
             samples: dict[tuple[str, int], list[float]] = {c: [] for c in self.choices}
             for c in self.choices:  # one untimed call each: first-call set-up (pool helpers, OpenMP team)
@@ -250,9 +255,21 @@ class ThreadGovernor:
             ms = {}
         self._apply(self.choice)
         t = threading.current_thread()
+        others = None
+        if start is not None:
+            try:
+                now, busy, own = self.clock(), busy_jiffies(self.cpus, self.reader), self.own_cpu()
+                if now > start[0]:
+                    others = max(0.0, ((busy - start[1]) * self.tick_s - (own - start[2])) / (now - start[0]))
+            except (OSError, ValueError, IndexError, KeyError):
+                pass
         self.decided = {"choice": choice_label(self.choice), "ms": {choice_label(c): round(v, 3) for c, v in ms.items()},
-                        "thread": t.name, "thread_ident": t.ident}
-        self.revisit_at = self.clock() + REVISIT_S
+                        "thread": t.name, "thread_ident": t.ident,
+                        "others_cores": None if others is None else round(others, 2)}
+        # others' load while timing (another process starting beside this one) can pick the wrong
+        # candidate: then the real steps try again at once; else soon (FIRST_REVISIT_S), then every REVISIT_S
+        under_load = others is not None and others >= BUSY_ENTER
+        self.revisit_at = self.clock() + (0.0 if under_load else FIRST_REVISIT_S)
         return self.decided
 
     def _set_pool(self, on: bool) -> None:

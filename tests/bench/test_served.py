@@ -79,7 +79,7 @@ def test_the_guard_alternates_served_and_main_thread_rounds_and_can_fail(tiny_bu
     prompts = [[{"role": "user", "content": t}] for t in texts]
     said = []
     g = S.run_guard(cfg, str(tmp_path), prompts, rounds=2, say=said.append)
-    assert g["ok"] and len(g["ratios"]) == 2 and g["served_tpot_ms"] > 0 and g["main_thread_step_ms"] > 0
+    assert g["ok"] and len(g["ratios"]) == 2 * len(prompts) and g["served_tpot_ms"] > 0 and g["main_thread_step_ms"] > 0
     assert [line.split(":")[0] for line in said] == ["guard round 1/2", "guard round 2/2"]
     strict = S.ServedConfig(bundle=tiny_bundle, compile=False, llama_rows=(), guard=1e-6, main_tokens=16, texts=texts)
     assert S.run_guard(strict, str(tmp_path), prompts, rounds=1, say=said.append)["ok"] is False

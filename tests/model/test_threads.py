@@ -244,3 +244,32 @@ def test_bad_choices_are_refused():
         T.ThreadGovernor(2, cpus=[0], set_threads=lambda n: None, choices=[("gpu", 2)])
     with pytest.raises(ValueError, match="choice"):
         T.ThreadGovernor(2, cpus=[0], set_threads=lambda n: None, choices=[("pool", 3)])
+
+
+def test_a_choice_timed_beside_others_load_is_tried_again_on_the_first_real_steps():
+    """A process starting beside the server while it times its candidates (issue 50's guard saw one
+    thread chosen that way) must not hold the choice: the real steps try again at once."""
+    m, modes = FakeMachine(others=1.5), []
+    g = mode_governor(m, modes)
+    loaded = {("pool", 2): 0.011, ("openmp", 2): 0.010, ("openmp", 1): 0.008}
+
+    def measure():
+        m.advance(loaded[(g.mode, g.threads)])
+        return loaded[(g.mode, g.threads)]
+
+    d = g.decide(measure)
+    assert g.choice == ("openmp", 1) and d["others_cores"] == pytest.approx(1.5, abs=0.1)
+    assert g.revisit_at <= m.now  # no waiting for REVISIT_S
+    m.others = 0.0
+    free = {("pool", 2): 0.004, ("openmp", 2): 0.005, ("openmp", 1): 0.008}
+    for _ in range(3 * T.MODE_STEPS + 5):
+        g.before()
+        s = free[(g.mode, g.threads)]
+        m.advance(s)
+        g.after(s)
+    assert g.choice == ("pool", 2) and g.mode_trials == 1
+    # timed on free cores: the first trial waits FIRST_REVISIT_S
+    m2, modes2 = FakeMachine(others=0.0), []
+    g2 = mode_governor(m2, modes2)
+    g2.decide(lambda: (m2.advance(0.004), 0.004)[1])
+    assert g2.revisit_at == pytest.approx(m2.now + T.FIRST_REVISIT_S) and g2.decided["others_cores"] < 0.1
