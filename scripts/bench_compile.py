@@ -1,5 +1,9 @@
 """Eager vs compiled layer stack (EngineConfig.compile), per linear kernel, interleaved in one process.
 
+A lab view: the steps run on the main thread. The figures users get come from the product path,
+scripts/bench_serve.py (`specbuild serve` over HTTP, llama-server beside it, and the served step
+against this main-thread one).
+
 One engine per candidate kernel of the int4/int8 weights (`--kernels`: torch's, specbuild's:
 SPECBUILD_CPU_KERNEL while it loads) loads the bundle with compile=True; each round times every
 engine with its compiled stack switched off (eager) and on, then llama.cpp on the bundle's GGUF
@@ -166,6 +170,9 @@ def main() -> None:
             line += " ".join(f"{med['w' + str(w)]:7.2f}" for w in WIDTHS)
             line += f"  {med['w5'] / med['w1']:5.2f}  {med['w17'] / med['w1']:6.2f}"
         print(line)
+    print("(a lab view: the engine's step on this process's main thread, no HTTP. What users get, `specbuild "
+          "serve` with llama.cpp's server beside it and the served step against this one: "
+          "python scripts/bench_serve.py BUNDLE)")
 
 
 if __name__ == "__main__":

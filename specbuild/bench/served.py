@@ -218,12 +218,20 @@ def stream_chat(port: int, messages: list[dict], max_tokens: int, extra: dict, t
     r = c.getresponse()
     if r.status != 200:
         raise RuntimeError(f"HTTP {r.status}: {r.read()[:500].decode(errors='replace')}")
-    parts, chunks, usage, first, last = [], 0, None, None, None
+    # the stream's lines are kept with their arrival times and parsed after it ends: the client
+    # shares the cores with the server, and JSON parsing per token inside the timed window would
+    # slow the server it measures (llama-server's rows are read the same way)
+    lines: list[tuple[float, bytes]] = []
     for raw in r:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
+        if raw.startswith(b"data:"):
+            lines.append((time.perf_counter(), raw))
+            if raw.startswith(b"data: [DONE]"):
+                break
+    c.close()
+    end = time.perf_counter()
+    parts, chunks, usage, first, last = [], 0, None, None, None
+    for at, raw in lines:
+        data = raw[5:].strip()
         if data == b"[DONE]":
             break
         ev = json.loads(data)
@@ -232,13 +240,10 @@ def stream_chat(port: int, messages: list[dict], max_tokens: int, extra: dict, t
         for ch in ev.get("choices") or ():
             text = (ch.get("delta") or {}).get("content")
             if text:
-                now = time.perf_counter()
-                first = first if first is not None else now
-                last = now
+                first = first if first is not None else at
+                last = at
                 chunks += 1
                 parts.append(text)
-    c.close()
-    end = time.perf_counter()
     tokens = int(usage["completion_tokens"]) if usage and usage.get("completion_tokens") is not None else chunks
     ttft = (first - t0) if first is not None else end - t0
     tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
