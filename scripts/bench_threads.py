@@ -13,10 +13,10 @@ torch job of the issue; `busy`: two processes spinning in Python) and runs them 
 ("loaded"), the phase order and the worker order rotated per round. Policies:
 
     libgomp      torch imported before specbuild: libgomp's default wait policy, 2 threads
-    default      specbuild's default: the spin count chosen from the cores free at start
-                 (specbuild/model/threads.py), up to 2 threads, fewer while a trial under
-                 others' load finds fewer faster (model/threads.ThreadGovernor)
-    fixed        the default's spin count, 2 threads always (SPECBUILD_ADAPT_THREADS=0)
+    default      specbuild's default: GOMP_SPINCOUNT=10000, the kernels' pool, OpenMP or one
+                 thread as timed in the stepping thread, the pool under others' load
+                 (specbuild/model/threads.py, model/threads.ThreadGovernor)
+    fixed        the default's spin count, 2 threads on OpenMP always (SPECBUILD_ADAPT_THREADS=0)
     omp          the kernels' loops always on torch's OpenMP (SPECBUILD_POOL=0: the default
                  before the kernels' pool; the governor then runs its thread-count trials)
     pool         the kernels' loops always on their own pool (SPECBUILD_POOL=1); the default

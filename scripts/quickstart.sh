@@ -18,6 +18,7 @@
 #                                              where a C++ compiler is found)
 #   BUNDLE=DIR                                 where the bundle goes
 #   THREADS=N                                  torch CPU threads (default 2)
+#   SPECBUILD_QUICKSTART_SERVED=0              skip the served table (scripts/bench_serve.py, ~2 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -55,3 +56,11 @@ echo "format: $FORMAT${COMPILE:++compile} (the first compiled load traces and co
 .venv/bin/specbuild generate "$BUNDLE" --chat --threads "$THREADS" --max-tokens 96 --speculation ngram "${COMPILE[@]}" \
   --prompt "Give me three tips for writing clear technical documentation."
 .venv/bin/python scripts/demo.py "$BUNDLE" --threads "$THREADS" "${COMPILE[@]}"
+# what a user of the server gets: `specbuild serve` started as a user starts it, streamed over HTTP,
+# at 1 and 8 concurrent clients, with llama.cpp's own server on the same GGUF beside it where
+# scripts/build_llama_server.sh has built it (the row says how, where not)
+if [ "${SPECBUILD_QUICKSTART_SERVED:-1}" != 0 ]; then
+  SERVED_COMPILE=(); [ ${#COMPILE[@]} -eq 0 ] && SERVED_COMPILE=(--no-compile)
+  .venv/bin/python scripts/bench_serve.py "$BUNDLE" --threads "$THREADS" --concurrency 1,8 --prompts 6 \
+    --guard 0 "${SERVED_COMPILE[@]}"
+fi

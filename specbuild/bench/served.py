@@ -516,13 +516,13 @@ def format_report(report: dict) -> str:
     cell = {(r["engine"], r["row"], r["concurrency"]): r for r in report["rows"]}
     lines.append(f"output tokens/s over the run, median of {report.get('rounds', 1)} round(s) (x specbuild plain; "
                  "x llama-server plain) [greedy identical to plain]")
-    lines.append(f"{'row':<26}" + "".join(f"{'C=' + str(c):>30}" for c in cs))
+    lines.append(f"{'row':<26}" + "".join(f"{'C=' + str(c):>36}" for c in cs))
     for e, row in names:
         out = f"{e + ' ' + row:<26}"
         for c in cs:
             r = cell.get((e, row, c))
             if r is None or r.get("failed"):
-                out += f"{'failed' if r else '-':>30}"
+                out += f"{'failed' if r else '-':>36}"
                 continue
             s = f"{r['tokens_per_s']:.1f}"
             if "vs_plain" in r and not (e == "specbuild" and row == "none"):
@@ -531,7 +531,8 @@ def format_report(report: dict) -> str:
                 s += f" [{r['vs_llama']:.2f}x ll]"
             if r.get("identical"):
                 s += f" ={r['identical']}"
-            out += f"{s:>30}"
+            s = " " + s
+            out += f"{s:>36}"
         lines.append(out)
     lines.append("")
     lines.append("TTFT p50/p99 ms, TPOT p50/p99 ms")

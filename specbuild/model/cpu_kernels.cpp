@@ -624,6 +624,10 @@ struct Pool {
 
 std::atomic<int> g_mode{2};
 std::atomic<bool> g_contended{false};
+// the pool's width (the calling thread included); 0: torch's thread count of the calling thread.
+// Set where torch's own ops run on one thread while the kernels use the pool (pool_threads), so
+// that the step's small ops (argmax over the vocabulary, norms) pay no OpenMP wake-up
+std::atomic<int> g_threads{0};
 std::atomic<int64_t> g_spin_us{50};
 std::atomic<Pool*> g_pool{nullptr};
 std::mutex g_make;
@@ -726,7 +730,8 @@ void run(int64_t b, int64_t e, int64_t grain, F&& f, bool force = false) {
     at::parallel_for(b, e, grain, f);
     return;
   }
-  const int threads = at::get_num_threads();
+  const int width = g_threads.load(std::memory_order_relaxed);
+  const int threads = width > 0 ? width : at::get_num_threads();
   const int64_t n = e - b;
   grain = std::max<int64_t>(grain, 1);
   if (threads < 2 || n <= grain || at::in_parallel_region()) {
@@ -1862,6 +1867,11 @@ void pool_config(int64_t mode, int64_t spin_us) {
 
 void pool_contended(bool on) { pool::g_contended.store(on); }
 
+void pool_threads(int64_t n) {
+  TORCH_CHECK(n >= 0 && n <= 1024, "pool_threads: n must be 0..1024 (0: torch's thread count), got ", n);
+  pool::g_threads.store(int(n));
+}
+
 // [mode, contended, on the pool now, helpers started, jobs, chunks run by helpers, by callers,
 //  spin_us, waits for a helper's chunk, their total ns, those over 1 ms]
 std::vector<int64_t> pool_stats() {
@@ -1915,6 +1925,7 @@ TORCH_LIBRARY(specbuild_cpu, m) {
   m.def("int8_q8_available() -> bool");
   m.def("pool_config(int mode, int spin_us) -> ()");
   m.def("pool_contended(bool on) -> ()");
+  m.def("pool_threads(int n) -> ()");
   m.def("pool_stats() -> int[]");
   m.def("pool_check(int items, int grain, int reps) -> int[]");
   m.def("rows_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor index, float scale) -> Tensor");
@@ -1941,6 +1952,7 @@ TORCH_LIBRARY_IMPL(specbuild_cpu, CompositeExplicitAutograd, m) {
   m.impl("int8_q8_available", &int8_q8_available);
   m.impl("pool_config", &pool_config);
   m.impl("pool_contended", &pool_contended);
+  m.impl("pool_threads", &pool_threads);
   m.impl("pool_stats", &pool_stats);
   m.impl("pool_check", &pool_check);
 }

@@ -333,13 +333,19 @@ def pool_contended(on: bool) -> None:
         torch.ops.specbuild_cpu.pool_contended(bool(on))
 
 
-def kernels_mode(mode: str) -> None:
+def kernels_mode(mode: str, threads: int = 0) -> None:
     """Where the kernels' loops run on free cores (the thread governor's choice, model/threads.py):
-    "pool" (their own pool) or "openmp" (torch's OpenMP; under others' load they still move onto
-    the pool, pool_contended). The same bits either way."""
+    "pool" (their own pool, `threads` wide, while the caller keeps torch's own ops on one thread:
+    the step's small ops then pay no OpenMP wake-up) or "openmp" (torch's OpenMP at torch's
+    thread count; under others' load they still move onto the pool, pool_contended). The same
+    bits either way."""
     if mode not in ("pool", "openmp"):
         raise ValueError(f"kernels mode {mode!r} is not one of pool, openmp")
+    if not 0 <= threads <= 1024:
+        raise ValueError(f"threads={threads} must be 0..1024")
     pool_config(1 if mode == "pool" else 2)
+    if _load()["available"]:
+        torch.ops.specbuild_cpu.pool_threads(threads if mode == "pool" else 0)
 
 
 def pool_config(mode: int | None = None, spin_us: int | None = None) -> None:

@@ -193,6 +193,7 @@ class ThreadGovernor:
                 raise ValueError(f"choice {(mode, n)} must be (pool|openmp, 1..{max_threads})")
         self.choice = self.choices[0]
         self.mode: str | None = None  # what set_mode last set
+        self.kernel_threads = max_threads  # ... and the kernels' width
         self.decided: dict | None = None  # decide()'s figures, and the thread it ran in
         self.mode_trials = 0
         self.revisit_at = 0.0
@@ -222,11 +223,13 @@ class ThreadGovernor:
             self.changes += 1
 
     def _apply(self, choice: tuple[str, int]) -> None:
+        """The kernels on `choice`: ("pool", n) is the pool n wide with torch's own ops on one thread
+        (set_mode(mode, n) sets the pool's width), ("openmp", n) torch's OpenMP at n threads."""
         mode, n = choice
-        if self.set_mode is not None and mode != self.mode:
-            self.set_mode(mode)
-            self.mode = mode
-        self._use(n)
+        if self.set_mode is not None and (mode, n) != (self.mode, self.kernel_threads):
+            self.set_mode(mode, n)
+            self.mode, self.kernel_threads = mode, n
+        self._use(1 if mode == "pool" and self.set_mode is not None else n)
 
     def decide(self, measure) -> dict:
         """Choose self.choice among the candidates by timing them in this thread: measure() runs
@@ -313,7 +316,10 @@ class ThreadGovernor:
             return
         if self.pool is not None:
             self.state = "pool"
-            self._use(self.max_threads)
+            if self.set_mode is not None:  # the kernels on the pool at the full width
+                self._apply(("pool", self.max_threads))
+            else:
+                self._use(self.max_threads)
             self._set_pool(True)
             return
         if self.state == "hold" and now < self.hold_until:
@@ -331,7 +337,7 @@ class ThreadGovernor:
     def after(self, seconds: float) -> None:
         """The wall time of the step that ran at the current count."""
         if self.state == "mode-trial":
-            current = (self.mode if self.set_mode is not None else self.choices[0][0], self.threads)
+            current = (self.mode, self.kernel_threads) if self.set_mode is not None else (self.choices[0][0], self.threads)
             if current in self.mode_samples:
                 self.mode_samples[current].append(seconds)
             if all(len(v) >= MODE_STEPS for v in self.mode_samples.values()):
@@ -352,7 +358,8 @@ class ThreadGovernor:
             self.hold_until = self.clock() + HOLD_S
 
     def describe(self) -> dict:
-        out = {"threads": self.threads, "adaptive": True, "max_threads": self.max_threads, "state": self.state,
+        out = {"threads": self.threads, "kernel_threads": self.kernel_threads if self.mode == "pool" else self.threads,
+               "adaptive": True, "max_threads": self.max_threads, "state": self.state,
                "others_cores": round(self.others, 2), "trials": self.trials, "changes": self.changes}
         if self.pool is not None:
             out.update(pool=self.pooled, pool_switches=self.pool_switches)

@@ -43,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-from specbuild.sampling.params import check_logits, check_probs, sample_from
+from specbuild.sampling.params import argmax_ids, check_logits, check_probs, sample_from
 
 __all__ = [
     "ChainResult", "TreeResult",
@@ -124,7 +124,7 @@ def verify_chain_greedy(
     """Accept while draft i equals the target's argmax at i; then the target's argmax."""
     k, _ = _check_chain(draft_ids, None, target_logits, None, "target_logits")
     check_logits(target_logits, "target_logits")
-    best = target_logits.argmax(-1).tolist()  # [k + 1]
+    best = argmax_ids(target_logits)  # [k + 1]
     drafts = draft_ids.tolist()
     accepted = 0
     while accepted < k and drafts[accepted] == best[accepted]:
@@ -228,7 +228,7 @@ def verify_tree_greedy(
     child wins), then the target's argmax at the last accepted node."""
     children, _ = _check_tree(parents, node_tokens, target_logits, None)
     check_logits(target_logits, "target_logits")
-    best = target_logits.argmax(-1).tolist()
+    best = argmax_ids(target_logits)
     tokens = node_tokens.tolist()
     node, path = 0, []
     while True:

@@ -26,7 +26,7 @@ import torch
 from specbuild.speculation.gamma import CostModel, GammaController, TreeCostModel, best_gamma, expected_tokens
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.decoder import Decoder
-from specbuild.sampling.params import check_logits, sample_from, warp_probs
+from specbuild.sampling.params import argmax_ids, check_logits, sample_from, warp_probs
 from specbuild.speculation.binning import BinCost
 from specbuild.speculation.proposers.base import Draft, Needs, Observation, candidate_sources
 from specbuild.sampling.acceptance import verify_chain_greedy, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled, verify_tree_typical
@@ -115,7 +115,7 @@ def plain_next_token(seq, scores: torch.Tensor) -> int:
     params and generator."""
     if seq.params.greedy:
         check_logits(scores)
-        return int(scores.argmax())
+        return argmax_ids(scores)[0]
     probs = warp_probs(scores.unsqueeze(0), seq.params)
     return int(sample_from(probs, seq.uniforms(1))[0])
 

@@ -153,6 +153,36 @@ def test_every_kernel_gives_openmps_bits_on_the_pool(threads2):
         assert cpu_kernels.pool_stats()["jobs"] > jobs  # the loops really ran on the pool
 
 
+def test_the_pool_keeps_its_width_while_torch_runs_one_thread(threads2):
+    """kernels_mode("pool", 2) with torch at one thread in the caller (the governor's pool choice:
+    the step's small torch ops pay no OpenMP wake-up): the kernels still run 2 wide on the pool,
+    helpers taking chunks, with OpenMP's bits."""
+    calls = kernel_calls()
+    cpu_kernels.pool_config(mode=0)
+    want = {name: call() for name, call in calls}
+    torch.set_num_threads(1)
+    try:
+        cpu_kernels.kernels_mode("pool", 2)
+        before = cpu_kernels.pool_stats()
+        for _ in range(200):  # a helper may be off the CPU for a while on a busy machine
+            for name, call in calls:
+                assert torch.equal(call(), want[name]), name
+            if cpu_kernels.pool_stats()["helper_chunks"] > before["helper_chunks"]:
+                break
+        after = cpu_kernels.pool_stats()
+        assert after["jobs"] > before["jobs"] and after["helper_chunks"] > before["helper_chunks"]
+        cpu_kernels.kernels_mode("openmp")  # width back to torch's count: one thread, no pool job
+        jobs = cpu_kernels.pool_stats()["jobs"]
+        for name, call in calls:
+            assert torch.equal(call(), want[name]), name
+        assert cpu_kernels.pool_stats()["jobs"] == jobs
+    finally:
+        torch.set_num_threads(2)
+        cpu_kernels.kernels_mode("openmp")
+    with pytest.raises(ValueError, match="'gpu'"):
+        cpu_kernels.kernels_mode("gpu")
+
+
 def test_auto_follows_the_contended_flag(threads2):
     cpu_kernels.pool_config(mode=2)
     cpu_kernels.pool_contended(False)

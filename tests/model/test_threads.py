@@ -163,7 +163,7 @@ def test_mpi_ranks_share_the_hosts_cores_unless_threads_is_given():
 def mode_governor(m: FakeMachine, modes: list):
     return T.ThreadGovernor(2, cpus=[0, 1], clock=lambda: m.now, reader=m.reader, own_cpu=lambda: m.cpu,
                             set_threads=m.set_calls.append, tick_s=0.01, pool=lambda on: None,
-                            set_mode=modes.append, choices=[("pool", 2), ("openmp", 2), ("openmp", 1)])
+                            set_mode=lambda mode, n: modes.append(mode), choices=[("pool", 2), ("openmp", 2), ("openmp", 1)])
 
 
 def test_decide_times_every_candidate_in_the_calling_thread_and_keeps_the_fastest():
@@ -175,7 +175,7 @@ def test_decide_times_every_candidate_in_the_calling_thread_and_keeps_the_fastes
     seen = []
 
     def measure():
-        now = (g.mode, g.threads)
+        now = (g.mode, g.kernel_threads)
         seen.append(now)
         return cost[now]
 
@@ -188,27 +188,28 @@ def test_decide_times_every_candidate_in_the_calling_thread_and_keeps_the_fastes
     assert g.choice == ("pool", 2) and d["choice"] == T.choice_label(("pool", 2))
     assert d["thread"] == "stepper" and d["thread_ident"] == t.ident
     assert d["ms"][T.choice_label(("openmp", 2))] == pytest.approx(9.0)
-    assert (g.mode, g.threads) == ("pool", 2)  # left in the chosen state
+    assert (g.mode, g.kernel_threads) == ("pool", 2)  # left in the chosen state
+    assert g.threads == 1 and m.set_calls[-1] == 1  # torch's own ops on one thread beside the pool
     # the other way round: OpenMP fastest is kept too (decided by the measurement, not a rule)
     m, modes = FakeMachine(), []
     g = mode_governor(m, modes)
     cost = {("pool", 2): 0.008, ("openmp", 2): 0.005, ("openmp", 1): 0.007}
-    g.decide(lambda: cost[(g.mode, g.threads)])
+    g.decide(lambda: cost[(g.mode, g.kernel_threads)])
     assert g.choice == ("openmp", 2) and modes[-1] == "openmp"
 
 
 def test_real_steps_try_the_candidates_again_and_switch_when_another_is_faster():
     m, modes = FakeMachine(), []
     g = mode_governor(m, modes)
-    g.decide(lambda: {("pool", 2): 0.009, ("openmp", 2): 0.004, ("openmp", 1): 0.007}[(g.mode, g.threads)])
+    g.decide(lambda: {("pool", 2): 0.009, ("openmp", 2): 0.004, ("openmp", 1): 0.007}[(g.mode, g.kernel_threads)])
     assert g.choice == ("openmp", 2)
     # serving: the event loop's wake-ups make OpenMP slow in the real steps; the pool is not
     serve = {("pool", 2): 0.005, ("openmp", 2): 0.012, ("openmp", 1): 0.008}
     used = []
     for _ in range(int(T.REVISIT_S / 0.005) + 200):
         g.before()
-        used.append((g.mode, g.threads))
-        s = serve[(g.mode, g.threads)]
+        used.append((g.mode, g.kernel_threads))
+        s = serve[(g.mode, g.kernel_threads)]
         m.advance(s)
         g.after(s)
     assert g.mode_trials >= 1 and g.choice == ("pool", 2) and used[-1] == ("pool", 2)
@@ -221,19 +222,19 @@ def test_others_load_moves_to_the_pool_and_its_end_restores_the_choice():
     pooled = []
     g = mode_governor(m, modes)
     g.pool = pooled.append
-    g.decide(lambda: {("pool", 2): 0.009, ("openmp", 2): 0.004, ("openmp", 1): 0.007}[(g.mode, g.threads)])
+    g.decide(lambda: {("pool", 2): 0.009, ("openmp", 2): 0.004, ("openmp", 1): 0.007}[(g.mode, g.kernel_threads)])
     cost = {("pool", 2): 0.009, ("openmp", 2): 0.004, ("openmp", 1): 0.007}
 
     def run(n):
         for _ in range(n):
             g.before()
-            s = cost[(g.mode, g.threads)]
+            s = cost[(g.mode, g.kernel_threads)]
             m.advance(s)
             g.after(s)
 
     m.others = 1.2
     run(300)
-    assert g.state == "pool" and pooled[-1] is True and g.threads == 2
+    assert g.state == "pool" and pooled[-1] is True and (g.mode, g.kernel_threads) == ("pool", 2)
     m.others = 0.0
     run(300)
     assert g.state == "free" and pooled[-1] is False and g.choice == ("openmp", 2) and g.mode == "openmp"
@@ -254,8 +255,8 @@ def test_a_choice_timed_beside_others_load_is_tried_again_on_the_first_real_step
     loaded = {("pool", 2): 0.011, ("openmp", 2): 0.010, ("openmp", 1): 0.008}
 
     def measure():
-        m.advance(loaded[(g.mode, g.threads)])
-        return loaded[(g.mode, g.threads)]
+        m.advance(loaded[(g.mode, g.kernel_threads)])
+        return loaded[(g.mode, g.kernel_threads)]
 
     d = g.decide(measure)
     assert g.choice == ("openmp", 1) and d["others_cores"] == pytest.approx(1.5, abs=0.1)
@@ -264,7 +265,7 @@ def test_a_choice_timed_beside_others_load_is_tried_again_on_the_first_real_step
     free = {("pool", 2): 0.004, ("openmp", 2): 0.005, ("openmp", 1): 0.008}
     for _ in range(3 * T.MODE_STEPS + 5):
         g.before()
-        s = free[(g.mode, g.threads)]
+        s = free[(g.mode, g.kernel_threads)]
         m.advance(s)
         g.after(s)
     assert g.choice == ("pool", 2) and g.mode_trials == 1
