@@ -36,7 +36,6 @@ import http.client
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -118,13 +117,9 @@ class Server:
             conn.close()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        from specbuild.bench.served import stop_process_group
+
+        stop_process_group(self.proc)
         self.log.close()
 
 

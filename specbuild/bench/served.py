@@ -134,6 +134,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM to a server started in a session of its own (and its children), SIGKILL after
+    `grace_s`; waits for it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
 class Server:
     """A server subprocess on 127.0.0.1:port; ready when GET /health answers 200."""
 
@@ -169,13 +181,7 @@ class Server:
             return f.read()[-n:].decode(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc)
         if self.log is not subprocess.DEVNULL:
             self.log.close()
 
