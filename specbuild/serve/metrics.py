@@ -185,9 +185,13 @@ class ServerMetrics:
                   "(accepted drafts + 1; 1.0 without speculation).", self.mean_accepted_tokens),
             Gauge(p + "gamma", "Mean current gamma (draft length) over running requests that speculate.",
                   lambda: engine.stats()["gamma"]),
-            Gauge(p + "threads", "CPU threads the engine's steps run with now (fewer while others' load makes "
-                  "fewer faster; no sample: the backend does not say).",
-                  lambda: (engine.stats().get("threads") or {}).get("threads")),
+            Gauge(p + "threads", "CPU threads the engine's kernels run with now (the start-up timing and the "
+                  "trials on real steps choose; no sample: the backend does not say).",
+                  lambda: (lambda t: t.get("kernel_threads", t.get("threads")))(engine.stats().get("threads") or {})),
+            Gauge(p + "kernels_on_pool", "1 while the kernels' loops run on their own pool (chosen as fastest, or "
+                  "others' load), 0 on torch's OpenMP (no sample: no thread governor).",
+                  lambda: (lambda t: None if "choice" not in t else int(bool(t.get("pool")) or
+                           t["choice"].startswith("the kernels' pool")))(engine.stats().get("threads") or {})),
             Gauge(p + "gamma_mean", "Mean gamma per speculation step over finished requests.",
                   lambda: self.gamma_sum.get() / self.gamma_steps.get() if self.gamma_steps.get() else 0.0),
         ]
