@@ -141,6 +141,9 @@ def ragged_mask(blocks: list[tuple], rows: int, cols: int) -> torch.Tensor | Non
         return None
     mask = torch.zeros(rows, cols, dtype=torch.bool)
     for r0, c0, n, past, new_mask in blocks:
+        if n == 1 and new_mask is None:  # a decode row: its whole past and itself (one op, not four)
+            mask[r0, c0:c0 + past + 1] = True
+            continue
         mask[r0:r0 + n, c0:c0 + past] = True
         mask[r0:r0 + n, c0 + past:c0 + past + n] = torch.ones(n, n, dtype=torch.bool).tril() \
             if new_mask is None else new_mask

@@ -88,9 +88,12 @@ class PagedKVCache:
         """Slot indices of positions [start, end) of a sequence. Returns [end - start] int64."""
         table = self.seqs[seq_id].table
         assert end <= len(table) * self.block_size, "positions beyond reserved blocks"
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(table, dtype=torch.int64)[pos // self.block_size]
-        return blocks * self.block_size + pos % self.block_size
+        first, last = start // self.block_size, -(-end // self.block_size)
+        # each block's slots in a row, then the span: 4 small ops where indexing by position took 6
+        rows = torch.tensor(table[first:last], dtype=torch.int64).unsqueeze(1) * self.block_size \
+            + torch.arange(self.block_size)
+        off = first * self.block_size
+        return rows.reshape(-1)[start - off:end - off]
 
     def set_length(self, seq_id: int, length: int) -> None:
         """Commit (grow) or roll back (shrink) to `length` valid tokens; frees spare blocks."""

@@ -222,6 +222,10 @@ class ThreadGovernor:
             self.threads = n
             self.changes += 1
 
+    def reprime(self) -> None:
+        """The next before() sets this thread's count again (a caller changed it between runs)."""
+        self._primed = False
+
     def _apply(self, choice: tuple[str, int]) -> None:
         """The kernels on `choice`: ("pool", n) is the pool n wide with torch's own ops on one thread
         (set_mode(mode, n) sets the pool's width), ("openmp", n) torch's OpenMP at n threads."""

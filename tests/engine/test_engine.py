@@ -414,3 +414,28 @@ def test_weight_layouts_give_the_same_greedy_tokens(tiny_bundle_f64, monkeypatch
     assert outs["rows"] == outs["auto"] and all(len(o) == 12 for o in outs["rows"])
     with pytest.raises(ValueError, match="weight_layouts='columns'"):
         EngineConfig(weight_layouts="columns")
+
+
+def test_the_plain_decode_batch_is_the_general_paths_batch(engine64):
+    """step.decode_batch (the plain decode rows' short path) builds the very ForwardBatch the
+    general build_forward_batch builds, for one sequence and for a ragged batch of three."""
+    from specbuild.engine.step import WorkItem, build_forward_batch
+
+    hs = [engine64.submit(Request(prompt_ids=prompt_ids(s, n), sampling=greedy(20))) for s, n in ((1, 5), (2, 11), (3, 3))]
+    for _ in range(4):  # prefill and a few decode steps: every sequence decoding
+        engine64.step()
+    seqs = [h.seq for h in hs]
+    assert all(not s.finished and s.num_cached == len(s.all_ids) - 1 for s in seqs)
+    for group in (seqs[:1], seqs):
+        items = [WorkItem(s, [s.all_ids[-1]], start=s.num_cached, completes=True) for s in group]
+        fast = build_forward_batch(items, engine64.cache)
+        rows0 = [it.row0 for it in items]
+        slow = build_forward_batch(items, engine64.cache, fast=False)
+        assert [it.row0 for it in items] == rows0
+        for name in ("input_ids", "positions", "write_slots", "read_slots", "logit_rows", "prompt_rows"):
+            assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+        assert (fast.mask is None) == (slow.mask is None) == (len(group) == 1)
+        if fast.mask is not None:
+            assert torch.equal(fast.mask, slow.mask)
+    engine64.run_until_done()
+    assert all(len(h.result()["token_ids"]) == 20 for h in hs)

@@ -336,6 +336,7 @@ def test_the_threading_is_decided_in_the_thread_that_then_runs_the_steps(bundles
         assert set(d["ms"]) == labels == {T.choice_label(("pool", 2)), T.choice_label(("openmp", 2)), "1 thread"}
         assert all(v > 0 for v in d["ms"].values()) and d["choice"] in labels
         assert caller.stats()["threads"]["decided"] == d
+        assert torch.get_num_threads() == saved  # generate gives the caller's thread count back
         caller.start()  # the same engine's steps moved to its loop thread: decided again, there
         try:
             assert caller.submit(req()).result()["token_ids"] == want

@@ -148,3 +148,18 @@ def test_kv_bytes_per_token():
     # SmolLM2-135M: 30 layers, 3 kv heads, head_dim 64, float32 -> 2 * 30 * 3 * 64 * 4
     assert kv_bytes_per_token(30, 3, 64, torch.float32) == 46080
     assert kv_bytes_per_token(30, 3, 64, torch.bfloat16) == 23040
+
+
+def test_slots_of_every_span_are_block_times_size_plus_offset():
+    """slots(start, end) against the definition, position by position, for every span of a
+    scattered block table (edges, empty spans, spans inside one block)."""
+    cache = PagedKVCache(1, 1, 4, num_blocks=12, block_size=4)
+    cache.add(0)
+    cache.add(1)
+    for seq, n in ((1, 5), (0, 9), (1, 9), (0, 17)):  # interleaved: seq 0's blocks are not contiguous
+        cache.reserve(seq, n)
+    table = cache.seqs[0].table
+    for start in range(0, 18):
+        for end in range(start, 18):
+            want = [table[p // 4] * 4 + p % 4 for p in range(start, end)]
+            assert cache.slots(0, start, end).tolist() == want, (start, end)
