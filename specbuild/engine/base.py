@@ -156,8 +156,20 @@ class BaseEngine:
         return bool(self.waiting or self.running)
 
     def run_until_done(self) -> None:
-        while self.has_work():
-            self.step()
+        state = self._before_run()
+        try:
+            while self.has_work():
+                self.step()
+        finally:
+            self._after_run(state)
+
+    def _before_run(self):
+        """Called in the caller's thread before run_until_done steps (the torch engine saves the
+        caller's thread count here); its result goes to _after_run."""
+        return None
+
+    def _after_run(self, state) -> None:
+        """Called after run_until_done's steps, also when one raised."""
 
     def generate(self, requests: list[Request]) -> list[dict]:
         handles = [self.submit(r) for r in requests]

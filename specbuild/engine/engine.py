@@ -506,17 +506,16 @@ class Engine(BaseEngine):
             self.scheduler.abort(handle.seq)
 
     # ---- the loop -----------------------------------------------------------------------
-    def run_until_done(self) -> None:
-        """Step until no request is left (generate, bench without a loop thread), in the caller's
-        thread; the caller's torch thread count is given back afterwards (with the kernels on
-        their pool the steps keep torch's own ops on one thread)."""
-        saved = torch.get_num_threads()
+    def _before_run(self) -> int:
+        """run_until_done (generate, bench without a loop thread) steps in the caller's thread: the
+        governor sets that thread's count again, and _after_run gives the caller's count back (with
+        the kernels on their pool the steps keep torch's own ops on one thread)."""
         if self.threads_governor is not None:
             self.threads_governor.reprime()
-        try:
-            super().run_until_done()
-        finally:
-            torch.set_num_threads(saved)
+        return torch.get_num_threads()
+
+    def _after_run(self, state: int) -> None:
+        torch.set_num_threads(state)
 
     def _before_loop(self) -> None:
         self.decide_threads()  # in the engine loop's thread, before the first request
