@@ -125,6 +125,9 @@ def choice_label(choice: tuple[str, int]) -> str:
     return f"{POOL_LABEL if mode == 'pool' else 'OpenMP'} x{n}"
 
 
+READ_ERRORS = (OSError, ValueError, IndexError, KeyError)  # what reading /proc/stat may raise
+
+
 def busy_jiffies(cpus: list[int], reader=read_cpu_times) -> int:
     """Busy jiffies (total minus idle and I/O wait; steal counts as busy) summed over `cpus`."""
     times = reader()
@@ -200,10 +203,20 @@ class ThreadGovernor:
         self.mode_samples: dict[tuple[str, int], list[float]] = {}
         self.last_trial_ms: dict[str, float] = {}
 
+    def _sample(self, now: float) -> tuple[float, int, float]:
+        """(wall, busy jiffies of self.cpus, this process's CPU seconds) now; raises what the
+        /proc/stat reader raises."""
+        return now, busy_jiffies(self.cpus, self.reader), self.own_cpu()
+
+    def _others(self, last: tuple[float, int, float], sample: tuple[float, int, float]) -> float:
+        """Cores' worth of others' use between two samples: busy time less this process's own."""
+        busy = (sample[1] - last[1]) * self.tick_s
+        return max(0.0, (busy - (sample[2] - last[2])) / (sample[0] - last[0]))
+
     def _read_others(self, now: float) -> float | None:
         try:
-            sample = (now, busy_jiffies(self.cpus, self.reader), self.own_cpu())
-        except (OSError, ValueError, IndexError, KeyError) as e:
+            sample = self._sample(now)
+        except READ_ERRORS as e:
             self.broken = f"{type(e).__name__}: {e}"
             return None
         last, self._last = self._last, sample
@@ -212,9 +225,11 @@ class ThreadGovernor:
         if sample[0] - last[0] > STALE_S:  # after an idle gap: measure from now, not over the gap
             self._next_check = now + RESAMPLE_S
             return None
-        wall = sample[0] - last[0]
-        busy = (sample[1] - last[1]) * self.tick_s
-        return max(0.0, (busy - (sample[2] - last[2])) / wall)
+        return self._others(last, sample)
+
+    def _fastest(self, ms: dict[tuple[str, int], float]) -> tuple[str, int]:
+        """The candidate with the lowest ms; ties: more threads, then the pool."""
+        return min(self.choices, key=lambda c: (ms[c], -c[1], c[0] != "pool"))
 
     def _use(self, n: int) -> None:
         if n != self.threads:
@@ -244,8 +259,8 @@ class ThreadGovernor:
         self.set_threads(self.threads)  # this thread's own count (OpenMP's is per thread)
         self._primed = True
         try:
-            start = (self.clock(), busy_jiffies(self.cpus, self.reader), self.own_cpu())
-        except (OSError, ValueError, IndexError, KeyError):
+            start = self._sample(self.clock())
+        except READ_ERRORS:
             start = None
         if len(self.choices) > 1:
             samples: dict[tuple[str, int], list[float]] = {c: [] for c in self.choices}
@@ -257,7 +272,7 @@ class ThreadGovernor:
                     self._apply(c)
                     samples[c].append(min(measure() for _ in range(DECIDE_CALLS)))
             ms = {c: statistics.median(v) * 1e3 for c, v in samples.items()}
-            self.choice = min(self.choices, key=lambda c: (ms[c], -c[1], c[0] != "pool"))
+            self.choice = self._fastest(ms)
         else:
             ms = {}
         self._apply(self.choice)
@@ -265,10 +280,9 @@ class ThreadGovernor:
         others = None
         if start is not None:
             try:
-                now, busy, own = self.clock(), busy_jiffies(self.cpus, self.reader), self.own_cpu()
-                if now > start[0]:
-                    others = max(0.0, ((busy - start[1]) * self.tick_s - (own - start[2])) / (now - start[0]))
-            except (OSError, ValueError, IndexError, KeyError):
+                end = self._sample(self.clock())
+                others = self._others(start, end) if end[0] > start[0] else None
+            except READ_ERRORS:
                 pass
         self.decided = {"choice": choice_label(self.choice), "ms": {choice_label(c): round(v, 3) for c, v in ms.items()},
                         "thread": t.name, "thread_ident": t.ident,
@@ -297,7 +311,7 @@ class ThreadGovernor:
             if others is not None:
                 self.others = others
                 self._on_load(now, others)
-        if self.state == "free" and len(self.choices) > 1 and now >= self.revisit_at:
+        if self.state == "free" and len(self.choices) > 1 and self.set_mode is not None and now >= self.revisit_at:
             self.state = "mode-trial"
             self.mode_samples = {c: [] for c in self.choices}
             self.mode_trials += 1
@@ -341,12 +355,12 @@ class ThreadGovernor:
     def after(self, seconds: float) -> None:
         """The wall time of the step that ran at the current count."""
         if self.state == "mode-trial":
-            current = (self.mode, self.kernel_threads) if self.set_mode is not None else (self.choices[0][0], self.threads)
+            current = (self.mode, self.kernel_threads)  # (a trial needs several choices, so set_mode)
             if current in self.mode_samples:
                 self.mode_samples[current].append(seconds)
             if all(len(v) >= MODE_STEPS for v in self.mode_samples.values()):
                 ms = {c: statistics.median(v) * 1e3 for c, v in self.mode_samples.items()}
-                self.choice = min(self.choices, key=lambda c: (ms[c], -c[1], c[0] != "pool"))
+                self.choice = self._fastest(ms)
                 self.last_trial_ms = {choice_label(c): round(v, 3) for c, v in ms.items()}
                 self.state = "free"
                 self._apply(self.choice)
