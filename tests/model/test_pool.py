@@ -30,8 +30,12 @@ def threads2():
     kernels_or_skip()
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
+    # An engine earlier in the same process may have left the kernels on a pool of fixed width
+    # (kernels_mode("pool", n)); these tests size the pool by torch's thread count.
+    torch.ops.specbuild_cpu.pool_threads(0)
     yield
     torch.set_num_threads(saved)
+    torch.ops.specbuild_cpu.pool_threads(0)
     cpu_kernels.pool_config(mode=cpu_kernels.pool_mode(), spin_us=cpu_kernels.pool_spin_us())
     cpu_kernels.pool_contended(False)
 
