@@ -174,6 +174,19 @@ class Server:
             time.sleep(0.2)
         raise RuntimeError(f"{self.name} was not ready within {timeout:.0f} s (log: {self.log_path})")
 
+    def health(self) -> dict:
+        """GET /health's JSON ({} when it does not answer with JSON)."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            c.request("GET", "/health")
+            body = c.getresponse().read()
+        finally:
+            c.close()
+        try:
+            return json.loads(body)
+        except ValueError:
+            return {}
+
     def tail(self, n: int = 2000) -> str:
         if not self.log_path:
             return ""
@@ -428,6 +441,8 @@ def run_one(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, log:
         stream_chat(port, [{"role": "user", "content": "Say hello."}], 8, extra, cfg.request_timeout)
         result = run_load(port, prompts, c, cfg.max_tokens, extra, cfg.request_timeout)
         result["threads_line"] = server_threads_line(server) if engine_name == "specbuild" else ""
+        if engine_name == "specbuild":  # where the served steps' time went (engine/stepparts.py)
+            result["step_parts"] = server.health().get("step_parts") or []
     except Exception as e:  # noqa: BLE001 (one row failing is reported; the others still run)
         result = {"concurrency": c, "failed": f"{type(e).__name__}: {e}", "texts": {}}
     finally:
@@ -512,6 +527,37 @@ def format_row(r: dict) -> str:
             + (f"  {len(r['errors'])} errors" if r.get("errors") else ""))
 
 
+PART_COLUMNS = ("plan", "draft", "build", "forward", "settle", "commit", "emit", "other")
+
+
+def format_step_parts(rows: list[dict]) -> list[str]:
+    """The served steps' parts (engine/stepparts.py), ms per step, for each specbuild row and
+    concurrency: its decode steps by kind (plain, or the drafter verified) at the batch size most
+    of them ran at (the first round's server)."""
+    out = []
+    for r in rows:
+        if r.get("engine") != "specbuild" or not r.get("step_parts"):
+            continue
+        decode = [p for p in r["step_parts"] if p["kind"] != "prefill"]
+        if not decode:
+            continue
+        top = {}
+        for p in decode:  # per kind, the batch size with the most steps
+            if p["kind"] not in top or p["steps"] > top[p["kind"]]["steps"]:
+                top[p["kind"]] = p
+        for p in sorted(top.values(), key=lambda p: -p["steps"]):
+            out.append(f"{r['row'] + ' C=' + str(r['concurrency']):<14} {p['kind']:<8} b={p['batch']:<5} "
+                       f"{p['steps']:>5} {p['tokens_per_step']:>6.2f} {p['rows_per_step']:>6.1f} "
+                       + " ".join(f"{p[c + '_ms']:>7.3f}" for c in PART_COLUMNS)
+                       + f" {p['step_ms']:>7.3f} {p['tokens_per_s']:>7.1f}")
+    if not out:
+        return []
+    head = (f"{'row':<14} {'kind':<8} {'batch':<7} {'steps':>5} {'tok/st':>6} {'rows':>6} "
+            + " ".join(f"{c:>7}" for c in PART_COLUMNS) + f" {'step':>7} {'tok/s':>7}")
+    return ["the served steps' parts, ms per step (engine/stepparts.py; per kind, its most common batch size; "
+            "draft is inside plan; tok/s: tokens per second of step time)", head, *out]
+
+
 def format_report(report: dict) -> str:
     m = report["machine"]
     lines = [f"CPU: {m['cpu']}; {m['logical_cpus']} logical CPUs; load average at start "
@@ -548,6 +594,9 @@ def format_report(report: dict) -> str:
             r = cell.get((e, row, c))
             out += f"{'-' if not r or r.get('failed') else _f(r['ttft_p50_ms'], '.0f') + '/' + _f(r['ttft_p99_ms'], '.0f') + ', ' + _f(r['tpot_p50_ms'], '.1f') + '/' + _f(r['tpot_p99_ms'], '.1f'):>30}"
         lines.append(out)
+    parts = format_step_parts(report["rows"])
+    if parts:
+        lines += ["", *parts]
     threads = sorted({r["threads_line"] for r in report["rows"] if r.get("threads_line")})
     if threads:
         lines += [""] + [f"server: {t}" for t in threads[:4]]

@@ -480,6 +480,8 @@ class Engine(BaseEngine):
         _warm_tokens (what the warm corpus put in at load; those tokens count in _tokens too); and
         threads: the step's thread count now, with the ThreadGovernor's state (or why it is off)."""
         out = dict(self.scheduler.sink.stats())
+        out["step_parts"] = self.scheduler.parts.describe()
+        out["auto_switch"] = self.speculator.goodput.describe()
         out["threads"] = {**self.threads_governor.describe(), "why": self.threads_why} \
             if self.threads_governor is not None \
             else {"threads": torch.get_num_threads(), "adaptive": False, "why": self.threads_why}

@@ -41,6 +41,7 @@ from specbuild.model.decoder import Decoder
 from specbuild.engine.sequence import Event, Sequence
 from specbuild.engine.events import NULL_SINK
 from specbuild.engine.step import BINNINGS, StepRunner, WorkItem, bin_groups
+from specbuild.engine.stepparts import StepParts
 
 log = logging.getLogger("specbuild.scheduler")
 
@@ -60,7 +61,8 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.speculator = speculator
         self.binning = binning
-        self.runner = StepRunner(self, model, cache, speculator)
+        self.parts = StepParts()  # where each step's time goes, by kind and batch (engine/stepparts.py)
+        self.runner = StepRunner(self, model, cache, speculator, self.parts)
         # the engine's queue (BaseEngine.waiting / running), shared, mutated in place only
         self.waiting: collections.deque[Sequence] = collections.deque() if waiting is None else waiting
         self.running: list[Sequence] = [] if running is None else running
@@ -261,17 +263,30 @@ class Scheduler:
 
         exclude: id()s of running sequences to leave out of this step (MineDraft: the batch
         the draft rank is drafting); admit=False when the caller already admitted."""
+        t0 = time.perf_counter()
         if admit:
             self.admit()
         if not self.running:
             return 0
+        parts = self.parts
         try:
+            tp = time.perf_counter()
             items, proposal = self.plan(exclude)
+            parts.add("plan", time.perf_counter() - tp)
+            parts.add("draft", sum(proposal.draft_ms.values()) / 1e3)
             groups = bin_groups(items, self.binning, self.speculator.bin_cost if self.binning == "bins" else None) \
                 if items else []
         except Exception as e:  # noqa: BLE001 - planning belongs to no single sequence
             self.fail_batch([s for s in self.running if id(s) not in exclude], e, "planning the step")
             return 0
+        runner = self.runner
+        runner.emitted = 0
         for group in groups:
-            self.runner.run(group, proposal)
+            runner.run(group, proposal)
+        decode = [it for it in items if it.completes]
+        methods = {d.method for d in proposal.drafts.values()}
+        kind = "prefill" if not decode else "plain" if not methods else methods.pop() if len(methods) == 1 else "mixed"
+        rows = sum(it.width + it.pad for it in items)
+        parts.end(kind, len(decode), runner.emitted, rows, time.perf_counter() - t0)
+        self.speculator.on_step(kind, len(decode), runner.emitted, rows, parts.last_total)
         return len(items)

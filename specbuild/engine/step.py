@@ -194,8 +194,12 @@ class StepRunner:
     """Runs the groups the scheduler plans (the scheduler owns admission and lifecycle:
     `owner` gives release, fail_sequence, fail_batch and the telemetry sink)."""
 
-    def __init__(self, owner, model, cache: PagedKVCache, speculator) -> None:
+    def __init__(self, owner, model, cache: PagedKVCache, speculator, parts=None) -> None:
+        from specbuild.engine.stepparts import StepParts
+
         self.owner = owner
+        self.parts = parts if parts is not None else StepParts()
+        self.emitted = 0  # tokens chosen in the current step (the scheduler resets it per step)
         self.model = model
         self.cache = cache
         self.speculator = speculator
@@ -231,7 +235,9 @@ class StepRunner:
         """The target over the group, asked for what the drafters read: hidden states of the
         logit rows, and the auxiliary layers at every row of the sequences in
         proposal.feature_seqs (returns their first row in out.aux, by seq_id)."""
+        t0 = time.perf_counter()
         batch = build_forward_batch(group, self.cache)
+        self.parts.add("build", time.perf_counter() - t0)
         aux0: dict[int, int] = {}
         rows: list[int] = []
         for it in group:
@@ -243,7 +249,9 @@ class StepRunner:
                                  aux_layers=proposal.aux_layers if rows else (),
                                  aux_rows=torch.tensor(rows, dtype=torch.int64, device=self.cache.device) if rows
                                  else None)
-        self.target_ms = (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        self.target_ms = (t1 - t0) * 1e3
+        self.parts.add("forward", t1 - t0)
         self.passes += 1
         return out, aux0
 
@@ -252,6 +260,7 @@ class StepRunner:
         """One item after the forward: score_rows the prompt rows whose logprobs echo asked for
         (None: not asked in this chunk), rows [1 + k, vocab] its logits (None: a prefill chunk
         that does not complete), hidden / feats what the drafters asked for."""
+        t0 = time.perf_counter()
         seq = it.seq
         seq.target_passes += 1
         if score_rows is not None:  # the prompt's logprobs: plain numbers kept, the rows let go
@@ -275,9 +284,15 @@ class StepRunner:
                                                   seq.request.logprobs)
         if was_decode or draft is not None:
             seq.verify_passes += 1
+        t1 = time.perf_counter()
         self.commit(seq, verdict)
+        t2 = time.perf_counter()
+        parts = self.parts
+        parts.add("settle", t1 - t0)
+        parts.add("commit", t2 - t1)
         before = len(seq.text)
         kept = seq.append_tokens(verdict.tokens)
+        self.emitted += len(kept)
         lps = None
         if seq.request.logprobs is not None:
             lps = seq.pending_logprobs[:len(kept)]
@@ -289,6 +304,7 @@ class StepRunner:
             seq.handle._emit(Event(kept, seq.text[before:], seq.finished, seq.finish_reason, lps))
         if seq.finished:
             self.owner.release(seq)
+        parts.add("emit", time.perf_counter() - t2)
 
     def commit(self, seq: Sequence, verdict: Verdict) -> None:
         """The verdict's K/V moves (a tree's accepted path into place), then the target's

@@ -919,6 +919,10 @@ class OpenAIServer:
             "queue_depth": load["queue_depth"], "running": load["running"],
             "kv_blocks_used": load["kv_blocks_used"], "kv_blocks_total": load["kv_blocks_total"],
             "max_batch_size": engine.max_batch_size, "max_queue": self.config.max_queue}
+        if load.get("step_parts") is not None:  # where the served steps' time goes (engine/stepparts.py)
+            info["step_parts"] = load["step_parts"]
+        if load.get("auto_switch"):  # auto's batch-wide switch by batch size (speculation/goodput.py)
+            info["auto_switch"] = load["auto_switch"]
         for check in self.health_checks:
             extra = check()
             if extra.get("status") == "degraded" and info["status"] == "ok":

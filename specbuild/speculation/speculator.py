@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specbuild.speculation.goodput import GoodputSwitch
 from specbuild.speculation.gamma import CostModel, GammaController, TreeCostModel, best_gamma, expected_tokens
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.decoder import Decoder
@@ -36,6 +37,12 @@ log = logging.getLogger("specbuild.speculator")
 # measured under a load that has gone (466 ms cached against a 108 ms step was seen; 6.68 ms
 # cached, measured while a compiler ran, against a live 3.4-3.7 ms, 2026-12-05): measured again
 LIVE_CHECK_FACTOR = 1.5
+# `auto` drafts with the drafters that read nothing of the target's pass beyond its tokens and
+# whose drafting costs at most this share of a plain step per token (measured at start-up): the
+# others' bookkeeping (EAGLE's features of every row, recycling's logits) is paid on every step,
+# drafting or not, and their drafting alone took 4-6 ms against a 6 ms step on a 2-core Xeon
+# (2026-12-06). They stay one request field away (`"speculation": "eagle"`).
+AUTO_DRAFT_SHARE = 0.15
 
 
 def monotone_costs(costs: dict[int, float]) -> dict[str, float]:
@@ -155,6 +162,11 @@ class Speculator:
         self._costs = costs
         self._controller: GammaController | None = None
         self._bin_cost: BinCost | None = None
+        self._auto_methods: tuple[str, ...] | None = None
+        # auto's batch-wide switch, learned from the steps' own wall time (speculation/goodput.py)
+        self.goodput = GoodputSwitch()
+        self._auto_spec = True  # this step, auto's sequences may speculate
+        self._auto_pure = False  # this step, every decoding sequence is auto's and nothing prefills
         self.emit = None  # callable(seq, kind, detail): failure-mode events (Engine.set_sink)
         # the target layers some drafter reads (one drafter's, in its order: EAGLE-3's three)
         self.aux_layers: tuple[int, ...] = next((tuple(self.needs(n).aux_layers) for n in proposers
@@ -227,6 +239,27 @@ class Speculator:
                  time.perf_counter() - t0, {k: round(v * 1e3, 2) for k, v in verify.items()})
         return costs
 
+    @property
+    def auto_methods(self) -> tuple[str, ...]:
+        """The drafters `auto` chooses among (AUTO_DRAFT_SHARE): those that need nothing of the
+        target's pass beyond its tokens, draft cheaply, and merge only such drafters."""
+        if self._auto_methods is None:
+            costs = self.controller.costs
+            plain = costs[next(iter(self.proposers))].verify(1) if self.proposers else 0.0
+
+            def cheap(name: str, seen: tuple = ()) -> bool:
+                n = self.needs(name)
+                if n.hidden or n.aux_layers or n.logits or name in seen:
+                    return False
+                if costs[name].draft_cost > AUTO_DRAFT_SHARE * plain:
+                    return False
+                return all(p in self.proposers and cheap(p, seen + (name,)) for p in n.parts)
+
+            self._auto_methods = tuple(name for name in self.proposers if cheap(name))
+            log.info("auto drafts with %s (of %s)", ", ".join(self._auto_methods) or "nothing",
+                     ", ".join(self.proposers))
+        return self._auto_methods
+
     def set_emit(self, emit) -> None:
         """Route failure-mode events (controller, drafters) to emit(seq, kind, detail); None: off."""
         self.emit = emit
@@ -247,7 +280,8 @@ class Speculator:
         spec = getattr(seq, "spec", None)
         method = spec.method if spec is not None else "none"
         if method == "auto":
-            names = frozenset() if seq.spec_state.auto_plain else frozenset(self.proposers)
+            names = frozenset() if seq.spec_state.auto_plain else frozenset(
+                n for m in self.auto_methods for n in (m, *self.needs(m).parts))
         elif method in self.proposers:
             names = frozenset((method, *self.needs(method).parts))
         else:
@@ -266,6 +300,7 @@ class Speculator:
         out = Proposal()
         features, hidden = set(), False
         by_method: dict[str, list] = {}
+        self.switch_auto(seqs)
         for seq in seqs:
             uses = self.uses(seq)
             hidden = hidden or any(self.needs(n).hidden for n in uses)
@@ -308,16 +343,41 @@ class Speculator:
             out.aux_layers, out.feature_seqs = self.aux_layers, frozenset(features)
         return out
 
+    def switch_auto(self, seqs: list) -> None:
+        """This step's batch-wide switch for `auto`'s sequences (speculation/goodput.py): decided
+        from the goodput each arm gave at this many decoding sequences."""
+        decoding = auto = prefilling = 0
+        for seq in seqs:
+            if seq.num_cached < len(seq.all_ids) - 1:
+                prefilling += 1
+                continue
+            decoding += 1
+            spec = getattr(seq, "spec", None)
+            auto += spec is not None and spec.method == "auto" and not seq.spec_state.auto_plain
+        if not auto:
+            self._auto_spec, self._auto_pure = True, False
+            self.goodput.current = None
+            return
+        self._auto_spec = self.goodput.choose(decoding) == "spec"
+        self._auto_pure = auto == decoding and not prefilling
+
+    def on_step(self, kind: str, batch: int, tokens: int, rows: int, seconds: float) -> None:
+        """One engine step ended (Scheduler.step): what it did (plain, prefill, or the drafter
+        verified), its decode sequences, tokens chosen, forward rows and wall seconds. `auto`'s
+        switch learns the goodput of the arm it ran."""
+        if self.goodput.current is not None:
+            self.goodput.observe(tokens, seconds, self._auto_pure and kind != "prefill")
+
     def choose_method(self, seq) -> str | None:
         method = seq.spec.method if seq.spec is not None else "none"
         if method == "none" or method in seq.spec_state.draft_failed:
             return None
         if method != "auto":
             return method
-        if seq.spec_state.auto_plain:
+        if seq.spec_state.auto_plain or not self._auto_spec:
             return None
         best, best_rate = None, 0.0
-        for name in self.proposers:
+        for name in self.auto_methods:
             if name in seq.spec_state.draft_failed:
                 continue
             cm = self.cost_model(seq, name)

@@ -76,17 +76,36 @@ def test_auto_chooses_by_the_controllers_estimate():
 
 def test_a_settled_auto_sequence_skips_the_drafters_bookkeeping():
     observed = []
-    rec = types.SimpleNamespace(needs=Needs(logits=True), observe=lambda seq, obs: observed.append(obs.tokens),
+    rec = types.SimpleNamespace(needs=Needs(), observe=lambda seq, obs: observed.append(obs.length),
                                 rollback=lambda seq, length: None)
-    spec = Speculator(None, None, {"recycle": rec}, max_draft_len=4, max_seq_len=64,
-                      costs={"recycle": CostModel({1: 1.0, 5: 1.1})})
+    spec = Speculator(None, None, {"suffix": rec}, max_draft_len=4, max_seq_len=64,
+                      costs={"suffix": CostModel({1: 1.0, 5: 1.1})})
     seq = fake_seq()
     seq.seq_id, seq.params = 1, SamplingParams(temperature=0.0)
     rows = torch.zeros(1, 8)
     spec.settle(seq, PassResult(0, [1, 2], None, rows, rows))
     seq.spec_state.auto_plain = True
     spec.settle(seq, PassResult(2, [3, 4], None, rows, rows))
-    assert observed == [[2]]
+    assert observed == [2]
+
+
+def test_auto_drafts_only_with_drafters_that_read_nothing_of_the_pass_and_draft_cheaply():
+    """EAGLE's features and recycling's logits are paid on every step of every sequence that
+    uses them, drafting or not; a drafter model costing a third of a step per token never pays
+    on a CPU: auto leaves them out (a request still names them)."""
+    def prop(needs):
+        return types.SimpleNamespace(needs=needs, observe=lambda seq, obs: None, rollback=lambda seq, length: None)
+
+    proposers = {"suffix": prop(Needs(tree=True)), "ngram": prop(Needs()), "recycle": prop(Needs(logits=True)),
+                 "eagle": prop(Needs(aux_layers=(1, 2))), "draft": prop(Needs()),
+                 "hybrid": prop(Needs(tree=True, parts=("suffix", "recycle")))}
+    costs = {name: CostModel({1: 1.0, 5: 1.1}, 0.3 if name == "draft" else 0.0) for name in proposers}
+    spec = Speculator(None, None, proposers, max_draft_len=4, max_seq_len=64, costs=costs)
+    assert spec.auto_methods == ("suffix", "ngram")
+    seq = fake_seq()
+    assert spec.uses(seq) == {"suffix", "ngram"}
+    assert spec.choose_method(seq) in ("suffix", "ngram")
+    assert spec.uses(fake_seq("hybrid")) == {"hybrid", "suffix", "recycle"}  # named: as before
 
 
 def test_remaining_room_counts_max_tokens_and_context(tiny_bundle):

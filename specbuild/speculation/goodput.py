@@ -1,0 +1,139 @@
+"""`auto`'s switch for the whole batch: does speculating pay at this batch size, now, here?
+
+The depth controller (gamma.py) and `auto`'s choice of drafter (Speculator.choose_method) work
+per sequence, on costs measured at start-up: the target's forward by width. What a speculative
+step really costs where the server runs it (drafting, building a wider batch, verification,
+the drafters' bookkeeping, and a forward that grows with every drafted row of every sequence in
+the batch) is seen only by timing the steps themselves. This module does that.
+
+For each batch size (the buckets of engine/stepparts.py: 1, 2, 3-4, 5-8, 9-16, 17+) it keeps
+two arms, plain decoding and `auto`'s speculation, and the goodput each gave: tokens chosen per
+second of wall time over that arm's last WINDOW pure decode steps (steps where every decoding
+sequence is under `auto` and no prompt is being prefilled: those are what the arms differ in).
+Each step runs the arm with the higher goodput. The other arm is probed for PROBE_STEPS steps
+after PROBE_FIRST steps, then at intervals that double (to PROBE_MAX) while probes keep losing
+and start again from PROBE_FIRST when one wins, so a speculation that stopped paying is off
+within a few steps and costs at most PROBE_STEPS / PROBE_MAX of the steps afterwards, and one
+that starts paying (text turned repetitive, the batch shrank) comes back. A batch size seen for
+the first time starts on the arm its nearest measured neighbour chose (else speculation, so that
+its cost is measured at once).
+
+Only how much is drafted changes: every step stays lossless.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from specbuild.engine.stepparts import batch_bucket
+
+WINDOW = 16  # an arm's goodput: its last WINDOW pure steps at this batch size
+PROBE_STEPS = 3  # steps of the other arm per probe
+PROBE_FIRST = 12  # steps on the winning arm before the first probe (and again after a probe that won)
+PROBE_MAX = 384  # the longest interval between probes (probes that keep losing double it up to this)
+MIN_STEPS = 3  # steps an arm needs before its goodput is believed
+ARMS = ("plain", "spec")
+BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17+")
+
+
+class Bucket:
+    """One batch size's arms: recent (tokens, seconds) per arm, the arm running, the probe plan."""
+
+    def __init__(self, arm: str) -> None:
+        self.hist = {a: collections.deque(maxlen=WINDOW) for a in ARMS}
+        self.arm = arm  # the arm that won (or the starting arm)
+        self.probing = 0  # steps of the current probe still to run
+        self.interval = PROBE_FIRST
+        self.until_probe = PROBE_FIRST
+        self.switches = 0
+        self.probes = 0
+        self.ran = dict.fromkeys(ARMS, 0)  # steps run on each arm here
+
+    def rate(self, arm: str) -> float | None:
+        h = self.hist[arm]
+        if len(h) < MIN_STEPS:
+            return None
+        seconds = sum(s for _, s in h)
+        return sum(t for t, _ in h) / seconds if seconds > 0 else None
+
+    def other(self) -> str:
+        return "plain" if self.arm == "spec" else "spec"
+
+
+class GoodputSwitch:
+    """Chooses, per step, whether `auto`'s sequences may speculate (`choose`), and learns from the
+    step that ran (`observe`)."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[str, Bucket] = {}
+        self.current: tuple[str, str] | None = None  # (bucket, arm) the last choose() gave
+
+    def _bucket(self, name: str) -> Bucket:
+        b = self.buckets.get(name)
+        if b is None:
+            start = "spec"
+            i = BUCKETS.index(name)
+            for d in range(1, len(BUCKETS)):  # the nearest measured neighbour's winner
+                near = [BUCKETS[j] for j in (i - d, i + d) if 0 <= j < len(BUCKETS) and BUCKETS[j] in self.buckets]
+                near = [n for n in near if self.buckets[n].rate("plain") is not None
+                        and self.buckets[n].rate("spec") is not None]
+                if near:
+                    start = self.buckets[near[0]].arm
+                    break
+            b = self.buckets[name] = Bucket(start)
+        return b
+
+    def choose(self, batch: int) -> str:
+        """The arm this step runs for a batch of `batch` decoding sequences: "plain" or "spec"."""
+        name = batch_bucket(batch)
+        b = self._bucket(name)
+        if b.probing == 0 and b.rate(b.arm) is not None:
+            b.until_probe -= 1
+            if b.until_probe <= 0:
+                b.probing, b.probes = PROBE_STEPS, b.probes + 1
+        arm = b.other() if b.probing else b.arm
+        self.current = (name, arm)
+        return arm
+
+    def observe(self, tokens: int, seconds: float, pure: bool) -> None:
+        """The step that the last choose() planned ended: `tokens` chosen in `seconds`; `pure`
+        when every decoding sequence was under `auto` and nothing was prefilled."""
+        if self.current is None:
+            return
+        name, arm = self.current
+        self.current = None
+        b = self.buckets[name]
+        b.ran[arm] += 1
+        if pure and seconds > 0:
+            b.hist[arm].append((tokens, seconds))
+        if arm != b.arm:  # a probe step
+            b.probing = max(0, b.probing - 1)
+            if b.probing == 0:
+                self._settle(b)
+        elif b.rate(b.other()) is None and b.rate(b.arm) is not None and b.probing == 0 and b.until_probe > PROBE_FIRST:
+            b.until_probe = PROBE_FIRST  # the other arm was never measured here: probe it soon
+
+    def _settle(self, b: Bucket) -> None:
+        """A probe ended: the arm with the higher goodput wins; the next probe comes sooner when
+        the winner changed, later when it did not."""
+        mine, theirs = b.rate(b.arm), b.rate(b.other())
+        if theirs is not None and (mine is None or theirs > mine):
+            b.arm, b.switches = b.other(), b.switches + 1
+            b.interval = PROBE_FIRST
+        else:
+            b.interval = min(b.interval * 2, PROBE_MAX)
+        b.until_probe = b.interval
+
+    def describe(self) -> dict:
+        """Per batch size: the arm running, each arm's goodput (tokens/s) over the steps in its
+        window (_steps), the steps run on each arm in all (_ran), the switches and probes so far."""
+        out = {}
+        for name in BUCKETS:
+            b = self.buckets.get(name)
+            if b is None:
+                continue
+            out[name] = {"arm": b.arm, "switches": b.switches, "probes": b.probes,
+                         **{f"{a}_tokens_per_s": (None if b.rate(a) is None else round(b.rate(a), 1)) for a in ARMS},
+                         **{f"{a}_steps": len(b.hist[a]) for a in ARMS},
+                         **{f"{a}_ran": b.ran[a] for a in ARMS}}
+        return out

@@ -1,0 +1,119 @@
+"""`auto`'s batch-wide switch (speculation/goodput.py): it runs the arm whose steps gave more
+tokens per second at this batch size, falls back to plain decoding within a few steps when
+speculating does not pay, probes rarely, and comes back when speculating pays again. The unit
+tests feed it step times; the engine tests replace the steps' wall time by a cost of their rows
+(deterministic), so what is tested is the wiring, not this machine's clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from specbuild.engine.engine import Engine, EngineConfig
+from specbuild.engine.sequence import Request
+from specbuild.sampling.params import SamplingParams
+from specbuild.speculation import goodput as G
+from specbuild.speculation.config import SpeculationConfig
+from specbuild.speculation.speculator import Speculator
+from tiny import draft_pair_bundle
+
+
+def drive(switch: G.GoodputSwitch, steps: int, batch: int, plain=(1, 1.0), spec=(2, 3.0), pure=True) -> list[str]:
+    """Run `steps` steps; each arm's step gives (tokens, seconds). Returns the arms run."""
+    arms = []
+    for _ in range(steps):
+        arm = switch.choose(batch)
+        tokens, seconds = plain if arm == "plain" else spec
+        switch.observe(tokens, seconds, pure)
+        arms.append(arm)
+    return arms
+
+
+def test_a_speculation_that_does_not_pay_is_off_within_a_few_steps_and_probed_rarely():
+    sw = G.GoodputSwitch()
+    arms = drive(sw, 2000, 1, plain=(1, 1.0), spec=(2, 3.0))  # spec: 0.67 tokens/s against 1
+    first_plain = arms.index("plain")
+    assert first_plain <= G.MIN_STEPS + G.PROBE_FIRST + 1
+    # after it settled, the spec steps are the probes alone, and they thin out
+    assert sw.describe()["1"]["arm"] == "plain"
+    tail = arms[1000:]
+    assert 0 < tail.count("spec") <= len(tail) * G.PROBE_STEPS / (G.PROBE_MAX / 2)
+    # the goodput over the whole run: within 3% of all-plain (the probes' price)
+    tokens = sum(1 if a == "plain" else 2 for a in arms)
+    seconds = sum(1.0 if a == "plain" else 3.0 for a in arms)
+    assert tokens / seconds >= 0.97
+
+
+def test_a_speculation_that_pays_stays_on_and_plain_is_only_probed():
+    sw = G.GoodputSwitch()
+    arms = drive(sw, 1000, 1, plain=(1, 1.0), spec=(3, 1.5))
+    assert sw.describe()["1"]["arm"] == "spec"
+    assert arms[500:].count("plain") <= 500 * G.PROBE_STEPS / (G.PROBE_MAX / 4)
+
+
+def test_speculation_comes_back_when_it_starts_paying():
+    sw = G.GoodputSwitch()
+    drive(sw, 3000, 1, plain=(1, 1.0), spec=(1, 2.0))
+    assert sw.describe()["1"]["arm"] == "plain"
+    arms = drive(sw, 3 * G.PROBE_MAX, 1, plain=(1, 1.0), spec=(4, 1.2))
+    assert sw.describe()["1"]["arm"] == "spec"
+    assert arms[-G.PROBE_FIRST:].count("spec") >= G.PROBE_FIRST - G.PROBE_STEPS
+
+
+def test_steps_that_are_not_pure_teach_nothing():
+    """A step that prefilled a prompt (or ran a neighbour's fixed method) costs what the arms do
+    not differ in: it is not counted."""
+    sw = G.GoodputSwitch()
+    drive(sw, 50, 1, plain=(1, 1.0), spec=(1, 100.0), pure=False)
+    d = sw.describe()["1"]
+    assert d["plain_steps"] == 0 and d["spec_steps"] == 0
+
+
+def test_each_batch_size_decides_for_itself_and_a_new_one_starts_from_its_neighbour():
+    sw = G.GoodputSwitch()
+    drive(sw, 400, 1, plain=(1, 1.0), spec=(3, 1.2))  # batch 1: speculation pays
+    drive(sw, 400, 8, plain=(8, 2.0), spec=(12, 6.0))  # batch 8: it does not
+    d = sw.describe()
+    assert d["1"]["arm"] == "spec" and d["5-8"]["arm"] == "plain"
+    assert sw.choose(16) == "plain"  # 9-16 starts from 5-8's winner, its nearest measured neighbour
+
+
+@pytest.fixture(scope="module")
+def spec_bundle(tmp_path_factory) -> str:
+    return draft_pair_bundle(tmp_path_factory.mktemp("goodput"))
+
+
+REPEAT = [5, 6, 7, 8, 9, 10, 11] * 6  # prompt lookup finds its continuation
+
+
+def auto_run(engine, prompts, max_tokens=60):
+    spec = SpeculationConfig.make(None, method="auto")
+    return engine.generate([Request(prompt_ids=p, speculation=spec,
+                                    sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+                            for p in prompts])
+
+
+@pytest.mark.parametrize("row_cost,winner", [(0.0, "spec"), (50.0, "plain")])
+def test_auto_in_the_engine_follows_what_its_steps_cost(spec_bundle, monkeypatch, row_cost, winner):
+    """Steps timed as 1 + row_cost per row beyond one per sequence: free rows make speculation
+    win (more tokens a step), dear rows make plain decoding win; either way the output is plain
+    decoding's, and the drafts auto did verify were accepted in part."""
+    def on_step(self, kind, batch, tokens, rows, seconds):
+        if self.goodput.current is not None:
+            self.goodput.observe(tokens, 1.0 + row_cost * max(0, rows - batch), self._auto_pure and kind != "prefill")
+
+    monkeypatch.setattr(Speculator, "on_step", on_step)
+    engine = Engine(spec_bundle, EngineConfig(max_batch_size=4))
+    plain = engine.generate([Request(prompt_ids=p, speculation=SpeculationConfig.make(None, method="none"),
+                                     sampling=SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+                             for p in [REPEAT]])
+    auto = auto_run(engine, [REPEAT], max_tokens=200)
+    assert auto[0]["token_ids"] == plain[0]["token_ids"]
+    s = auto[0]["stats"]
+    assert s["drafted"] > 0 and s["accepted"] > 0  # it speculated (at first, or in probes)
+    d = engine.speculator.goodput.describe()["1"]
+    assert d["arm"] == winner, d
+    assert d["plain_steps"] > 0 and d["spec_steps"] > 0  # both arms were measured
+    if winner == "plain":
+        assert d["plain_ran"] > 3 * d["spec_ran"], d
+    else:
+        assert d["spec_ran"] > 3 * d["plain_ran"], d
