@@ -66,8 +66,8 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache, fast: bool =
     The mask lets each row see its own sequence's past (all of it) and its own new rows
     under that item's new-token mask (causal, or the tree's ancestor mask for tree drafts).
     """
-    if fast and all(it.n_draft == 0 and it.pad == 0 and len(it.chunk) == 1 and it.completes
-                    and it.seq.request.prompt_logprobs is None for it in items):
+    if fast and all(it.pad == 0 and len(it.chunk) == 1 and it.completes and it.seq.request.prompt_logprobs is None
+                    for it in items):
         return decode_batch(items, cache)
     ids, pos, wslots, rslots, logit_rows, prompt = [], [], [], [], [], []
     blocks = []
@@ -121,33 +121,46 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache, fast: bool =
 
 
 def decode_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBatch:
-    """build_forward_batch for a batch of plain decode rows (one token each, no draft, no pad, no
-    prompt logprobs): the same ForwardBatch from plain lists, a few tensors instead of ~15 per
-    item (the plain step's Python was a fifth of a 5 ms step; tests/engine/test_engine.py checks
-    this against the general path)."""
+    """build_forward_batch for decode items (one pending token each, with or without a chain or
+    tree draft; no pad rows, no prompt logprobs): the same ForwardBatch from plain lists, a few
+    tensors per batch instead of ~15 per item (a plain step's Python was a fifth of a 5 ms step,
+    a speculative one's build cost 1.4-1.8x a plain one's; tests/engine/test_engine.py checks this
+    against the general path)."""
     ids, pos, prompt, wslots, rslots, blocks = [], [], [], [], [], []
-    s = 0
-    for t, it in enumerate(items):
-        cache.reserve(it.seq.seq_id, it.start + 1)
-        all_slots = cache.slots(it.seq.seq_id, 0, it.start + 1)
+    t = s = 0
+    for it in items:
+        d = it.draft if it.n_draft else None
+        n = 1 + (len(d.tokens) if d is not None else 0)
+        start = it.start
+        cache.reserve(it.seq.seq_id, start + n)
+        all_slots = cache.slots(it.seq.seq_id, 0, start + n)
         ids.append(it.chunk[0])
-        pos.append(it.start)
-        prompt.append(it.start < len(it.seq.prompt_ids))
-        wslots.append(all_slots[it.start:])
+        pos.append(start)
+        new_mask = None
+        if d is not None:
+            ids.extend(d.tokens)
+            if d.depths is not None:  # a tree: node i sits at root + depth, sees its ancestors
+                pos.extend(start + x for x in d.depths)
+                new_mask = torch.as_tensor(d.tree_mask, dtype=torch.bool)
+            else:
+                pos.extend(range(start + 1, start + n))
+        prompt.append(start < len(it.seq.prompt_ids))
+        prompt.extend([False] * (n - 1))
+        wslots.append(all_slots[start:])
         rslots.append(all_slots)
         it.row0, it.score = t, None
-        blocks.append((t, s, 1, it.start, None))
-        s += it.start + 1
-    n = len(items)
-    mask = ragged_mask(blocks, n, s)
+        blocks.append((t, s, n, start, new_mask))
+        t += n
+        s += start + n
+    mask = ragged_mask(blocks, t, s)
     dev = cache.device
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
         positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-        write_slots=(wslots[0] if n == 1 else torch.cat(wslots)).to(dev),
-        read_slots=(rslots[0] if n == 1 else torch.cat(rslots)).to(dev),
+        write_slots=(wslots[0] if len(items) == 1 else torch.cat(wslots)).to(dev),
+        read_slots=(rslots[0] if len(items) == 1 else torch.cat(rslots)).to(dev),
         mask=None if mask is None else mask.to(dev),
-        logit_rows=torch.arange(n, dtype=torch.int64, device=dev),
+        logit_rows=torch.arange(t, dtype=torch.int64, device=dev),
         prompt_rows=torch.tensor(prompt, dtype=torch.bool, device=dev),
     )
 

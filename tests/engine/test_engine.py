@@ -417,25 +417,40 @@ def test_weight_layouts_give_the_same_greedy_tokens(tiny_bundle_f64, monkeypatch
 
 
 def test_the_plain_decode_batch_is_the_general_paths_batch(engine64):
-    """step.decode_batch (the plain decode rows' short path) builds the very ForwardBatch the
-    general build_forward_batch builds, for one sequence and for a ragged batch of three."""
+    """step.decode_batch (the decode rows' short path) builds the very ForwardBatch the general
+    build_forward_batch builds, for one sequence and for a ragged batch of three, plain and with
+    a chain draft and a tree draft (a speculative step's batch)."""
     from specbuild.engine.step import WorkItem, build_forward_batch
+    from specbuild.speculation.proposers.base import Draft
 
     hs = [engine64.submit(Request(prompt_ids=prompt_ids(s, n), sampling=greedy(20))) for s, n in ((1, 5), (2, 11), (3, 3))]
     for _ in range(4):  # prefill and a few decode steps: every sequence decoding
         engine64.step()
     seqs = [h.seq for h in hs]
     assert all(not s.finished and s.num_cached == len(s.all_ids) - 1 for s in seqs)
-    for group in (seqs[:1], seqs):
-        items = [WorkItem(s, [s.all_ids[-1]], start=s.num_cached, completes=True) for s in group]
+    parents = (-1, 0, 0, 1)  # root; two children of the root; a grandchild under the first
+    tree_mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+
+    def drafts(i):
+        if i == 1:
+            return Draft([7, 8, 9], method="ngram")
+        if i == 2:
+            return Draft([4, 5, 6], parents=parents, depths=[1, 1, 2], tree_mask=tree_mask, method="suffix")
+        return None
+
+    for group, with_drafts in ((seqs[:1], False), (seqs, False), (seqs, True), (seqs[1:2], True), (seqs[2:], True)):
+        items = [WorkItem(s, [s.all_ids[-1]], drafts(seqs.index(s)) if with_drafts else None, start=s.num_cached,
+                          completes=True) for s in group]
         fast = build_forward_batch(items, engine64.cache)
         rows0 = [it.row0 for it in items]
         slow = build_forward_batch(items, engine64.cache, fast=False)
         assert [it.row0 for it in items] == rows0
         for name in ("input_ids", "positions", "write_slots", "read_slots", "logit_rows", "prompt_rows"):
-            assert torch.equal(getattr(fast, name), getattr(slow, name)), name
-        assert (fast.mask is None) == (slow.mask is None) == (len(group) == 1)
+            assert torch.equal(getattr(fast, name), getattr(slow, name)), (name, len(group), with_drafts)
+        assert (fast.mask is None) == (slow.mask is None) == (fast.input_ids.numel() == 1)
         if fast.mask is not None:
             assert torch.equal(fast.mask, slow.mask)
+    for s in seqs:  # the drafts' rows reserved KV past the text: back to what the sequences hold
+        engine64.cache.set_length(s.seq_id, s.num_cached)
     engine64.run_until_done()
     assert all(len(h.result()["token_ids"]) == 20 for h in hs)
