@@ -1,5 +1,6 @@
-"""MineDraft on the bundle the quickstart compiles (scripts/quickstart.sh: the default model
-with the shipped draft, Medusa heads and EAGLE-3 head, default compile options), served by
+"""MineDraft on the default model with every drafter shipped for it (the shipped draft model,
+Medusa heads and EAGLE-3 head, default compile options; the quickstart leaves the draft model
+out since 2026-12-06, MineDraft's draft rank needs one), served by
 `scripts/mpirun_serve.sh BUNDLE --telemetry DB` (real `mpirun -n 2 ... serve --parallel-draft`):
 
 - the draft rank loads the shipped draft, whose embedding and output rows are the target's
@@ -44,8 +45,8 @@ METHODS = [None, None, "medusa", "eagle"]
 
 @pytest.fixture(scope="module")
 def quickstart_bundle(smollm2_gguf, tmp_path_factory) -> str:
-    """As scripts/quickstart.sh compiles it: `specbuild compile --target smollm2-135m --draft
-    smollm2-135m-draft --medusa smollm2-135m-medusa --eagle smollm2-135m-eagle` (defaults)."""
+    """`specbuild compile --target smollm2-135m --draft smollm2-135m-draft --medusa
+    smollm2-135m-medusa --eagle smollm2-135m-eagle` (defaults)."""
     out = str(tmp_path_factory.mktemp("quickstart") / "bundle")
     return compile_bundle(smollm2_gguf, out, CompileOptions(), draft="smollm2-135m-draft",
                           medusa="smollm2-135m-medusa", eagle="smollm2-135m-eagle")
