@@ -48,6 +48,8 @@ def main() -> int:
     ap.add_argument("--serve-arg", action="append", default=[], help="an extra `specbuild serve` argument")
     ap.add_argument("--logs", default=".cache/bench_serve", help="server logs, one per row")
     ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument("--repeat", action="store_true",
+                    help="the repeated workload: each server answers the prompts once first (not counted)")
     a = ap.parse_args()
     methods = a.methods if a.methods[:1] == ("none",) else ("none",) + tuple(m for m in a.methods if m != "none")
     env = {}
@@ -61,7 +63,7 @@ def main() -> int:
                              max_tokens=a.max_tokens, threads=a.threads, compile=not a.no_compile,
                              llama_server=a.llama_server, llama_rows=() if a.no_llama else a.llama_rows, gguf=a.gguf,
                              guard=a.guard or None, env=env, serve_args=tuple(a.serve_arg),
-                             prompt_chars=a.prompt_chars or None)
+                             prompt_chars=a.prompt_chars or None, repeat=a.repeat)
     except ValueError as e:
         ap.error(str(e))
     if not os.path.isfile(os.path.join(a.bundle, "bundle.json")):

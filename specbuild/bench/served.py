@@ -61,6 +61,9 @@ class ServedConfig:
     serve_args: tuple[str, ...] = ()  # extra `specbuild serve` arguments
     texts: tuple[str, ...] | None = None  # user prompts of your own instead of the held-out ones
     prompt_chars: int | None = CHAT_CHARS  # held-out questions at most this long (None: any)
+    # the repeated workload: each server first answers the prompts once (not counted), then the
+    # counted run sends them again (what a drafter that remembers earlier requests can reuse)
+    repeat: bool = False
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 or c > 256 for c in self.concurrency):
@@ -439,6 +442,8 @@ def run_one(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, log:
         server.wait_ready(cfg.start_timeout)
         # one request first, not counted: lazy set-up on the first request is not the steady state
         stream_chat(port, [{"role": "user", "content": "Say hello."}], 8, extra, cfg.request_timeout)
+        if cfg.repeat:  # the first time through the prompts: not counted
+            run_load(port, prompts, c, cfg.max_tokens, extra, cfg.request_timeout)
         result = run_load(port, prompts, c, cfg.max_tokens, extra, cfg.request_timeout)
         result["threads_line"] = server_threads_line(server) if engine_name == "specbuild" else ""
         if engine_name == "specbuild":  # where the served steps' time went (engine/stepparts.py)
@@ -566,8 +571,11 @@ def format_report(report: dict) -> str:
     cs = sorted({r["concurrency"] for r in report["rows"]})
     names = list(dict.fromkeys((r["engine"], r["row"]) for r in report["rows"]))
     cell = {(r["engine"], r["row"], r["concurrency"]): r for r in report["rows"]}
+    repeated = report.get("config", {}).get("repeat")
     lines.append(f"output tokens/s over the run, median of {report.get('rounds', 1)} round(s) (x specbuild plain; "
-                 "x llama-server plain) [greedy identical to plain]")
+                 "x llama-server plain) [greedy identical to plain]"
+                 + ("; REPEATED content: each server answered the same prompts once before the counted run"
+                    if repeated else "; prompts seen for the first time"))
     lines.append(f"{'row':<26}" + "".join(f"{'C=' + str(c):>36}" for c in cs))
     for e, row in names:
         out = f"{e + ' ' + row:<26}"

@@ -29,6 +29,22 @@ def test_a_fresh_server_serves_the_load_and_the_report_names_machine_and_identit
     assert rows["ngram"]["identical"] == "3/3" and "vs_plain" in rows["ngram"]
     text = S.format_report(report)
     assert "CPU:" in text and "flags:" in text and "specbuild ngram" in text and "=3/3" in text
+    # the served steps' parts, read from the server's /health after its load (engine/stepparts.py)
+    parts = {p["kind"] for p in rows["none"]["step_parts"]}
+    assert "plain" in parts and all(p["step_ms"] > 0 for p in rows["none"]["step_parts"])
+    assert "the served steps' parts" in text and "prompts seen for the first time" in text
+
+
+def test_the_repeated_workload_answers_the_prompts_once_before_the_counted_run(tiny_bundle, tmp_path):
+    cfg = S.ServedConfig(bundle=tiny_bundle, methods=("none",), concurrency=(1,), max_tokens=8, compile=False,
+                         llama_rows=(), guard=None, texts=("a b c a b c a b", "hello there"), repeat=True)
+    report = S.run_served(cfg, str(tmp_path / "logs"), say=lambda line: None)
+    row = report["rows"][0]
+    assert not row.get("failed") and row["requests"] == 2
+    # the server chose tokens for the warm-up, the uncounted pass and the counted one
+    chosen = sum(p["tokens_per_step"] * p["steps"] for p in row["step_parts"] if p["kind"] != "prefill")
+    assert chosen >= 2 * row["output_tokens"]
+    assert "REPEATED content" in S.format_report(report)
 
 
 def test_a_server_that_cannot_start_fails_its_row_only(tmp_path):
