@@ -447,7 +447,9 @@ def run_one(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, log:
         result = run_load(port, prompts, c, cfg.max_tokens, extra, cfg.request_timeout)
         result["threads_line"] = server_threads_line(server) if engine_name == "specbuild" else ""
         if engine_name == "specbuild":  # where the served steps' time went (engine/stepparts.py)
-            result["step_parts"] = server.health().get("step_parts") or []
+            health = server.health()
+            result["step_parts"] = health.get("step_parts") or []
+            result["auto_switch"] = health.get("auto_switch") or {}  # auto's arms by batch size (goodput.py)
     except Exception as e:  # noqa: BLE001 (one row failing is reported; the others still run)
         result = {"concurrency": c, "failed": f"{type(e).__name__}: {e}", "texts": {}}
     finally:
@@ -555,6 +557,12 @@ def format_step_parts(rows: list[dict]) -> list[str]:
                        f"{p['steps']:>5} {p['tokens_per_step']:>6.2f} {p['rows_per_step']:>6.1f} "
                        + " ".join(f"{p[c + '_ms']:>7.3f}" for c in PART_COLUMNS)
                        + f" {p['step_ms']:>7.3f} {p['tokens_per_s']:>7.1f}")
+    for r in rows:
+        if r.get("engine") == "specbuild" and r.get("auto_switch"):
+            arms = ", ".join(f"b={b}: {d['arm']} (plain {d['plain_ran']} / spec {d['spec_ran']} steps, "
+                             f"{_f(d['plain_tokens_per_s'])} / {_f(d['spec_tokens_per_s'])} tok/s)"
+                             for b, d in r["auto_switch"].items())
+            out.append(f"{r['row'] + ' C=' + str(r['concurrency']):<14} auto's switch: {arms}")
     if not out:
         return []
     head = (f"{'row':<14} {'kind':<8} {'batch':<7} {'steps':>5} {'tok/st':>6} {'rows':>6} "

@@ -87,6 +87,9 @@ class GammaState:
     low_steps: int = 0  # consecutive recorded steps with rolling acceptance under the policy's threshold
     collapsed: bool = False  # speculation off for this sequence (policy threshold) until a probe recovers
     off: bool = False  # the cost model chose plain decoding last step
+    # per method: 1 when a proposal found a draft, 0 when it found nothing (auto's choice of
+    # drafter weighs a drafter's acceptance by how often it has anything to offer)
+    found: dict[str, collections.deque] = field(default_factory=dict)
 
     def of(self, method: str) -> collections.deque:
         h = self.history.get(method)
@@ -126,6 +129,20 @@ class GammaController:
             return (accepted + self.policy_weight * policy.prior_alpha) / (drafted + self.policy_weight)
         # a weak prior (2 pseudo-drafts) keeps the first steps from swinging to extremes
         return (accepted + 2 * self.prior_alpha) / (drafted + 2)
+
+    def found(self, seq, method: str, hit: bool) -> None:
+        """A proposal of `method` for seq found a draft (hit) or nothing."""
+        st = self.state(seq)
+        h = st.found.get(method)
+        if h is None:
+            h = st.found[method] = collections.deque(maxlen=self.window)
+        h.append(1 if hit else 0)
+
+    def hit_rate(self, seq, method: str) -> float:
+        """How often `method` had a draft for seq (one pseudo-hit: an untried drafter counts as
+        finding one, so it gets tried)."""
+        h = self.state(seq).found.get(method)
+        return (sum(h) + 1) / (len(h) + 1) if h else 1.0
 
     def next(self, seq, method: str, costs: CostModel | None = None) -> int:
         """costs: the sequence's own cost model (a Medusa tree's) instead of the method's."""

@@ -13,7 +13,8 @@ sequence is under `auto` and no prompt is being prefilled: those are what the ar
 Each step runs the arm with the higher goodput. The other arm is probed for PROBE_STEPS steps
 after PROBE_FIRST steps, then at intervals that double (to PROBE_MAX) while probes keep losing
 and start again from PROBE_FIRST when one wins, so a speculation that stopped paying is off
-within a few steps and costs at most PROBE_STEPS / PROBE_MAX of the steps afterwards, and one
+within a few steps and costs at most PROBE_STEPS / PROBE_MAX of the steps afterwards (3%, and
+only what those steps lose), and one
 that starts paying (text turned repetitive, the batch shrank) comes back. A batch size seen for
 the first time starts on the arm its nearest measured neighbour chose (else speculation, so that
 its cost is measured at once).
@@ -30,7 +31,10 @@ from specbuild.engine.stepparts import batch_bucket
 WINDOW = 16  # an arm's goodput: its last WINDOW pure steps at this batch size
 PROBE_STEPS = 3  # steps of the other arm per probe
 PROBE_FIRST = 12  # steps on the winning arm before the first probe (and again after a probe that won)
-PROBE_MAX = 384  # the longest interval between probes (probes that keep losing double it up to this)
+# the longest interval between probes (probes that keep losing double it up to this): 384 let a
+# server that had learned plain on first-time text take ~400 steps to notice repeated text paying
+# 2.9x (served, 2026-12-06); at 96 a probe costs at most 3 of 96 steps
+PROBE_MAX = 96
 MIN_STEPS = 3  # steps an arm needs before its goodput is believed
 ARMS = ("plain", "spec")
 BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17+")

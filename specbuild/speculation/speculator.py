@@ -334,7 +334,9 @@ class Speculator:
                         raise
                     on_error(seq, e, "checking its drafts against its grammar")
                     continue
-                if draft is not None and len(draft) > 0:
+                found = draft is not None and len(draft) > 0
+                self.controller.found(seq, method, found)
+                if found:
                     out.drafts[seq] = draft
                 else:
                     self.controller.record(seq, method, 0, 0)
@@ -383,7 +385,11 @@ class Speculator:
             cm = self.cost_model(seq, name)
             alpha = self.controller.alpha(seq, name)
             g = best_gamma(alpha, max(1, seq.spec.gamma_min), max(1, seq.spec.gamma_max), cm)
-            rate = expected_tokens(alpha, g) / (g * cm.draft_cost + cm.verify(g + 1))
+            # a drafter that often finds nothing (no match) gives a plain step those times: its
+            # rate is the mix, so one that never matches loses to one that does
+            hit = self.controller.hit_rate(seq, name)
+            rate = (hit * expected_tokens(alpha, g) + (1 - hit)) / \
+                (hit * (g * cm.draft_cost + cm.verify(g + 1)) + (1 - hit) * cm.verify(1))
             if rate > best_rate:
                 best, best_rate = name, rate
         plain_rate = 1.0 / self.controller.costs[next(iter(self.proposers))].verify(1)

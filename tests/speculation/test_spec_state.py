@@ -74,6 +74,24 @@ def test_auto_chooses_by_the_controllers_estimate():
     assert spec.choose_method(seq) is None
 
 
+def test_auto_weighs_a_drafter_by_how_often_it_finds_a_draft():
+    """ngram with a fine acceptance when it matches, but it has found nothing for 10 steps:
+    auto takes suffix, which finds drafts accepted a little less often."""
+    costs = {"ngram": CostModel({1: 1.0, 2: 1.2, 5: 1.6}), "suffix": CostModel({1: 1.0, 2: 1.2, 5: 1.6})}
+    spec = Speculator(None, None, {"suffix": object(), "ngram": object()}, max_draft_len=4, max_seq_len=64,
+                      costs=costs)
+    seq = fake_seq()
+    for _ in range(10):
+        spec.controller.record(seq, "ngram", 4, 3)
+        spec.controller.record(seq, "suffix", 4, 2)
+        spec.controller.found(seq, "suffix", True)
+    assert spec.choose_method(seq) == "ngram"  # both always find drafts: the better acceptance wins
+    for _ in range(10):
+        spec.controller.found(seq, "ngram", False)
+    assert spec.controller.hit_rate(seq, "ngram") < 0.1
+    assert spec.choose_method(seq) == "suffix"
+
+
 def test_a_settled_auto_sequence_skips_the_drafters_bookkeeping():
     observed = []
     rec = types.SimpleNamespace(needs=Needs(), observe=lambda seq, obs: observed.append(obs.length),
