@@ -11,6 +11,7 @@ two arms, plain decoding and `auto`'s speculation, and the goodput each gave: to
 second of wall time over that arm's last WINDOW pure decode steps (steps where every decoding
 sequence is under `auto` and no prompt is being prefilled: those are what the arms differ in).
 Each step runs the arm with the higher goodput. The other arm is probed for PROBE_STEPS steps
+(and judged on those steps alone, its older ones being from other text)
 after PROBE_FIRST steps, then at intervals that double (to PROBE_MAX) while probes keep losing
 and start again from PROBE_FIRST when one wins, so a speculation that stopped paying is off
 within a few steps and costs at most PROBE_STEPS / PROBE_MAX of the steps afterwards (3%, and
@@ -52,6 +53,7 @@ class Bucket:
         self.switches = 0
         self.probes = 0
         self.ran = dict.fromkeys(ARMS, 0)  # steps run on each arm here
+        self.compared = False  # a probe has compared both arms' goodput here
 
     def rate(self, arm: str) -> float | None:
         h = self.hist[arm]
@@ -79,8 +81,7 @@ class GoodputSwitch:
             i = BUCKETS.index(name)
             for d in range(1, len(BUCKETS)):  # the nearest measured neighbour's winner
                 near = [BUCKETS[j] for j in (i - d, i + d) if 0 <= j < len(BUCKETS) and BUCKETS[j] in self.buckets]
-                near = [n for n in near if self.buckets[n].rate("plain") is not None
-                        and self.buckets[n].rate("spec") is not None]
+                near = [n for n in near if self.buckets[n].compared]
                 if near:
                     start = self.buckets[near[0]].arm
                     break
@@ -95,6 +96,9 @@ class GoodputSwitch:
             b.until_probe -= 1
             if b.until_probe <= 0:
                 b.probing, b.probes = PROBE_STEPS, b.probes + 1
+                # the probed arm is judged on this probe's steps alone: its older steps are from
+                # other text (first-time text, then the same prompts again: 2.4x apart)
+                b.hist[b.other()].clear()
         arm = b.other() if b.probing else b.arm
         self.current = (name, arm)
         return arm
@@ -121,7 +125,10 @@ class GoodputSwitch:
         """A probe ended: the arm with the higher goodput wins; the next probe comes sooner when
         the winner changed, later when it did not."""
         mine, theirs = b.rate(b.arm), b.rate(b.other())
-        if theirs is not None and (mine is None or theirs > mine):
+        b.compared = b.compared or (mine is not None and theirs is not None)
+        if theirs is None:  # the probe's steps were not pure (a prompt came in): probe again soon
+            b.interval = PROBE_FIRST
+        elif mine is None or theirs > mine:
             b.arm, b.switches = b.other(), b.switches + 1
             b.interval = PROBE_FIRST
         else:
