@@ -17,8 +17,8 @@ and start again from PROBE_FIRST when one wins, so a speculation that stopped pa
 within a few steps and costs at most PROBE_STEPS / PROBE_MAX of the steps afterwards (3%, and
 only what those steps lose), and one
 that starts paying (text turned repetitive, the batch shrank) comes back. A batch size seen for
-the first time starts on the arm its nearest measured neighbour chose (else speculation, so that
-its cost is measured at once).
+the first time starts on plain decoding, and probes speculation at once where its nearest
+neighbour that compared both arms chose speculation.
 
 Only how much is drafted changes: every step stays lossless.
 """
@@ -77,15 +77,18 @@ class GoodputSwitch:
     def _bucket(self, name: str) -> Bucket:
         b = self.buckets.get(name)
         if b is None:
-            start = "spec"
+            # every batch size starts on plain decoding (a served run at C=8 that started on
+            # speculation spent 36% of its steps on the losing arm, 2026-12-06); where the nearest
+            # neighbour that compared both arms chose speculation, it is probed at once
+            b = self.buckets[name] = Bucket("plain")
             i = BUCKETS.index(name)
-            for d in range(1, len(BUCKETS)):  # the nearest measured neighbour's winner
-                near = [BUCKETS[j] for j in (i - d, i + d) if 0 <= j < len(BUCKETS) and BUCKETS[j] in self.buckets]
-                near = [n for n in near if self.buckets[n].compared]
+            for d in range(1, len(BUCKETS)):
+                near = [BUCKETS[j] for j in (i - d, i + d) if 0 <= j < len(BUCKETS) and BUCKETS[j] in self.buckets
+                        and self.buckets[BUCKETS[j]].compared]
                 if near:
-                    start = self.buckets[near[0]].arm
+                    if self.buckets[near[0]].arm == "spec":
+                        b.until_probe = 1
                     break
-            b = self.buckets[name] = Bucket(start)
         return b
 
     def choose(self, batch: int) -> str:

@@ -275,8 +275,8 @@ class Speculator:
 
     def uses(self, seq) -> frozenset[str]:
         """The drafters seq may draft with, so the ones that learn from its passes: its
-        method's (with the drafters that method merges), every drafter under `auto` until
-        auto_plain, none for plain decoding. Kept in seq.spec_state.uses."""
+        method's (with the drafters that method merges), `auto`'s drafters (auto_methods)
+        until auto_plain, none for plain decoding. Kept in seq.spec_state.uses."""
         spec = getattr(seq, "spec", None)
         method = spec.method if spec is not None else "none"
         if method == "auto":

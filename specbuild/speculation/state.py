@@ -16,7 +16,8 @@ class SpecState:
     # GammaController: recent (drafted, accepted) per method; the one acceptance estimate
     gamma: GammaState | None = None
     # Speculator: the drafters this sequence may draft with, so learns from (its method's,
-    # with the drafters that method merges; under `auto` all of them until auto_plain)
+    # with the drafters that method merges; under `auto` its drafters (Speculator.auto_methods)
+    # until auto_plain)
     uses: frozenset[str] = frozenset()
     # Speculator under `auto`: every drafter's rate fell below plain decoding's. Its inputs
     # (a drafter's acceptance changes only when it drafts) are fixed from then on, so the
