@@ -91,10 +91,17 @@ class GoodputSwitch:
                     break
         return b
 
-    def choose(self, batch: int) -> str:
-        """The arm this step runs for a batch of `batch` decoding sequences: "plain" or "spec"."""
+    def choose(self, batch: int, pure: bool = True) -> str:
+        """The arm this step runs for a batch of `batch` decoding sequences: "plain" or "spec".
+        A step that is not pure (a prompt is being prefilled, or a neighbour runs a method of its
+        own) runs the winning arm and teaches nothing: probes run on pure steps only (at C=4 a
+        new prompt came in every few steps, and probes spent on such steps were a third of all
+        steps, 2026-12-06)."""
         name = batch_bucket(batch)
         b = self._bucket(name)
+        if not pure:
+            self.current = (name, b.arm, False)
+            return b.arm
         if b.probing == 0 and b.rate(b.arm) is not None:
             b.until_probe -= 1
             if b.until_probe <= 0:
@@ -103,18 +110,20 @@ class GoodputSwitch:
                 # other text (first-time text, then the same prompts again: 2.4x apart)
                 b.hist[b.other()].clear()
         arm = b.other() if b.probing else b.arm
-        self.current = (name, arm)
+        self.current = (name, arm, True)
         return arm
 
-    def observe(self, tokens: int, seconds: float, pure: bool) -> None:
+    def observe(self, tokens: int, seconds: float, pure: bool = True) -> None:
         """The step that the last choose() planned ended: `tokens` chosen in `seconds`; `pure`
-        when every decoding sequence was under `auto` and nothing was prefilled."""
+        False when it prefilled after all (it is then not counted)."""
         if self.current is None:
             return
-        name, arm = self.current
+        name, arm, planned_pure = self.current
         self.current = None
         b = self.buckets[name]
         b.ran[arm] += 1
+        if not planned_pure:
+            return
         if pure and seconds > 0:
             b.hist[arm].append((tokens, seconds))
         if arm != b.arm:  # a probe step
@@ -129,7 +138,7 @@ class GoodputSwitch:
         the winner changed, later when it did not."""
         mine, theirs = b.rate(b.arm), b.rate(b.other())
         b.compared = b.compared or (mine is not None and theirs is not None)
-        if theirs is None:  # the probe's steps were not pure (a prompt came in): probe again soon
+        if theirs is None:  # too few of the probe's steps counted: probe again soon
             b.interval = PROBE_FIRST
         elif mine is None or theirs > mine:
             b.arm, b.switches = b.other(), b.switches + 1

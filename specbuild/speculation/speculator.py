@@ -360,8 +360,8 @@ class Speculator:
             self._auto_spec, self._auto_pure = True, False
             self.goodput.current = None
             return
-        self._auto_spec = self.goodput.choose(decoding) == "spec"
         self._auto_pure = auto == decoding and not prefilling
+        self._auto_spec = self.goodput.choose(decoding, self._auto_pure) == "spec"
 
     def on_step(self, kind: str, batch: int, tokens: int, rows: int, seconds: float) -> None:
         """One engine step ended (Scheduler.step): what it did (plain, prefill, or the drafter

@@ -21,7 +21,7 @@ def drive(switch: G.GoodputSwitch, steps: int, batch: int, plain=(1, 1.0), spec=
     """Run `steps` steps; each arm's step gives (tokens, seconds). Returns the arms run."""
     arms = []
     for _ in range(steps):
-        arm = switch.choose(batch)
+        arm = switch.choose(batch, pure)
         tokens, seconds = plain if arm == "plain" else spec
         switch.observe(tokens, seconds, pure)
         arms.append(arm)
@@ -66,9 +66,17 @@ def test_steps_that_are_not_pure_teach_nothing():
     """A step that prefilled a prompt (or ran a neighbour's fixed method) costs what the arms do
     not differ in: it is not counted."""
     sw = G.GoodputSwitch()
-    drive(sw, 50, 1, plain=(1, 1.0), spec=(1, 100.0), pure=False)
+    arms = drive(sw, 50, 1, plain=(1, 1.0), spec=(1, 100.0), pure=False)
     d = sw.describe()["1"]
     assert d["plain_steps"] == 0 and d["spec_steps"] == 0
+    assert set(arms) == {"plain"}  # they run the winning arm (the start: plain); no probe is spent on them
+    # and a probe under way waits for pure steps: its steps are all counted
+    drive(sw, G.MIN_STEPS + G.PROBE_FIRST - 1, 1)  # the next pure step starts a probe
+    assert sw.choose(1) == "spec"
+    sw.observe(1, 1.0)
+    assert drive(sw, 5, 1, pure=False) == ["plain"] * 5
+    assert drive(sw, G.PROBE_STEPS - 1, 1, spec=(5, 1.0)) == ["spec"] * (G.PROBE_STEPS - 1)
+    assert sw.describe()["1"]["spec_steps"] == G.PROBE_STEPS
 
 
 def test_each_batch_size_decides_for_itself_and_a_new_one_starts_from_its_neighbour():
