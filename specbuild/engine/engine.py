@@ -478,7 +478,9 @@ class Engine(BaseEngine):
         telemetry_rows_dropped / _written / _queued, telemetry_write_errors; and the suffix
         drafter's global store: suffix_store_requests / _tokens / _max_tokens / _evictions /
         _warm_tokens (what the warm corpus put in at load; those tokens count in _tokens too); and
-        threads: the step's thread count now, with the ThreadGovernor's state (or why it is off)."""
+        threads: the step's thread count now, with the ThreadGovernor's state (or why it is off);
+        step_parts: where the steps' time went, by kind and batch size (engine/stepparts.py);
+        auto_switch: auto's plain-or-speculate arm by batch size (speculation/goodput.py)."""
         out = dict(self.scheduler.sink.stats())
         out["step_parts"] = self.scheduler.parts.describe()
         out["auto_switch"] = self.speculator.goodput.describe()

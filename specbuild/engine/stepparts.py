@@ -24,15 +24,9 @@ from __future__ import annotations
 
 import threading
 
+from specbuild.speculation.goodput import batch_bucket  # one grouping of batch sizes for both
+
 PARTS = ("plan", "draft", "build", "forward", "settle", "commit", "emit", "other")
-
-
-def batch_bucket(n: int) -> str:
-    """Batch sizes grouped as the served benchmark's concurrencies: 1, 2, 3-4, 5-8, 9-16, 17+."""
-    for hi, name in ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16")):
-        if n <= hi:
-            return name
-    return "17+"
 
 
 class StepParts:

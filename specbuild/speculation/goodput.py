@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 
-from specbuild.engine.stepparts import batch_bucket
 
 WINDOW = 16  # an arm's goodput: its last WINDOW pure steps at this batch size
 PROBE_STEPS = 3  # steps of the other arm per probe
@@ -39,6 +38,15 @@ PROBE_MAX = 96
 MIN_STEPS = 3  # steps an arm needs before its goodput is believed
 ARMS = ("plain", "spec")
 BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17+")
+
+
+def batch_bucket(n: int) -> str:
+    """Batch sizes grouped as the served benchmark's concurrencies: 1, 2, 3-4, 5-8, 9-16, 17+
+    (engine/stepparts.py keys its rows the same way)."""
+    for hi, name in ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16")):
+        if n <= hi:
+            return name
+    return "17+"
 
 
 class Bucket:
