@@ -159,6 +159,16 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                      start_new_session=True)
 
+    def get_health(self, timeout: float) -> tuple[int, bytes]:
+        """GET /health: (status, body)."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            c.request("GET", "/health")
+            resp = c.getresponse()
+            return resp.status, resp.read()
+        finally:
+            c.close()
+
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -166,11 +176,7 @@ class Server:
                 raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} while starting "
                                    f"(log: {self.log_path}): {self.tail()}")
             try:
-                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                c.request("GET", "/health")
-                ok = c.getresponse().status == 200
-                c.close()
-                if ok:
+                if self.get_health(2)[0] == 200:
                     return
             except OSError:
                 pass
@@ -179,14 +185,8 @@ class Server:
 
     def health(self) -> dict:
         """GET /health's JSON ({} when it does not answer with JSON)."""
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
         try:
-            c.request("GET", "/health")
-            body = c.getresponse().read()
-        finally:
-            c.close()
-        try:
-            return json.loads(body)
+            return json.loads(self.get_health(10)[1])
         except ValueError:
             return {}
 

@@ -29,6 +29,7 @@ from specbuild.sampling.processing import chain_paths, process_logits, tree_path
 from specbuild.speculation.binning import plan as plan_bins
 from specbuild.speculation.speculator import PassResult, Proposal, Verdict
 from specbuild.engine.events import StepRecord
+from specbuild.engine.stepparts import StepParts
 from specbuild.engine.sequence import Event, Sequence
 
 BINNINGS = ("ragged", "padded", "bins")
@@ -207,9 +208,7 @@ class StepRunner:
     """Runs the groups the scheduler plans (the scheduler owns admission and lifecycle:
     `owner` gives release, fail_sequence, fail_batch and the telemetry sink)."""
 
-    def __init__(self, owner, model, cache: PagedKVCache, speculator, parts=None) -> None:
-        from specbuild.engine.stepparts import StepParts
-
+    def __init__(self, owner, model, cache: PagedKVCache, speculator, parts: StepParts | None = None) -> None:
         self.owner = owner
         self.parts = parts if parts is not None else StepParts()
         self.emitted = 0  # tokens chosen in the current step (the scheduler resets it per step)

@@ -37,16 +37,18 @@ PROBE_FIRST = 12  # steps on the winning arm before the first probe (and again a
 PROBE_MAX = 96
 MIN_STEPS = 3  # steps an arm needs before its goodput is believed
 ARMS = ("plain", "spec")
-BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17+")
+# batch sizes grouped as the served benchmark's concurrencies (largest size, name), then the rest
+BUCKET_LIMITS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16"))
+BUCKETS = tuple(name for _, name in BUCKET_LIMITS) + ("17+",)
 
 
 def batch_bucket(n: int) -> str:
-    """Batch sizes grouped as the served benchmark's concurrencies: 1, 2, 3-4, 5-8, 9-16, 17+
-    (engine/stepparts.py keys its rows the same way)."""
-    for hi, name in ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16")):
+    """The bucket of a batch of n sequences: 1, 2, 3-4, 5-8, 9-16, 17+ (engine/stepparts.py keys
+    its rows the same way)."""
+    for hi, name in BUCKET_LIMITS:
         if n <= hi:
             return name
-    return "17+"
+    return BUCKETS[-1]
 
 
 class Bucket:

@@ -163,6 +163,7 @@ class Speculator:
         self._controller: GammaController | None = None
         self._bin_cost: BinCost | None = None
         self._auto_methods: tuple[str, ...] | None = None
+        self._auto_uses: frozenset[str] = frozenset()
         # auto's batch-wide switch, learned from the steps' own wall time (speculation/goodput.py)
         self.goodput = GoodputSwitch()
         self._auto_spec = True  # this step, auto's sequences may speculate
@@ -256,9 +257,17 @@ class Speculator:
                 return all(p in self.proposers and cheap(p, seen + (name,)) for p in n.parts)
 
             self._auto_methods = tuple(name for name in self.proposers if cheap(name))
+            self._auto_uses = frozenset(n for m in self._auto_methods for n in (m, *self.needs(m).parts))
             log.info("auto drafts with %s (of %s)", ", ".join(self._auto_methods) or "nothing",
                      ", ".join(self.proposers))
         return self._auto_methods
+
+    @property
+    def auto_uses(self) -> frozenset[str]:
+        """auto's drafters with the drafters they merge (what an auto sequence's passes teach):
+        computed with auto_methods, once, not per sequence and step."""
+        _ = self.auto_methods
+        return self._auto_uses
 
     def set_emit(self, emit) -> None:
         """Route failure-mode events (controller, drafters) to emit(seq, kind, detail); None: off."""
@@ -280,8 +289,7 @@ class Speculator:
         spec = getattr(seq, "spec", None)
         method = spec.method if spec is not None else "none"
         if method == "auto":
-            names = frozenset() if seq.spec_state.auto_plain else frozenset(
-                n for m in self.auto_methods for n in (m, *self.needs(m).parts))
+            names = frozenset() if seq.spec_state.auto_plain else self.auto_uses
         elif method in self.proposers:
             names = frozenset((method, *self.needs(method).parts))
         else:
