@@ -119,7 +119,8 @@ def anchors(path: str) -> frozenset[str]:
 
 
 def test_slug_matches_github():
-    assert slug("The fused stack, `--activations auto` and the Xeon") == "the-fused-stack---activations-auto-and-the-xeon"
+    assert slug("The fused stack, `--activations auto` and the Xeon") == \
+        "the-fused-stack---activations-auto-and-the-xeon"
     assert slug("Row invariance: lossless in rounded formats") == "row-invariance-lossless-in-rounded-formats"
     assert slug("The compiled layer stack (`--compile`)") == "the-compiled-layer-stack---compile"
 
@@ -249,7 +250,8 @@ def test_name_problem_rules():
     assert name_problem("/health") is None and name_problem("/nowhere") == "no such route"
     assert name_problem("ValueError") is None and name_problem("engine") is None
     assert name_problem("# [batch, k + 1, vocab]") is None
-    assert name_problem("engine/no_such_*.py") == "matches no file" and name_problem("no_such_prefix*") == "matches no file"
+    assert name_problem("engine/no_such_*.py") == "matches no file"
+    assert name_problem("no_such_prefix*") == "matches no file"
     assert code_spans("a `Engine` b\n```\n`Fenced`\n```\nc `--compile`") == ["Engine", "--compile"]
 
 
