@@ -62,6 +62,11 @@ class EngineConfig:
     # where the thread count cannot change a result (checked at load). SPECBUILD_ADAPT_THREADS=0
     # turns it off too
     adapt_threads: bool = True
+    # automatic prefix caching (model/kv_cache.py): full blocks of earlier text are recorded by a
+    # hash chained over their tokens and adopted by later prompts that begin with the same text
+    # (a chat's next turn, a shared system prompt); unheld ones are evicted least recently used
+    # only when the cache needs room
+    prefix_cache: bool = True
     # the suffix drafter's store of earlier requests (speculation/proposers/suffix.py): its cap in
     # tokens (whole requests evicted, least recently used first), its scope (global: one store;
     # content_type: one per request content type) and whether prompts join it beside outputs
@@ -261,7 +266,7 @@ class Engine(BaseEngine):
         self._init_loop(threading.Lock())
         self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len, self.speculator,
                                    config.prefill_chunk, waiting=self.waiting, running=self.running,
-                                   planning=planning, binning=config.binning)
+                                   planning=planning, binning=config.binning, prefix_cache=config.prefix_cache)
         self.policies = None  # speculation.policy.PolicyTable (set_policies) or None
         self.threads_governor, self.threads_why = self.make_governor()
         self.step_thread: int | None = None  # the ident of the thread that ran the last step
@@ -480,8 +485,11 @@ class Engine(BaseEngine):
         _warm_tokens (what the warm corpus put in at load; those tokens count in _tokens too); and
         threads: the step's thread count now, with the ThreadGovernor's state (or why it is off);
         step_parts: where the steps' time went, by kind and batch size (engine/stepparts.py);
-        auto_switch: auto's plain-or-speculate arm by batch size (speculation/goodput.py)."""
+        auto_switch: auto's plain-or-speculate arm by batch size (speculation/goodput.py);
+        prefix_cache: whether it is on, prompt tokens looked up and found (hit_rate), blocks
+        recorded, evicted, recorded now (cached_blocks) and held by no request (evictable_blocks)."""
         out = dict(self.scheduler.sink.stats())
+        out["prefix_cache"] = {"enabled": self.scheduler.prefix_cache, **self.cache.prefix_stats()}
         out["step_parts"] = self.scheduler.parts.describe()
         out["auto_switch"] = self.speculator.goodput.describe()
         out["threads"] = {**self.threads_governor.describe(), "why": self.threads_why} \

@@ -36,7 +36,7 @@ import time
 from collections.abc import Collection
 
 from specbuild.errors import RequestError
-from specbuild.model.kv_cache import PagedKVCache
+from specbuild.model.kv_cache import PagedKVCache, salt_root
 from specbuild.model.decoder import Decoder
 from specbuild.engine.sequence import Event, Sequence
 from specbuild.engine.events import NULL_SINK
@@ -51,7 +51,8 @@ class Scheduler:
 
     def __init__(self, model: Decoder, cache: PagedKVCache, max_batch_size: int, max_seq_len: int,
                  speculator, prefill_chunk: int = 256, waiting: collections.deque | None = None,
-                 running: list | None = None, planning=None, binning: str = "ragged") -> None:
+                 running: list | None = None, planning=None, binning: str = "ragged",
+                 prefix_cache: bool = True) -> None:
         if binning not in BINNINGS:
             raise ValueError(f"binning={binning!r} is not one of {', '.join(BINNINGS)}")
         self.model = model
@@ -61,6 +62,8 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.speculator = speculator
         self.binning = binning
+        # automatic prefix caching (model/kv_cache.py): prompts adopt recorded blocks of earlier text
+        self.prefix_cache = prefix_cache
         self.parts = StepParts()  # where each step's time goes, by kind and batch (engine/stepparts.py)
         self.runner = StepRunner(self, model, cache, speculator, self.parts)
         # the engine's queue (BaseEngine.waiting / running), shared, mutated in place only
@@ -99,18 +102,60 @@ class Scheduler:
             self.waiting.popleft()
             seq.budget_blocks = need
             self.budget_blocks += need
-            self.cache.add(seq.seq_id)
+            self.cache.add(seq.seq_id, salt_root(seq.request.cache_salt))
             seq.t_admit = time.perf_counter()
             self.running.append(seq)
             try:
                 if self.sink.enabled:
                     self.sink.on_session_start(seq)
+                if self.reuses_prefix(seq):
+                    self.adopt_prefix(seq, first=True)
             except Exception as e:  # noqa: BLE001 - this request's failure, not its neighbours'
                 self.fail_sequence(seq, e, "admitting it")
 
+    # ---- prefix reuse ---------------------------------------------------------------------
+    def reuses_prefix(self, seq: Sequence) -> bool:
+        """Whether seq may start from recorded blocks: prefix caching is on, it asks for no
+        prompt logprobs (those come from its own prefill's rows) and none of its drafters reads
+        the target's features at every row of the text (EAGLE's head needs them for the prompt).
+        A sibling choice of `n` > 1 takes its source's blocks instead (share_prefills), adopted
+        prefix included."""
+        return (self.prefix_cache and seq.request.prompt_logprobs is None and seq.prefill_source is None
+                and not self.speculator.reads_rows(seq))
+
+    def adopt_prefix(self, seq: Sequence, first: bool = False) -> None:
+        """Extend seq's cached text with the longest run of recorded blocks that continues its
+        prompt (at least the prompt's last token is left to compute: its row gives the first
+        token's logits). At admission (first) and again each step while it prefills: a prompt
+        admitted beside another with the same beginning takes the blocks the other has computed
+        meanwhile (a `generate` batch with one system prompt)."""
+        limit = len(seq.prompt_ids) - 1
+        if seq.num_cached >= limit:
+            return
+        n = self.cache.extend(seq.seq_id, seq.prompt_ids, limit, query=first)
+        if n:
+            seq.num_cached += n
+            seq.cached_tokens += n
+            self.speculator.rollback(seq, seq.num_cached)
+
+    def record_prefix(self, seq: Sequence) -> None:
+        """Record seq's full blocks of committed text so that later prompts can adopt them: all of
+        it where every kind of row writes the K/V a prompt row would (Decoder.rows_agree, or a
+        model that is not row-invariant at all, whose reuse is as close as its batching), else
+        only its prompt (a later prompt would compute the reply's positions as prompt rows)."""
+        if self.prefix_cache and seq.seq_id in self.cache.seqs:
+            upto = min(seq.num_cached, len(seq.all_ids))
+            if self.model.row_invariant and not self.model.rows_agree:
+                upto = min(upto, len(seq.prompt_ids))
+            self.cache.register(seq.seq_id, seq.all_ids, upto)
+
     # ---- lifecycle ----------------------------------------------------------------------
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence, record: bool = True) -> None:
+        """End seq's hold on the cache and the drafters; its committed full blocks are recorded
+        for later prompts first unless `record` is False (a failed request's K/V is not offered)."""
         was_running = seq in self.running
+        if record and seq.finish_reason != "error":
+            self.record_prefix(seq)
         if was_running:
             self.running.remove(seq)
             self.budget_blocks -= seq.budget_blocks
@@ -127,9 +172,10 @@ class Scheduler:
         return seq.handle.request_id if seq.handle is not None else f"seq-{seq.seq_id}"
 
     def _release_quietly(self, seq: Sequence) -> None:
-        """release(), logging (not raising) a drafter that fails to let go of the sequence."""
+        """release() of a failing sequence (its blocks not recorded), logging (not raising) a
+        drafter that fails to let go of the sequence."""
         try:
-            self.release(seq)
+            self.release(seq, record=False)
         except Exception:  # noqa: BLE001 - the target's blocks are back already; a drafter's leak is logged
             log.exception("releasing request %s failed", self.request_id(seq))
             self.cache.release(seq.seq_id)
@@ -224,6 +270,9 @@ class Scheduler:
         for seq in running:
             pending = seq.all_ids[seq.num_cached:]
             if len(pending) > 1 and seq not in drafts and budget > 0 and seq.prefill_source is None:
+                if self.prefix_cache and seq.num_cached < len(seq.prompt_ids) - 1 and self.reuses_prefix(seq):
+                    self.adopt_prefix(seq)  # blocks others computed since: a batch with one system prompt
+                    pending = seq.all_ids[seq.num_cached:]
                 chunk = pending[:budget]
                 budget -= len(chunk)
                 items.append(WorkItem(seq, chunk, None, seq.num_cached, completes=len(chunk) == len(pending)))
@@ -231,8 +280,9 @@ class Scheduler:
 
     def share_prefills(self, running: list[Sequence]) -> None:
         """Sequences that share another's prompt (`n` > 1 choices: prefill_source) take its
-        prompt's K/V once it has them, instead of prefilling again: the blocks are copied and
-        only the last prompt token is run as the sequence's first decode step. Until then they
+        prompt's K/V once it has them, instead of prefilling again: the blocks are shared and
+        only the last prompt token is run as the sequence's first decode step. Full blocks are held by
+        both (read-only: model/kv_cache.py), the partial last one copied. Until then they
         wait (no prefill chunk of their own); if the source is gone first, they prefill."""
         for seq in running:
             src = seq.prefill_source
@@ -244,9 +294,7 @@ class Scheduler:
                 continue
             if src.num_cached < n:
                 continue  # wait: the source is still prefilling
-            self.cache.reserve(seq.seq_id, n)
-            dev = self.cache.device
-            self.cache.copy_slots(self.cache.slots(src.seq_id, 0, n).to(dev), self.cache.slots(seq.seq_id, 0, n).to(dev))
+            self.cache.share(src.seq_id, seq.seq_id, n)  # full blocks held by both, the last one copied
             seq.num_cached = n
             self.commit(seq, n)
             if seq.request.prompt_logprobs is not None:  # the prompt is the source's: so are its logprobs
@@ -283,6 +331,10 @@ class Scheduler:
         runner.emitted = 0
         for group in groups:
             runner.run(group, proposal)
+        if self.prefix_cache:
+            for it in items:
+                if not it.seq.finished:
+                    self.record_prefix(it.seq)
         decode = [it for it in items if it.completes]
         methods = {d.method for d in proposal.drafts.values()}
         kind = "prefill" if not decode else "plain" if not methods else methods.pop() if len(methods) == 1 else "mixed"

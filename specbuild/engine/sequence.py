@@ -34,6 +34,9 @@ class Request:
     prompt_logprobs: int | None = None
     shares_prompt_with: Any = None  # a Handle with the same prompt (n > 1 choices): its prefill is reused
     content_type: str | None = None  # code | structured | summarization | chat | ...; None: classified
+    # mixed into the prefix cache's hashes: prompts with different salts never share K/V, so one
+    # tenant cannot learn from timing whether another sent a prefix (vLLM's cache_salt)
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Sequence:
         self.eos_ids = () if params.ignore_eos else tuple(eos_ids) + tuple(params.stop_token_ids)
         self.max_total_len = max_total_len
         self.num_cached = 0  # tokens of all_ids whose K/V are in the target cache
+        self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache (usage's cached_tokens)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop_filter = StopStringFilter(params.stop)
         self.finished = False
@@ -185,6 +189,7 @@ class Sequence:
         return {
             "seed": self.params.seed,
             "prompt_tokens": len(self.prompt_ids),
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": gen,
             "target_passes": self.target_passes,
             "ttft_ms": round(((self.t_first or t_end) - self.t_submit) * 1e3, 3),

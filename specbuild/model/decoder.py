@@ -179,6 +179,12 @@ class Decoder:
         # verify, tree) through specbuild's C++ kernel, one call per layer for all rows, each row
         # over exactly its keys (rows_attention_enabled)
         self.rows_attention = self.row_invariant and rows_attention_enabled(self.dtype, config.head_dim, self.device)
+        # whether a generated or draft row writes the K/V bits a prompt row at its position would:
+        # one row-invariant kernel for every kind of row (rows_attention; the half-precision plan).
+        # Otherwise (a float32/64 row-invariant model without the C++ kernel) prompt rows and
+        # generated rows take different exact kernels, and the prefix cache reuses only text that
+        # was computed as prompt (engine/scheduler.record_prefix)
+        self.rows_agree = self.rows_attention or (self.row_invariant and self.dtype in (torch.bfloat16, torch.float16))
         self.compiled = None  # compiled.CompiledStack or fused.FusedStack once compile() is called
         self.fused_why: str | None = None  # why compile() did not take the fused stack (None: it did)
         self.compiled_aux: tuple[int, ...] = ()  # aux layers every compiled forward computes

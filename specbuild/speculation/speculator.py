@@ -297,6 +297,11 @@ class Speculator:
         seq.spec_state.uses = names
         return names
 
+    def reads_rows(self, seq) -> bool:
+        """Whether a drafter seq may use reads the target's features at every row of the text
+        (EAGLE-3's aux layers): such a sequence computes its whole prompt itself."""
+        return any(self.needs(name).aux_layers for name in self.uses(seq))
+
     # ---- the step: propose ---------------------------------------------------------------------
     def propose(self, seqs: list, on_error=None) -> Proposal:
         """Drafts for the sequences of `seqs` that decode this step (one pending token), and
