@@ -303,12 +303,13 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
               help="With --json: each token's logprob and the N most likely alternatives (0..20).")
 @telemetry_option
 @content_type_option
+@shared("--no-prefix-cache")
 @suffix_options
 @user_errors
 def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
              presence_penalty, frequency_penalty, speculation, gamma, gamma_min, gamma_max, tree, typical, threads,
              device, backend, compile_, as_json, json_schema, regex, grammar, logprobs, telemetry, content_type,
-             suffix) -> None:
+             no_prefix_cache, suffix) -> None:
     """Generate text from one or more prompts (batched)."""
     from specbuild.backends.select import open_engine
     from specbuild.engine.engine import EngineConfig
@@ -316,8 +317,8 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
     from specbuild.engine.sequence import Request
 
     dist_context(bundle, backend, "generate")  # under `mpirun -n tp*pp`: TensorRT-LLM leader mode
-    engine = open_engine(bundle, EngineConfig(device=device, threads=threads, compile=compile_, **suffix),
-                         backend=backend)
+    engine = open_engine(bundle, EngineConfig(device=device, threads=threads, compile=compile_,
+                                              prefix_cache=not no_prefix_cache, **suffix), backend=backend)
     if follow_leader(engine, say=lambda line: click.echo(line, err=True)):  # ranks > 0: until rank 0 is done
         return
     from specbuild.speculation.policy import check_content_type

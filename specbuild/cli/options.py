@@ -39,6 +39,10 @@ SHARED: dict[str, dict[str, Any]] = {
     "--content-type": dict(decls=("--content-type", "content_type"), default=None,
                            help="Content type for the gamma policy (code, structured, summarization, chat, or your "
                                 "own name) [default: classified from the prompt]."),
+    "--no-prefix-cache": dict(decls=("--no-prefix-cache", "no_prefix_cache"), is_flag=True,
+                              help="Turn off automatic prefix caching (EngineConfig.prefix_cache): by default a "
+                                   "prompt that begins with text an earlier request computed (a chat's next turn, "
+                                   "a shared system prompt) reuses that text's KV blocks. Output is the same."),
     # the suffix drafter's store of earlier requests (EngineConfig.suffix_*)
     "--suffix-store-tokens": dict(type=int, default=200_000, show_default=True,
                                   help="Cap of the suffix drafter's store of earlier requests, in tokens (LRU by "

@@ -79,12 +79,13 @@ from specbuild.errors import SpecbuildError
               help="MineDraft: run under `mpirun -disable-auto-cleanup -n 2`; rank 1 drafts while rank 0 verifies.")
 @click.option("--draft-timeout", type=float, default=5.0, show_default=True,
               help="Seconds the verifier waits for a draft reply before it decodes without the draft rank for good.")
+@shared("--no-prefix-cache")
 @suffix_options
 @telemetry_option
 def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, compile_, kv_cache_tokens, prefill_chunk,
           body_timeout, header_timeout, max_header_bytes, max_headers, max_connections, max_inflight, model_name,
-          strict_fields, chat_template, tool_call_parser, log_level, parallel_draft, draft_timeout, suffix,
-          telemetry) -> None:
+          strict_fields, chat_template, tool_call_parser, log_level, parallel_draft, draft_timeout, no_prefix_cache,
+          suffix, telemetry) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
     from specbuild.cli.main import dist_context, fail_once
 
@@ -131,7 +132,7 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
             minedraft = plugin(bundle, transport, draft_timeout)
         engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
                                                   kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
-                                                  compile=compile_, **suffix),
+                                                  compile=compile_, prefix_cache=not no_prefix_cache, **suffix),
                              backend="torch" if parallel_draft else backend,
                              **(minedraft.open_kwargs() if minedraft is not None else {}))
         if ctx.role == "worker":

@@ -40,9 +40,11 @@ from specbuild.cli.options import compile_option, shared, suffix_options
 @click.option("--triton-max-batch-size", type=int, default=64, show_default=True,
               help="config.pbtxt's max_batch_size: > 0 takes [batch, 1] tensors as TensorRT-LLM's ensemble does; "
                    "0 writes the older [1] layout.")
+@shared("--no-prefix-cache")
 @suffix_options
 def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, device, kv_cache_tokens, compile_, python_env,
-                plain, plain_instances, backend, engine_factory, telemetry, triton_max_batch_size, suffix) -> None:
+                plain, plain_instances, backend, engine_factory, telemetry, triton_max_batch_size, no_prefix_cache,
+                suffix) -> None:
     """Write a Triton model repository that serves BUNDLE with speculative decoding."""
     from specbuild.serve.tritonserver_repo import RepoConfig, write_repository
 
@@ -51,7 +53,7 @@ def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, dev
                             max_batch_size=max_batch_size, device=device, kv_cache_tokens=kv_cache_tokens,
                             plain=plain, plain_instances=plain_instances, engine_factory=engine_factory,
                             backend=backend, telemetry=telemetry, compile=compile_,
-                            triton_max_batch_size=triton_max_batch_size, **suffix)
+                            triton_max_batch_size=triton_max_batch_size, prefix_cache=not no_prefix_cache, **suffix)
         names = write_repository(bundle, out, config)
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

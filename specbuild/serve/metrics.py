@@ -217,6 +217,24 @@ class ServerMetrics:
                   "store at start (counted in suffix_store_tokens while they are not evicted).",
                   lambda: engine.stats().get("suffix_store_warm_tokens")),
         ]
+
+        def prefix(key: str):
+            return lambda: (engine.stats().get("prefix_cache") or {}).get(key)
+
+        gauges += [
+            ReadCounter(p + "prefix_cache_queried_tokens_total", "Prompt tokens looked up in the prefix cache "
+                        "(no sample: the backend has none).", prefix("queried_tokens")),
+            ReadCounter(p + "prefix_cache_hit_tokens_total", "Prompt tokens whose K/V came from the prefix cache.",
+                        prefix("hit_tokens")),
+            Gauge(p + "prefix_cache_hit_rate", "Hit tokens / queried tokens of the prefix cache since start.",
+                  prefix("hit_rate")),
+            Gauge(p + "prefix_cache_blocks", "KV blocks recorded in the prefix cache now (held by requests or not).",
+                  prefix("cached_blocks")),
+            Gauge(p + "prefix_cache_evictable_blocks", "Recorded KV blocks no request holds (reused, least "
+                  "recently released first, when the cache needs room).", prefix("evictable_blocks")),
+            ReadCounter(p + "prefix_cache_evictions_total", "Recorded KV blocks evicted for room.",
+                        prefix("evicted_blocks")),
+        ]
         self.all: list[Metric] = [self.requests, self.rejected, self.prompt_tokens, self.generation_tokens,
                                   self.drafted, self.accepted, self.verify_passes, self.gamma_steps,
                                   self.gamma_sum, self.ttft, self.tpot, self.e2e, *gauges]

@@ -94,6 +94,7 @@ LIMIT_LOGIT_BIAS = 300  # OpenAI's
 LIMIT_FORMAT_CHARS = 64 * 1024  # a response_format's schema / regex / grammar (sampling.constraint)
 LIMIT_PROMPTS = 64  # prompts in one completions request (a list of strings or of token-id lists)
 LIMIT_CHOICES = 64  # prompts x n: each choice is a sequence of its own in the engine
+LIMIT_CACHE_SALT_CHARS = 256  # hashed once per request (the prefix cache's chain root)
 LIMIT_TOOLS = 128  # OpenAI's: tools (or functions) per request, and tool calls per message
 
 
@@ -251,6 +252,9 @@ class CommonFields(SpeculationFields):
                                                            "summarization, chat, ...); default: classified")
     speculation: Union[Literal[METHODS], SpeculationObject] | None = Field(  # type: ignore[valid-type]
         None, description="a method name, or an object of SpeculationConfig fields")
+    cache_salt: Annotated[str, Field(min_length=1, max_length=LIMIT_CACHE_SALT_CHARS)] | None = Field(
+        None, description="vLLM's: mixed into the prefix cache's block hashes, so that only requests with the same "
+                          "salt share cached K/V (one tenant cannot probe another's prompts through timing)")
     # OpenAI fields that change nothing computed here (openai_fields.NOOP)
     store: bool | None = None
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Short], Field(max_length=16)] | None = None
@@ -834,6 +838,7 @@ class OpenAIServer:
                 request.sampling = dataclasses.replace(sampling, repetition_ids=tuple(request.prompt_ids))
             request.speculation = speculation
             request.content_type = body.content_type
+            request.cache_salt = body.cache_salt
             request.response_format = fmt
             request.logprobs = top_n
             if not chat and body.echo:  # type: ignore[union-attr]
@@ -1304,7 +1309,8 @@ class BodyGuard:
 
 
 def usage(call: Call, seqs: list) -> dict[str, Any]:
-    """OpenAI's usage for one request's choices: each prompt counted once, completions summed;
+    """OpenAI's usage for one request's choices: each prompt counted once (and its cached
+    tokens: prompt_tokens_details.cached_tokens), completions summed;
     specbuild's drafted/accepted summed, mean accepted tokens over all their passes."""
     stats = [s.stats() for s in seqs]
     prompt = sum(st["prompt_tokens"] for st in stats[::call.n])
@@ -1312,6 +1318,8 @@ def usage(call: Call, seqs: list) -> dict[str, Any]:
     passes = sum(s.verify_passes for s in seqs)
     accepted = sum(st["accepted"] for st in stats)
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           # OpenAI's: prompt tokens whose K/V came from the prefix cache (each prompt's first choice)
+           "prompt_tokens_details": {"cached_tokens": sum(st.get("cached_tokens", 0) for st in stats[::call.n])},
            "drafted_tokens": sum(st["drafted"] for st in stats), "accepted_tokens": accepted,
            "mean_accepted_tokens": round((accepted + passes) / passes, 4) if passes else 1.0,
            "seed": stats[0]["seed"]}

@@ -18,7 +18,8 @@ Inputs and outputs (names as TensorRT-LLM's ensemble; see specbuild/serve/triton
 text_input, max_tokens, stream, temperature, top_k, top_p, stop_words, end_id, seed,
 speculation, gamma, content_type, return_perf_metrics -> text_output (generated text only) and, with
 return_perf_metrics, acceptance_rate (accepted / drafted, 0 when nothing was drafted),
-total_accepted_draft_tokens, total_draft_tokens. A bad value gets a Triton error response
+total_accepted_draft_tokens, total_draft_tokens, and the prefix cache's kv_cache_reused_blocks,
+kv_cache_alloc_new_blocks, kv_cache_alloc_total_blocks. A bad value gets a Triton error response
 for that request only (wrong types and shapes are refused by Triton before it gets here).
 
 TensorRT-LLM's ensemble inputs are taken as its clients send them ([batch, 1] tensors when
@@ -59,7 +60,8 @@ except ImportError:  # pragma: no cover - outside Triton
     pb_utils = None
 
 log = logging.getLogger("specbuild.serve.tritonserver")
-PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
+                "kv_cache_reused_blocks", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks")
 LOGPROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
 ALL_OUTPUTS = ("text_output",) + PERF_OUTPUTS + LOGPROB_OUTPUTS + ("tool_calls",)
 # TensorRT-LLM ensemble inputs served only at these values: name -> (neutral, numpy kinds)
@@ -310,11 +312,19 @@ def batched(arr: np.ndarray, on: bool) -> np.ndarray:
     return arr.reshape((1,) + arr.shape) if on else arr
 
 
-def perf_values(drafted: int, accepted: int) -> dict[str, np.ndarray]:
-    """The three perf outputs, each shape [1]."""
+def perf_values(drafted: int, accepted: int, cached_tokens: int = 0, tokens: int = 0,
+                block_size: int = 16) -> dict[str, np.ndarray]:
+    """The perf outputs, each shape [1]: speculation's, and the KV cache reuse counts
+    TensorRT-LLM's backend returns under the same names (blocks of the request's text taken
+    from the prefix cache, newly allocated, in all; `tokens`: prompt and output)."""
+    total = -(-tokens // block_size)
+    reused = min(cached_tokens // block_size, total)
     return {"acceptance_rate": np.array([accepted / drafted if drafted else 0.0], dtype=np.float32),
             "total_accepted_draft_tokens": np.array([accepted], dtype=np.int32),
-            "total_draft_tokens": np.array([drafted], dtype=np.int32)}
+            "total_draft_tokens": np.array([drafted], dtype=np.int32),
+            "kv_cache_reused_blocks": np.array([reused], dtype=np.int32),
+            "kv_cache_alloc_new_blocks": np.array([total - reused], dtype=np.int32),
+            "kv_cache_alloc_total_blocks": np.array([total], dtype=np.int32)}
 
 
 def string_tensor(text: str) -> np.ndarray:
@@ -335,6 +345,15 @@ def suffix_settings(params: dict[str, str]) -> dict[str, Any]:
     if params.get("suffix_corpus"):
         out["suffix_corpus"] = params["suffix_corpus"]
     return out
+
+
+def engine_flags(params: dict[str, str]) -> dict[str, Any]:
+    """EngineConfig's switches from the model's parameters: compile ("1": triton-repo
+    --compile), prefix_cache ("0": --no-prefix-cache) and the suffix store's settings."""
+    out: dict[str, Any] = {"compile": True} if params.get("compile") == "1" else {}
+    if params.get("prefix_cache") == "0":
+        out["prefix_cache"] = False
+    return {**out, **suffix_settings(params)}
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:
@@ -367,8 +386,7 @@ class EngineModel:
         factory = getattr(importlib.import_module(module), attr)
         ints = {k: int(params[k]) for k in ("threads", "max_batch_size", "kv_cache_tokens") if params.get(k)}
         backend = {"backend": params["backend"]} if params.get("backend") else {}  # open_engine's choice
-        flags = {"compile": True} if params.get("compile") == "1" else {}
-        flags.update(suffix_settings(params))
+        flags = engine_flags(params)
         self.engine = factory(params["bundle"], EngineConfig(device=params.get("device") or "cpu", **ints, **flags),
                               **backend)
         self.max_queue = int(params.get("max_queue") or 64)
@@ -447,7 +465,10 @@ class EngineModel:
             outputs.append(pb_utils.Tensor("tool_calls", batched(string_tensor(tool_calls), b)))
         if perf:
             seq = handle.seq
-            outputs += [pb_utils.Tensor(k, batched(v, b)) for k, v in perf_values(seq.drafted, seq.accepted).items()]
+            block = getattr(getattr(self.engine, "cache", None), "block_size", 16)
+            values = perf_values(seq.drafted, seq.accepted, getattr(seq, "cached_tokens", 0),
+                                 len(seq.prompt_ids) + len(seq.output_ids), block)
+            outputs += [pb_utils.Tensor(k, batched(v, b)) for k, v in values.items()]
         if logprobs is not None:
             outputs += [pb_utils.Tensor(k, batched(v, b)) for k, v in logprob_values(logprobs).items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)

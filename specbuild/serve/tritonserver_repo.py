@@ -70,6 +70,10 @@ OUTPUTS: dict[str, tuple[str, tuple[int, ...]]] = {
     "acceptance_rate": ("TYPE_FP32", (1,)),
     "total_accepted_draft_tokens": ("TYPE_INT32", (1,)),
     "total_draft_tokens": ("TYPE_INT32", (1,)),
+    # with return_perf_metrics: prefix cache reuse (TensorRT-LLM's backend's names: docs/model_config.md)
+    "kv_cache_reused_blocks": ("TYPE_INT32", (1,)),
+    "kv_cache_alloc_new_blocks": ("TYPE_INT32", (1,)),
+    "kv_cache_alloc_total_blocks": ("TYPE_INT32", (1,)),
     # with return_log_probs (beam 1): the sum, and one per generated token
     "cum_log_probs": ("TYPE_FP32", (-1,)),
     "output_log_probs": ("TYPE_FP32", (-1, -1)),
@@ -114,6 +118,7 @@ class RepoConfig:
     backend: str = "auto"
     telemetry: str | None = None  # telemetry store (SQLite path or postgresql:// DSN) for the engine model
     triton_max_batch_size: int = 64  # > 0: [batch, 1] tensors as TensorRT-LLM's ensemble; 0: [1] tensors
+    prefix_cache: bool = True  # EngineConfig.prefix_cache (`--no-prefix-cache`): parameter prefix_cache "0" when off
     # the suffix drafter's store (EngineConfig's fields of the same names, `--suffix-*` on the CLI),
     # written as model parameters of those names; the warm corpus is a server-side file
     suffix_store_tokens: int | None = None
@@ -226,6 +231,8 @@ def write_repository(bundle_dir: str, out: str, config: RepoConfig = RepoConfig(
             engine_params[key] = str(getattr(config, key))
     if config.compile:
         engine_params["compile"] = "1"
+    if not config.prefix_cache:
+        engine_params["prefix_cache"] = "0"
     for key in SUFFIX_PARAMS:
         value = getattr(config, key)
         if key == "suffix_prompts":

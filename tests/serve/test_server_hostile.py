@@ -74,7 +74,7 @@ def test_openapi_schema_lists_every_field(server):
     components = schema["components"]["schemas"]
     common = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
               "user", "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "ignore_eos", "content_type",
-              "return_token_ids", "speculation",
+              "return_token_ids", "speculation", "cache_salt",
               "gamma", "gamma_min", "gamma_max", "tree", "ngram_min", "ngram_max", "typical",
               # the field policy's OpenAI no-ops and vLLM extras (serve/openai_fields.py)
               "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "reasoning_effort",

@@ -560,6 +560,29 @@ def test_suffix_store_settings_are_model_parameters(bundle, tmp_path):
     assert bad.exit_code == 2 and "suffix_store_tokens=-1" in bad.output, bad.output
 
 
+def test_no_prefix_cache_is_a_model_parameter(bundle, tmp_path):
+    from click.testing import CliRunner
+
+    from specbuild.cli.main import main
+    from specbuild.engine.engine import EngineConfig
+    from specbuild.serve.tritonserver_model import config_parameters, engine_flags
+
+    def flags(*args):
+        out = tmp_path / f"repo{len(args)}"
+        result = CliRunner().invoke(main, ["triton-repo", bundle, "--out", str(out), *args])
+        assert result.exit_code == 0, result.output
+        params = {}
+        for line in (out / MODEL / "config.pbtxt").read_text().splitlines():
+            if line.startswith("parameters {"):
+                key = line.split('key: "', 1)[1].split('"', 1)[0]
+                params[key] = {"string_value": line.split('string_value: "', 1)[1].rsplit('"', 1)[0]}
+        return engine_flags(config_parameters({"parameters": params}))
+
+    assert "prefix_cache" not in flags() and EngineConfig(**flags()).prefix_cache
+    off = flags("--no-prefix-cache", "--compile")
+    assert off["compile"] is True and off["prefix_cache"] is False and not EngineConfig(**off).prefix_cache
+
+
 def test_the_warm_suffix_store_drafts_a_first_request(server, engine, bundle):
     """The server's engine loaded the warm corpus (a model parameter): the first request for
     WARM_PROMPT drafts from it and accepts more than a cold engine does; the text is unchanged."""
@@ -691,3 +714,24 @@ def test_tool_calls(server, engine):
                         (dict(tool_choice="required"), "tool_choice needs the tools input")):
         with pytest.raises(tritonclient_http.InferenceServerException, match=needle):
             client.infer(PLAIN, make_inputs(tritonclient_http, prompt, 20, **bad))
+
+
+def test_a_second_turn_reuses_the_prefix_over_triton(server, bundle):
+    """The engine model keeps automatic prefix caching on (triton-repo's default): a prompt that
+    begins with an earlier one reuses its blocks (TensorRT-LLM's kv_cache_reused_blocks
+    output) and answers what an engine without the cache answers."""
+    from specbuild.engine.engine import Engine, EngineConfig
+
+    off = Engine(bundle, EngineConfig(threads=1, prefix_cache=False))
+    first = " ".join(f"item{(i * 5) % 17}" for i in range(30))
+    second = first + " and then the next question"
+    client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{server.http}")
+    blocks = []
+    for prompt in (first, second):
+        result = client.infer(PLAIN, make_inputs(tritonclient_http, prompt, MAX_TOKENS, return_perf_metrics=True))
+        assert text_of(result) == reference(off, [prompt])[0]["text"]
+        blocks.append([int(result.as_numpy(k).item()) for k in
+                       ("kv_cache_reused_blocks", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks")])
+    prompt_tokens = len(off.tokenizer.encode(first))
+    assert blocks[1][0] >= prompt_tokens // 16 - 1 > 0, blocks
+    assert all(reused + new == total for reused, new, total in blocks)
