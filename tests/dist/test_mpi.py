@@ -366,6 +366,26 @@ def test_mpi_server_greedy_equals_generate(mpi_server, engine):
     wait_until(lambda: metric(mpi_server.port, "specbuild_kv_blocks_used") == 0, 5, "KV blocks to be freed")
 
 
+def test_mpi_server_second_turn_reuses_the_prefix(mpi_server, bundle):
+    """MineDraft's verifier rank keeps automatic prefix caching: a chat's second turn reuses the
+    first turn's blocks (usage's cached_tokens) and gives what an engine without the cache
+    gives, drafted by the draft rank (whose own cache computes the text: it keeps none)."""
+    off = Engine(bundle, EngineConfig(max_batch_size=4, threads=1, prefix_cache=False))
+    turn1 = list(range(30, 90)) + [5, 6, 7, 8] * 4
+    body = {"max_tokens": 20, "ignore_eos": True, "gamma": 3, "return_token_ids": True}
+    status, _, first = post(mpi_server.port, "/v1/completions", {**body, "prompt": turn1})
+    assert status == 200, first
+    turn2 = turn1 + first["choices"][0]["token_ids"] + [41, 42, 43]
+    status, _, second = post(mpi_server.port, "/v1/completions", {**body, "prompt": turn2})
+    assert status == 200, second
+    want = off.generate([Request(prompt_ids=p, sampling=SamplingParams(max_tokens=20, ignore_eos=True))
+                         for p in (turn1, turn2)])
+    assert [first["choices"][0]["token_ids"], second["choices"][0]["token_ids"]] == [w["token_ids"] for w in want]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(turn1) // 16 * 16
+    assert second["usage"]["drafted_tokens"] > 0 and first["usage"]["accepted_tokens"] + \
+        second["usage"]["accepted_tokens"] > 0
+
+
 # a hang guard, not a speed goal: 4 x 3,000 tokens in process and then over HTTP take ~40 s on a
 # quiet 2-core machine and passed 120 s at a load average of 12-15 (on the code before this test changed too)
 @pytest.mark.timeout(420)

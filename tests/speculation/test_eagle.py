@@ -299,3 +299,23 @@ def test_the_head_is_served_compiled_losslessly(trained, tmp_path, fmt):
     assert sum(r["stats"]["drafted"] for r in spec) > 0 and sum(r["stats"]["accepted"] for r in spec) > 0
     assert counters["stats"]["unique_graphs"] == graphs
     assert engine.cache.used_blocks == 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "hybrid"])
+def test_eagle_sequences_compute_their_own_prompt_with_prefix_caching_on(trained, method):
+    """EAGLE's head reads the target's features at every prompt row, which the prefix cache does
+    not keep: a sequence that may draft with it computes its whole prompt (cached_tokens 0),
+    and its output equals the engine's without the cache; a plain request beside it reuses."""
+    on = Engine(trained["with_head"], EngineConfig(max_batch_size=4))
+    off = Engine(trained["with_head"], EngineConfig(max_batch_size=4, prefix_cache=False))
+    turn1 = trained["prompts"][0]
+    got = {}
+    for name, engine in (("on", on), ("off", off)):
+        first = run(engine, method, [turn1])[0]
+        got[name] = run(engine, method, [turn1 + first["token_ids"] + [20, 21, 22]])[0]
+    assert got["on"]["token_ids"] == got["off"]["token_ids"]
+    assert got["on"]["stats"]["cached_tokens"] == 0
+    assert got["on"]["stats"]["drafted"] > 0 and got["on"]["stats"]["accepted"] > 0
+    plain = run(on, "none", [turn1 + [20, 21, 22]])[0]
+    assert len(turn1) < 16 or plain["stats"]["cached_tokens"] > 0
+    on.cache.check()

@@ -312,3 +312,22 @@ def test_medusa_extreme_sampling_parameters(medusa_bundle):
     engine = Engine(medusa_bundle, EngineConfig(max_batch_size=2))
     check_extreme(engine, ["none", "medusa"], engine.encode(" ".join(f"word{(3 * j) % 23}" for j in range(10))),
                   examples=10)
+
+
+def test_medusa_second_turn_reuses_the_prefix_and_matches_the_uncached_engine(medusa_bundle):
+    """Prefix caching under Medusa: the heads read the last prompt row, which is always computed,
+    so a second turn reuses the first turn's blocks and still drafts and accepts. The bundle is
+    float32 (not row-invariant): greedy tokens must match the engine without the cache."""
+    on = Engine(medusa_bundle, EngineConfig(max_batch_size=4))
+    off = Engine(medusa_bundle, EngineConfig(max_batch_size=4, prefix_cache=False))
+    turn1 = on.encode(" ".join(f"word{(3 * j) % 23}" for j in range(12)))
+    out, accepted = {}, 0
+    for name, engine in (("on", on), ("off", off)):
+        first = run(engine, prompts=[turn1], max_tokens=16)[0]
+        out[name] = run(engine, prompts=[turn1 + first["token_ids"] + on.encode(" word3 word6")], max_tokens=24)[0]
+        accepted += first["stats"]["accepted"] + out[name]["stats"]["accepted"]
+    assert out["on"]["token_ids"] == out["off"]["token_ids"]
+    assert out["on"]["stats"]["cached_tokens"] >= len(turn1) // 16 * 16 > 0
+    assert out["off"]["stats"]["cached_tokens"] == 0
+    assert out["on"]["stats"]["drafted"] > 0 and accepted > 0
+    on.cache.check()
