@@ -138,6 +138,17 @@ class Scheduler:
             seq.cached_tokens += n
             self.speculator.rollback(seq, seq.num_cached)
 
+    def twin_prefilling(self, seq: Sequence, n: int, inflight: set[bytes]) -> bool:
+        """Whether the block seq would compute next is one that another prompt's chunk computes
+        in this step (same text from position 0: `inflight`); if not, the full prompt blocks of
+        seq's chunk of n tokens join `inflight`."""
+        bs, chain = self.cache.block_size, self.cache.seqs[seq.seq_id].chain
+        first = seq.num_cached // bs
+        if seq.num_cached % bs == 0 and first < len(chain) and chain[first] in inflight:
+            return True
+        inflight.update(chain[first:min(len(chain), (seq.num_cached + n) // bs)])
+        return False
+
     def record_prefix(self, seq: Sequence) -> None:
         """Record seq's full blocks of committed text so that later prompts can adopt them: all of
         it where every kind of row writes the K/V a prompt row would (Decoder.rows_agree, or a
@@ -267,12 +278,15 @@ class Scheduler:
             pending = seq.all_ids[seq.num_cached:]
             if len(pending) == 1 or seq in drafts:
                 items.append(WorkItem(seq, pending, drafts.get(seq), seq.num_cached, completes=True))
+        inflight: set[bytes] = set()  # hashes of the prompt blocks this step's prefill chunks complete
         for seq in running:
             pending = seq.all_ids[seq.num_cached:]
             if len(pending) > 1 and seq not in drafts and budget > 0 and seq.prefill_source is None:
                 if self.prefix_cache and seq.num_cached < len(seq.prompt_ids) - 1 and self.reuses_prefix(seq):
                     self.adopt_prefix(seq)  # blocks others computed since: a batch with one system prompt
                     pending = seq.all_ids[seq.num_cached:]
+                    if self.twin_prefilling(seq, min(len(pending), budget), inflight):
+                        continue  # another prompt computes the same next block now: adopt it next step
                 chunk = pending[:budget]
                 budget -= len(chunk)
                 items.append(WorkItem(seq, chunk, None, seq.num_cached, completes=len(chunk) == len(pending)))

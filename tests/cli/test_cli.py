@@ -189,3 +189,21 @@ def test_inspect_json(cli_bundle):
     assert target["files"]["weights.safetensors"] >= target["bytes"] > 0
     proc = specbuild("inspect", cli_bundle)
     assert proc.returncode == 0 and "max_seq_len=32" in proc.stdout
+
+
+def test_generate_batch_with_one_system_prompt_computes_it_once(tiny_bundle):
+    """`generate --chat --system S` with several prompts: the later prompts take the system
+    prompt's blocks from the first (cached_tokens in --json's stats); --no-prefix-cache
+    computes each in full and prints the same tokens."""
+    system = " ".join(f"rule {i}: be brief" for i in range(8))
+    args = ["generate", tiny_bundle, "--chat", "--system", system, "--max-tokens", "4", "--json",
+            "--prompt", "the cat", "--prompt", "hi there", "--prompt", "what is it"]
+    runs = {}
+    for flag in ([], ["--no-prefix-cache"]):
+        proc = specbuild(*args, *flag)
+        assert proc.returncode == 0, proc.stderr
+        runs[bool(flag)] = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    on, off = runs[False], runs[True]
+    assert [r["token_ids"] for r in on] == [r["token_ids"] for r in off]
+    assert all(r["stats"]["cached_tokens"] == 0 for r in off) and on[0]["stats"]["cached_tokens"] == 0
+    assert all(r["stats"]["cached_tokens"] >= 64 for r in on[1:]), [r["stats"]["cached_tokens"] for r in on]
