@@ -21,6 +21,8 @@ import time
 from typing import Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # this tree's specbuild, not an installed copy from another checkout
+    sys.path.insert(1, REPO)
 HOST = "127.0.0.1"
 
 
