@@ -20,10 +20,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 
+from _common import lscpu  # scripts/_common.py
 from specbuild.bench import specbench as B
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.speculation.policy import PolicyTable
@@ -33,9 +33,8 @@ from specbuild.telemetry.store import Store
 
 
 def cpu_info() -> dict:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except OSError:
+    out = lscpu()
+    if not out:
         return {"machine": platform.machine()}
     info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
     flags = info.get("Flags", "").split()
