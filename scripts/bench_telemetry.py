@@ -32,7 +32,7 @@ from specbuild.telemetry.learn import learn
 from specbuild.telemetry.store import Store
 
 
-def cpu_info() -> dict:
+def machine_info() -> dict:
     out = lscpu()
     if not out:
         return {"machine": platform.machine()}
@@ -107,7 +107,7 @@ def main() -> None:
     questions = B.load_questions()
     split = B.load_split()
     evalq = B.select_questions(questions, split, "eval", args.per_category)
-    report = {"bundle": os.path.abspath(args.bundle), "method": args.method, "cpu": cpu_info(),
+    report = {"bundle": os.path.abspath(args.bundle), "method": args.method, "cpu": machine_info(),
               "threads": args.threads, "eval_questions": [q["question_id"] for q in evalq], "results": {}}
     only = set(args.only.split(","))
     off = (lambda: None, lambda: None)
