@@ -33,19 +33,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 
+from _common import cpu_info  # scripts/_common.py
+
 WIDTHS = (1, 2, 3, 5, 9, 17)
-
-
-def cpu_info() -> dict:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {"model": "unknown", "flags": ""}
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return {"model": fields.get("Model name", "unknown").strip(), "flags": fields.get("Flags", "").strip()}
 
 
 def main() -> None:

@@ -75,7 +75,7 @@ class Pieces:
 
 
 def main() -> None:
-    from bench_compile import cpu_info  # scripts/ is on sys.path when a script runs (as bench_threads does)
+    from _common import cpu_info  # scripts/ is on sys.path when a script runs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle")

@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from bench_compile import cpu_info  # the same lscpu model and flags line (scripts/ is on sys.path)
+from _common import cpu_info  # the lscpu model and flags line (scripts/ is on sys.path)
 
 
 def main() -> int:

@@ -23,21 +23,6 @@ import sys
 import time
 
 
-def prompts(n: int) -> list[tuple[str, str]]:
-    from specbuild.bench.specbench import load_questions, load_split, select_questions, task_group
-
-    chosen = select_questions(load_questions(), load_split(), "eval")
-    by_group: dict[str, list] = {}
-    for q in chosen:
-        by_group.setdefault(task_group(q["category"]), []).append(q)
-    out: list[tuple[str, str]] = []
-    while len(out) < n and any(by_group.values()):
-        for group in list(by_group):
-            if by_group[group] and len(out) < n:
-                out.append((group, by_group[group].pop(0)["turns"][0]))
-    return out
-
-
 def run_one(bundle: str, prompt: str, method: str, max_tokens: int, threads: int, compiled: bool = False) -> dict:
     cmd = [os.path.join(os.path.dirname(sys.executable), "specbuild"), "generate", bundle, "--chat", "--json",
            "--prompt", prompt, "--speculation", method, "--max-tokens", str(max_tokens), "--temperature", "0",
@@ -66,7 +51,9 @@ def main() -> None:
     if "none" not in methods:
         methods.insert(0, "none")
     rows: dict[str, list[dict]] = {m: [] for m in methods}
-    chosen = prompts(args.prompts)
+    from specbuild.bench.specbench import held_out_questions, task_group
+
+    chosen = [(task_group(q["category"]), q["turns"][0]) for q in held_out_questions(args.prompts)]
     for i, (group, text) in enumerate(chosen):
         for m in methods:
             rec = run_one(args.bundle, text, m, args.max_tokens, args.threads, args.compile)

@@ -16,9 +16,9 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 
+from _common import lscpu  # scripts/_common.py
 from tokenizers import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -29,12 +29,8 @@ ANSWER = '{"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry", "engine
 
 
 def cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        keep = [line for line in out.splitlines() if line.startswith(("Model name", "Flags"))]
-        return "\n".join(keep) or platform.processor()
-    except OSError:
-        return platform.processor()
+    keep = [line for line in lscpu().splitlines() if line.startswith(("Model name", "Flags"))]
+    return "\n".join(keep) or platform.processor()
 
 
 def run_xgrammar(tok_json: str, vocab: int, stop: list[int], ids: list[int]) -> tuple[float, list[float], bool]:

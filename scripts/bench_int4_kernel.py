@@ -17,7 +17,7 @@ import torch
 
 
 def main() -> None:
-    from bench_compile import cpu_info  # scripts/ is on sys.path when a script runs
+    from _common import cpu_info  # scripts/ is on sys.path when a script runs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle")

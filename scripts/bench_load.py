@@ -32,7 +32,6 @@ follow the numbers' sign. Every wait is bounded; servers are killed (process gro
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import re
@@ -43,7 +42,11 @@ import tempfile
 import threading
 import time
 
+from _common import get_json, send, sse_events, tiny_bundle, tiny_hf  # scripts/_common.py
+from specbuild.bench.served import pct
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAN = float("nan")  # a percentile of no values
 PY = sys.executable
 MPIRUN = os.path.join(os.path.dirname(PY), "mpirun")
 CLI = [PY, "-c", "from specbuild.cli import main; main()"]
@@ -53,16 +56,10 @@ ROWS = {"plain": (1, 1, "none"), "standard": (1, 1, "draft"), "minedraft": (2, 1
 
 def build_pair(root: str, layers: int, draft_layers: int, hidden: int, tail_scale: float) -> str:
     """Synthetic target + draft (see the module doc), compiled into a float32 bundle."""
-    import torch
     from safetensors.torch import load_file, save_file
 
-    sys.path.insert(0, os.path.join(REPO, "tests", "helpers"))
-    from tiny import make_tiny_hf  # the tests' random HF checkpoint writer (tokenizer included)
-
-    from specbuild.compiler.compile import CompileOptions, compile_bundle
-
-    target = make_tiny_hf(os.path.join(root, "target"), hidden=hidden, layers=layers, heads=8, kv_heads=4,
-                          inter=hidden * 3, scale=4.0, seed=11)
+    target = tiny_hf(os.path.join(root, "target"), hidden=hidden, layers=layers, heads=8, kv_heads=4,
+                     inter=hidden * 3, scale=4.0, seed=11)
     path = os.path.join(target, "model.safetensors")
     tensors = load_file(path)
     for name in list(tensors):
@@ -71,20 +68,18 @@ def build_pair(root: str, layers: int, draft_layers: int, hidden: int, tail_scal
             tensors[name] = tensors[name] * tail_scale
     save_file(tensors, path, metadata={"format": "pt"})
     draft = os.path.join(root, "draft")
-    make_tiny_hf(draft, hidden=hidden, layers=draft_layers, heads=8, kv_heads=4, inter=hidden * 3, seed=11)
+    tiny_hf(draft, hidden=hidden, layers=draft_layers, heads=8, kv_heads=4, inter=hidden * 3, seed=11)
     kept = {k: v for k, v in tensors.items()
             if not (m := re.match(r"model\.layers\.(\d+)\.", k)) or int(m.group(1)) < draft_layers}
     save_file(kept, os.path.join(draft, "model.safetensors"), metadata={"format": "pt"})
-    del torch
-    return compile_bundle(target, os.path.join(root, "bundle"), CompileOptions(dtype="float32", max_seq_len=1024,
-                                                                               max_batch_size=16), draft=draft)
+    return tiny_bundle(root, target, draft, dtype="float32", max_seq_len=1024, max_batch_size=16)
 
 
 def eval_prompts(n: int, max_chars: int) -> list[str]:
-    from specbuild.bench import specbench as B
+    """The held-out questions' first turns (cut to `max_chars`) in the split's order, cycled to `n`."""
+    from specbuild.bench.specbench import held_out_questions
 
-    questions = B.select_questions(B.load_questions(), B.load_split(), "eval", None)
-    prompts = [q["turns"][0][:max_chars] for q in questions]
+    prompts = [q["turns"][0][:max_chars] for q in held_out_questions(spread=False)]
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
@@ -109,12 +104,7 @@ class Server:
         self.port = int(m.group(1))
 
     def get_json(self, path: str) -> dict:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        try:
-            conn.request("GET", path)
-            return json.loads(conn.getresponse().read())
-        finally:
-            conn.close()
+        return get_json(self.port, path)
 
     def stop(self) -> None:
         from specbuild.bench.served import stop_process_group
@@ -126,22 +116,17 @@ class Server:
 def one_request(port: int, prompt: str, body: dict, timeout: float) -> dict:
     """Stream one completion; returns times (perf_counter seconds), tokens and usage."""
     t0 = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    conn.request("POST", "/v1/completions", body=json.dumps({**body, "prompt": prompt, "stream": True}),
-                  headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
+    conn, resp = send(port, "/v1/completions", {**body, "prompt": prompt, "stream": True}, timeout=timeout)
     assert resp.status == 200, resp.read()
     first = last = None
     tokens, usage = 0, {}
-    while line := resp.readline():
-        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
+    for at, chunk in sse_events(resp):
+        if chunk == "[DONE]":
+            break
         ids = chunk["choices"][0].get("token_ids") or []
         if ids:
-            now = time.perf_counter()
-            first = first or now
-            last = now
+            first = first or at
+            last = at
             tokens += len(ids)
         usage = chunk.get("usage") or usage
     conn.close()
@@ -172,20 +157,15 @@ def run_load(port: int, prompts: list[str], clients: int, body: dict, timeout: f
     return results, time.perf_counter() - t0
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
-
-
 def summarize(name: str, results: list[dict], wall: float, health: dict) -> dict:
     ttft = [(r["first"] - r["start"]) * 1e3 for r in results if r["first"]]
     tpot = [(r["last"] - r["first"]) / (r["tokens"] - 1) * 1e3 for r in results if r["tokens"] > 1]
     tokens = sum(r["tokens"] for r in results)
     passes = sum(r["tokens"] / max(r["usage"].get("mean_accepted_tokens", 1.0), 1e-9) for r in results)
     row = {"row": name, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 2),
-           "tokens_per_s": round(tokens / wall, 1), "ttft_p50_ms": round(pct(ttft, 0.5), 1),
-           "ttft_p99_ms": round(pct(ttft, 0.99), 1), "tpot_p50_ms": round(pct(tpot, 0.5), 2),
-           "tpot_p99_ms": round(pct(tpot, 0.99), 2),
+           "tokens_per_s": round(tokens / wall, 1), "ttft_p50_ms": round(pct(ttft, 0.5, NAN), 1),
+           "ttft_p99_ms": round(pct(ttft, 0.99, NAN), 1), "tpot_p50_ms": round(pct(tpot, 0.5, NAN), 2),
+           "tpot_p99_ms": round(pct(tpot, 0.99, NAN), 2),
            "e2e_mean_s": round(statistics.mean(r["end"] - r["start"] for r in results), 3),
            "mean_accepted_tokens": round(tokens / passes, 3) if passes else None}
     dr = health.get("draft_rank")

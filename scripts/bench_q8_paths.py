@@ -16,8 +16,6 @@ import os
 import statistics
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -35,8 +33,7 @@ def main() -> None:
     from specbuild.model.threads import CHOSEN
     from specbuild.model.timing import forward_costs
 
-    sys.path.insert(0, HERE)
-    from bench_compile import cpu_info
+    from _common import cpu_info  # scripts/ is on sys.path when a script runs
 
     paths = [int(p) for p in args.paths.split(",")]
     bad = [p for p in paths if p not in cpu_kernels.q8_paths()]

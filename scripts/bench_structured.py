@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 
+from _common import lscpu  # scripts/_common.py
 from specbuild.bench.structured import load_tasks, validates
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.sequence import Request
@@ -26,8 +26,7 @@ from specbuild.speculation.config import SpeculationConfig
 
 
 def cpu() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return "\n".join(line for line in out.splitlines() if line.startswith(("Model name", "Flags")))
+    return "\n".join(line for line in lscpu().splitlines() if line.startswith(("Model name", "Flags")))
 
 
 def main() -> None:

@@ -20,10 +20,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 
+from _common import lscpu  # scripts/_common.py
 from specbuild.bench import specbench as B
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.speculation.policy import PolicyTable
@@ -32,10 +32,9 @@ from specbuild.telemetry.learn import learn
 from specbuild.telemetry.store import Store
 
 
-def cpu_info() -> dict:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except OSError:
+def machine_info() -> dict:
+    out = lscpu()
+    if not out:
         return {"machine": platform.machine()}
     info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
     flags = info.get("Flags", "").split()
@@ -108,7 +107,7 @@ def main() -> None:
     questions = B.load_questions()
     split = B.load_split()
     evalq = B.select_questions(questions, split, "eval", args.per_category)
-    report = {"bundle": os.path.abspath(args.bundle), "method": args.method, "cpu": cpu_info(),
+    report = {"bundle": os.path.abspath(args.bundle), "method": args.method, "cpu": machine_info(),
               "threads": args.threads, "eval_questions": [q["question_id"] for q in evalq], "results": {}}
     only = set(args.only.split(","))
     off = (lambda: None, lambda: None)

@@ -47,7 +47,6 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 POLICIES = {  # name -> (environment, threads, import torch before specbuild)
     "libgomp": ({}, 2, True),
     "default": ({}, 2, False),
@@ -168,8 +167,7 @@ def main() -> None:
         sys.exit(f"error: unknown policy {bad[0]!r}; policies: {', '.join(POLICIES)}")
     if not 1 <= args.rounds <= 20:
         sys.exit(f"error: --rounds {args.rounds} is out of range [1, 20]")
-    sys.path.insert(0, HERE)
-    from bench_compile import cpu_info
+    from _common import cpu_info  # scripts/ is on sys.path when a script runs
 
     workers = []
     results = {n: {"idle": [], "loaded": []} for n in names}

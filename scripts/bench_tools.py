@@ -40,11 +40,6 @@ from specbuild.serve.openai_http import ChatRequest, OpenAIServer  # noqa: E402
 UNFORCED = "unforced"
 
 
-def load_prompts() -> list[dict]:
-    text = resources.files("specbuild").joinpath("data", "tools", "prompts.json").read_text(encoding="utf-8")
-    return json.loads(text)["prompts"]
-
-
 def check(message: dict, tools: list[dict]) -> tuple[bool, str]:
     """The answer as the client gets it: calls, no content, each valid against its schema."""
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
@@ -77,7 +72,8 @@ def main() -> None:
     args = ap.parse_args()
     engine = Engine(args.bundle, EngineConfig(threads=args.threads))
     server = OpenAIServer(engine)
-    prompts = load_prompts()[:args.limit]
+    text = resources.files("specbuild").joinpath("data", "tools", "prompts.json").read_text(encoding="utf-8")
+    prompts = json.loads(text)["prompts"][:args.limit]
     methods = args.methods.split(",")
     results: dict[str, list[dict]] = {m: [] for m in methods}
     for p in prompts:

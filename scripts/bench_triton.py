@@ -22,13 +22,11 @@ usage for the same prompt (greedy: the texts must match, and the script checks t
 from __future__ import annotations
 
 import argparse
-import http.client
 import importlib.util
 import json
 import os
 import queue
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +35,11 @@ import threading
 import time
 from urllib.parse import urlparse
 
+from _common import get, send, sse_events, tiny_bundle  # scripts/_common.py
+from specbuild.bench.served import pct, stop_process_group
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAN = float("nan")  # a percentile of no values
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
            "The three laws of thermodynamics are", "Hello world, hello world, hello", "A list of prime numbers: 2, 3, 5,",
            "The quick brown fox jumps over", "In 1969, the first humans to walk on the Moon"]
@@ -50,42 +52,20 @@ def load_getter():
     return module
 
 
-def tiny_bundle(out: str) -> str:
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from tiny import make_tiny_hf
-
-    from specbuild.compiler.compile import CompileOptions, compile_bundle
-
-    hf = make_tiny_hf(os.path.join(out, "hf"), scale=4.0)
-    return compile_bundle(hf, os.path.join(out, "bundle"), CompileOptions(dtype="float64", max_seq_len=512, max_batch_size=8))
-
-
-# ---- one streamed request per front end: returns (t_send, t_first_text, t_last, text) --------------
-def sse_lines(resp):
-    for raw in resp:
-        line = raw.decode("utf-8", "replace").strip()
-        if line.startswith("data:"):
-            yield line[5:].strip()
-
-
 def request_serve(host: str, port: int, prompt: str, args) -> tuple:
     body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "speculation": args.speculation}
-    conn = http.client.HTTPConnection(host, port, timeout=600)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
+    conn, resp = send(port, "/v1/completions", body, timeout=600, host=host)
     first = last = None
     text, tokens = [], None
-    for data in sse_lines(resp):
-        if data == "[DONE]":
+    for now, obj in sse_events(resp):
+        if obj == "[DONE]":
             break
-        obj = json.loads(data)
         if "error" in obj:
             raise RuntimeError(obj["error"])
         for c in obj.get("choices", []):
             if c.get("text"):
-                now = time.perf_counter()
                 first = first or now
                 last = now
                 text.append(c["text"])
@@ -98,19 +78,16 @@ def request_serve(host: str, port: int, prompt: str, args) -> tuple:
 def request_triton_sse(host: str, port: int, prompt: str, args) -> tuple:
     body = {"text_input": prompt, "max_tokens": args.max_tokens, "stream": True, "temperature": 0.0,
             "speculation": args.speculation}
-    conn = http.client.HTTPConnection(host, port, timeout=600)
     t0 = time.perf_counter()
-    conn.request("POST", f"/v2/models/{args.model_name}/generate_stream", json.dumps(body),
-                 {"Content-Type": "application/json"})
-    resp = conn.getresponse()
+    conn, resp = send(port, f"/v2/models/{args.model_name}/generate_stream", body, timeout=600, host=host)
     first = last = None
     text = []
-    for data in sse_lines(resp):
-        obj = json.loads(data)
+    for now, obj in sse_events(resp):
+        if obj == "[DONE]":
+            break
         if "error" in obj:
             raise RuntimeError(obj["error"])
         if obj.get("text_output"):
-            now = time.perf_counter()
             first = first or now
             last = now
             text.append(obj["text_output"])
@@ -219,19 +196,14 @@ def run_load(make_sender, prompts: list[str], concurrency: int) -> tuple[float, 
     return time.perf_counter() - t0, results
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
-
-
 def summarize(name: str, wall: float, results: list[tuple], tokens: list[int]) -> dict:
     ttft = [(r[1] - r[0]) * 1e3 for r in results if r[1] is not None]
     tpot = [(r[2] - r[1]) * 1e3 / (n - 1) for r, n in zip(results, tokens) if r[1] is not None and n > 1]
     e2e = [((r[2] or r[0]) - r[0]) * 1e3 for r in results]
     return {"front_end": name, "requests": len(results), "wall_s": round(wall, 3),
-            "tokens_per_s": round(sum(tokens) / wall, 2), "ttft_ms_p50": round(pct(ttft, 0.5), 2),
-            "ttft_ms_p90": round(pct(ttft, 0.9), 2), "tpot_ms_p50": round(pct(tpot, 0.5), 2),
-            "tpot_ms_p90": round(pct(tpot, 0.9), 2), "e2e_ms_p50": round(pct(e2e, 0.5), 2),
+            "tokens_per_s": round(sum(tokens) / wall, 2), "ttft_ms_p50": round(pct(ttft, 0.5, NAN), 2),
+            "ttft_ms_p90": round(pct(ttft, 0.9, NAN), 2), "tpot_ms_p50": round(pct(tpot, 0.5, NAN), 2),
+            "tpot_ms_p90": round(pct(tpot, 0.9, NAN), 2), "e2e_ms_p50": round(pct(e2e, 0.5, NAN), 2),
             "e2e_ms_mean": round(statistics.fmean(e2e), 2)}
 
 
@@ -270,22 +242,7 @@ def engine_flags(args) -> list[str]:
     return out + (["--threads", str(args.threads)] if args.threads else [])
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
-
-
 def start_triton(bundle: str, args, workdir: str, log) -> tuple[subprocess.Popen, int, int, float]:
-    sys.path.insert(0, ROOT)
     from specbuild.serve.tritonserver import RepoConfig, server_command, write_repository
 
     paths = load_getter().ensure()
@@ -300,15 +257,10 @@ def start_triton(bundle: str, args, workdir: str, log) -> tuple[subprocess.Popen
     while time.monotonic() - t0 < 300:
         if proc.poll() is not None:
             raise RuntimeError(f"tritonserver exited with {proc.returncode} (log: {log.name})")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", ports[0], timeout=2)
-            conn.request("GET", "/v2/health/ready")
-            if conn.getresponse().status == 200:
-                return proc, ports[0], ports[1], time.monotonic() - t0
-        except OSError:
-            pass
+        if get(ports[0], "/v2/health/ready", timeout=2)[0] == 200:
+            return proc, ports[0], ports[1], time.monotonic() - t0
         time.sleep(0.1)
-    stop(proc)
+    stop_process_group(proc)
     raise RuntimeError("tritonserver did not become ready in 300 s")
 
 
@@ -370,7 +322,7 @@ def main() -> int:
         for close in closers:
             close()
         for proc in procs:
-            stop(proc)
+            stop_process_group(proc)
     rows = []
     for front in fronts:  # the median round by throughput
         runs = sorted(per_round[front], key=lambda r: r["tokens_per_s"])

@@ -13,12 +13,9 @@ runs its loop in its own thread, as `specbuild serve` does.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
-from importlib import resources
 
 FALLBACK = [
     "Summarize the following text in two sentences: The city council met on Tuesday to discuss the new "
@@ -31,17 +28,14 @@ FALLBACK = [
 def prompts() -> list[str]:
     """One eval-split Spec-Bench question per category (summarisation and RAG first), then FALLBACK."""
     try:
-        root = resources.files("specbuild") / "data" / "spec_bench"
-        split = json.loads((root / "split.json").read_text())
-        eval_ids = set(split["eval"])
-        rows = [json.loads(line) for line in (root / "question.jsonl").read_text().splitlines() if line.strip()]
+        from specbuild.bench.specbench import held_out_questions
+
         picked = {}
-        for r in rows:  # one per category from the eval split, summarisation/RAG first
-            if r["question_id"] in eval_ids and r["category"] not in picked:
-                picked[r["category"]] = r["turns"][0]
+        for q in held_out_questions(spread=False):  # each category's first question by id
+            picked.setdefault(q["category"], q["turns"][0])
         order = ["summarization", "rag", "math_reasoning", "qa", "translation"]
         return [picked[c] for c in order if c in picked] + FALLBACK
-    except (FileNotFoundError, KeyError, json.JSONDecodeError):
+    except (OSError, ValueError, KeyError):
         return list(FALLBACK)
 
 
@@ -103,10 +97,8 @@ def main() -> None:
     if args.prompts < 1 or args.repeats < 1 or args.max_tokens < 1:
         ap.error(f"--prompts {args.prompts}, --repeats {args.repeats} and --max-tokens {args.max_tokens} must be >= 1")
 
+    from specbuild.bench.specbench import SpecbuildRunner
     from specbuild.engine.engine import Engine, EngineConfig
-    from specbuild.engine.sequence import Request
-    from specbuild.sampling.params import SamplingParams
-    from specbuild.speculation.config import SpeculationConfig
 
     engine = Engine(args.bundle, EngineConfig(threads=args.threads, compile=args.compile))
     engine.start()  # the steps run in the engine loop's own thread, handed requests as `serve` hands them
@@ -121,11 +113,9 @@ def main() -> None:
     methods = ["none"] + [m for m in wanted if m != "none"]
 
     def one(ids: list[int], method: str, max_tokens: int) -> dict:
-        spec = SpeculationConfig.make(engine.default_speculation, method=method)
-        t0 = time.perf_counter()
-        h = engine.submit(Request(prompt_ids=ids, sampling=SamplingParams(max_tokens=max_tokens), speculation=spec))
-        res = h.result()
-        return {"seconds": time.perf_counter() - t0, "tokens": res["stats"]["generated_tokens"],
+        # a row as `specbuild bench` runs it (its SpecbuildRunner: greedy, the method's settings)
+        [res], seconds = SpecbuildRunner(engine, method, max_tokens)([ids])
+        return {"seconds": seconds, "tokens": res["stats"]["generated_tokens"],
                 "token_ids": res["token_ids"], "accepted": res["stats"].get("mean_accepted_tokens") or 1.0}
 
     print(f"warming up {len(methods)} methods", file=sys.stderr, flush=True)

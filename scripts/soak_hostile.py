@@ -31,7 +31,6 @@ Exit 1 when an innocent request failed or changed its answer on the last tree gi
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import random
@@ -46,7 +45,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import soak_server  # noqa: E402  (the tiny bundle, the server process, the machine line)
-from http_client import get  # noqa: E402  (tests/helpers, on the path soak_server set)
+from _common import get, post  # noqa: E402  (scripts/_common.py: the loopback HTTP client)
 
 ATTACKS = ("tiny_temperature", "huge_grammar", "idle_sockets", "huge_headers", "echo_logprobs", "role_injection",
            "disconnects", "echo_rss")
@@ -80,21 +79,6 @@ def innocent_jobs(bundle: str) -> list[tuple[str, str, dict, list[int]]]:
                 "speculation": methods[(i + 1) % len(methods)]}
         jobs.append(("chat", "/v1/chat/completions", body, want["token_ids"]))
     return jobs
-
-
-def post(port: int, path: str, body: dict | None, raw: bytes | None = None, timeout: float = 120):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", path, body=raw if raw is not None else json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = resp.read()
-        try:
-            return resp.status, json.loads(data)
-        except ValueError:
-            return resp.status, {"raw": data[:200].decode(errors="replace")}
-    finally:
-        conn.close()
 
 
 def attempt(port: int, path: str, body: dict, timeout: float = 120) -> int | str:

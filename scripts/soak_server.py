@@ -28,7 +28,6 @@ Prints throughput (output tokens/s and requests/s over the run) and p50/p99 TTFT
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import random
@@ -41,8 +40,10 @@ import time
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests", "helpers"))  # tiny models, the HTTP client and server helpers
-from http_client import ServerProcess, get  # noqa: E402
+sys.path.insert(0, os.path.join(REPO, "tests", "helpers"))  # the tests' server process
+from _common import get, lscpu, send, sse_events, tiny_bundle  # noqa: E402  (scripts/_common.py)
+from http_client import ServerProcess  # noqa: E402
+from specbuild.bench.served import pct  # noqa: E402
 METHODS = ("none", "ngram", "draft", "medusa", "auto")
 BAD_BODIES = [
     b"{not json", b"[1, 2]", b'{"prompt": "hi", "max_tokens": "ten"}', b'{"prompt": "hi", "repetition_penalty": 1.5}',
@@ -57,27 +58,8 @@ CHAT_BAD = {b'{"messages": [{"role": "wizard", "content": "hi"}]}'}
 # ---- the bundle and the server ---------------------------------------------------------------
 def build_bundle(root: str, say=print) -> str:
     """Tiny float64 target + perturbed draft + briefly trained Medusa heads (seconds)."""
-    from tiny import make_tiny_hf, perturbed_copy
-
-    from specbuild.compiler.compile import CompileOptions, compile_bundle
-    from specbuild.train.medusa import MedusaTrainConfig, train_medusa
-
     say("building a tiny bundle (target, draft, Medusa heads) ...")
-    target = make_tiny_hf(os.path.join(root, "target"), scale=4.0, seed=3)
-    draft = perturbed_copy(target, os.path.join(root, "draft"), noise=0.08)
-    options = CompileOptions(dtype="float64", max_seq_len=1024, max_batch_size=8)
-    base = compile_bundle(target, os.path.join(root, "base"), options)
-    data = os.path.join(root, "medusa.jsonl")
-    with open(data, "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"prompt": " ".join(f"word{(i * 7 + j) % 23}" for j in range(12))}) + "\n")
-    heads = os.path.join(root, "heads")
-    train_medusa(base, data, heads, MedusaTrainConfig(num_heads=3, steps=60, batch_positions=32, lr=1e-2,
-                                                       max_prompts=10, eval_prompts=2, max_answer_tokens=24,
-                                                       bf16="off", ignore_eos=True), progress=False,
-                 log=lambda m: None)
-    return compile_bundle(target, os.path.join(root, "bundle"), options, draft=draft, medusa=heads,
-                          tree="mc_sim_7b_top10")
+    return tiny_bundle(root, draft_noise=0.08, medusa=True, seed=3, max_seq_len=1024)
 
 
 class Server(ServerProcess):
@@ -198,14 +180,12 @@ def expected_answers(bundle: str, jobs: list[Job]) -> dict[tuple, list[int]]:
 
 def run_job(port: int, job: Job) -> Outcome:
     out = Outcome(job.index, job.kind)
-    data = job.raw if job.raw is not None else json.dumps(job.body).encode()
     stream = bool(job.body and job.body.get("stream"))
     for attempt in range(50):  # 429: retry after its Retry-After (bounded)
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn = None
         try:
             t0 = time.perf_counter()
-            conn.request("POST", job.path, body=data, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
+            conn, resp = send(port, job.path, job.body, job.raw)
             out.status = resp.status
             if resp.status == 429:
                 resp.read()
@@ -221,18 +201,10 @@ def run_job(port: int, job: Job) -> Outcome:
                     out.tokens = body["usage"]["completion_tokens"]
                 return out
             times, tokens, chunks = [], [], 0
-            while True:
-                line = resp.readline()
-                if not line:
-                    break
-                line = line.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[6:]
-                if payload == b"[DONE]":
+            for at, event in sse_events(resp):
+                if event == "[DONE]":
                     out.done = True
                     break
-                event = json.loads(payload)
                 if "error" in event:
                     out.error = str(event["error"])
                     continue
@@ -241,7 +213,7 @@ def run_job(port: int, job: Job) -> Outcome:
                 for c in event["choices"]:
                     new = c.get("token_ids") or []
                     if new:
-                        times.append(time.perf_counter())
+                        times.append(at)
                         tokens += new
                 chunks += 1
                 if job.kind == "cancel" and chunks >= 3:
@@ -256,16 +228,10 @@ def run_job(port: int, job: Job) -> Outcome:
             out.error = f"{type(e).__name__}: {e}"
             return out
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
     out.error = "still 429 after 50 tries"
     return out
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
 def cpu_seconds(pid: int | None) -> float | None:
@@ -367,9 +333,8 @@ def soak(port: int, jobs: list[Job], expect: dict[tuple, list[int]], clients: in
 
 
 def machine() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except OSError:
+    text = lscpu()
+    if not text:
         return "lscpu unavailable"
     model = re.search(r"Model name:\s*(.*)", text)
     flags = re.search(r"Flags:\s*(.*)", text)

@@ -119,15 +119,9 @@ def held_out_prompts(n: int, max_chars: int | None = CHAT_CHARS) -> list[list[di
     """The first turn of `n` questions of the held-out Spec-Bench split (the eval split the
     drafters never trained on), spread over its task groups: one chat each. `max_chars`: only
     questions at most this long (chat-sized; None: any, documents of ~1,000 tokens included)."""
-    from specbuild.bench import specbench as B
+    from specbuild.bench.specbench import held_out_questions
 
-    fits = None if max_chars is None else (lambda q: len(q["turns"][0]) <= max_chars)
-    chosen = B.select_questions(B.load_questions(), B.load_split(), "eval", per_category=max(1, n), fits=fits)
-    by_group: dict[str, list[dict]] = {}
-    for q in chosen:
-        by_group.setdefault(B.task_group(q["category"]), []).append(q)
-    spread = [qs[i] for i in range(max(len(v) for v in by_group.values())) for qs in by_group.values() if i < len(qs)]
-    return [[{"role": "user", "content": q["turns"][0]}] for q in spread[:n]]
+    return [[{"role": "user", "content": q["turns"][0]}] for q in held_out_questions(n, max_chars)]
 
 
 # ---- servers ---------------------------------------------------------------------------------
@@ -272,9 +266,11 @@ def stream_chat(port: int, messages: list[dict], max_tokens: int, extra: dict, t
     return {"text": "".join(parts), "tokens": tokens, "ttft": ttft, "tpot": tpot, "seconds": end - t0}
 
 
-def pct(values: list[float], q: float) -> float | None:
+def pct(values: list[float], q: float, empty: float | None = None) -> float | None:
+    """The `q` quantile (0..1) of `values`, nearest rank; `empty` when there are none. The one
+    percentile of the benchmarks and scripts/."""
     if not values:
-        return None
+        return empty
     v = sorted(values)
     return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
 

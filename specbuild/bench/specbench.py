@@ -133,6 +133,22 @@ def select_questions(questions: list[dict], split: dict, which: str = "eval",
     return chosen
 
 
+def held_out_questions(n: int | None = None, max_chars: int | None = None, spread: bool = True) -> list[dict]:
+    """Questions of the packaged held-out (eval) split whose first turn is at most `max_chars`
+    long (None: any), the first `n` (None: all). `spread`: taken in turn from each task group
+    (GROUPS order), so a few spread over the groups; else group after group as
+    `select_questions` orders them. The scripts' and the served benchmark's prompt set."""
+    fits = None if max_chars is None else (lambda q: len(q["turns"][0]) <= max_chars)
+    chosen = select_questions(load_questions(), load_split(), "eval", fits=fits)
+    if spread:
+        by_group: dict[str, list[dict]] = {}
+        for q in chosen:
+            by_group.setdefault(task_group(q["category"]), []).append(q)
+        chosen = [qs[i] for i in range(max((len(v) for v in by_group.values()), default=0))
+                  for qs in by_group.values() if i < len(qs)]
+    return chosen if n is None else chosen[:n]
+
+
 # ---- multi-turn conversations -------------------------------------------------------------
 def chat_messages(turns: list[str], answers: list[str]) -> list[dict]:
     """User turns interleaved with the answers so far, ending with the next user turn."""
