@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gamma", type=int, default=4, help="fixed draft length (0: dynamic)")
     args = ap.parse_args()
-    engines = {s: Engine(args.bundle, EngineConfig(threads=args.threads, max_batch_size=args.batch_size, binning=s))
+    engines = {s: Engine(args.bundle, EngineConfig(prefix_cache=False, threads=args.threads, max_batch_size=args.batch_size, binning=s))
                for s in ("ragged", "padded", "bins")}
     any_engine = engines["ragged"]
     questions = B.select_questions(B.load_questions(), B.load_split(), "eval", per_category=2)[:args.batch_size]

@@ -81,7 +81,7 @@ def main() -> None:
             os.environ["SPECBUILD_ROWS_ATTENTION"] = "0" if "sdpa" in extras else "1"
             cpu_kernels.reset_choices()
             label = kernel if path == args.bundle else f"{os.path.basename(path.rstrip('/'))} {kernel}"
-            engines[label] = Engine(path, EngineConfig(threads=args.threads, max_batch_size=1,
+            engines[label] = Engine(path, EngineConfig(prefix_cache=False, threads=args.threads, max_batch_size=1,
                                                        compile=not args.no_compile))
             pooled[label] = "pool" in extras
     os.environ.pop("SPECBUILD_ROWS_ATTENTION", None)

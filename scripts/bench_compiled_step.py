@@ -105,7 +105,7 @@ def main() -> None:
     from specbuild.model.threads import CHOSEN
     from specbuild.model.timing import copy_bandwidth, forward_costs, scratch_sequence, verify_batch, warm_up_compiled
 
-    engine = Engine(args.bundle, EngineConfig(threads=args.threads, max_batch_size=1, compile=True))
+    engine = Engine(args.bundle, EngineConfig(prefix_cache=False, threads=args.threads, max_batch_size=1, compile=True))
     model, cache = engine.model, engine.cache
     stacks, compile_s = {}, {}
     engine_stack = model.compiled  # the engine's own (INDUCTOR_OPTIONS), before any candidate replaces it

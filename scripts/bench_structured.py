@@ -40,7 +40,7 @@ def main() -> None:
     methods = args.methods.split(",")
     if methods[0] != "none":
         methods = ["none"] + [m for m in methods if m != "none"]
-    engine = Engine(args.bundle, EngineConfig(threads=args.threads, max_batch_size=1))
+    engine = Engine(args.bundle, EngineConfig(prefix_cache=False, threads=args.threads, max_batch_size=1))
     tasks = load_tasks("eval", args.per_category)
     rows = {(m, c): {"tokens": 0, "seconds": 0.0, "valid": 0, "n": 0, "same": 0, "mask_ms": 0.0}
             for m in methods for c in (True, False)}

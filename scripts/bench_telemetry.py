@@ -103,7 +103,7 @@ def main() -> None:
     args = ap.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="specbuild-telemetry-bench-")
     os.makedirs(out, exist_ok=True)
-    engine = Engine(args.bundle, EngineConfig(threads=args.threads, max_batch_size=1))
+    engine = Engine(args.bundle, EngineConfig(prefix_cache=False, threads=args.threads, max_batch_size=1))
     questions = B.load_questions()
     split = B.load_split()
     evalq = B.select_questions(questions, split, "eval", args.per_category)

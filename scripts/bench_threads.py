@@ -81,7 +81,7 @@ def worker(bundle: str, threads, torch_first: bool, tokens: int) -> None:
     from specbuild.model.threads import CHOSEN
 
     compile_ = os.environ.get("SPECBUILD_BENCH_THREADS_COMPILE") == "1"  # --compile, from the parent
-    engine = Engine(bundle, EngineConfig(threads=threads, max_batch_size=1, compile=compile_))
+    engine = Engine(bundle, EngineConfig(prefix_cache=False, threads=threads, max_batch_size=1, compile=compile_))
     prompt = engine.encode(engine.render_chat([{"role": "user", "content": "Tell me a story about a dragon."}]),
                            add_special_tokens=False)
     decode_step_ms(engine, prompt, 8, 1)  # warm-up

@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--no-parallel", action="store_true", help="parallel_tool_calls false (one call per answer)")
     ap.add_argument("--out", help="write every answer (text, message, finish reason) to this JSON file")
     args = ap.parse_args()
-    engine = Engine(args.bundle, EngineConfig(threads=args.threads))
+    engine = Engine(args.bundle, EngineConfig(prefix_cache=False, threads=args.threads))
     server = OpenAIServer(engine)
     text = resources.files("specbuild").joinpath("data", "tools", "prompts.json").read_text(encoding="utf-8")
     prompts = json.loads(text)["prompts"][:args.limit]

@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--methods", default="draft,ngram")
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args()
-    engine = Engine(args.bundle, EngineConfig(threads=1))
+    engine = Engine(args.bundle, EngineConfig(prefix_cache=False, threads=1))
 
     def run(method: str) -> list[dict]:
         return engine.generate([Request(prompt=p, logprobs=0, sampling=SamplingParams(max_tokens=args.max_tokens),

@@ -113,7 +113,9 @@ def main() -> None:
     methods = ["none"] + [m for m in wanted if m != "none"]
 
     def one(ids: list[int], method: str, max_tokens: int) -> dict:
-        # a row as `specbuild bench` runs it (its SpecbuildRunner: greedy, the method's settings)
+        # a row as `specbuild bench` runs it (its SpecbuildRunner: greedy, the method's settings),
+        # from an empty prefix cache: each run computes its prompt, whatever ran before it
+        engine.clear_prefix_cache()
         [res], seconds = SpecbuildRunner(engine, method, max_tokens)([ids])
         return {"seconds": seconds, "tokens": res["stats"]["generated_tokens"],
                 "token_ids": res["token_ids"], "accepted": res["stats"].get("mean_accepted_tokens") or 1.0}

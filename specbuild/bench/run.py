@@ -278,6 +278,7 @@ def measure_rows(rows: list[tuple], chosen: list[dict], cfg: BenchConfig, render
         for rep in range(cfg.repeats):
             for i, ((record, runner), rec) in enumerate(zip(rows, records)):
                 B.restore_drafter_state(runner, states[i])
+                B.clear_prefix_cache(runner)
                 turns, seconds = B.run_conversations(runner, render, qs)
                 if rep == cfg.repeats - 1:
                     states[i] = B.drafter_state(runner)

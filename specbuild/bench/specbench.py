@@ -245,6 +245,15 @@ def restore_drafter_state(runner, state: dict | None) -> None:
             p.restore((state or {}).get(name))
 
 
+def clear_prefix_cache(runner) -> None:
+    """Start a row's run with an empty prefix cache (Engine.clear_prefix_cache): a row reuses
+    the KV of its own conversations' earlier turns, as a served chat does, never another row's
+    or its own earlier repeat's prompts."""
+    clear = getattr(getattr(runner, "engine", None), "clear_prefix_cache", None)
+    if clear is not None:
+        clear()
+
+
 class TransformersRunner:
     """transformers' `generate`, greedy, one prompt at a time (prompt lookup and assisted
     generation take batch 1). mode: plain | prompt_lookup | assisted."""

@@ -512,6 +512,12 @@ class Engine(BaseEngine):
         """(used, total) KV cache blocks, for stats()."""
         return self.cache.used_blocks, self.cache.num_blocks
 
+    def clear_prefix_cache(self) -> int:
+        """Forget every recorded prefix block (thread-safe): benchmarks start each row cold, so
+        a row never reuses another row's prompts. Returns the records dropped."""
+        with self._lock:
+            return self.cache.forget()
+
     def abort(self, handle: Handle) -> None:
         """Stop a request and free its KV blocks (thread-safe)."""
         with self._lock:

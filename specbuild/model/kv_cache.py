@@ -291,6 +291,19 @@ class PagedKVCache:
                             torch.arange(b * bs, b * bs + n % bs).to(self.device))
         dst.length = n
 
+    def forget(self) -> int:
+        """Drop every record (benchmarks: each row starts with an empty prefix cache); unheld
+        recorded blocks go back to the free list, held ones stay with their tables. Returns the
+        number of records dropped."""
+        n = len(self.cached)
+        self.free.extend(self.evictable)
+        self.evictable.clear()
+        self.cached.clear()
+        self.block_hash.clear()
+        for seq in self.seqs.values():
+            seq.registered = len(seq.table)  # their blocks are not offered again
+        return n
+
     def prefix_stats(self) -> dict:
         c = self.counters
         return {**c, "hit_rate": round(c["hit_tokens"] / c["queried_tokens"], 4) if c["queried_tokens"] else 0.0,

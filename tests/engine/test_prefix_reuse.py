@@ -256,3 +256,14 @@ def test_where_rows_agree_the_reply_is_reused_too(agree_bundle, sampled):
     # the reply's full blocks too: turn 1's 84 prompt tokens + 24 generated = 108 -> 6 blocks
     assert on2["stats"]["cached_tokens"] == 96
     on.cache.check()
+
+
+def test_clear_prefix_cache_starts_cold(bundle):
+    """What `specbuild bench` calls before each row: the next request computes its prompt."""
+    engine = Engine(bundle, EngineConfig(max_batch_size=2))
+    run(engine, [request(TURN1, max_tokens=2)])
+    assert run(engine, [request(TURN1 + [1], max_tokens=2)])[0]["stats"]["cached_tokens"] == 80
+    assert engine.clear_prefix_cache() > 0
+    assert run(engine, [request(TURN1 + [1], max_tokens=2)])[0]["stats"]["cached_tokens"] == 0
+    engine.cache.check()
+    assert engine.cache.free_blocks == engine.cache.num_blocks

@@ -294,3 +294,19 @@ def test_random_churn_with_reuse_keeps_the_pool_whole_and_rows_right(seed):
         cache.release(s)
     cache.check()
     assert cache.free_blocks == cache.num_blocks
+
+
+def test_forget_drops_every_record_and_frees_unheld_blocks():
+    cache = make_cache(num_blocks=8)
+    text = list(range(1, 14))
+    prefill(cache, 1, text)
+    prefill(cache, 2, text[:9] + [50, 51])
+    cache.release(1)
+    assert cache.evictable and cache.cached
+    assert cache.forget() > 0
+    cache.check()
+    assert not cache.cached and not cache.evictable and cache.lookup(text, 12) == 0
+    assert len(cache.free) == 8 - len(cache.seqs[2].table)
+    cache.release(2)
+    assert cache.free_blocks == 8
+    cache.check()
