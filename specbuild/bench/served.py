@@ -225,7 +225,8 @@ def llama_command(binary: str, gguf: str, port: int, threads: int, slots: int, r
 # ---- clients ---------------------------------------------------------------------------------
 def stream_chat(port: int, messages: list[dict], max_tokens: int, extra: dict, timeout: float) -> dict:
     """One streamed chat completion: text, output tokens (the usage chunk where the server sends
-    one, else the content chunks), TTFT and TPOT (first to last content chunk over tokens - 1)."""
+    one, else the content chunks), TTFT and TPOT (first to last content chunk over tokens - 1),
+    and the prompt tokens the server reports cached."""
     body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                        "stream_options": {"include_usage": True}, **extra}).encode()
     t0 = time.perf_counter()
@@ -263,7 +264,11 @@ def stream_chat(port: int, messages: list[dict], max_tokens: int, extra: dict, t
     tokens = int(usage["completion_tokens"]) if usage and usage.get("completion_tokens") is not None else chunks
     ttft = (first - t0) if first is not None else end - t0
     tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
-    return {"text": "".join(parts), "tokens": tokens, "ttft": ttft, "tpot": tpot, "seconds": end - t0}
+    # prompt tokens the server took from its prefix cache (OpenAI's usage.prompt_tokens_details; llama-server
+    # sends its own count in the same field); None where the server says nothing
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return {"text": "".join(parts), "tokens": tokens, "ttft": ttft, "tpot": tpot, "seconds": end - t0,
+            "cached_tokens": cached}
 
 
 def pct(values: list[float], q: float, empty: float | None = None) -> float | None:

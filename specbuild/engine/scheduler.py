@@ -13,9 +13,14 @@ the whole text again after a repair (`num_cached = 0` re-prefills). When a seque
 pending tokens all fit in this step, the last row's logits (and those of any drafts)
 are read and new tokens are produced.
 
-The scheduler calls the speculator four times: `propose` and `settle` (the latter inside
-StepRunner) every step, `rollback` when it re-prefills or copies a prompt's K/V, `release`
-when a request ends. Requests without speculation go the same way: their verdict is one
+The scheduler reaches the speculator through `propose` and `settle` (the latter inside
+StepRunner) and `on_step` every step, `rollback` when it re-prefills, shares a prompt's K/V or
+adopts recorded blocks, `reads_rows` at admission (may the sequence reuse a cached prefix?) and
+`release` when a request ends.
+
+Prefix caching: admitted prompts adopt the recorded blocks that begin them (`adopt_prefix`),
+again each step while they prefill; committed full blocks are recorded after every step and at
+release (`record_prefix`; model/kv_cache.py has the rules). Requests without speculation go the same way: their verdict is one
 sampled token.
 
 Fault isolation: an exception raised while one sequence's tokens are chosen (its penalties
