@@ -117,7 +117,8 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
         click.echo(f"rank {ctx.rank}: {threads} thread{'s' if threads != 1 else ''} ({why})", err=True)
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s{tag} %(levelname)s %(name)s: %(message)s")
     if ctx.role == "drafter":
-        serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout)
+        serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout,
+                     not no_prefix_cache)
     transport = engine = sink = minedraft = None
     try:
         from specbuild.backends.select import open_engine
@@ -213,7 +214,8 @@ def serve_engine_part(ctx, engine) -> None:
     sys.exit(0)
 
 
-def serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout):
+def serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout,
+                 prefix_cache=True):
     """Rank 1: run the draft model for rank 0 until it stops or is gone; never returns."""
     from specbuild.dist.draft_worker import run_draft_rank
     from specbuild.engine.engine import EngineConfig
@@ -222,7 +224,8 @@ def serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, 
     signal.signal(signal.SIGINT, lambda signum, frame: os._exit(0))
     try:
         rc = run_draft_rank(ctx, bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
-                                                      kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk),
+                                                      kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
+                                                      prefix_cache=prefix_cache),
                             draft_timeout)
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: draft rank: {e}", err=True)

@@ -44,7 +44,7 @@ log = logging.getLogger("specbuild.draft_worker")
 
 KIND_DRAFT, KIND_RELEASE, KIND_STOP, KIND_PREFILL = 1, 2, 3, 4
 TAG_REQUEST, TAG_REPLY, TAG_PROBS, TAG_HELLO = 11, 12, 13, 14
-REQ_HEAD, REQ_FIELDS = 4, 9
+REQ_HEAD, REQ_FIELDS = 4, 10
 REP_HEAD, REP_FIELDS = 6, 3
 HELLO_LEN = 4  # pid, vocab, draft cache blocks, 0
 DRAFT_SEED_SALT = 0x5DEECE66D  # the drafter's uniforms: a stream apart from the verifier's
@@ -63,7 +63,7 @@ def encode_request(kind: int, step: int, orders: list[Order], releases: list[int
     fields, tokens = [], []
     for o in orders:
         fields += [o.seq_id, o.keep, o.sent_before, len(o.new_tokens), o.gamma, o.top_k, o.seed,
-                   f2i(o.temperature), f2i(o.top_p)]
+                   f2i(o.temperature), f2i(o.top_p), o.salt]
         tokens += o.new_tokens
     return np.array(head + fields + tokens + list(releases), dtype=np.int64)
 
@@ -73,9 +73,9 @@ def decode_request(buf: np.ndarray) -> tuple[int, int, list[Order], list[int]]:
     rows = buf[REQ_HEAD:REQ_HEAD + n * REQ_FIELDS].reshape(n, REQ_FIELDS).tolist()
     t = REQ_HEAD + n * REQ_FIELDS
     orders = []
-    for seq_id, keep, sent_before, n_new, gamma, top_k, seed, temp, top_p in rows:
+    for seq_id, keep, sent_before, n_new, gamma, top_k, seed, temp, top_p, salt in rows:
         orders.append(Order(seq_id, keep, sent_before, buf[t:t + n_new].tolist(), gamma, top_k, seed,
-                            i2f(temp), i2f(top_p)))
+                            i2f(temp), i2f(top_p), salt))
         t += n_new
     return kind, step, orders, buf[t:t + n_release].tolist()
 
@@ -117,9 +117,10 @@ def decode_reply(meta: np.ndarray, probs: np.ndarray, sampled: set[int]) -> tupl
 class MirrorSeq:
     """What DraftModelProposer needs of a sequence, kept on the draft rank."""
 
-    def __init__(self, seq_id: int, params: SamplingParams) -> None:
+    def __init__(self, seq_id: int, params: SamplingParams, salt: int = 0) -> None:
         self.seq_id = seq_id
         self.params = params
+        self.salt = salt  # the request's cache_salt (kv_cache.salt_key): the draft cache's prefix reuse
         self.all_ids: list[int] = []
         self.generator = torch.Generator().manual_seed((params.seed ^ DRAFT_SEED_SALT) % (1 << 63))
 
@@ -151,7 +152,7 @@ class DraftWorker:
                 self.drop(o.seq_id)
                 continue
             params = SamplingParams(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, seed=o.seed)
-            mirror = self.mirrors[o.seq_id] = MirrorSeq(o.seq_id, params)
+            mirror = self.mirrors[o.seq_id] = MirrorSeq(o.seq_id, params, o.salt)
             mirror.all_ids.extend(o.new_tokens)
             mirrors.append(mirror)
         try:
@@ -180,7 +181,7 @@ class DraftWorker:
             mirror = self.mirrors.get(o.seq_id)
             if mirror is None and o.sent_before == 0:
                 params = SamplingParams(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, seed=o.seed)
-                mirror = self.mirrors[o.seq_id] = MirrorSeq(o.seq_id, params)
+                mirror = self.mirrors[o.seq_id] = MirrorSeq(o.seq_id, params, o.salt)
             if mirror is None or len(mirror.all_ids) != o.sent_before:
                 log.warning("sequence %d: drafter holds %s tokens, verifier expected %d; asking for a resync",
                             o.seq_id, None if mirror is None else len(mirror.all_ids), o.sent_before)
@@ -315,7 +316,8 @@ def load_draft_proposer(bundle_dir: str, config):
     model = Decoder(read_model_config(draft_dir), weights, limits.max_seq_len + limits.max_draft_len + 2,
                     device=config.device)
     attach_format_plans(model, limits.max_draft_len)
-    return DraftModelProposer(model, num_blocks, target_vocab, config.block_size, vocab_map=vocab_map), target_vocab
+    return DraftModelProposer(model, num_blocks, target_vocab, config.block_size, vocab_map=vocab_map,
+                              prefix_cache=config.prefix_cache), target_vocab
 
 
 def run_draft_rank(ctx, bundle_dir: str, config, timeout_s: float) -> int:

@@ -62,6 +62,16 @@ def salt_root(salt: str | None) -> bytes:
     return b"" if not salt else hashlib.blake2b(b"salt:" + salt.encode(), digest_size=16).digest()
 
 
+def salt_key(salt: str | None) -> int:
+    """A cache_salt as a non-negative int64 (0: none), for caches in another process (MineDraft's
+    draft rank gets it in each order); key_root turns it back into a chain root."""
+    return 0 if not salt else int.from_bytes(salt_root(salt)[:8], "little") >> 1 or 1
+
+
+def key_root(key: int) -> bytes:
+    return b"" if not key else key.to_bytes(8, "little")
+
+
 class PagedKVCache:
     """K/V storage for one model role. k, v: [layers, num_slots, kv_heads, head_dim]."""
 

@@ -71,8 +71,11 @@ def loopback_engine(bundle, fail_after=None, **config):
 # ---- wire format ---------------------------------------------------------------------------------
 def test_request_and_reply_round_trip():
     gen = torch.Generator().manual_seed(0)
-    orders = [W.Order(7, 12, 13, [1, 2, 3], 4, 5, 2**62 + 1, 0.7, 0.9),
+    from specbuild.model.kv_cache import salt_key
+
+    orders = [W.Order(7, 12, 13, [1, 2, 3], 4, 5, 2**62 + 1, 0.7, 0.9, salt_key("tenant")),
               W.Order(9, 0, 0, list(range(40)), 2, 0, 3, 0.0, 1.0)]
+    assert orders[0].salt > 0 and orders[1].salt == 0
     buf = W.encode_request(W.KIND_DRAFT, 11, orders, [3, 4])
     assert buf.dtype == np.int64
     kind, step, back, releases = W.decode_request(buf)
@@ -303,6 +306,31 @@ def test_world_size_checks():
     roles = [DistContext(r, 4, leader_mode=True) for r in range(4)]
     assert [c.role for c in roles] == ["leader", "worker", "worker", "worker"] and roles[1].peer is None
     assert [DistContext(r, 2).role for r in range(2)] == ["verifier", "drafter"]
+
+
+def test_the_draft_rank_reuses_prefixes_in_its_own_cache(bundle):
+    """MineDraft over the in-process link: the draft rank's cache adopts the blocks of a text it
+    computed for an earlier request (drafts only), salted requests apart; output unchanged."""
+    md_engine, _, worker = loopback_engine(bundle)
+    off = Engine(bundle, EngineConfig(max_batch_size=4, threads=1, prefix_cache=False))
+    spec = SpeculationConfig.make(None, method="draft", gamma=3)
+    turn1 = list(range(30, 90)) + [5, 6, 7, 8] * 4
+
+    def ask(engine, prompt, salt=None):
+        return engine.generate([Request(prompt_ids=prompt, speculation=spec, cache_salt=salt,
+                                        sampling=SamplingParams(max_tokens=12, ignore_eos=True))])[0]
+
+    first = ask(md_engine, turn1)
+    draft_cache = worker.proposer.cache
+    before = draft_cache.counters["hit_tokens"]
+    second = ask(md_engine, turn1 + first["token_ids"] + [41, 42])
+    assert draft_cache.counters["hit_tokens"] - before >= 64
+    assert second["token_ids"] == ask(off, turn1 + first["token_ids"] + [41, 42])["token_ids"]
+    assert second["stats"]["cached_tokens"] >= 64 and second["stats"]["drafted"] > 0
+    hits = draft_cache.counters["hit_tokens"]
+    ask(md_engine, turn1 + [9], salt="other tenant")
+    assert draft_cache.counters["hit_tokens"] == hits  # another salt: nothing shared on either rank
+    draft_cache.check()
 
 
 # ---- the real thing: two ranks under mpirun ----------------------------------------------------------

@@ -81,6 +81,10 @@ def test_second_turn_is_identical_with_the_cache_and_reuses_the_first(engines, m
     # turn 2 reuses at least turn 1's prompt (its full blocks) and what the reply completed
     assert on2["stats"]["cached_tokens"] >= len(TURN1) // 16 * 16
     assert on2["stats"]["cached_tokens"] % 16 == 0 and on2["stats"]["cached_tokens"] < on2["stats"]["prompt_tokens"]
+    if method == "draft":  # the draft model's own cache reuses its blocks of turn 1 too (drafts only)
+        draft = on.speculator.proposers["draft"].cache
+        assert draft.counters["hit_tokens"] > 0
+        draft.check()
     if method not in ("none", "auto"):  # auto may measure plain decoding faster here and not draft
         drafted = on1["stats"]["drafted"] + on2["stats"]["drafted"]
         accepted = on1["stats"]["accepted"] + on2["stats"]["accepted"]

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from specbuild.model.decoder import Decoder, ForwardBatch, ragged_mask
+from specbuild.model.kv_cache import key_root, salt_key
 from specbuild.sampling.params import sample_from, warp_probs
 from specbuild.speculation.proposers.base import Draft, DrafterBase
 
@@ -26,8 +27,12 @@ class DraftModelProposer(DrafterBase):
     emit = None  # callable(seq, kind, detail) or None: cache desync reports (Speculator.set_emit)
 
     def __init__(self, model: Decoder, num_blocks: int, target_vocab: int, block_size: int = 16,
-                 vocab_map: torch.Tensor | None = None) -> None:
+                 vocab_map: torch.Tensor | None = None, prefix_cache: bool = True) -> None:
         self.model = model
+        # prefix reuse in the draft's own cache (model/kv_cache.py): a new sequence adopts the
+        # recorded blocks that begin its text, and committed text is recorded before each draft.
+        # Drafts only: the target checks every token, so this never changes output
+        self.prefix_cache = prefix_cache
         self.cache = model.new_cache(num_blocks, block_size)
         self.vocab_map = vocab_map  # [draft_vocab] target ids of the draft's outputs, or None
         self.target_vocab = target_vocab
@@ -35,8 +40,24 @@ class DraftModelProposer(DrafterBase):
 
     def _ensure(self, seq) -> None:
         if seq.seq_id not in self.cache.seqs:
-            self.cache.add(seq.seq_id)
+            self.cache.add(seq.seq_id, key_root(self.salt_of(seq)))
             self.lengths[seq.seq_id] = 0
+            if self.prefix_cache:
+                self.lengths[seq.seq_id] = self.cache.extend(seq.seq_id, seq.all_ids, len(seq.all_ids) - 1,
+                                                             query=True)
+
+    @staticmethod
+    def salt_of(seq) -> int:
+        """The sequence's cache_salt as salt_key's int (a MineDraft mirror carries it as `salt`)."""
+        if hasattr(seq, "salt"):
+            return seq.salt
+        request = getattr(seq, "request", None)
+        return salt_key(getattr(request, "cache_salt", None))
+
+    def _record(self, seq) -> None:
+        """Offer the committed text held in the draft cache (drafts were rolled back) for reuse."""
+        if self.prefix_cache:
+            self.cache.register(seq.seq_id, seq.all_ids, self.lengths[seq.seq_id])
 
     def _forward(self, rows: list[tuple[object, list[int]]]) -> torch.Tensor:
         """Feed tokens[i] to seqs[i] (ragged); returns last-row logits [len(rows), vocab]."""
@@ -92,6 +113,7 @@ class DraftModelProposer(DrafterBase):
                     self.emit(seq, "kv_desync", {"cache": "draft", "have": self.lengths[seq.seq_id],
                                                  "expected": len(ids) - 1, "repair": "re-prefill"})
                 self.rollback(seq, 0)
+            self._record(seq)
             rows.append((seq, ids[self.lengths[seq.seq_id]:]))
         live = active
         for step in range(max(g for _, _, g in active)):
@@ -130,6 +152,7 @@ class DraftModelProposer(DrafterBase):
         rows = []
         for seq in seqs:
             self._ensure(seq)
+            self._record(seq)
             todo = seq.all_ids[self.lengths[seq.seq_id]:len(seq.all_ids) - 1]
             if todo:
                 rows.append((seq, todo))
@@ -156,4 +179,4 @@ def build(ctx) -> DraftModelProposer | None:
         return None
     model, vocab_map = ctx.load_model("draft")
     return DraftModelProposer(model, ctx.cache.num_blocks, ctx.vocab_size, ctx.config.block_size,
-                              vocab_map=vocab_map)
+                              vocab_map=vocab_map, prefix_cache=ctx.config.prefix_cache)

@@ -60,6 +60,14 @@ class Order:
     seed: int = 0
     temperature: float = 0.0
     top_p: float = 1.0
+    salt: int = 0  # the request's cache_salt as kv_cache.salt_key (0: none): the draft rank's prefix reuse
+
+
+def request_salt(seq) -> int:
+    """seq's cache_salt as the int an Order carries."""
+    from specbuild.model.kv_cache import salt_key
+
+    return salt_key(getattr(getattr(seq, "request", None), "cache_salt", None))
 
 
 @dataclass
@@ -120,7 +128,7 @@ class RemoteDraftProposer(DrafterBase):
             # the draft cache may hold at most the committed text (never past len - 1)
             keep = min(st.keep, len(ids) - 1) if sent else 0
             orders.append(Order(seq.seq_id, keep, sent, ids[sent:], gamma, p.top_k, p.seed,
-                                float(p.temperature), float(p.top_p)))
+                                float(p.temperature), float(p.top_p), request_salt(seq)))
             st.sent, st.keep = len(ids), NO_ROLLBACK
             st.drafted = True  # the draft cache now holds K/V of drafted tokens
         prob_rows = sum(g for s, g in pairs if not s.params.greedy)
@@ -143,7 +151,7 @@ class RemoteDraftProposer(DrafterBase):
         for seq in seqs:
             p = seq.params
             orders.append(Order(seq.seq_id, 0, 0, list(seq.all_ids), 0, p.top_k, p.seed,
-                                float(p.temperature), float(p.top_p)))
+                                float(p.temperature), float(p.top_p), request_salt(seq)))
             st = self.state(seq)
             st.sent, st.keep = len(seq.all_ids), NO_ROLLBACK
             st.drafted = False  # only committed text so far: valid at any target length
