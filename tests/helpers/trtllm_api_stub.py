@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 import json
 import os
 import pickle
@@ -38,11 +39,98 @@ from typing import Any, List, Optional
 
 from trtllm_stub import oracle
 
+from specbuild.formats.trtllm_support import release
+
 STUB_VERSION = "1.2.0"
 STUB_HIDDEN: set[str] = set()  # llmapi names a test removes, to stand in for a release without them
+# ("interface" removes _torch/speculative/interface.py's decision functions, so specbuild falls back to its table)
+STUB_SM = 90  # what the stand-in's get_sm_version() answers: a Hopper GPU
 EAGLE3_CLASS_FROM = (1, 3)  # the stand-in exports Eagle3DecodingConfig from this release (before: EagleDecodingConfig)
 _TORCH_LLM_ARGS = {"speculative_config", "max_batch_size", "max_seq_len", "max_num_tokens", "kv_cache_config",
                    "enable_chunked_prefill", "disable_overlap_scheduler", "cuda_graph_config", "attn_backend"}
+
+
+# ---- _torch/speculative/interface.py and _torch/attention_backend, by release -------------------------
+# The rules as read (formats/trtllm_support.py's table cites them): the 1.0 line's file has
+# attention_need_spec_dec_mode(self) = one-model EAGLE-3 only and extend_ctx true off SM 100; commit
+# 00b6d5a2 (1.1 on) takes (spec_resource_manager, is_draft_model, attention_backend, use_chain_drafter)
+# and puts two-model targets on TRTLLM attention in multi-token query mode, extend_ctx where SM >= 120;
+# from 1.3 DraftTargetDecodingConfig's mode is DRAFT_TARGET_ONE_MODEL (an external drafter: one engine).
+class AttentionBackend:
+    pass
+
+
+class TrtllmAttention(AttentionBackend):
+    pass
+
+
+class FlashInferAttention(AttentionBackend):
+    pass
+
+
+class VanillaAttention(AttentionBackend):
+    pass
+
+
+def get_attention_backend(backend_name: str):
+    return {"VANILLA": VanillaAttention, "FLASHINFER": FlashInferAttention}.get(backend_name, TrtllmAttention)
+
+
+def get_sm_version() -> int:
+    return STUB_SM
+
+
+_MODES = ["EAGLE3", "EAGLE3_ONE_MODEL", "NGRAM", "DRAFT_TARGET", "DRAFT_TARGET_ONE_MODEL", "USER_PROVIDED", "NONE"]
+
+
+class _ModeCommon:
+    def use_one_engine(self):
+        return self.name in ("EAGLE3_ONE_MODEL", "DRAFT_TARGET_ONE_MODEL")
+
+
+class _Rules10(_ModeCommon):
+    def extend_ctx(self, attention_backend):
+        if self.use_one_engine():
+            return False
+        return not issubclass(attention_backend, TrtllmAttention) or get_sm_version() != 100
+
+    def attention_need_spec_dec_mode(self):
+        return self.name == "EAGLE3_ONE_MODEL"
+
+
+class _Rules11(_ModeCommon):
+    def extend_ctx(self, attention_backend):
+        if self.use_one_engine():
+            return False
+        return not issubclass(attention_backend, TrtllmAttention) or not get_sm_version() < 120
+
+    def attention_need_spec_dec_mode(self, spec_resource_manager, is_draft_model, attention_backend,
+                                     use_chain_drafter):
+        trtllm = issubclass(attention_backend, TrtllmAttention)
+        return self.use_one_engine() or (not is_draft_model and trtllm)
+
+
+SpeculativeDecodingMode10 = enum.IntEnum("SpeculativeDecodingMode", _MODES, type=_Rules10)
+SpeculativeDecodingMode11 = enum.IntEnum("SpeculativeDecodingMode", _MODES, type=_Rules11)
+
+
+def _mode_class():
+    rel = release(STUB_VERSION) or (9,)
+    return SpeculativeDecodingMode10 if rel[:2] < (1, 1) else SpeculativeDecodingMode11
+
+
+def _mode(name: str):
+    return _mode_class()[name]
+
+
+def multi_query(spec, attn_backend) -> bool:
+    """What the stand-in's release decides for this target (the LLM refuses a group its XQA lacks)."""
+    mode, attention = spec.spec_dec_mode, get_attention_backend(attn_backend or "TRTLLM")
+    if isinstance(mode, SpeculativeDecodingMode10):
+        need = mode.attention_need_spec_dec_mode()
+    else:
+        need = mode.attention_need_spec_dec_mode(None, False, attention, False)
+    return bool(need) and not mode.extend_ctx(attention)
 
 
 class _Base:
@@ -79,6 +167,11 @@ class DecodingBaseConfig(_Base):
 class DraftTargetDecodingConfig(DecodingBaseConfig):
     decoding_type = "Draft_Target"
 
+    @property
+    def spec_dec_mode(self):
+        one_model = (release(STUB_VERSION) or (9,))[:2] >= (1, 3)
+        return _mode("DRAFT_TARGET_ONE_MODEL" if one_model else "DRAFT_TARGET")
+
     def validate(self):
         self._needs_len("DraftTarget")
         if self.speculative_model is None:
@@ -89,6 +182,10 @@ class NGramDecodingConfig(DecodingBaseConfig):
     fields = {**DecodingBaseConfig.fields, "max_matching_ngram_size": 0, "is_keep_all": True, "is_use_oldest": True,
               "is_public_pool": True}
     decoding_type = "NGram"
+
+    @property
+    def spec_dec_mode(self):
+        return _mode("NGRAM")
 
     def validate(self):
         self._needs_len("NGram")
@@ -102,6 +199,10 @@ class EagleDecodingConfig(DecodingBaseConfig):
               "num_eagle_layers": None}
     decoding_type = "Eagle"
 
+    @property
+    def spec_dec_mode(self):
+        return _mode("EAGLE3_ONE_MODEL" if self.eagle3_one_model else "EAGLE3")
+
     def validate(self):
         if self.speculative_model is None:
             raise ValueError("Draft model must be provided for EAGLE")
@@ -114,6 +215,10 @@ class Eagle3DecodingConfig(EagleDecodingConfig):
 class UserProvidedDecodingConfig(DecodingBaseConfig):
     fields = {**DecodingBaseConfig.fields, "drafter": None, "resource_manager": None}
     decoding_type = "User_Provided"
+
+    @property
+    def spec_dec_mode(self):
+        return _mode("USER_PROVIDED")
 
     def validate(self):
         self.max_total_draft_tokens = self.max_draft_len
@@ -267,10 +372,10 @@ class LLM:
             group = (heads // tensor_parallel_size) // (max(shape.num_kv_heads, tensor_parallel_size)
                                                          // tensor_parallel_size)
             dt = hf.get("torch_dtype") if dtype == "auto" else dtype
-            # _torch/speculative/interface.py: a speculating target on TRTLLM attention runs in multi-token query mode
-            # (XQA) below SM 120; the stand-in plays a Hopper GPU
-            if (kwargs.get("attn_backend") or "TRTLLM") == "TRTLLM" and (group & (group - 1) or
-                                                                          dt not in ("float16", "bfloat16")):
+            # _torch/speculative/interface.py of the stand-in's release: a target in multi-token query mode on
+            # TRTLLM attention needs a speculative XQA kernel (power-of-two group, fp16/bf16)
+            if (kwargs.get("attn_backend") or "TRTLLM") == "TRTLLM" and multi_query(self.spec, None) and (
+                    group & (group - 1) or dt not in ("float16", "bfloat16")):
                 raise RuntimeError("No available XQA kernels are found for speculative decoding mode.")
         self.model, self.skip_tokenizer_init, self.kwargs = str(model), skip_tokenizer_init, kwargs
         self.bundle = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(str(model)))))
@@ -312,8 +417,6 @@ def package() -> types.ModuleType:
     pkg.SPECBUILD_TEST_STUB = True
     pkg.LLM, pkg.SamplingParams = LLM, SamplingParams
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
-    from specbuild.formats.trtllm_support import release
-
     classes = [LLM, KvCacheConfig, DraftTargetDecodingConfig, NGramDecodingConfig, EagleDecodingConfig,
                UserProvidedDecodingConfig]
     if (release(STUB_VERSION) or ())[:2] >= EAGLE3_CLASS_FROM:  # llmapi/__init__.py at 5ca85aff (1.x): not exported
@@ -324,5 +427,10 @@ def package() -> types.ModuleType:
     pkg.llmapi = llmapi
     drafter = types.ModuleType("tensorrt_llm._torch.speculative.drafter")
     drafter.Drafter = Drafter
-    pkg._torch = types.SimpleNamespace(speculative=types.SimpleNamespace(drafter=drafter))
+    speculative = types.SimpleNamespace(drafter=drafter)
+    if "interface" not in STUB_HIDDEN:
+        speculative.interface = types.SimpleNamespace(SpeculativeDecodingMode=_mode_class(),
+                                                      get_sm_version=get_sm_version)
+    utils = types.SimpleNamespace(get_attention_backend=get_attention_backend)
+    pkg._torch = types.SimpleNamespace(speculative=speculative, attention_backend=types.SimpleNamespace(utils=utils))
     return pkg
