@@ -148,7 +148,9 @@ def trtllm_path(bundle_dir: str, *, auto: bool = False, attn_backend: str | None
     if version is None:
         return None, not_built or why
     engine_problem, api_problem = engine_path_problem(version), llmapi_path_problem(version)
-    if built and engine_problem is None:
+    # an EAGLE-3 bundle's engines are plain (the engine path has no EAGLE-3): its head runs on the LLM API
+    eagle3_api = has_hf and api_problem is None and "eagle3" in trt["llmapi"]["models"]
+    if built and engine_problem is None and not eagle3_api:
         path = "engine"
     elif has_hf and api_problem is None:
         path = "llmapi"

@@ -115,15 +115,25 @@ def speculative_config(pkg, method: str, *, max_draft_len: int, models: dict[str
         return None
     llmapi = _submodule(pkg, "llmapi")
     if method == "draft":
-        return llmapi.DraftTargetDecodingConfig(max_draft_len=max_draft_len, speculative_model_dir=models["draft"])
+        cls = llmapi.DraftTargetDecodingConfig
+        return cls(max_draft_len=max_draft_len, **{model_keyword(cls): models["draft"]})
     if method == "ngram" and ngram_impl == "trtllm":
         return llmapi.NGramDecodingConfig(max_draft_len=max_draft_len, max_matching_ngram_size=ngram_max)
     if method == "ngram":
         return llmapi.UserProvidedDecodingConfig(max_draft_len=max_draft_len, drafter=drafter)
     if method == "eagle3":
         cls, extra = eagle3_config_class(pkg)
-        return cls(max_draft_len=max_draft_len, speculative_model_dir=models["eagle3"], **extra)
+        return cls(max_draft_len=max_draft_len, **{model_keyword(cls): models["eagle3"]}, **extra)
     raise BundleError(f"method {method!r} has no LLM-API speculative config (known: none, {', '.join(API_METHODS)})")
+
+
+def model_keyword(cls: type) -> str:
+    """The keyword a decoding config of the installed release takes the draft / EAGLE-3 model
+    directory by. llmapi/llm_args.py: DecodingBaseConfig has `speculative_model_dir` in the stored
+    1.x files that also have max_total_draft_tokens; later files name the field `speculative_model`
+    with validation_alias AliasChoices("speculative_model", "speculative_model_dir"). The field the
+    class has is passed, so neither release depends on the other's alias."""
+    return "speculative_model" if _has_field(cls, "speculative_model") else "speculative_model_dir"
 
 
 # Eagle3DecodingConfig(EagleDecodingConfig) with decoding_type "Eagle3" is in the later llmapi/llm_args.py files;

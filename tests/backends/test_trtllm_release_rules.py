@@ -204,3 +204,80 @@ def test_triton_repo_carries_the_llm_api_options(api, built, tmp_path):
         RepoConfig(trtllm_attn_backend="FLASHINFER", engine_factory="my.module:factory")
     with pytest.raises(ValueError, match="trtllm_ngram_impl='mine' is not one of trtllm, specbuild"):
         RepoConfig(trtllm_ngram_impl="mine")
+
+
+# ---- row 4: EAGLE-3 reachable on TensorRT-LLM ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eagle_bundle(tmp_path_factory):
+    """compile --eagle HEAD --backend tensorrt-llm (no draft model)."""
+    from tiny import make_tiny_eagle3
+
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
+
+    root = tmp_path_factory.mktemp("e3")
+    target = make_tiny_hf(str(root / "target"), scale=8.0, head_dim=32)
+    head = make_tiny_eagle3(str(root / "head"), target)
+    opts = CompileOptions(dtype="float32", max_seq_len=128, max_batch_size=4, max_draft_len=4,
+                          backend="tensorrt-llm", trtllm_dtype="bfloat16")
+    return compile_bundle(target, str(root / "bundle"), opts, eagle=head)
+
+
+@pytest.mark.parametrize("version, field", [("1.2.0", "speculative_model"), ("1.1.0", "speculative_model_dir"),
+                                            ("1.3.0", "speculative_model")])
+def test_eagle3_bundle_serves_on_the_llm_api(api, eagle_bundle, monkeypatch, version, field):
+    """The head is written where TensorRT-LLM's EAGLE-3 loader reads it (trtllm/hf/eagle3: config.json
+    and model.safetensors in the engines' dtype, checked by the stand-in against the loader's
+    tensor names), recorded as an LLM-API role, and open_engine passes it by the keyword the
+    release's config has (speculative_model, or speculative_model_dir in the older llm_args.py)."""
+    import json
+
+    from safetensors import safe_open
+
+    from specbuild.backends.select import open_engine
+    from specbuild.backends.tensorrt_llm import read_trtllm_meta
+
+    monkeypatch.setattr(stub, "STUB_VERSION", version)
+    monkeypatch.setattr(stub, "STUB_MODEL_FIELD", field)
+    head = os.path.join(eagle_bundle, "trtllm", "hf", "eagle3")
+    assert read_trtllm_meta(eagle_bundle)["llmapi"]["models"]["eagle3"] == "hf/eagle3"
+    assert json.load(open(os.path.join(head, "config.json")))["torch_dtype"] == "bfloat16"
+    with safe_open(os.path.join(head, "model.safetensors"), "pt") as f:
+        assert set(stub.EAGLE3_TENSORS) <= set(f.keys()) and "embed_tokens.weight" not in f.keys()
+        assert str(f.get_tensor("fc.weight").dtype) == "torch.bfloat16"
+    assert not os.path.exists(os.path.join(eagle_bundle, ".eagle3-trtllm"))
+    engine = open_engine(eagle_bundle, EngineConfig(), backend="tensorrt-llm")
+    spec = api.LLM.instances[-1].kwargs["speculative_config"]
+    assert type(engine) is TrtllmApiEngine and engine.methods == ["none", "eagle3"]
+    assert getattr(spec, field) == head and spec.eagle3_one_model is True
+    r = engine.generate([Request(prompt_ids=PROMPT, sampling=greedy(8))])[0]
+    assert len(r["token_ids"]) == 8 and r["stats"]["drafted"] > 0
+    engine.close()
+
+
+def test_stand_in_refuses_a_head_in_another_layout(api, eagle_bundle, tmp_path):
+    """The stand-in's layout check has teeth: a Hugging Face model directory (what the head used to be
+    mistaken for) is not an EAGLE-3 head."""
+    with pytest.raises(ValueError, match="EAGLE-3 head .* lacks"):
+        TrtllmApiEngine(eagle_bundle, EngineConfig(), eagle3_dir=os.path.join(eagle_bundle, "trtllm", "hf", "target"))
+
+
+def test_eagle3_bundle_prefers_the_llm_api(eagle_bundle, tmp_path, monkeypatch):
+    """With engines built on a release that has both paths, an EAGLE-3 bundle still takes the LLM API:
+    its engines are plain, the head runs only there."""
+    import sys
+
+    import torch
+    from trtllm_stub import write_engine_config
+
+    from specbuild.backends.select import trtllm_path
+
+    built = str(tmp_path / "e3built")
+    shutil.copytree(eagle_bundle, built)
+    write_engine_config(built, "target")
+    monkeypatch.delenv(TEST_STUB_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    pkg = stub.package()
+    pkg.__version__ = "1.2.0"
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", pkg)
+    monkeypatch.setattr("specbuild.backends.tensorrt_llm_api.llmapi_package", lambda: pkg)
+    assert trtllm_path(built, auto=True) == ("llmapi", "")

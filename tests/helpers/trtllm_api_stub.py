@@ -133,20 +133,39 @@ def multi_query(spec, attn_backend) -> bool:
     return bool(need) and not mode.extend_ctx(attention)
 
 
-class _Base:
+# llmapi/llm_args.py: the draft model's field is `speculative_model_dir` (no alias) in the stored 1.x files with
+# max_total_draft_tokens, `speculative_model` with the alias speculative_model_dir in later ones
+STUB_MODEL_FIELD = "speculative_model"
+
+
+class _Fields(type):
+    @property
+    def model_fields(cls) -> dict[str, Any]:
+        """The fields as the stand-in's release names them (pydantic's model_fields)."""
+        out = dict(cls.fields)
+        if STUB_MODEL_FIELD != "speculative_model" and "speculative_model" in out:
+            out[STUB_MODEL_FIELD] = out.pop("speculative_model")
+        return out
+
+
+class _Base(metaclass=_Fields):
     """pydantic-like: keyword fields only, unknown ones refused (StrictBaseModel)."""
 
     fields: dict[str, Any] = {}
 
     def __init__(self, **kw):
-        unknown = set(kw) - set(self.fields) - set(getattr(self, "aliases", {}))
+        fields = type(self).model_fields
+        aliases = getattr(self, "aliases", {}) if STUB_MODEL_FIELD == "speculative_model" else {}
+        unknown = set(kw) - set(fields) - set(aliases)
         if unknown:
             raise ValueError(f"{type(self).__name__}: extra inputs are not permitted: {sorted(unknown)}")
-        for name, default in self.fields.items():
+        for name, default in fields.items():
             setattr(self, name, kw.get(name, default))
-        for alias, name in getattr(self, "aliases", {}).items():
+        for alias, name in aliases.items():
             if alias in kw:
                 setattr(self, name, kw[alias])
+        if STUB_MODEL_FIELD in fields and STUB_MODEL_FIELD != "speculative_model":
+            self.speculative_model = getattr(self, STUB_MODEL_FIELD)  # what the stand-in itself reads
         self.validate()
 
     def validate(self) -> None:
@@ -343,6 +362,36 @@ class StubResult:
         return n
 
 
+# What TensorRT-LLM's EAGLE-3 draft loader (_torch/models/modeling_speculative.py, Eagle3ForCausalLM) reads from
+# speculative_model: a Llama config of one layer and model.safetensors with the midlayer / fc / norm / lm_head
+# tensors and the d2t map (the target's embedding is used where the head has none). Listed here on its own,
+# not imported from specbuild, so the stand-in checks specbuild's writer against the layout.
+EAGLE3_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "midlayer.hidden_norm.weight",
+                  "midlayer.input_layernorm.weight", "midlayer.self_attn.q_proj.weight",
+                  "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+                  "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
+                  "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight")
+
+
+def check_eagle3_layout(path: str, target: dict) -> None:
+    from safetensors import safe_open
+
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    weights = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(weights):
+        raise ValueError(f"EAGLE-3 head {path} has no model.safetensors")
+    with safe_open(weights, "pt") as f:
+        names = set(f.keys())
+        fc = f.get_slice("fc.weight").get_shape() if "fc.weight" in names else None
+    missing = [n for n in EAGLE3_TENSORS if n not in names]
+    if missing:
+        raise ValueError(f"EAGLE-3 head {path} lacks {missing}")
+    if int(cfg.get("num_hidden_layers", 0)) != 1 or cfg.get("vocab_size") != target["vocab_size"]:
+        raise ValueError(f"EAGLE-3 head {path}: one layer over the target's vocabulary expected, got {cfg}")
+    if list(fc) != [cfg["hidden_size"], 3 * target["hidden_size"]]:
+        raise ValueError(f"EAGLE-3 head {path}: fc.weight {fc} does not read three target layers")
+
+
 class LLM:
     instances: list["LLM"] = []
 
@@ -361,6 +410,8 @@ class LLM:
             if getattr(self.spec, "speculative_model", None) is not None and not os.path.isfile(
                     os.path.join(str(self.spec.speculative_model), "config.json")):
                 raise ValueError(f"speculative_model {self.spec.speculative_model} has no config.json")
+            if isinstance(self.spec, EagleDecodingConfig):
+                check_eagle3_layout(str(self.spec.speculative_model), hf)
             if os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") != "1":
                 # executor/executor.py: the executor runs in a worker process (mpi4py) that gets the LLM's arguments
                 # pickled; what does not pickle by reference (a class defined in a function) fails here
