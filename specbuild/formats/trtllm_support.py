@@ -91,6 +91,11 @@ SPECULATIVE_DTYPES = ("float16", "bfloat16")
 MMHA_HEAD_SIZES = (32, 48, 64, 80, 96, 104, 112, 128, 144, 160, 192, 224, 256)
 SPECULATIVE_MODES = ("medusa", "draft_tokens_external", "eagle")
 TREE_MODES = ("medusa", "eagle")  # packed mask -> the spec-decoding (multi-query) XQA path; not draft/target
+# Speculative XQA kernels by head size. The JIT kernels take head_size % 16 == 0 within [16, 256] only
+# (cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/decoderXQAImplJIT/kernelUtils.cpp, supportConfigQGMMA
+# and supportConfigHMMA, stored 1.x file); the precompiled ones are cubins per head size, whose list was not read
+# here: those head sizes get a note (xqa_head_size_note) that the first GPU run settles it.
+XQA_HEAD_SIZE_STEP, XQA_HEAD_SIZE_MAX = 16, 256
 XQA_FREE_SM = 120  # interface.py: xqa_supported = get_sm_version() < 120 (two-model targets use chunked context above)
 REMOVAL_DOC = "docs/source/legacy/tensorrt-backend-removal.md"
 
@@ -177,6 +182,12 @@ def _xqa_problems(config: Any, *, role: str, what: str, dtype: str, tp: int, fix
         out.append(f"--trtllm-dtype {dtype}: {what} runs its generation through XQA kernels, which have "
                    "float16/bfloat16 only (Medusa and draft/target support FP16/BF16; float32 falls back to unfused "
                    "attention): use --trtllm-dtype bfloat16 or float16")
+    d = config.head_dim
+    if d % XQA_HEAD_SIZE_STEP or not XQA_HEAD_SIZE_STEP <= d <= XQA_HEAD_SIZE_MAX:
+        out.append(f"the {role}'s head size {d}: {what} needs TensorRT-LLM's speculative XQA kernels, which take "
+                   f"head sizes that are multiples of {XQA_HEAD_SIZE_STEP} up to {XQA_HEAD_SIZE_MAX} only "
+                   "(decoderXQAImplJIT/kernelUtils.cpp): use a model with such a head size, or draft/target "
+                   "speculation (--draft), which does not use them")
     group = xqa_group(config.num_heads, config.num_kv_heads, tp)
     if group & (group - 1) or group > 64:
         out.append(f"the {role} has {config.num_heads} query heads over {config.num_kv_heads} KV heads: "
@@ -214,6 +225,16 @@ def table_multi_query(version: str, method: str, sm: int | None) -> bool:
     if _cmp(rel, MULTI_QUERY_TWO_MODEL_FROM) < 0:
         return False
     return sm is None or sm < XQA_FREE_SM
+
+
+def xqa_head_size_note(config: Any, mode: str) -> str | None:
+    """A note for a tree-mode (Medusa) engine: its speculative XQA kernels are precompiled per head size."""
+    if mode not in TREE_MODES:
+        return None
+    return (f"{mode} engines run generation on TensorRT-LLM's precompiled speculative XQA kernels, compiled per head "
+            f"size; head size {config.head_dim} passes the JIT kernels' rule (decoderXQAImplJIT/kernelUtils.cpp), "
+            "but which sizes a release's precompiled set carries was not read: scripts/gpu_trtllm_e2e.sh's Medusa "
+            "stage checks it on the GPU")
 
 
 def llmapi_kernel_problems(config: Any, *, method: str, version: str, dtype: str, tp: int = 1,
