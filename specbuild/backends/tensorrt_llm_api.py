@@ -24,11 +24,13 @@ user-provided one now only imitates, i.e. NGram itself moved on); greedy output 
 either way. specbuild's own lookup stays available (ngram_impl="specbuild") where proposals must
 match the torch backend's.
 
-Kernels: a speculating target on the LLM API's default TRTLLM attention runs in multi-token
-query mode on SM < 120 (formats/trtllm_support.llmapi_kernel_problems, which cites
-`_torch/speculative/interface.py`), so a target whose query group per rank is not a power of
-two (SmolLM2-135M: 9/3) is refused at load with the tensor_parallel_size values that work;
-`attn_backend="FLASHINFER"` avoids that path.
+Kernels: a speculating target in multi-token query mode on the LLM API's default TRTLLM
+attention runs on the speculative XQA kernels, so a target whose query group per rank is not a
+power of two (SmolLM2-135M: 9/3) is refused at load with the tensor_parallel_size values that
+work; `attn_backend="FLASHINFER"` avoids that path. Whether the target is in that mode is asked
+of the installed release (`release_multi_query`: its `_torch/speculative/interface.py`), and
+taken from formats/trtllm_support.table_multi_query only where that cannot be asked.
+`llmapi_problem` runs these checks without starting an LLM (select.trtllm_path asks it).
 
 Medusa is not in the PyTorch backend's speculative support: Medusa bundles need the engine
 path (backends/tensorrt_llm.py, tensorrt_llm>=0.19,<1.3).

@@ -281,3 +281,26 @@ def test_eagle3_bundle_prefers_the_llm_api(eagle_bundle, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt_llm", pkg)
     monkeypatch.setattr("specbuild.backends.tensorrt_llm_api.llmapi_package", lambda: pkg)
     assert trtllm_path(built, auto=True) == ("llmapi", "")
+
+
+def test_triton_model_hands_the_options_to_open_engine(monkeypatch):
+    """tritonserver_model reads the parameters triton-repo wrote and passes them to the default factory."""
+    import specbuild.backends.select as select
+    from specbuild.serve import tritonserver_model as triton_model
+    from specbuild.serve.tritonserver_repo import DEFAULT_FACTORY
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def factory(bundle, config, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(select, "open_engine", factory)
+    with pytest.raises(Stop):
+        triton_model.EngineModel({"name": "specbuild"}, {"bundle": "b", "engine_factory": DEFAULT_FACTORY,
+                                                         "backend": "auto", "trtllm_attn_backend": "FLASHINFER",
+                                                         "trtllm_ngram_impl": "specbuild"})
+    assert seen == {"backend": "auto", "trtllm_attn_backend": "FLASHINFER", "trtllm_ngram_impl": "specbuild"}
