@@ -17,9 +17,21 @@
 #            tree; greedy ids equal (lossless whatever the heads); a sampled request refused
 #   mpi      with >= 2 GPUs and mpirun: --tp 2 engines under `mpirun -n 2` (leader mode)
 #   LLM API path
-#   api      LLM(model=trtllm/hf/target): plain, draft (DraftTargetDecodingConfig), ngram
-#            (specbuild's prompt lookup through UserProvidedDecodingConfig), and EAGLE-3
-#            (Eagle3DecodingConfig) when EAGLE3_DIR names an EAGLE-3 head for TARGET
+#   api      LLM(model=trtllm/hf/target): plain, draft (DraftTargetDecodingConfig), ngram twice:
+#            TensorRT-LLM's NGramDecodingConfig (ngram_impl="trtllm") and specbuild's own prompt
+#            lookup through UserProvidedDecodingConfig (ngram_impl="specbuild"), each greedy-equal
+#            to torch with drafts accepted
+#   eagle3   `compile --eagle HEAD --backend tensorrt-llm` (HEAD: EAGLE3_DIR, or for TARGET=tiny a
+#            random head written here): the head in trtllm/hf/eagle3, served by `generate --backend
+#            tensorrt-llm` (Eagle3DecodingConfig, or EagleDecodingConfig(eagle3_one_model) before
+#            1.3), greedy ids equal to torch (lossless whatever the head's quality)
+#   smollm2  probes on SmolLM2-135M (9 query / 3 KV heads: a query group of 3), compared with the
+#            torch backend and reported as PROBE lines, not failures: `--backend auto` on the
+#            README's draft bundle (which backend, and the line saying why); that bundle on the
+#            LLM API with specbuild's kernel refusal lifted (does a group of 3 fail on this
+#            release's TRTLLM attention?) and with FLASHINFER attention; on the engine path, the
+#            shipped smollm2-135m-medusa heads built with the group rule lifted (do the speculative
+#            XQA kernels take group 3 at head size 64?)
 #   pytest   the backend contract and the real engine build tests (-m "tensorrt_llm")
 #
 # TARGET: a Hugging Face directory (a power-of-two query group, head size in 32..256), or
@@ -29,12 +41,12 @@
 # fails. Exit status 0: every stage that could run passed; 77: no TensorRT-LLM or no GPU here
 # (nothing run). A summary goes to $OUT/summary.txt (or $WORK).
 #
-#   STAGES=plain,draft,medusa,mpi,api,pytest  TOKENS=48  TARGET=tiny  EAGLE3_DIR=  scripts/gpu_trtllm_e2e.sh
+#   STAGES=plain,draft,medusa,mpi,api,eagle3,smollm2,pytest  TOKENS=48  TARGET=tiny  EAGLE3_DIR=  scripts/gpu_trtllm_e2e.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
-STAGES=${STAGES:-plain,draft,medusa,mpi,api,pytest}
+STAGES=${STAGES:-plain,draft,medusa,mpi,api,eagle3,smollm2,pytest}
 TOKENS=${TOKENS:-48}
 TARGET=${TARGET:-tiny}
 TIE=${TIE:-5e-2}
@@ -74,8 +86,8 @@ if [ "$ENGINE_PATH" = 0 ]; then
     for st in plain draft medusa mpi; do if has $st; then say "$st: skipped (this release has no engine path)"; fi; done
     STAGES=$(echo ",$STAGES," | sed -e 's/,plain,/,/; s/,draft,/,/; s/,medusa,/,/; s/,mpi,/,/; s/^,//; s/,$//')
 fi
-if [ "$API_PATH" = 0 ] && has api; then
-    say "api: skipped (the LLM API on the PyTorch backend needs tensorrt_llm>=1.0)"
+if [ "$API_PATH" = 0 ]; then
+    for st in api eagle3; do if has $st; then say "$st: skipped (the LLM API on the PyTorch backend needs tensorrt_llm>=1.0)"; fi; done
 fi
 if [ "$TARGET" = tiny ]; then
     TARGET="$WORK/tiny-llama"
@@ -256,17 +268,17 @@ if has mpi; then
     fi
 fi
 
-# api_gen BUNDLE METHOD OUTFILE [EAGLE3_DIR]: greedy ids through TrtllmApiEngine (the LLM API) in the
+# api_gen BUNDLE METHOD OUTFILE [NGRAM_IMPL]: greedy ids through TrtllmApiEngine (the LLM API) in the
 # form `specbuild generate --json` writes them (where engines are built the CLI would pick the engine path)
 api_gen() {
-    "$PY" - "$1" "$2" "$3" "$TOKENS" "${4:-}" "${PROMPTS[@]}" <<'EOF'
+    "$PY" - "$1" "$2" "$3" "$TOKENS" "${4:-trtllm}" "${PROMPTS[@]}" <<'EOF'
 import json, sys
 from specbuild.backends.tensorrt_llm_api import TrtllmApiEngine
 from specbuild.engine.sequence import Request
 from specbuild.sampling.params import SamplingParams
 
-bundle, method, out, tokens, eagle3, *prompts = sys.argv[1:]
-engine = TrtllmApiEngine(bundle, method=method, eagle3_dir=eagle3 or None)
+bundle, method, out, tokens, ngram_impl, *prompts = sys.argv[1:]
+engine = TrtllmApiEngine(bundle, method=method, ngram_impl=ngram_impl)
 with open(out, "w") as f:
     for p in prompts:  # one at a time, as the engine-path stages generate them
         r = engine.generate([Request(prompt=p, sampling=SamplingParams(temperature=0.0, max_tokens=int(tokens),
@@ -282,15 +294,14 @@ if has api && [ "$API_PATH" = 1 ]; then
     specbuild compile --target "$TARGET" --draft "$TARGET" --out "$WORK/api" --backend tensorrt-llm \
         --trtllm-dtype bfloat16 --max-seq-len 512 --max-batch-size 4 --max-draft-len 4
     [ -f "$WORK/torch.jsonl" ] || gen "$WORK/api" torch "$WORK/torch.jsonl" --speculation none
-    methods="none draft ngram"
-    if [ -n "$EAGLE3_DIR" ]; then methods="$methods eagle3"; fi
-    for m in $methods; do
-        say "api, method $m: LLM API vs torch plain greedy"
-        api_gen "$WORK/api" "$m" "$WORK/api-$m.jsonl" "$EAGLE3_DIR"
+    for m in none draft ngram-trtllm ngram-specbuild; do
+        method=${m%%-*} impl=${m#*-}
+        [ "$impl" = "$m" ] && impl=trtllm
+        say "api, method $method (ngram_impl $impl): LLM API vs torch plain greedy"
+        api_gen "$WORK/api" "$method" "$WORK/api-$m.jsonl" "$impl"
         compare "$WORK/api-$m.jsonl" "$WORK/torch.jsonl" "$WORK/api" "api/$m" || { say "FAIL: api/$m"; exit 1; }
     done
-    if [ -z "$EAGLE3_DIR" ]; then say "api/eagle3: skipped (set EAGLE3_DIR to an EAGLE-3 head for $TARGET)"; fi
-    "$PY" - "$WORK/api-draft.jsonl" "$WORK/api-ngram.jsonl" <<'EOF' | tee -a "$SUMMARY"
+    "$PY" - "$WORK/api-draft.jsonl" "$WORK/api-ngram-trtllm.jsonl" "$WORK/api-ngram-specbuild.jsonl" <<'EOF' | tee -a "$SUMMARY"
 import json, sys
 for path in sys.argv[1:]:
     stats = [json.loads(line)["stats"] for line in open(path)]
@@ -298,6 +309,115 @@ for path in sys.argv[1:]:
     print(f"{path}: drafted (upper bound) {drafted}, accepted {accepted}")
     assert accepted > 0, "speculation accepted nothing"
 EOF
+fi
+
+if has eagle3 && [ "$API_PATH" = 1 ]; then
+    head=$EAGLE3_DIR
+    if [ -z "$head" ] && [ "$TARGET" = "$WORK/tiny-llama" ]; then
+        head="$WORK/tiny-eagle3"
+        "$PY" -c "
+import sys
+sys.path.insert(0, 'tests/helpers')
+from tiny import make_tiny_eagle3
+make_tiny_eagle3(sys.argv[1], sys.argv[2])" "$head" "$TARGET"
+        say "eagle3: a random EAGLE-3 head for the tiny target at $head"
+    fi
+    if [ -z "$head" ]; then
+        say "eagle3: skipped (set EAGLE3_DIR to an EAGLE-3 head for $TARGET)"
+    else
+        say "eagle3: compile --eagle $head --backend tensorrt-llm; generate --backend tensorrt-llm vs torch"
+        rm -rf "$WORK/eagle3"
+        specbuild compile --target "$TARGET" --eagle "$head" --out "$WORK/eagle3" --backend tensorrt-llm \
+            --trtllm-dtype bfloat16 --max-seq-len 512 --max-batch-size 4 --max-draft-len 4
+        [ -f "$WORK/eagle3/trtllm/hf/eagle3/model.safetensors" ] || { say "FAIL: no trtllm/hf/eagle3"; exit 1; }
+        [ -f "$WORK/torch.jsonl" ] || gen "$WORK/eagle3" torch "$WORK/torch.jsonl" --speculation none
+        gen "$WORK/eagle3" tensorrt-llm "$WORK/eagle3.jsonl"
+        compare "$WORK/eagle3.jsonl" "$WORK/torch.jsonl" "$WORK/eagle3" eagle3 || { say "FAIL: eagle3"; exit 1; }
+    fi
+fi
+
+# probe LABEL OUT BUNDLE SETUP: the prompts through the engine SETUP (Python) opens as `engine`, compared with
+# torch; reported as "PROBE LABEL: ..." (ran and equal / ran and differs / failed with the error's last line)
+probe() {
+    local label=$1 out=$2 bundle=$3 setup=$4
+    if SETUP="$setup" "$PY" - "$bundle" "$out.jsonl" "$TOKENS" "${PROMPTS[@]}" > "$out.log" 2>&1 <<'EOF'
+import json, os, sys
+from specbuild.engine.sequence import Request
+from specbuild.sampling.params import SamplingParams
+bundle, out, tokens, *prompts = sys.argv[1:]
+scope = {"bundle": bundle}
+exec(os.environ["SETUP"], scope)
+engine = scope["engine"]
+with open(out, "w") as f:
+    for p in prompts:
+        r = engine.generate([Request(prompt=p, sampling=SamplingParams(temperature=0.0, max_tokens=int(tokens),
+                                                                       ignore_eos=True),
+                                     speculation=scope.get("speculation"))])[0]
+        f.write(json.dumps({"token_ids": r["token_ids"], "stats": r["stats"]}) + "\n")
+engine.close()
+EOF
+    then
+        if compare "$out.jsonl" "$WORK/smol-torch.jsonl" "$bundle" "$label" > "$out.cmp"; then
+            say "PROBE $label: ran, greedy ids equal to torch ($(tail -1 "$out.cmp"))"
+        else
+            say "PROBE $label: ran, ids differ from torch"; tee -a "$SUMMARY" < "$out.cmp"
+        fi
+    else
+        say "PROBE $label: failed: $(grep -v '^[[:space:]]*$' "$out.log" | tail -1)"
+    fi
+}
+
+if has smollm2; then
+    say "smollm2: the README's draft bundle (compile --target smollm2-135m --draft smollm2-135m --backend tensorrt-llm)"
+    rm -rf "$WORK/smol"
+    specbuild compile --target smollm2-135m --draft smollm2-135m --out "$WORK/smol" --backend tensorrt-llm \
+        --trtllm-dtype bfloat16 --max-seq-len 512 --max-batch-size 4 --max-draft-len 4 || true
+    if [ -f "$WORK/smol/bundle.json" ]; then
+        gen "$WORK/smol" torch "$WORK/smol-torch.jsonl" --speculation none
+        specbuild generate "$WORK/smol" --backend auto --prompt "Hello" --max-tokens 8 --json \
+            > "$WORK/smol-auto.json" 2> "$WORK/smol-auto.err" || true
+        say "PROBE smollm2 --backend auto: $(grep -c . "$WORK/smol-auto.err") stderr line(s): $(head -c 400 "$WORK/smol-auto.err")"
+        if [ "$API_PATH" = 1 ]; then
+            probe smollm2/api-draft-unrefused "$WORK/smol-api" "$WORK/smol" "
+import specbuild.backends.tensorrt_llm_api as api
+api.kernel_refusal = lambda *a, **k: None  # specbuild's group rule lifted: does this release take group 3?
+engine = api.TrtllmApiEngine(bundle, method='draft')"
+            probe smollm2/api-draft-flashinfer "$WORK/smol-fi" "$WORK/smol" "
+import specbuild.backends.tensorrt_llm_api as api
+engine = api.TrtllmApiEngine(bundle, method='draft', attn_backend='FLASHINFER')"
+        fi
+        if [ "$ENGINE_PATH" = 1 ]; then
+            rm -rf "$WORK/smol-medusa"
+            cp -r "$WORK/smol" "$WORK/smol-medusa"
+            rm -rf "$WORK/smol-medusa/trtllm"
+            if "$PY" - "$WORK/smol-medusa" > "$WORK/smol-medusa-build.log" 2>&1 <<'EOF'
+import sys
+import specbuild.compiler.trtllm_build as tb
+from specbuild.compiler.medusa_role import read_medusa
+from specbuild.formats.checkpoints import read_checkpoint, resolve_source
+
+bundle = sys.argv[1]
+ckpt = read_checkpoint(resolve_source("smollm2-135m"))
+lm = ckpt.tensors.get("lm_head.weight", ckpt.tensors["model.embed_tokens.weight"])
+heads = read_medusa(resolve_source("smollm2-135m-medusa")).tensors(lm)
+tb.kernel_problems = lambda *a, **k: []  # specbuild's group rule lifted: do the Medusa XQA kernels take group 3?
+tb.write_trtllm_bundle_part(bundle, ckpt, medusa=heads, tree_paths=[[0], [1], [0, 0], [0, 0, 0]], dtype="bfloat16",
+                            max_batch_size=4, max_seq_len=512, llmapi=False)
+assert tb.build_engines(f"{bundle}/trtllm"), "the engine build did not run"
+EOF
+            then
+                probe smollm2/medusa-engine-unrefused "$WORK/smol-medusa" "$WORK/smol-medusa" "
+import specbuild.backends.tensorrt_llm as trt
+trt.engine_kernel_problems = lambda *a, **k: []
+speculation = {'method': 'medusa'}
+engine = trt.TrtllmEngine(bundle)"
+            else
+                say "PROBE smollm2/medusa-engine-unrefused: build failed: $(tail -1 "$WORK/smol-medusa-build.log")"
+            fi
+        fi
+    else
+        say "PROBE smollm2: compile refused or failed (its output is above)"
+    fi
 fi
 
 say "all requested stages passed ($STAGES); work dir $WORK"

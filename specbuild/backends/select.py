@@ -18,6 +18,7 @@ inspect` and documented in the README.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,6 +29,7 @@ from specbuild.errors import SpecbuildError
 from specbuild.engine.engine import EngineConfig
 from specbuild.engine.sequence import Handle, Request
 
+log = logging.getLogger("specbuild.backends")
 BACKEND_CHOICES = ("auto", "torch", "tensorrt-llm")
 STATS_KEYS = ("seed", "prompt_tokens", "generated_tokens", "target_passes", "ttft_ms", "tpot_ms", "tokens_per_s",
               "drafted", "accepted", "mean_accepted_tokens", "acceptance_by_position", "gamma")
@@ -96,7 +98,12 @@ def bundle_guarantees(bundle_dir: str) -> dict[str, dict[str, Any]]:
 
 
 # ---- choosing a backend --------------------------------------------------------------------
-def trtllm_path(bundle_dir: str) -> tuple[str | None, str]:
+AUTO_NEEDS_ENGINES = ("--backend auto takes TensorRT-LLM only where the bundle's engines are built "
+                      "(docs/tensorrt-llm.md); --backend tensorrt-llm serves the LLM API without them")
+
+
+def trtllm_path(bundle_dir: str, *, auto: bool = False, attn_backend: str | None = None,
+                ngram_impl: str = "trtllm") -> tuple[str | None, str]:
     """("engine" | "llmapi", "") for the TensorRT-LLM path this machine can run the bundle on, or
     (None, why not).
 
@@ -104,12 +111,16 @@ def trtllm_path(bundle_dir: str) -> tuple[str | None, str]:
     path (tensorrt_llm>=0.19,<1.3; the test stand-in of backends/tensorrt_llm.TEST_STUB_ENV);
     llmapi: its Hugging Face roles (trtllm/hf/) on a release with the LLM API on the PyTorch backend
     (tensorrt_llm>=1.0; stand-in: tensorrt_llm_api.TEST_STUB_ENV). Where both run, built engines win
-    (they are what the user built). Both need a CUDA device, except under a stand-in."""
+    (they are what the user built). Both need a CUDA device, except under a stand-in.
+    auto (`--backend auto`): only a bundle whose engines are built, as docs/tensorrt-llm.md says.
+    The LLM-API path runs the same checks TrtllmApiEngine runs before its LLM starts
+    (tensorrt_llm_api.llmapi_problem: the kernel check with `attn_backend`, the method's config with
+    `ngram_impl`), so a target the release would refuse is (None, the engine's reason)."""
     meta = read_meta(bundle_dir)
     if meta.backend != "tensorrt-llm":
         return None, f"the bundle was compiled for the {meta.backend} backend (compile with --backend tensorrt-llm)"
     from specbuild.backends.tensorrt_llm import TEST_STUB_ENV, engine_dirs, read_trtllm_meta
-    from specbuild.backends.tensorrt_llm_api import TEST_STUB_ENV as API_STUB_ENV
+    from specbuild.backends.tensorrt_llm_api import TEST_STUB_ENV as API_STUB_ENV, llmapi_problem
     from specbuild.formats.trtllm_support import engine_path_problem, installed_version, llmapi_path_problem
 
     try:
@@ -120,17 +131,26 @@ def trtllm_path(bundle_dir: str) -> tuple[str | None, str]:
     missing = [d for d in dirs.values() if not os.path.isfile(os.path.join(d, "config.json"))]
     built = not missing
     has_hf = bool((trt.get("llmapi") or {}).get("models")) and trt["mode"] != "medusa"
-    if os.environ.get(TEST_STUB_ENV) and built:
-        return "engine", ""  # tests: the stand-in executor runs on the CPU
-    if os.environ.get(API_STUB_ENV) and has_hf:
-        return "llmapi", ""  # tests: the stand-in LLM API runs on the CPU
     not_built = (f"engines not built ({missing[0]} has no config.json): run trtllm/build.sh on a GPU machine with "
                  "tensorrt_llm>=0.19,<1.3" if missing else "")
+
+    def api_path() -> tuple[str | None, str]:
+        problem = llmapi_problem(bundle_dir, attn_backend=attn_backend, ngram_impl=ngram_impl)
+        return (None, problem) if problem else ("llmapi", "")
+
+    if os.environ.get(TEST_STUB_ENV) and built:
+        return "engine", ""  # tests: the stand-in executor runs on the CPU
+    if auto and not built:
+        return None, f"{not_built} ({AUTO_NEEDS_ENGINES})"
+    if os.environ.get(API_STUB_ENV) and has_hf:
+        return api_path()  # tests: the stand-in LLM API runs on the CPU
     version, why = installed_version()
     if version is None:
         return None, not_built or why
     engine_problem, api_problem = engine_path_problem(version), llmapi_path_problem(version)
-    if built and engine_problem is None:
+    # an EAGLE-3 bundle's engines are plain (the engine path has no EAGLE-3): its head runs on the LLM API
+    eagle3_api = has_hf and api_problem is None and "eagle3" in trt["llmapi"]["models"]
+    if built and engine_problem is None and not eagle3_api:
         path = "engine"
     elif has_hf and api_problem is None:
         path = "llmapi"
@@ -143,23 +163,36 @@ def trtllm_path(bundle_dir: str) -> tuple[str | None, str]:
 
     if not torch.cuda.is_available():
         return None, "TensorRT-LLM needs a CUDA device and torch sees none"
-    return path, ""
+    return api_path() if path == "llmapi" else (path, "")
 
 
-def trtllm_status(bundle_dir: str) -> tuple[bool, str]:
-    """(True, "") when the bundle can run on TensorRT-LLM here (either path), else (False, why not)."""
-    path, why = trtllm_path(bundle_dir)
+def trtllm_status(bundle_dir: str, **options) -> tuple[bool, str]:
+    """(True, "") when the bundle can run on TensorRT-LLM here (either path), else (False, why not).
+    options: trtllm_path's (auto, attn_backend, ngram_impl)."""
+    path, why = trtllm_path(bundle_dir, **options)
     return path is not None, why
 
 
-def resolve_backend(bundle_dir: str, backend: str = "auto") -> tuple[str, str]:
+def _path_options(trtllm_attn_backend: str | None, trtllm_ngram_impl: str | None) -> dict:
+    out: dict[str, Any] = {}
+    if trtllm_attn_backend is not None:
+        out["attn_backend"] = trtllm_attn_backend
+    if trtllm_ngram_impl is not None:
+        out["ngram_impl"] = trtllm_ngram_impl
+    return out
+
+
+def resolve_backend(bundle_dir: str, backend: str = "auto", *, trtllm_attn_backend: str | None = None,
+                    trtllm_ngram_impl: str | None = None) -> tuple[str, str]:
     """(backend to use, why). "auto" picks tensorrt-llm only when `trtllm_status` says it can
-    run; an explicit "tensorrt-llm" that cannot run raises SpecbuildError with the reason."""
+    run (built engines, and the LLM API's own checks where it is the path); an explicit
+    "tensorrt-llm" that cannot run raises SpecbuildError with the reason."""
     if backend not in BACKEND_CHOICES:
         raise SpecbuildError(f"--backend {backend!r} is not one of {', '.join(BACKEND_CHOICES)}")
     if backend == "torch":
         return "torch", "asked for"
-    ok, reason = trtllm_status(bundle_dir)
+    options = _path_options(trtllm_attn_backend, trtllm_ngram_impl)
+    ok, reason = trtllm_status(bundle_dir, auto=backend == "auto", **options)
     if backend == "tensorrt-llm":
         if not ok:
             raise SpecbuildError(f"--backend tensorrt-llm cannot run bundle {bundle_dir!r}: {reason}")
@@ -167,22 +200,33 @@ def resolve_backend(bundle_dir: str, backend: str = "auto") -> tuple[str, str]:
     return ("tensorrt-llm", "engines built and TensorRT-LLM available") if ok else ("torch", reason)
 
 
-def open_engine(bundle_dir: str, config: EngineConfig = EngineConfig(), backend: str = "auto", **plugins):
+def open_engine(bundle_dir: str, config: EngineConfig = EngineConfig(), backend: str = "auto", *,
+                trtllm_attn_backend: str | None = None, trtllm_ngram_impl: str | None = None, **plugins):
     """The bundle's serving backend: `TorchEngine` or `trtllm_engine.TrtllmEngine`.
     plugins: `drafters` / `planning` for the torch engine (MineDraft: dist/minedraft.plugin).
+    trtllm_attn_backend / trtllm_ngram_impl: the LLM-API path's attention backend (TRTLLM,
+    FLASHINFER; FLASHINFER avoids the speculative XQA kernels) and n-gram drafter (trtllm,
+    specbuild); `--backend auto` asks the same checks with them before it chooses.
+
+    `--backend auto` on a bundle compiled for TensorRT-LLM that cannot run it here logs one
+    warning line saying why it serves on torch.
 
     Under `mpirun -n tp*pp` every rank calls this; on the TensorRT-LLM backend only rank 0
     (`engine.is_leader`) takes requests, the others wait in `parallel.follow_leader(engine)`."""
-    name, _ = resolve_backend(bundle_dir, backend)
+    name, why = resolve_backend(bundle_dir, backend, trtllm_attn_backend=trtllm_attn_backend,
+                                trtllm_ngram_impl=trtllm_ngram_impl)
     if name == "torch":
+        if backend == "auto" and read_meta(bundle_dir).backend == "tensorrt-llm":
+            log.warning("--backend auto: serving on torch, not TensorRT-LLM: %s", why)
         return TorchEngine(bundle_dir, config, **plugins)
     if plugins:
         raise ValueError(f"{', '.join(sorted(plugins))} plug into specbuild's own scheduler: the torch backend "
                          f"only (this bundle opens on {name})")
-    if trtllm_path(bundle_dir)[0] == "llmapi":  # TensorRT-LLM >= 1.0 without built engines (or >= 1.3)
+    options = _path_options(trtllm_attn_backend, trtllm_ngram_impl)
+    if trtllm_path(bundle_dir, auto=backend == "auto", **options)[0] == "llmapi":  # >= 1.0 (or >= 1.3)
         from specbuild.backends.tensorrt_llm_api import TrtllmApiEngine
 
-        return TrtllmApiEngine(bundle_dir, config)
+        return TrtllmApiEngine(bundle_dir, config, **options)
     from specbuild.backends.tensorrt_llm import TrtllmEngine
 
     return TrtllmEngine(bundle_dir, config)

@@ -472,9 +472,11 @@ class TrtllmEngine(ExecutorEngine):
         self._trt = _bindings()
         self.executors: dict[str, Any] = {}
         share = 0.45 if "draft" in dirs else None  # two engines on one GPU: leave the draft room
-        self.executors["target"] = self._make_executor(dirs["target"], share, medusa=self.mode == "medusa")
+        self.executors["target"] = self._make_executor(dirs["target"], share, medusa=self.mode == "medusa",
+                                                       reuse=self.limits["paged_context_fmha"] is not False)
         if "draft" in dirs:
-            self.executors["draft"] = self._make_executor(dirs["draft"], share, medusa=False)
+            self.executors["draft"] = self._make_executor(dirs["draft"], share, medusa=False,
+                                                          reuse=self.draft_limits["paged_context_fmha"] is not False)
         self.is_leader = bool(self.executors["target"].can_enqueue_requests())
         sp = self.meta.special_tokens
         self.eos_ids = tuple(sp.get("eos_token_ids") or ([sp["eos_token_id"]] if sp.get("eos_token_id") is not None
@@ -493,9 +495,11 @@ class TrtllmEngine(ExecutorEngine):
         self._init_loop(threading.RLock())
         self.load_seconds = time.perf_counter() - t0
 
-    def _make_executor(self, engine_dir: str, share: float | None, medusa: bool):
+    def _make_executor(self, engine_dir: str, share: float | None, medusa: bool, reuse: bool = True):
+        """reuse: KV block reuse, off for an engine built without paged context FMHA (a float32 one), which
+        older releases refuse with reuse on (compiler/trtllm_build.py cites trtGptModelInflightBatching.cpp)."""
         trt = self._trt
-        kv = trt.KvCacheConfig(enable_block_reuse=True, max_tokens=self.config.kv_cache_tokens,
+        kv = trt.KvCacheConfig(enable_block_reuse=reuse, max_tokens=self.config.kv_cache_tokens,
                                free_gpu_memory_fraction=share)
         decoding = trt.DecodingConfig()
         if medusa:
@@ -618,7 +622,9 @@ class TrtllmEngine(ExecutorEngine):
         if draft:
             dk = {"logits": draft_logits} if draft_logits is not None else {}
             kw["external_draft_tokens_config"] = trt.ExternalDraftTokensConfig(list(draft), **dk)
-        return trt.Request(list(seq.all_ids), int(max_tokens), **kw)
+        # max_tokens by keyword: one executor binding declares it keyword-only (issue 53's review), and
+        # every release takes it so
+        return trt.Request(list(seq.all_ids), max_tokens=int(max_tokens), **kw)
 
     def _enqueue(self, which: str, request, flight: _Flight) -> None:
         req_id = self.executors[which].enqueue_request(request)

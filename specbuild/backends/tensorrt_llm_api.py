@@ -24,11 +24,13 @@ user-provided one now only imitates, i.e. NGram itself moved on); greedy output 
 either way. specbuild's own lookup stays available (ngram_impl="specbuild") where proposals must
 match the torch backend's.
 
-Kernels: a speculating target on the LLM API's default TRTLLM attention runs in multi-token
-query mode on SM < 120 (formats/trtllm_support.llmapi_kernel_problems, which cites
-`_torch/speculative/interface.py`), so a target whose query group per rank is not a power of
-two (SmolLM2-135M: 9/3) is refused at load with the tensor_parallel_size values that work;
-`attn_backend="FLASHINFER"` avoids that path.
+Kernels: a speculating target in multi-token query mode on the LLM API's default TRTLLM
+attention runs on the speculative XQA kernels, so a target whose query group per rank is not a
+power of two (SmolLM2-135M: 9/3) is refused at load with the tensor_parallel_size values that
+work; `attn_backend="FLASHINFER"` avoids that path. Whether the target is in that mode is asked
+of the installed release (`release_multi_query`: its `_torch/speculative/interface.py`), and
+taken from formats/trtllm_support.table_multi_query only where that cannot be asked.
+`llmapi_problem` runs these checks without starting an LLM (select.trtllm_path asks it).
 
 Medusa is not in the PyTorch backend's speculative support: Medusa bundles need the engine
 path (backends/tensorrt_llm.py, tensorrt_llm>=0.19,<1.3).
@@ -72,6 +74,8 @@ from specbuild.speculation.config import SpeculationConfig
 log = logging.getLogger("specbuild.trtllm_api")
 
 API_METHODS = ("draft", "ngram", "eagle3")
+NGRAM_IMPLS = ("trtllm", "specbuild")
+ATTN_BACKENDS = ("TRTLLM", "FLASHINFER", "VANILLA")  # _torch/attention_backend/utils.get_attention_backend
 # Test-only, like backends/tensorrt_llm.TEST_STUB_ENV: "module:factory" returning a stand-in for
 # the `tensorrt_llm` package (tests/helpers/trtllm_api_stub.py); it must say it is one.
 TEST_STUB_ENV = LLMAPI_STUB_ENV
@@ -113,15 +117,25 @@ def speculative_config(pkg, method: str, *, max_draft_len: int, models: dict[str
         return None
     llmapi = _submodule(pkg, "llmapi")
     if method == "draft":
-        return llmapi.DraftTargetDecodingConfig(max_draft_len=max_draft_len, speculative_model_dir=models["draft"])
+        cls = llmapi.DraftTargetDecodingConfig
+        return cls(max_draft_len=max_draft_len, **{model_keyword(cls): models["draft"]})
     if method == "ngram" and ngram_impl == "trtllm":
         return llmapi.NGramDecodingConfig(max_draft_len=max_draft_len, max_matching_ngram_size=ngram_max)
     if method == "ngram":
         return llmapi.UserProvidedDecodingConfig(max_draft_len=max_draft_len, drafter=drafter)
     if method == "eagle3":
         cls, extra = eagle3_config_class(pkg)
-        return cls(max_draft_len=max_draft_len, speculative_model_dir=models["eagle3"], **extra)
+        return cls(max_draft_len=max_draft_len, **{model_keyword(cls): models["eagle3"]}, **extra)
     raise BundleError(f"method {method!r} has no LLM-API speculative config (known: none, {', '.join(API_METHODS)})")
+
+
+def model_keyword(cls: type) -> str:
+    """The keyword a decoding config of the installed release takes the draft / EAGLE-3 model
+    directory by. llmapi/llm_args.py: DecodingBaseConfig has `speculative_model_dir` in the stored
+    1.x files that also have max_total_draft_tokens; later files name the field `speculative_model`
+    with validation_alias AliasChoices("speculative_model", "speculative_model_dir"). The field the
+    class has is passed, so neither release depends on the other's alias."""
+    return "speculative_model" if _has_field(cls, "speculative_model") else "speculative_model_dir"
 
 
 # Eagle3DecodingConfig(EagleDecodingConfig) with decoding_type "Eagle3" is in the later llmapi/llm_args.py files;
@@ -179,6 +193,88 @@ def make_drafter(pkg, max_draft_len: int, ngram_min: int, ngram_max: int):
     return PromptLookupDrafter(max_draft_len, ngram_min, ngram_max)
 
 
+def release_multi_query(pkg, spec, attn_backend: str | None = None) -> bool | None:
+    """Ask the installed release whether the target of `spec` (the speculative_config the LLM gets)
+    runs in multi-token query mode, i.e. on the speculative XQA kernels: the mode's own
+    `attention_need_spec_dec_mode(...)` and not `extend_ctx(attention class)`, from
+    tensorrt_llm/_torch/speculative/interface.py (SpeculativeDecodingMode), with the attention class
+    from _torch/attention_backend/utils.get_attention_backend. The arguments are passed by the
+    signature the release has: (self) in the 1.0 line's file, (spec_resource_manager, is_draft_model,
+    attention_backend, use_chain_drafter) at commit 00b6d5a2. None where the release has no such
+    functions or they cannot be called here (formats/trtllm_support.table_multi_query decides then)."""
+    import inspect
+
+    mode = getattr(spec, "spec_dec_mode", None)
+    if spec is None or mode is None or not hasattr(mode, "attention_need_spec_dec_mode"):
+        return None
+    try:
+        modes = _submodule(pkg, "_torch.speculative.interface").SpeculativeDecodingMode
+        if not isinstance(mode, modes):
+            return None
+        attention = _submodule(pkg, "_torch.attention_backend.utils").get_attention_backend(attn_backend or "TRTLLM")
+        known = {"spec_resource_manager": None, "is_draft_model": False, "attention_backend": attention,
+                 "use_chain_drafter": False}
+        params = inspect.signature(mode.attention_need_spec_dec_mode).parameters
+        if any(p.default is p.empty and name not in known for name, p in params.items()):
+            return None  # a signature not read: the table decides
+        need = bool(mode.attention_need_spec_dec_mode(**{k: v for k, v in known.items() if k in params}))
+        extend = bool(mode.extend_ctx(attention)) if hasattr(mode, "extend_ctx") else False
+    except Exception as e:  # ImportError, AttributeError, a CUDA query failing: the table decides
+        log.debug("could not ask TensorRT-LLM's interface.py: %s: %s", type(e).__name__, e)
+        return None
+    return need and not extend
+
+
+def default_method(default: SpeculationConfig, models: dict[str, str]) -> str:
+    """The method an LLM-API engine serves when none is named: EAGLE-3 where the bundle has its head,
+    else the bundle's default method where the LLM API has it, else none."""
+    return "eagle3" if "eagle3" in models else default.method if default.method in API_METHODS else "none"
+
+
+def bundle_models(bundle_dir: str, trt_meta: dict) -> dict[str, str]:
+    """role -> the Hugging Face directory the LLM API loads (trtllm/hf/<role>)."""
+    api = trt_meta.get("llmapi") or {}
+    root = os.path.join(bundle_dir, "trtllm")
+    return {role: os.path.join(root, rel) for role, rel in (api.get("models") or {}).items()}
+
+
+def kernel_refusal(pkg, target_config, *, method: str, spec, tp: int, dtype: str,
+                   attn_backend: str | None) -> str | None:
+    """Why this target would fail on the release's LLM API at its first speculative step, or None
+    (formats/trtllm_support.llmapi_kernel_problems, with the release's own answer where it can be asked)."""
+    from specbuild.formats.trtllm_support import llmapi_kernel_problems
+
+    asked = release_multi_query(pkg, spec, attn_backend) if method != "none" else None
+    problems = llmapi_kernel_problems(target_config, method=method, version=str(pkg.__version__), dtype=dtype,
+                                      tp=tp, sm=cuda_sm(), attn_backend=attn_backend, multi_query=asked)
+    return "this bundle's target would fail on TensorRT-LLM's LLM API: " + "; ".join(problems) if problems else None
+
+
+def llmapi_problem(bundle_dir: str, *, attn_backend: str | None = None, ngram_impl: str = "trtllm") -> str | None:
+    """Why TrtllmApiEngine(bundle_dir, attn_backend=..., ngram_impl=...) would refuse this bundle
+    here, or None: the same checks the engine runs before its LLM starts (select.trtllm_path asks
+    this, so `--backend auto` falls back instead of ending in the engine's refusal)."""
+    from specbuild.backends.tensorrt_llm import read_trtllm_meta
+
+    try:
+        meta = read_meta(bundle_dir)
+        trt_meta = read_trtllm_meta(bundle_dir)
+        models = bundle_models(bundle_dir, trt_meta)
+        default = SpeculationConfig.make(None, **dict(meta.default_speculation))
+        method = default_method(default, models)
+        pkg = llmapi_package()
+        max_draft_len = int(trt_meta["limits"]["max_draft_len"] or default.gamma_max)
+        drafter = (make_drafter(pkg, max_draft_len, default.ngram_min, default.ngram_max)
+                   if method == "ngram" and ngram_impl == "specbuild" else None)
+        spec = speculative_config(pkg, method, max_draft_len=max_draft_len, models=models, drafter=drafter,
+                                  ngram_impl=ngram_impl, ngram_max=default.ngram_max)
+        target = read_model_config(os.path.join(bundle_dir, meta.roles["target"]["path"]))
+        return kernel_refusal(pkg, target, method=method, spec=spec, tp=int((trt_meta.get("llmapi") or {}).get(
+            "tp", 1)), dtype=trt_meta.get("dtype", "bfloat16"), attn_backend=attn_backend)
+    except (BundleError, ValueError, ImportError) as e:
+        return str(e)
+
+
 def cuda_sm() -> int | None:
     """major*10 + minor of GPU 0 (90 for Hopper), or None without CUDA."""
     try:
@@ -215,8 +311,7 @@ class TrtllmApiEngine(ExecutorEngine):
         self.tokenizer = Tokenizer.from_str(check_fingerprint(bundle_dir, self.meta))
         self.trt_meta = read_trtllm_meta(bundle_dir)
         api = self.trt_meta.get("llmapi") or {}
-        root = os.path.join(bundle_dir, "trtllm")
-        models = {role: os.path.join(root, rel) for role, rel in (api.get("models") or {}).items()}
+        models = bundle_models(bundle_dir, self.trt_meta)
         if eagle3_dir is not None:
             models["eagle3"] = eagle3_dir
         if "target" not in models:
@@ -231,25 +326,29 @@ class TrtllmApiEngine(ExecutorEngine):
         self.target_config = read_model_config(os.path.join(bundle_dir, self.meta.roles["target"]["path"]))
         default = SpeculationConfig.make(None, **dict(self.meta.default_speculation))
         if method is None:
-            method = "eagle3" if "eagle3" in models else default.method if default.method in API_METHODS else "none"
+            method = default_method(default, models)
         if method not in ("none",) + API_METHODS:
             raise BundleError(f"method {method!r} is not served on the LLM-API path (none, {', '.join(API_METHODS)})")
         if method in ("draft", "eagle3") and method not in models:
-            raise BundleError(f"method {method!r} needs its model: {'compile with --draft' if method == 'draft' else 'pass eagle3_dir (an EAGLE-3 head directory)'}")
+            raise BundleError(f"method {method!r} needs its model: {'compile with --draft' if method == 'draft' else 'compile with --eagle, or pass eagle3_dir (an EAGLE-3 head directory)'}")
         self.method = method
         self.max_draft_len = int(bundle_limits["max_draft_len"] or default.gamma_max) if method != "none" else 0
-        if ngram_impl not in ("trtllm", "specbuild"):
+        if ngram_impl not in NGRAM_IMPLS:
             raise BundleError(f"ngram_impl {ngram_impl!r}: use 'trtllm' (NGramDecodingConfig) or 'specbuild' "
                               "(specbuild's prompt lookup through UserProvidedDecodingConfig)")
         self.ngram_impl = ngram_impl
+        if attn_backend is not None and attn_backend.upper() not in ATTN_BACKENDS:
+            raise BundleError(f"attn_backend {attn_backend!r} is not one of {', '.join(ATTN_BACKENDS)} (TensorRT-LLM's "
+                              "_torch/attention_backend/utils.get_attention_backend)")
+        attn_backend = attn_backend.upper() if attn_backend is not None else None
 
         self._pkg = llmapi_package()
-        self._check_kernels(method, int(api.get("tp", 1)), attn_backend)
         drafter = None
         if method == "ngram" and ngram_impl == "specbuild":
             drafter = make_drafter(self._pkg, self.max_draft_len, default.ngram_min, default.ngram_max)
         spec = speculative_config(self._pkg, method, max_draft_len=self.max_draft_len, models=models,
                                   drafter=drafter, ngram_impl=ngram_impl, ngram_max=default.ngram_max)
+        self._check_kernels(method, int(api.get("tp", 1)), attn_backend, spec)
         dtype = self.trt_meta.get("dtype", "bfloat16")
         kw: dict[str, Any] = dict(skip_tokenizer_init=True, tensor_parallel_size=int(api.get("tp", 1)), dtype=dtype,
                                   max_batch_size=self.max_batch_size,
@@ -275,16 +374,14 @@ class TrtllmApiEngine(ExecutorEngine):
         self._iterations: dict[int, int] = {}  # id(seq) -> generation iterations seen
         self.load_seconds = time.perf_counter() - t0
 
-    def _check_kernels(self, method: str, tp: int, attn_backend: str | None) -> None:
+    def _check_kernels(self, method: str, tp: int, attn_backend: str | None, spec=None) -> None:
         """Refuse, before the LLM starts, a speculating target the installed release would send to
-        XQA kernels it has none for (formats/trtllm_support.llmapi_kernel_problems)."""
-        from specbuild.formats.trtllm_support import llmapi_kernel_problems
-
-        problems = llmapi_kernel_problems(self.target_config, method=method, version=str(self._pkg.__version__),
-                                          dtype=self.trt_meta.get("dtype", "bfloat16"), tp=tp, sm=cuda_sm(),
-                                          attn_backend=attn_backend)
-        if problems:
-            raise BundleError("this bundle's target would fail on TensorRT-LLM's LLM API: " + "; ".join(problems))
+        XQA kernels it has none for (kernel_refusal: the release's own interface.py where it can be
+        asked, else formats/trtllm_support's table)."""
+        why = kernel_refusal(self._pkg, self.target_config, method=method, spec=spec, tp=tp,
+                             dtype=self.trt_meta.get("dtype", "bfloat16"), attn_backend=attn_backend)
+        if why:
+            raise BundleError(why)
 
     # ---- what this engine serves ------------------------------------------------------------
     @property

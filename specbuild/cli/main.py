@@ -17,6 +17,7 @@ import click  # noqa: E402
 
 from specbuild.cli.lazy import LazyGroup
 from specbuild.cli.options import compile_option, content_type_option, gamma_options, shared, suffix_options, telemetry_option
+from specbuild.cli.options import trtllm_options
 from specbuild.errors import SpecbuildError
 
 __all__ = ["main", "user_errors", "compile_option", "fail_once", "dist_context"]  # compile_option: options.py
@@ -292,6 +293,7 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
 @shared("--threads")
 @shared("--device", help="cpu, cuda, cuda:N (torch backend).")
 @shared("--backend")
+@trtllm_options
 @compile_option()
 @shared("--json", help="Print one JSON object per prompt instead of streaming text.")
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -309,7 +311,7 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
 def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
              presence_penalty, frequency_penalty, speculation, gamma, gamma_min, gamma_max, tree, typical, threads,
              device, backend, compile_, as_json, json_schema, regex, grammar, logprobs, telemetry, content_type,
-             no_prefix_cache, suffix) -> None:
+             no_prefix_cache, suffix, trtllm) -> None:
     """Generate text from one or more prompts (batched)."""
     from specbuild.backends.select import open_engine
     from specbuild.engine.engine import EngineConfig
@@ -318,7 +320,7 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
 
     dist_context(bundle, backend, "generate")  # under `mpirun -n tp*pp`: TensorRT-LLM leader mode
     engine = open_engine(bundle, EngineConfig(device=device, threads=threads, compile=compile_,
-                                              prefix_cache=not no_prefix_cache, **suffix), backend=backend)
+                                              prefix_cache=not no_prefix_cache, **suffix), backend=backend, **trtllm)
     if follow_leader(engine, say=lambda line: click.echo(line, err=True)):  # ranks > 0: until rank 0 is done
         return
     from specbuild.speculation.policy import check_content_type

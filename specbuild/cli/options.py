@@ -25,6 +25,14 @@ SHARED: dict[str, dict[str, Any]] = {
     "--device": dict(default="cpu", show_default=True, help="cpu, cuda, cuda:N."),
     "--backend": dict(default="auto", show_default=True, type=click.Choice(BACKENDS),
                       help="auto: TensorRT-LLM where the bundle's engines are built and it runs here, else torch."),
+    # the TensorRT-LLM LLM-API path (backends/tensorrt_llm_api.py); --backend auto asks its checks with them
+    "--trtllm-attn-backend": dict(type=click.Choice(["TRTLLM", "FLASHINFER", "VANILLA"], case_sensitive=False),
+                                  default=None, help="TensorRT-LLM LLM API: attention backend [TRTLLM]. FLASHINFER "
+                                                     "avoids the speculative XQA kernels a query group that is not a "
+                                                     "power of two lacks."),
+    "--trtllm-ngram-impl": dict(type=click.Choice(["trtllm", "specbuild"]), default=None,
+                                help="TensorRT-LLM LLM API, ngram: TensorRT-LLM's NGramDecodingConfig (trtllm) or "
+                                     "specbuild's prompt lookup through UserProvidedDecodingConfig [trtllm]."),
     "--compile": dict(decls=("--compile", "compile_"), is_flag=True,
                       help="Torch backend, CPU: run the layer stack compiled: int4 bundles on specbuild's "
                            "kernels as one fused C++ call, others through torch.compile (a compile at load, "
@@ -136,5 +144,21 @@ def suffix_options(fn):
         return fn(*args, **kwargs)
 
     for field in reversed(SUFFIX_FIELDS):
+        wrapper = shared("--" + field.replace("_", "-"))(wrapper)
+    return wrapper
+
+
+TRTLLM_FIELDS = ("trtllm_attn_backend", "trtllm_ngram_impl")
+
+
+def trtllm_options(fn):
+    """--trtllm-attn-backend, --trtllm-ngram-impl, handed to the command as one `trtllm` dict of
+    open_engine keywords (only those given)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        kwargs["trtllm"] = {k: v for k in TRTLLM_FIELDS if (v := kwargs.pop(k)) is not None}
+        return fn(*args, **kwargs)
+
+    for field in reversed(TRTLLM_FIELDS):
         wrapper = shared("--" + field.replace("_", "-"))(wrapper)
     return wrapper

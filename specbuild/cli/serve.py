@@ -36,6 +36,7 @@ import threading
 import click
 
 from specbuild.cli.options import compile_option, shared, suffix_options, telemetry_option
+from specbuild.cli.options import trtllm_options
 from specbuild.cli.telemetry import open_telemetry
 from specbuild.errors import SpecbuildError
 
@@ -49,6 +50,7 @@ from specbuild.errors import SpecbuildError
 @shared("--threads")
 @shared("--device", help="cpu, cuda, cuda:N (torch backend).")
 @shared("--backend")
+@trtllm_options
 @compile_option()
 @shared("--kv-cache-tokens")
 @click.option("--prefill-chunk", type=int, default=256, show_default=True,
@@ -85,7 +87,7 @@ from specbuild.errors import SpecbuildError
 def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, compile_, kv_cache_tokens, prefill_chunk,
           body_timeout, header_timeout, max_header_bytes, max_headers, max_connections, max_inflight, model_name,
           strict_fields, chat_template, tool_call_parser, log_level, parallel_draft, draft_timeout, no_prefix_cache,
-          suffix, telemetry) -> None:
+          suffix, telemetry, trtllm) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
     from specbuild.cli.main import dist_context, fail_once
 
@@ -134,7 +136,7 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
         engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
                                                   kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
                                                   compile=compile_, prefix_cache=not no_prefix_cache, **suffix),
-                             backend="torch" if parallel_draft else backend,
+                             backend="torch" if parallel_draft else backend, **({} if parallel_draft else trtllm),
                              **(minedraft.open_kwargs() if minedraft is not None else {}))
         if ctx.role == "worker":
             serve_engine_part(ctx, engine)

@@ -14,6 +14,7 @@ import click
 
 from specbuild.errors import SpecbuildError
 from specbuild.cli.options import compile_option, shared, suffix_options
+from specbuild.cli.options import trtllm_options
 
 
 @click.command()
@@ -34,6 +35,7 @@ from specbuild.cli.options import compile_option, shared, suffix_options
 @click.option("--plain-instances", type=int, default=2, show_default=True,
               help="Instances of <name>_plain (concurrent unary requests).")
 @shared("--backend", help="auto: TensorRT-LLM where the bundle's engines are built and it runs there, else torch.")
+@trtllm_options
 @click.option("--engine-factory", default="specbuild.backends.select:open_engine", show_default=True,
               help="module:callable that builds the engine from (bundle, EngineConfig) (--backend: default only).")
 @shared("--telemetry", help="The engine model records speculation telemetry into DB (SQLite file or postgresql:// DSN).")
@@ -44,7 +46,7 @@ from specbuild.cli.options import compile_option, shared, suffix_options
 @suffix_options
 def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, device, kv_cache_tokens, compile_, python_env,
                 plain, plain_instances, backend, engine_factory, telemetry, triton_max_batch_size, no_prefix_cache,
-                suffix) -> None:
+                suffix, trtllm) -> None:
     """Write a Triton model repository that serves BUNDLE with speculative decoding."""
     from specbuild.serve.tritonserver_repo import RepoConfig, write_repository
 
@@ -53,7 +55,8 @@ def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, dev
                             max_batch_size=max_batch_size, device=device, kv_cache_tokens=kv_cache_tokens,
                             plain=plain, plain_instances=plain_instances, engine_factory=engine_factory,
                             backend=backend, telemetry=telemetry, compile=compile_,
-                            triton_max_batch_size=triton_max_batch_size, prefix_cache=not no_prefix_cache, **suffix)
+                            triton_max_batch_size=triton_max_batch_size, prefix_cache=not no_prefix_cache, **suffix,
+                            **trtllm)
         names = write_repository(bundle, out, config)
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

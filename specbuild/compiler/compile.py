@@ -185,11 +185,22 @@ def compile_bundle(target: str | Checkpoint, out_dir: str, options: CompileOptio
                 heads = mw.tensors(lm)
                 spec = load_tree(os.path.join(tmp, "medusa", "tree.json"), allow_files=True)
                 tree_paths, max_draft = [list(p) for p in spec.paths], spec.num_drafts
+            eagle3_dir = None
+            if eagle is not None:  # the head where TensorRT-LLM's EAGLE-3 loader reads it: trtllm/hf/eagle3
+                from specbuild.compiler.eagle_role import write_standalone
+
+                eagle3_dir = os.path.join(tmp, ".eagle3-trtllm")
+                write_standalone(os.path.join(tmp, roles["eagle"]["path"]), eagle3_dir, options.trtllm_dtype)
             say(f"writing TensorRT-LLM checkpoints (tp={options.tp}, pp={options.pp}, {options.trtllm_dtype})")
-            write_trtllm_bundle_part(
+            part = write_trtllm_bundle_part(
                 tmp, tgt, drf, medusa=heads, tree_paths=tree_paths, tp=options.tp, pp=options.pp,
                 dtype=options.trtllm_dtype, max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
-                max_draft_len=max_draft, gather_generation_logits=options.trtllm_gather_generation_logits)
+                max_draft_len=max_draft, gather_generation_logits=options.trtllm_gather_generation_logits,
+                eagle3_dir=eagle3_dir)
+            if eagle3_dir is not None:
+                shutil.rmtree(eagle3_dir)
+            for note in part["notes"]:
+                say(f"note: {note}")
             if build_engines(os.path.join(tmp, "trtllm")):
                 say("TensorRT-LLM engines built")
             else:

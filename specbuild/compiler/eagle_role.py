@@ -65,16 +65,26 @@ def write_eagle_role(bundle_tmp: str, src: str, target: ModelConfig, dtype: str)
 def export_eagle(bundle_dir: str, out_dir: str) -> list[str]:
     """The bundle's head as a standalone EAGLE-3 directory (no embedding: the loaders take
     the target's), t2d rebuilt from d2t."""
-    from safetensors.torch import load_file
 
     from specbuild.bundle import read_meta
 
     meta = read_meta(bundle_dir)
     if ROLE not in meta.roles:
         raise CheckpointError(f"bundle {bundle_dir!r} has no eagle role (compile it with --eagle DIR)")
-    role_dir = os.path.join(bundle_dir, meta.roles[ROLE]["path"])
+    return write_standalone(os.path.join(bundle_dir, meta.roles[ROLE]["path"]), out_dir)
+
+
+def write_standalone(role_dir: str, out_dir: str, dtype: str | None = None) -> list[str]:
+    """The eagle role in `role_dir` as a standalone EAGLE-3 directory (formats/eagle3.py's layout:
+    config.json + model.safetensors, t2d rebuilt from d2t), floating tensors cast to `dtype` where
+    given (the TensorRT-LLM copy takes the engines' dtype, and its config says so)."""
+    from safetensors.torch import load_file
+
     with open(os.path.join(role_dir, CONFIG)) as f:
         config = json.load(f)
     w = load_file(os.path.join(role_dir, WEIGHTS))
+    if dtype is not None:
+        w = {k: t.to(getattr(torch, dtype)) if t.is_floating_point() else t for k, t in w.items()}
+        config = {**config, "torch_dtype": dtype}
     w["t2d"] = eagle3.t2d_from_ids(eagle3.ids_from_d2t(w["d2t"]), int(config["vocab_size"]))
     return eagle3.write_eagle3(out_dir, config, w)

@@ -30,6 +30,10 @@ for speculative decoding target model". The flag's default was off in older rele
 (`tensorrt_llm/plugin/plugin.py`, commit 035b99e0 and earlier: `_use_paged_context_fmha`
 default False, so the CLI default is "disable") and on in later ones ("Allow advanced features
 like KV cache reuse and chunked context"), so passing it is harmless where it is the default.
+Except on float32 engines: context FMHA has float16/bfloat16 kernels only, so a float32 engine
+(plain only: compile refuses float32 for speculative modes) is built without the flag, with
+`paged_context_fmha_note` saying so, and the executor runs it without block reuse
+(backends/tensorrt_llm.py), which an engine without paged context FMHA cannot have.
 """
 
 from __future__ import annotations
@@ -50,13 +54,23 @@ from specbuild.errors import SpecbuildError
 from specbuild.formats.checkpoints import Checkpoint
 from specbuild.formats.trtllm_checkpoint import check_parallel, normalize_medusa, write_trtllm_checkpoint
 from specbuild.formats.trtllm_support import (ENGINE_PATH_END, draft_target_layout_problems, engine_path_problem,
-                                              installed_version, kernel_problems, release)
+                                              installed_version, kernel_problems, release, xqa_head_size_note)
 
 TRTLLM_DIR = "trtllm"
 META_FILE = "trtllm.json"
 BUILD_SCRIPT = "build.sh"
 EXECUTABLE = "trtllm-build"
 PAGED_CONTEXT_FMHA = "--use_paged_context_fmha"
+FMHA_DTYPES = ("float16", "bfloat16")  # context FMHA's kernels (fused multi-head attention: fp16/bf16)
+
+
+def paged_context_fmha_note(dtype: str | None) -> str | None:
+    """Why engines of `dtype` are built without --use_paged_context_fmha enable, or None."""
+    if dtype is None or dtype in FMHA_DTYPES:
+        return None
+    return (f"--trtllm-dtype {dtype}: engines are built without {PAGED_CONTEXT_FMHA} enable (context FMHA has "
+            f"{'/'.join(FMHA_DTYPES)} kernels only), so they run without KV block reuse and recompute repeated "
+            "prompt prefixes; use --trtllm-dtype bfloat16 or float16 to reuse them")
 
 
 def _positive(name: str, value: Any) -> int:
@@ -68,8 +82,9 @@ def _positive(name: str, value: Any) -> int:
 def build_commands(*, target_checkpoint: str, target_engine: str, draft_checkpoint: str | None = None,
                    draft_engine: str | None = None, medusa: bool = False, max_batch_size: int,
                    max_seq_len: int, max_draft_len: int | None = None, gather_generation_logits: bool = False,
-                   executable: str = EXECUTABLE) -> dict[str, list[str]]:
-    """role ("target", "draft") -> the argv of its `trtllm-build` (draft/target, Medusa or plain)."""
+                   executable: str = EXECUTABLE, dtype: str | None = None) -> dict[str, list[str]]:
+    """role ("target", "draft") -> the argv of its `trtllm-build` (draft/target, Medusa or plain).
+    dtype: the checkpoints' (None: not known here); float32 engines get no paged context FMHA."""
     _positive("max_batch_size", max_batch_size)
     _positive("max_seq_len", max_seq_len)
     if medusa and draft_checkpoint is not None:
@@ -82,7 +97,8 @@ def build_commands(*, target_checkpoint: str, target_engine: str, draft_checkpoi
                 "--max_batch_size", str(max_batch_size), "--max_seq_len", str(max_seq_len),
                 "--max_input_len", str(max_seq_len)]
 
-    paged = [PAGED_CONTEXT_FMHA, "enable"]  # every engine runs with KV block reuse (module docstring)
+    # every float16/bfloat16 engine runs with KV block reuse (module docstring); float32 has no context FMHA
+    paged = [] if paged_context_fmha_note(dtype) else [PAGED_CONTEXT_FMHA, "enable"]
     target = base(target_checkpoint, target_engine) + paged
     if medusa:
         return {"target": target + ["--speculative_decoding_mode", "medusa"]}
@@ -282,7 +298,7 @@ def write_trtllm_bundle_part(out_dir: str, target: Checkpoint, draft: Checkpoint
         draft_checkpoint=roles.get("draft", {}).get("checkpoint_dir"),
         draft_engine=roles.get("draft", {}).get("engine_dir"), medusa=medusa is not None,
         max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len,
-        max_draft_len=limits.max_draft_len or None, gather_generation_logits=gather_generation_logits)
+        max_draft_len=limits.max_draft_len or None, gather_generation_logits=gather_generation_logits, dtype=dtype)
     write_build_script(os.path.join(root, BUILD_SCRIPT), commands)
     hf_roles: dict[str, str] = {}
     if llmapi:
@@ -301,6 +317,7 @@ def write_trtllm_bundle_part(out_dir: str, target: Checkpoint, draft: Checkpoint
         "gather_generation_logits": gather_generation_logits, "tree": tree, "roles": roles,
         "build_script": BUILD_SCRIPT, "build_commands": commands, "engines_built": False,
         "llmapi": {"models": hf_roles, "tp": tp} if llmapi else None,
+        "notes": [n for n in (paged_context_fmha_note(dtype), xqa_head_size_note(target.config, mode)) if n],
     }
     with open(os.path.join(root, META_FILE), "w") as f:
         json.dump(meta, f, indent=2)

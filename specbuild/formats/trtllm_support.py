@@ -56,11 +56,13 @@ where the file says so); no run on a real TensorRT-LLM has checked them here.
   dtype rules above); on SM >= 120 two-model targets go through chunked context instead, and a
   non-TRTLLM attention backend (`attn_backend="FLASHINFER"`, which NVIDIA's own
   `NVIDIA/TensorRT-LLM/tests/unittest/_torch/speculative/test_user_provided.py` runs) never takes that path. One
-  older stored `interface.py` (release unknown) returns spec-dec mode only for EAGLE-3 and
-  treats drafts as chunked context except on SM 100 (`get_sm_version() != 100`); no release
-  boundary could be read, so `llmapi_kernel_problems` applies the later rule to every 1.x
-  release: on such an older release it refuses a target that would have run (say so, with
-  the fix, rather than fail at the first step on a newer one).
+  older stored `interface.py` (the 1.0 line) returns spec-dec mode only for one-model EAGLE-3
+  (`attention_need_spec_dec_mode(self)` without arguments) and treats drafts as chunked context
+  except on SM 100 (`get_sm_version() != 100`). The rule therefore differs by release, so it is
+  asked of the installed release (`backends/tensorrt_llm_api.release_multi_query` calls its
+  `SpeculativeDecodingMode.attention_need_spec_dec_mode` and `extend_ctx` for the mode of the very
+  speculative_config the LLM gets); `table_multi_query` (below) holds the documented answer per
+  release line, used only where those functions cannot be asked.
 - Lengths: `tensorrt_llm/builder.py` adds max_draft_len to max_seq_len for every speculative
   mode ("Increasing max_seq_len ... by max_draft_len"), so a built engine records more than the
   `--max_seq_len` flag.
@@ -89,6 +91,11 @@ SPECULATIVE_DTYPES = ("float16", "bfloat16")
 MMHA_HEAD_SIZES = (32, 48, 64, 80, 96, 104, 112, 128, 144, 160, 192, 224, 256)
 SPECULATIVE_MODES = ("medusa", "draft_tokens_external", "eagle")
 TREE_MODES = ("medusa", "eagle")  # packed mask -> the spec-decoding (multi-query) XQA path; not draft/target
+# Speculative XQA kernels by head size. The JIT kernels take head_size % 16 == 0 within [16, 256] only
+# (cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/decoderXQAImplJIT/kernelUtils.cpp, supportConfigQGMMA
+# and supportConfigHMMA, stored 1.x file); the precompiled ones are cubins per head size, whose list was not read
+# here: those head sizes get a note (xqa_head_size_note) that the first GPU run settles it.
+XQA_HEAD_SIZE_STEP, XQA_HEAD_SIZE_MAX = 16, 256
 XQA_FREE_SM = 120  # interface.py: xqa_supported = get_sm_version() < 120 (two-model targets use chunked context above)
 REMOVAL_DOC = "docs/source/legacy/tensorrt-backend-removal.md"
 
@@ -175,6 +182,12 @@ def _xqa_problems(config: Any, *, role: str, what: str, dtype: str, tp: int, fix
         out.append(f"--trtllm-dtype {dtype}: {what} runs its generation through XQA kernels, which have "
                    "float16/bfloat16 only (Medusa and draft/target support FP16/BF16; float32 falls back to unfused "
                    "attention): use --trtllm-dtype bfloat16 or float16")
+    d = config.head_dim
+    if d % XQA_HEAD_SIZE_STEP or not XQA_HEAD_SIZE_STEP <= d <= XQA_HEAD_SIZE_MAX:
+        out.append(f"the {role}'s head size {d}: {what} needs TensorRT-LLM's speculative XQA kernels, which take "
+                   f"head sizes that are multiples of {XQA_HEAD_SIZE_STEP} up to {XQA_HEAD_SIZE_MAX} only "
+                   "(decoderXQAImplJIT/kernelUtils.cpp): use a model with such a head size, or draft/target "
+                   "speculation (--draft), which does not use them")
     group = xqa_group(config.num_heads, config.num_kv_heads, tp)
     if group & (group - 1) or group > 64:
         out.append(f"the {role} has {config.num_heads} query heads over {config.num_kv_heads} KV heads: "
@@ -185,27 +198,71 @@ def _xqa_problems(config: Any, *, role: str, what: str, dtype: str, tp: int, fix
     return out
 
 
+INTERFACE_FILE = "tensorrt_llm/_torch/speculative/interface.py"
+# The documented table, used only where the installed release's own decision functions cannot be asked
+# (release_multi_query in backends/tensorrt_llm_api.py asks them). Read in INTERFACE_FILE by release:
+# - before 1.1 (an older stored file, the 1.0 line): `attention_need_spec_dec_mode(self)` is
+#   `is_eagle3_one_model()` alone; two-model targets (draft, ngram, user-provided) take their drafts as
+#   chunked context (`extend_ctx`), never the multi-token query kernels;
+# - 1.1 and 1.2 (commit 00b6d5a2's rule): two-model targets on TRTLLM attention run in multi-token query
+#   mode (`use_case_2`) unless `extend_ctx` (xqa_supported = get_sm_version() < 120) sends them to chunked
+#   context; one-model EAGLE-3 always (`use_case_1 = self.use_one_engine()`);
+# - 1.3 on: as 1.1/1.2, but DraftTargetDecodingConfig's mode is DRAFT_TARGET_ONE_MODEL, an external drafter
+#   and so `use_one_engine()`: draft/target joins EAGLE-3 in multi-token query mode on every SM.
+MULTI_QUERY_TWO_MODEL_FROM = (1, 1)
+DRAFT_ONE_MODEL_FROM = (1, 3)
+
+
+def table_multi_query(version: str, method: str, sm: int | None) -> bool:
+    """Whether the target of `method` runs in multi-token query mode on TRTLLM attention under
+    TensorRT-LLM `version` on SM `sm` (None: unknown, taken as < 120), by the table above."""
+    if method == "none":
+        return False
+    rel = release(version) or ENGINE_PATH_END  # unknown: the newest rule
+    one_model = method == "eagle3" or (method == "draft" and _cmp(rel, DRAFT_ONE_MODEL_FROM) >= 0)
+    if one_model:
+        return True
+    if _cmp(rel, MULTI_QUERY_TWO_MODEL_FROM) < 0:
+        return False
+    return sm is None or sm < XQA_FREE_SM
+
+
+def xqa_head_size_note(config: Any, mode: str) -> str | None:
+    """A note for a tree-mode (Medusa) engine: its speculative XQA kernels are precompiled per head size."""
+    if mode not in TREE_MODES:
+        return None
+    return (f"{mode} engines run generation on TensorRT-LLM's precompiled speculative XQA kernels, compiled per head "
+            f"size; head size {config.head_dim} passes the JIT kernels' rule (decoderXQAImplJIT/kernelUtils.cpp), "
+            "but which sizes a release's precompiled set carries was not read: scripts/gpu_trtllm_e2e.sh's Medusa "
+            "stage checks it on the GPU")
+
+
 def llmapi_kernel_problems(config: Any, *, method: str, version: str, dtype: str, tp: int = 1,
-                           sm: int | None = None, attn_backend: str | None = None) -> list[str]:
+                           sm: int | None = None, attn_backend: str | None = None,
+                           multi_query: bool | None = None) -> list[str]:
     """What the LLM API (PyTorch backend) of TensorRT-LLM `version` would refuse at its first
-    speculative step for this target: with `method` speculating on TRTLLM attention (the
-    default, attn_backend None) the target runs in multi-token query mode, i.e. on the XQA
-    kernels, on SM < 120 (sm: major*10+minor of the GPU, None when unknown = assume < 120), and
-    one-model EAGLE-3 on every SM (interface.py; see the module docstring). `config` has
-    head_dim, num_heads, num_kv_heads."""
+    speculative step for this target: a target in multi-token query mode on TRTLLM attention (the
+    default, attn_backend None) runs on the speculative XQA kernels. `multi_query`: the installed
+    release's own answer (backends/tensorrt_llm_api.release_multi_query); None where it could not
+    be asked, and then `table_multi_query` decides by version and SM (sm: major*10+minor, None =
+    unknown, taken as < 120). `config` has head_dim, num_heads, num_kv_heads."""
     out: list[str] = []
     if config.head_dim not in MMHA_HEAD_SIZES:
         out.append(f"the target's head size {config.head_dim} has no TensorRT-LLM attention kernel (masked MHA "
                    f"takes {', '.join(map(str, MMHA_HEAD_SIZES))}): use another model")
     if method == "none" or (attn_backend or "TRTLLM").upper() != "TRTLLM":
         return out
-    if method != "eagle3" and sm is not None and sm >= XQA_FREE_SM:
-        return out  # extend_ctx: the drafts go through chunked context, not the multi-query XQA kernels
+    asked = multi_query is not None
+    if not (multi_query if asked else table_multi_query(version, method, sm)):
+        return out  # the drafts go through chunked context (extend_ctx), not the multi-query XQA kernels
     where = "" if sm is None else f" on SM {sm}"
+    how = (f"as TensorRT-LLM {version}'s own {INTERFACE_FILE} answers" if asked else
+           f"by specbuild's table of {INTERFACE_FILE} for release {version}, whose functions could not be asked")
     problems = _xqa_problems(config, role="target", what=f"{method} speculation on TensorRT-LLM {version}'s LLM API "
-                             f"(multi-token query mode on TRTLLM attention{where}, _torch/speculative/interface.py)",
+                             f"(multi-token query mode on TRTLLM attention{where}, {how})",
                              dtype=dtype, tp=tp, fix="tensor_parallel_size (--tp)")
-    return [p + "; or attn_backend='FLASHINFER', which does not take that path" for p in problems]
+    return [p + "; or attn_backend='FLASHINFER' (--trtllm-attn-backend FLASHINFER), which does not take that path"
+            for p in problems]
 
 
 def _group_fixing_tps(config: Any) -> list[int]:

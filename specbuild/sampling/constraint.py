@@ -104,6 +104,50 @@ class ResponseFormat:
         return cls(kind, spec, name)
 
 
+# llguidance 0.7.x (what TensorRT-LLM 1.2.1 pins: specbuild/data/trtllm_pins.json) takes WHITESPACE but
+# does not keep runs of it apart: measured with 0.7.29, the tiny test model wrote "{" and then newlines until
+# max_tokens (tests/engine/test_structured.py). There JSON takes json.dumps' fixed layout instead (no free
+# whitespace at all), which ends as the bounded pattern does; 1.x keeps the bounded pattern.
+FIXED_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+BOUNDED_WHITESPACE_FROM = (1, 0)
+
+
+def llguidance_release() -> tuple[int, ...] | None:
+    """The installed llguidance's release ((1, 9, 1)), or None where its metadata cannot be read."""
+    import re
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version("llguidance"))
+    except PackageNotFoundError:
+        return None
+    return tuple(int(g) for g in found.groups() if g is not None) if found else None
+
+
+def json_options(release: tuple[int, ...] | None) -> dict[str, Any]:
+    """The JSON compiler's overrides for llguidance `release` (None: unknown, taken as current)."""
+    if release is not None and release[:2] < BOUNDED_WHITESPACE_FROM:
+        return dict(FIXED_LAYOUT)
+    return {"whitespace_pattern": WHITESPACE}
+
+
+def make_tokenizer(llguidance, tokenizer_json: str, vocab_size: int, stop_token_ids: list[int]):
+    """llguidance's tokenizer with the bundle's stop tokens as the grammar's end.
+
+    llguidance 1.x takes a list of EOS ids; the 0.7 line takes one (`LLTokenizer(..., eos_token:
+    Optional[TokenId])` in its `_lib.pyi`, 0.7.29 being what TensorRT-LLM 1.2.1 pins, see
+    specbuild/data/trtllm_pins.json). There the first stop token ends a finished grammar: a
+    subset of the stop tokens, so output stops where it would on 1.x; only a model that would
+    have ended with another stop token ends with the first one instead."""
+    if len(stop_token_ids) > 1:
+        try:
+            return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=stop_token_ids)
+        except TypeError:  # the 0.7 line: one EOS id
+            pass
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                  eos_token=stop_token_ids[0] if stop_token_ids else None)
+
+
 class GrammarBackend:
     """One per bundle: the tokenizer as the grammar engine sees it, and compiled grammars."""
 
@@ -114,14 +158,13 @@ class GrammarBackend:
             raise RequestError("structured output needs the grammar engine llguidance (a dependency of specbuild: "
                                f"pip install llguidance); import failed: {e}") from None
         self._ll = llguidance
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
-                                                eos_token=list(stop_token_ids) or None)
+        self.tokenizer = make_tokenizer(llguidance, tokenizer_json, vocab_size, list(stop_token_ids))
         self.vocab_size = vocab_size
         self._template = functools.lru_cache(maxsize=64)(self._compile)
 
     def grammar_text(self, fmt: ResponseFormat) -> str:
         M = self._ll.LLMatcher
-        options = {"whitespace_pattern": WHITESPACE}
+        options = json_options(llguidance_release())
         try:
             if fmt.kind == "json_object":
                 return M.grammar_from_json_schema({"type": "object"}, overrides=options)

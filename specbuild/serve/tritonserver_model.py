@@ -386,6 +386,7 @@ class EngineModel:
         factory = getattr(importlib.import_module(module), attr)
         ints = {k: int(params[k]) for k in ("threads", "max_batch_size", "kv_cache_tokens") if params.get(k)}
         backend = {"backend": params["backend"]} if params.get("backend") else {}  # open_engine's choice
+        backend.update({k: params[k] for k in ("trtllm_attn_backend", "trtllm_ngram_impl") if params.get(k)})
         flags = engine_flags(params)
         self.engine = factory(params["bundle"], EngineConfig(device=params.get("device") or "cpu", **ints, **flags),
                               **backend)

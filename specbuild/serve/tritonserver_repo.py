@@ -116,6 +116,9 @@ class RepoConfig:
     plain_instances: int = 2
     engine_factory: str = DEFAULT_FACTORY
     backend: str = "auto"
+    # the LLM-API path's attention backend and n-gram drafter (open_engine's keywords of the same names)
+    trtllm_attn_backend: str | None = None
+    trtllm_ngram_impl: str | None = None
     telemetry: str | None = None  # telemetry store (SQLite path or postgresql:// DSN) for the engine model
     triton_max_batch_size: int = 64  # > 0: [batch, 1] tensors as TensorRT-LLM's ensemble; 0: [1] tensors
     prefix_cache: bool = True  # EngineConfig.prefix_cache (`--no-prefix-cache`): parameter prefix_cache "0" when off
@@ -143,6 +146,15 @@ class RepoConfig:
             raise ValueError(f"engine_factory={self.engine_factory!r} must be 'module:callable'")
         if self.backend not in BACKEND_CHOICES:
             raise ValueError(f"backend={self.backend!r} is not one of {', '.join(BACKEND_CHOICES)}")
+        if self.trtllm_attn_backend not in (None, "TRTLLM", "FLASHINFER", "VANILLA"):
+            raise ValueError(f"trtllm_attn_backend={self.trtllm_attn_backend!r} is not one of TRTLLM, FLASHINFER, "
+                             "VANILLA")
+        if self.trtllm_ngram_impl not in (None, "trtllm", "specbuild"):
+            raise ValueError(f"trtllm_ngram_impl={self.trtllm_ngram_impl!r} is not one of trtllm, specbuild")
+        trtllm_set = [k for k in ("trtllm_attn_backend", "trtllm_ngram_impl") if getattr(self, k) is not None]
+        if trtllm_set and self.engine_factory != DEFAULT_FACTORY:
+            raise ValueError(f"{', '.join(trtllm_set)} apply to the default engine factory ({DEFAULT_FACTORY}); "
+                             f"engine_factory={self.engine_factory!r} picks its own backend")
         if self.backend != "auto" and self.engine_factory != DEFAULT_FACTORY:
             raise ValueError(f"backend={self.backend!r} applies to the default engine factory ({DEFAULT_FACTORY}); "
                              f"engine_factory={self.engine_factory!r} picks its own backend")
@@ -223,6 +235,9 @@ def write_repository(bundle_dir: str, out: str, config: RepoConfig = RepoConfig(
                      "device": config.device, "engine_factory": config.engine_factory, **common}
     if config.engine_factory == DEFAULT_FACTORY:
         engine_params["backend"] = config.backend
+        for key in ("trtllm_attn_backend", "trtllm_ngram_impl"):
+            if getattr(config, key) is not None:
+                engine_params[key] = getattr(config, key)
     if config.telemetry:
         is_dsn = config.telemetry.startswith(("postgresql://", "postgres://"))
         engine_params["telemetry"] = config.telemetry if is_dsn else os.path.abspath(config.telemetry)

@@ -579,7 +579,7 @@ def trtllm_runs_here(stub_trtllm, monkeypatch):
     """open_engine's TensorRT-LLM check passes (the stub stands in for tensorrt_llm; no CUDA needed)."""
     import specbuild.backends.select as backend_module
 
-    monkeypatch.setattr(backend_module, "trtllm_status", lambda bundle_dir: (True, ""))
+    monkeypatch.setattr(backend_module, "trtllm_status", lambda bundle_dir, **options: (True, ""))
 
 
 def test_open_engine_gives_the_tensorrt_llm_engine(trtllm_runs_here, stub_bundle, tiny_bundle):

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from tiny import make_tiny_hf
+from tiny import make_tiny_eagle3, make_tiny_hf
 
 from specbuild.backends.tensorrt_llm_api import TEST_STUB_ENV, TrtllmApiEngine
 from specbuild.engine.engine import EngineConfig
@@ -105,8 +105,7 @@ def test_eagle3_config_by_release(api, bundle, reference, tmp_path, monkeypatch)
     """Issue 31 row 4: 1.0-1.2 export no Eagle3DecodingConfig (llmapi/__init__.py at 5ca85aff);
     there EAGLE-3 is EagleDecodingConfig(eagle3_one_model=True). Picked by the installed version;
     a release with neither is refused naming it."""
-    head = str(tmp_path / "eagle3")  # the stand-in reads only its config.json (formats/eagle3.py writes the real one)
-    shutil.copytree(os.path.join(bundle, "trtllm", "hf", "draft"), head)
+    head = make_tiny_eagle3(str(tmp_path / "eagle3"), os.path.join(bundle, "trtllm", "hf", "target"))
     for version, cls, one_model in (("1.2.0", stub.EagleDecodingConfig, True), ("1.3.0", stub.Eagle3DecodingConfig,
                                                                                  True)):
         monkeypatch.setattr(stub, "STUB_VERSION", version)

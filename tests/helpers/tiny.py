@@ -123,3 +123,35 @@ def draft_pair_bundle(root, noise: float = 0.08, **options) -> str:
     target = make_tiny_hf(os.path.join(root, "target"), scale=4.0, seed=3)
     draft = perturbed_copy(target, os.path.join(root, "draft"), noise=noise)
     return compile_bundle(target, os.path.join(root, "bundle"), CompileOptions(dtype="float64", **options), draft=draft)
+
+
+def make_tiny_eagle3(path: str, target: str, draft_vocab: int = 100, seed: int = 5) -> str:
+    """A random EAGLE-3 head (formats/eagle3.py's layout) for the HF target directory `target`:
+    one layer of the target's shape, fc over three target layers, draft vocabulary the first
+    `draft_vocab` target ids (d2t zeros)."""
+    from specbuild.formats import eagle3
+
+    cfg = json.load(open(os.path.join(target, "config.json")))
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    d, inter = cfg.get("head_dim") or h // heads, cfg["intermediate_size"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return 0.05 * torch.randn(shape, generator=gen)
+
+    tensors = {"fc.weight": w(h, 3 * h), "norm.weight": torch.ones(h), "lm_head.weight": w(draft_vocab, h),
+               "d2t": torch.zeros(draft_vocab, dtype=torch.int64),
+               "midlayer.hidden_norm.weight": torch.ones(h), "midlayer.input_layernorm.weight": torch.ones(h),
+               "midlayer.post_attention_layernorm.weight": torch.ones(h),
+               "midlayer.self_attn.q_proj.weight": w(heads * d, 2 * h), "midlayer.self_attn.k_proj.weight": w(kv * d, 2 * h),
+               "midlayer.self_attn.v_proj.weight": w(kv * d, 2 * h), "midlayer.self_attn.o_proj.weight": w(h, heads * d),
+               "midlayer.mlp.gate_proj.weight": w(inter, h), "midlayer.mlp.up_proj.weight": w(inter, h),
+               "midlayer.mlp.down_proj.weight": w(h, inter)}
+    config = {"architectures": [eagle3.ARCHITECTURE], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
+              "num_hidden_layers": 1, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-5),
+              "rope_theta": cfg.get("rope_theta", 10000.0), "max_position_embeddings": cfg["max_position_embeddings"],
+              "hidden_act": "silu", "vocab_size": cfg["vocab_size"], "draft_vocab_size": draft_vocab,
+              "target_hidden_size": h, "tie_word_embeddings": False, "torch_dtype": "float32"}
+    eagle3.write_eagle3(path, config, tensors)
+    return path

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 import json
 import os
 import pickle
@@ -38,27 +39,133 @@ from typing import Any, List, Optional
 
 from trtllm_stub import oracle
 
+from specbuild.formats.trtllm_support import release
+
 STUB_VERSION = "1.2.0"
 STUB_HIDDEN: set[str] = set()  # llmapi names a test removes, to stand in for a release without them
+# ("interface" removes _torch/speculative/interface.py's decision functions, so specbuild falls back to its table)
+STUB_SM = 90  # what the stand-in's get_sm_version() answers: a Hopper GPU
 EAGLE3_CLASS_FROM = (1, 3)  # the stand-in exports Eagle3DecodingConfig from this release (before: EagleDecodingConfig)
 _TORCH_LLM_ARGS = {"speculative_config", "max_batch_size", "max_seq_len", "max_num_tokens", "kv_cache_config",
                    "enable_chunked_prefill", "disable_overlap_scheduler", "cuda_graph_config", "attn_backend"}
 
 
-class _Base:
+# ---- _torch/speculative/interface.py and _torch/attention_backend, by release -------------------------
+# The rules as read (formats/trtllm_support.py's table cites them): the 1.0 line's file has
+# attention_need_spec_dec_mode(self) = one-model EAGLE-3 only and extend_ctx true off SM 100; commit
+# 00b6d5a2 (1.1 on) takes (spec_resource_manager, is_draft_model, attention_backend, use_chain_drafter)
+# and puts two-model targets on TRTLLM attention in multi-token query mode, extend_ctx where SM >= 120;
+# from 1.3 DraftTargetDecodingConfig's mode is DRAFT_TARGET_ONE_MODEL (an external drafter: one engine).
+class AttentionBackend:
+    pass
+
+
+class TrtllmAttention(AttentionBackend):
+    pass
+
+
+class FlashInferAttention(AttentionBackend):
+    pass
+
+
+class VanillaAttention(AttentionBackend):
+    pass
+
+
+def get_attention_backend(backend_name: str):
+    return {"VANILLA": VanillaAttention, "FLASHINFER": FlashInferAttention}.get(backend_name, TrtllmAttention)
+
+
+def get_sm_version() -> int:
+    return STUB_SM
+
+
+_MODES = ["EAGLE3", "EAGLE3_ONE_MODEL", "NGRAM", "DRAFT_TARGET", "DRAFT_TARGET_ONE_MODEL", "USER_PROVIDED", "NONE"]
+
+
+class _ModeCommon:
+    def use_one_engine(self):
+        return self.name in ("EAGLE3_ONE_MODEL", "DRAFT_TARGET_ONE_MODEL")
+
+
+class _Rules10(_ModeCommon):
+    def extend_ctx(self, attention_backend):
+        if self.use_one_engine():
+            return False
+        return not issubclass(attention_backend, TrtllmAttention) or get_sm_version() != 100
+
+    def attention_need_spec_dec_mode(self):
+        return self.name == "EAGLE3_ONE_MODEL"
+
+
+class _Rules11(_ModeCommon):
+    def extend_ctx(self, attention_backend):
+        if self.use_one_engine():
+            return False
+        return not issubclass(attention_backend, TrtllmAttention) or not get_sm_version() < 120
+
+    def attention_need_spec_dec_mode(self, spec_resource_manager, is_draft_model, attention_backend,
+                                     use_chain_drafter):
+        trtllm = issubclass(attention_backend, TrtllmAttention)
+        return self.use_one_engine() or (not is_draft_model and trtllm)
+
+
+SpeculativeDecodingMode10 = enum.IntEnum("SpeculativeDecodingMode", _MODES, type=_Rules10)
+SpeculativeDecodingMode11 = enum.IntEnum("SpeculativeDecodingMode", _MODES, type=_Rules11)
+
+
+def _mode_class():
+    rel = release(STUB_VERSION) or (9,)
+    return SpeculativeDecodingMode10 if rel[:2] < (1, 1) else SpeculativeDecodingMode11
+
+
+def _mode(name: str):
+    return _mode_class()[name]
+
+
+def multi_query(spec, attn_backend) -> bool:
+    """What the stand-in's release decides for this target (the LLM refuses a group its XQA lacks)."""
+    mode, attention = spec.spec_dec_mode, get_attention_backend(attn_backend or "TRTLLM")
+    if isinstance(mode, SpeculativeDecodingMode10):
+        need = mode.attention_need_spec_dec_mode()
+    else:
+        need = mode.attention_need_spec_dec_mode(None, False, attention, False)
+    return bool(need) and not mode.extend_ctx(attention)
+
+
+# llmapi/llm_args.py: the draft model's field is `speculative_model_dir` (no alias) in the stored 1.x files with
+# max_total_draft_tokens, `speculative_model` with the alias speculative_model_dir in later ones
+STUB_MODEL_FIELD = "speculative_model"
+
+
+class _Fields(type):
+    @property
+    def model_fields(cls) -> dict[str, Any]:
+        """The fields as the stand-in's release names them (pydantic's model_fields)."""
+        out = dict(cls.fields)
+        if STUB_MODEL_FIELD != "speculative_model" and "speculative_model" in out:
+            out[STUB_MODEL_FIELD] = out.pop("speculative_model")
+        return out
+
+
+class _Base(metaclass=_Fields):
     """pydantic-like: keyword fields only, unknown ones refused (StrictBaseModel)."""
 
     fields: dict[str, Any] = {}
 
     def __init__(self, **kw):
-        unknown = set(kw) - set(self.fields) - set(getattr(self, "aliases", {}))
+        fields = type(self).model_fields
+        aliases = getattr(self, "aliases", {}) if STUB_MODEL_FIELD == "speculative_model" else {}
+        unknown = set(kw) - set(fields) - set(aliases)
         if unknown:
             raise ValueError(f"{type(self).__name__}: extra inputs are not permitted: {sorted(unknown)}")
-        for name, default in self.fields.items():
+        for name, default in fields.items():
             setattr(self, name, kw.get(name, default))
-        for alias, name in getattr(self, "aliases", {}).items():
+        for alias, name in aliases.items():
             if alias in kw:
                 setattr(self, name, kw[alias])
+        if STUB_MODEL_FIELD in fields and STUB_MODEL_FIELD != "speculative_model":
+            self.speculative_model = getattr(self, STUB_MODEL_FIELD)  # what the stand-in itself reads
         self.validate()
 
     def validate(self) -> None:
@@ -79,6 +186,11 @@ class DecodingBaseConfig(_Base):
 class DraftTargetDecodingConfig(DecodingBaseConfig):
     decoding_type = "Draft_Target"
 
+    @property
+    def spec_dec_mode(self):
+        one_model = (release(STUB_VERSION) or (9,))[:2] >= (1, 3)
+        return _mode("DRAFT_TARGET_ONE_MODEL" if one_model else "DRAFT_TARGET")
+
     def validate(self):
         self._needs_len("DraftTarget")
         if self.speculative_model is None:
@@ -89,6 +201,10 @@ class NGramDecodingConfig(DecodingBaseConfig):
     fields = {**DecodingBaseConfig.fields, "max_matching_ngram_size": 0, "is_keep_all": True, "is_use_oldest": True,
               "is_public_pool": True}
     decoding_type = "NGram"
+
+    @property
+    def spec_dec_mode(self):
+        return _mode("NGRAM")
 
     def validate(self):
         self._needs_len("NGram")
@@ -102,6 +218,10 @@ class EagleDecodingConfig(DecodingBaseConfig):
               "num_eagle_layers": None}
     decoding_type = "Eagle"
 
+    @property
+    def spec_dec_mode(self):
+        return _mode("EAGLE3_ONE_MODEL" if self.eagle3_one_model else "EAGLE3")
+
     def validate(self):
         if self.speculative_model is None:
             raise ValueError("Draft model must be provided for EAGLE")
@@ -114,6 +234,10 @@ class Eagle3DecodingConfig(EagleDecodingConfig):
 class UserProvidedDecodingConfig(DecodingBaseConfig):
     fields = {**DecodingBaseConfig.fields, "drafter": None, "resource_manager": None}
     decoding_type = "User_Provided"
+
+    @property
+    def spec_dec_mode(self):
+        return _mode("USER_PROVIDED")
 
     def validate(self):
         self.max_total_draft_tokens = self.max_draft_len
@@ -238,6 +362,36 @@ class StubResult:
         return n
 
 
+# What TensorRT-LLM's EAGLE-3 draft loader (_torch/models/modeling_speculative.py, Eagle3ForCausalLM) reads from
+# speculative_model: a Llama config of one layer and model.safetensors with the midlayer / fc / norm / lm_head
+# tensors and the d2t map (the target's embedding is used where the head has none). Listed here on its own,
+# not imported from specbuild, so the stand-in checks specbuild's writer against the layout.
+EAGLE3_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "midlayer.hidden_norm.weight",
+                  "midlayer.input_layernorm.weight", "midlayer.self_attn.q_proj.weight",
+                  "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+                  "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
+                  "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight")
+
+
+def check_eagle3_layout(path: str, target: dict) -> None:
+    from safetensors import safe_open
+
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    weights = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(weights):
+        raise ValueError(f"EAGLE-3 head {path} has no model.safetensors")
+    with safe_open(weights, "pt") as f:
+        names = set(f.keys())
+        fc = f.get_slice("fc.weight").get_shape() if "fc.weight" in names else None
+    missing = [n for n in EAGLE3_TENSORS if n not in names]
+    if missing:
+        raise ValueError(f"EAGLE-3 head {path} lacks {missing}")
+    if int(cfg.get("num_hidden_layers", 0)) != 1 or cfg.get("vocab_size") != target["vocab_size"]:
+        raise ValueError(f"EAGLE-3 head {path}: one layer over the target's vocabulary expected, got {cfg}")
+    if list(fc) != [cfg["hidden_size"], 3 * target["hidden_size"]]:
+        raise ValueError(f"EAGLE-3 head {path}: fc.weight {fc} does not read three target layers")
+
+
 class LLM:
     instances: list["LLM"] = []
 
@@ -256,6 +410,8 @@ class LLM:
             if getattr(self.spec, "speculative_model", None) is not None and not os.path.isfile(
                     os.path.join(str(self.spec.speculative_model), "config.json")):
                 raise ValueError(f"speculative_model {self.spec.speculative_model} has no config.json")
+            if isinstance(self.spec, EagleDecodingConfig):
+                check_eagle3_layout(str(self.spec.speculative_model), hf)
             if os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") != "1":
                 # executor/executor.py: the executor runs in a worker process (mpi4py) that gets the LLM's arguments
                 # pickled; what does not pickle by reference (a class defined in a function) fails here
@@ -267,10 +423,10 @@ class LLM:
             group = (heads // tensor_parallel_size) // (max(shape.num_kv_heads, tensor_parallel_size)
                                                          // tensor_parallel_size)
             dt = hf.get("torch_dtype") if dtype == "auto" else dtype
-            # _torch/speculative/interface.py: a speculating target on TRTLLM attention runs in multi-token query mode
-            # (XQA) below SM 120; the stand-in plays a Hopper GPU
-            if (kwargs.get("attn_backend") or "TRTLLM") == "TRTLLM" and (group & (group - 1) or
-                                                                          dt not in ("float16", "bfloat16")):
+            # _torch/speculative/interface.py of the stand-in's release: a target in multi-token query mode on
+            # TRTLLM attention needs a speculative XQA kernel (power-of-two group, fp16/bf16)
+            if (kwargs.get("attn_backend") or "TRTLLM") == "TRTLLM" and multi_query(self.spec, None) and (
+                    group & (group - 1) or dt not in ("float16", "bfloat16")):
                 raise RuntimeError("No available XQA kernels are found for speculative decoding mode.")
         self.model, self.skip_tokenizer_init, self.kwargs = str(model), skip_tokenizer_init, kwargs
         self.bundle = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(str(model)))))
@@ -312,8 +468,6 @@ def package() -> types.ModuleType:
     pkg.SPECBUILD_TEST_STUB = True
     pkg.LLM, pkg.SamplingParams = LLM, SamplingParams
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
-    from specbuild.formats.trtllm_support import release
-
     classes = [LLM, KvCacheConfig, DraftTargetDecodingConfig, NGramDecodingConfig, EagleDecodingConfig,
                UserProvidedDecodingConfig]
     if (release(STUB_VERSION) or ())[:2] >= EAGLE3_CLASS_FROM:  # llmapi/__init__.py at 5ca85aff (1.x): not exported
@@ -324,5 +478,10 @@ def package() -> types.ModuleType:
     pkg.llmapi = llmapi
     drafter = types.ModuleType("tensorrt_llm._torch.speculative.drafter")
     drafter.Drafter = Drafter
-    pkg._torch = types.SimpleNamespace(speculative=types.SimpleNamespace(drafter=drafter))
+    speculative = types.SimpleNamespace(drafter=drafter)
+    if "interface" not in STUB_HIDDEN:
+        speculative.interface = types.SimpleNamespace(SpeculativeDecodingMode=_mode_class(),
+                                                      get_sm_version=get_sm_version)
+    utils = types.SimpleNamespace(get_attention_backend=get_attention_backend)
+    pkg._torch = types.SimpleNamespace(speculative=speculative, attention_backend=types.SimpleNamespace(utils=utils))
     return pkg

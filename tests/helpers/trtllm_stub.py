@@ -256,7 +256,8 @@ def stub_module(executor: type = StubExecutor) -> types.ModuleType:
                                                                         **{k: v for k, v in kw.items() if k != "top_k"})
     m.ExternalDraftTokensConfig = lambda tokens, logits=None, acceptance_threshold=None: types.SimpleNamespace(
         tokens=list(tokens), logits=logits)
-    m.Request = lambda input_token_ids, max_tokens, **kw: types.SimpleNamespace(
+    # max_tokens keyword-only, as one executor binding declares it (issue 53): positional use fails here
+    m.Request = lambda input_token_ids, *, max_tokens, **kw: types.SimpleNamespace(
         input_token_ids=list(input_token_ids), max_tokens=max_tokens, end_id=kw.pop("end_id", None),
         streaming=kw.pop("streaming", False), external_draft_tokens_config=kw.pop("external_draft_tokens_config", None),
         **kw)
