@@ -70,7 +70,7 @@ OUTPUTS: dict[str, tuple[str, tuple[int, ...]]] = {
     "acceptance_rate": ("TYPE_FP32", (1,)),
     "total_accepted_draft_tokens": ("TYPE_INT32", (1,)),
     "total_draft_tokens": ("TYPE_INT32", (1,)),
-    # with return_perf_metrics: prefix cache reuse (TensorRT-LLM's backend's names: docs/model_config.md)
+    # with return_perf_metrics: prefix cache reuse (the output names of tensorrtllm_backend)
     "kv_cache_reused_blocks": ("TYPE_INT32", (1,)),
     "kv_cache_alloc_new_blocks": ("TYPE_INT32", (1,)),
     "kv_cache_alloc_total_blocks": ("TYPE_INT32", (1,)),
