@@ -928,6 +928,8 @@ class OpenAIServer:
             info["step_parts"] = load["step_parts"]
         if load.get("auto_switch"):  # auto's batch-wide switch by batch size (speculation/goodput.py)
             info["auto_switch"] = load["auto_switch"]
+        if load.get("prefix_cache"):  # reuse across requests (model/kv_cache.py): hit rate, blocks recorded
+            info["prefix_cache"] = load["prefix_cache"]
         for check in self.health_checks:
             extra = check()
             if extra.get("status") == "degraded" and info["status"] == "ok":

@@ -4,6 +4,8 @@ prompt_tokens_details.cached_tokens, cache_salt, identical text and logprobs, /m
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from http_client import ServerProcess, get, parse_metrics, post
 from tiny import draft_pair_bundle
@@ -101,6 +103,8 @@ def test_metrics_report_the_hit_rate(servers):
     assert samples["specbuild_prefix_cache_queried_tokens_total"] >= samples["specbuild_prefix_cache_hit_tokens_total"]
     assert 0 < samples["specbuild_prefix_cache_hit_rate"] <= 1
     assert samples["specbuild_prefix_cache_blocks"] >= 5
+    status, health = get(on.port, "/health")
+    assert status == 200 and json.loads(health)["prefix_cache"]["hit_tokens"] >= 80
     _, text = get(off.port, "/metrics")
     off_samples = {name: v for (name, _), v in parse_metrics(text).items()}
     assert off_samples["specbuild_prefix_cache_hit_tokens_total"] == 0
