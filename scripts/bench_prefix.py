@@ -4,9 +4,9 @@ start it (one server with the cache, one with --no-prefix-cache) and llama.cpp's
 the same GGUF (its prompt cache, one slot), each fresh, one request at a time, streamed chat
 completions over HTTP.
 
-For each held-out Spec-Bench conversation whose first turn renders to --min-tokens..--max-tokens
-tokens (documents and questions; ~570 by default), turn 1 is sent, then turn 2 (turn 1, the
-server's own answer, the second question). Prints per server the median TTFT of each turn, the
+For each held-out Spec-Bench question whose first turn renders to --min-tokens..--max-tokens-prompt
+tokens (documents with a task: summarization, RAG; ~570 by default), turn 1 is sent, then turn 2
+(turn 1, the server's own answer, the question's second turn or a fixed follow-up). Prints per server the median TTFT of each turn, the
 second turn's cached tokens (usage.prompt_tokens_details), and the ratio the prefix cache buys:
 turn 2's TTFT with the cache over turn 2's without it (the same prompt, the same length), with
 the CPU model and flags.
@@ -30,18 +30,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import post  # noqa: E402  (scripts/_common.py)
 
 
+FOLLOW_UP = "Thank you. Now say the most important point again in one short sentence."
+
+
 def conversations(port: int, lo: int, hi: int, n: int) -> list[dict]:
     """Held-out conversations whose first turn renders to lo..hi tokens (the server's /tokenize,
     its chat template)."""
     out = []
     for q in held_out_questions(None, None, spread=True):
-        if len(q["turns"]) < 2:
-            continue
         status, body = post(port, "/tokenize", {"messages": [{"role": "user", "content": q["turns"][0]}]})
         if status != 200:
             raise RuntimeError(f"/tokenize answered {status}: {body}")
         if lo <= body["count"] <= hi:
-            out.append({"id": q["question_id"], "turns": q["turns"][:2], "tokens": body["count"]})
+            turns = q["turns"][:2] if len(q["turns"]) > 1 else [q["turns"][0], FOLLOW_UP]
+            out.append({"id": q["question_id"], "turns": turns, "tokens": body["count"]})
         if len(out) == n:
             break
     return out
