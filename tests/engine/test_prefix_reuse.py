@@ -271,3 +271,25 @@ def test_clear_prefix_cache_starts_cold(bundle):
     assert run(engine, [request(TURN1 + [1], max_tokens=2)])[0]["stats"]["cached_tokens"] == 0
     engine.cache.check()
     assert engine.cache.free_blocks == engine.cache.num_blocks
+
+
+@pytest.mark.parametrize("method", ["none", "draft"])
+def test_tool_call_second_turn_is_identical(engines, method):
+    """An agent's next call: the tool-call grammar of tool_choice required (serve/tools.py) on a
+    prompt that begins with the previous turn; the same calls with the cache on and off."""
+    pytest.importorskip("llguidance")
+    from specbuild.sampling.constraint import ResponseFormat
+    from specbuild.serve.tools import HermesParser, call_grammar
+
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2, 3]}}, "required": ["n"],
+        "additionalProperties": False}}}]
+    fmt = ResponseFormat("grammar", call_grammar(tools, "required", parallel=False),
+                         calls=(HermesParser.OPEN, HermesParser.CLOSE))
+    on, off = engines
+    for engine in engines:
+        run(engine, [request(TURN1, method, max_tokens=4)])
+    got = run(on, [request(TURN1 + QUESTION, method, max_tokens=120, response_format=fmt)])[0]
+    want = run(off, [request(TURN1 + QUESTION, method, max_tokens=120, response_format=fmt)])[0]
+    same(got, want)
+    assert got["stats"]["cached_tokens"] >= 80 and HermesParser.PATTERN.findall(got["text"])
