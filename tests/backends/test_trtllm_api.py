@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from tiny import make_tiny_eagle3, make_tiny_hf
+from tiny import make_tiny_eagle3, make_tiny_hf, trtllm_draft_bundle
 
 from specbuild.backends.tensorrt_llm_api import TEST_STUB_ENV, TrtllmApiEngine
 from specbuild.engine.engine import EngineConfig
@@ -32,13 +32,7 @@ PROMPTS = [[5] * 8, [17, 33, 2, 99, 150, 7, 8, 9, 250, 3]]
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from specbuild.compiler.compile import CompileOptions, compile_bundle
-
-    root = tmp_path_factory.mktemp("api")
-    target = make_tiny_hf(str(root / "target"), scale=8.0, head_dim=32)
-    opts = CompileOptions(dtype="float64", max_seq_len=128, max_batch_size=4, max_draft_len=4,
-                          backend="tensorrt-llm", trtllm_dtype="bfloat16")
-    return compile_bundle(target, str(root / "bundle"), opts, draft=target)
+    return trtllm_draft_bundle(tmp_path_factory.mktemp("api"))
 
 
 @pytest.fixture()

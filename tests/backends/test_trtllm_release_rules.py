@@ -17,7 +17,7 @@ import os
 import shutil
 
 import pytest
-from tiny import make_tiny_hf
+from tiny import make_tiny_hf, trtllm_draft_bundle
 
 import trtllm_api_stub as stub
 from specbuild.backends.tensorrt_llm_api import TEST_STUB_ENV, TrtllmApiEngine
@@ -33,13 +33,7 @@ PROMPT = [5, 6, 7, 8, 5, 6, 7, 8]
 @pytest.fixture(scope="module")
 def group3(tmp_path_factory):
     """SmolLM2-135M's head shape in small (3 query heads per KV head), draft/target, bfloat16."""
-    from specbuild.compiler.compile import CompileOptions, compile_bundle
-
-    root = tmp_path_factory.mktemp("g3rules")
-    target = make_tiny_hf(str(root / "target"), hidden=96, heads=6, kv_heads=2, scale=8.0, head_dim=32)
-    opts = CompileOptions(dtype="float64", max_seq_len=128, max_batch_size=4, max_draft_len=4,
-                          backend="tensorrt-llm", trtllm_dtype="bfloat16")
-    return compile_bundle(target, str(root / "bundle"), opts, draft=target)
+    return trtllm_draft_bundle(tmp_path_factory.mktemp("g3rules"), hidden=96, heads=6, kv_heads=2)
 
 
 @pytest.fixture()

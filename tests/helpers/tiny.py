@@ -155,3 +155,15 @@ def make_tiny_eagle3(path: str, target: str, draft_vocab: int = 100, seed: int =
               "target_hidden_size": h, "tie_word_embeddings": False, "torch_dtype": "float32"}
     eagle3.write_eagle3(path, config, tensors)
     return path
+
+
+def trtllm_draft_bundle(root, **hf_fields) -> str:
+    """A tiny draft/target bundle (the target drafting for itself) with a TensorRT-LLM part in
+    bfloat16, as the LLM-API tests' stand-in serves it; `hf_fields`: make_tiny_hf's shape."""
+    from specbuild.compiler.compile import CompileOptions, compile_bundle
+
+    root = str(root)
+    target = make_tiny_hf(os.path.join(root, "target"), **{"scale": 8.0, "head_dim": 32, **hf_fields})
+    opts = CompileOptions(dtype="float64", max_seq_len=128, max_batch_size=4, max_draft_len=4,
+                          backend="tensorrt-llm", trtllm_dtype="bfloat16")
+    return compile_bundle(target, os.path.join(root, "bundle"), opts, draft=target)
