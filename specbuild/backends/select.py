@@ -203,7 +203,7 @@ def resolve_backend(bundle_dir: str, backend: str = "auto", *, trtllm_attn_backe
 def open_engine(bundle_dir: str, config: EngineConfig = EngineConfig(), backend: str = "auto", *,
                 trtllm_attn_backend: str | None = None, trtllm_ngram_impl: str | None = None, **plugins):
     """The bundle's serving backend: `TorchEngine` or `trtllm_engine.TrtllmEngine`.
-    plugins: `drafters` / `planning` for the torch engine (MineDraft: dist/minedraft.plugin).
+    plugins: `drafters` / `planning` for the torch engine (MineDraft: mpi/minedraft.plugin).
     trtllm_attn_backend / trtllm_ngram_impl: the LLM-API path's attention backend (TRTLLM,
     FLASHINFER; FLASHINFER avoids the speculative XQA kernels) and n-gram drafter (trtllm,
     specbuild); `--backend auto` asks the same checks with them before it chooses.

@@ -191,7 +191,7 @@ class Engine(BaseEngine):
         """drafters: method name -> Proposer, used instead of (or beside) the bundle's own (a
         "draft" given here means the bundle's draft model is not loaded); planning: the
         scheduler's planning policy (Scheduler.run_step). MineDraft opens with both
-        (dist/minedraft.plugin)."""
+        (mpi/minedraft.plugin)."""
         t0 = time.perf_counter()
         self.drafters = dict(drafters or {})
         if config.threads:

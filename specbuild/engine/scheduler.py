@@ -77,7 +77,7 @@ class Scheduler:
         self.budget_blocks = 0  # blocks promised to running sequences (never over-committed)
         self.sink = NULL_SINK  # telemetry (engine/events.py); Engine.set_sink attaches one
         # a planning policy given at open: its step(scheduler) runs each engine step through this
-        # scheduler (MineDraft's two batches, dist/minedraft.TwoBatchPlanning); None: step()
+        # scheduler (MineDraft's two batches, mpi/minedraft.TwoBatchPlanning); None: step()
         self.planning = planning
         # requests failed alone inside a step (sequence) and forwards whose whole batch failed (step)
         self.failures = {"sequence": 0, "step": 0}

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from specbuild.compiler.compile import CompileOptions, compile_bundle
-from specbuild.dist import draft_worker as W
+from specbuild.mpi import draft_worker as W
 from specbuild.backends.select import TorchEngine
-from specbuild.dist import minedraft as M
+from specbuild.mpi import minedraft as M
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
@@ -282,7 +282,7 @@ def test_drafter_exception_degrades_only_its_sequences(bundle, engine):
 
 def test_world_size_checks():
     from specbuild.errors import SpecbuildError
-    from specbuild.dist.context import DistContext, WorldNeed, check_world
+    from specbuild.mpi.context import DistContext, WorldNeed, check_world
 
     check_world(1, False)
     check_world(2, True)
