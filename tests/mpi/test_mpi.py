@@ -24,7 +24,6 @@ import torch
 
 from specbuild.compiler.compile import CompileOptions, compile_bundle
 from specbuild.mpi import draft_worker as W
-from specbuild.backends.select import TorchEngine
 from specbuild.mpi import minedraft as M
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.sampling.params import SamplingParams
@@ -546,7 +545,7 @@ def test_leader_mode_serve_two_ranks(tp2_bundle, tmp_path):
                 assert f"stub executor rank {rank}/2 {role}: built, can_enqueue_requests={leader}" in out, out
         assert "rank 1: GPU 1, serving its part of the engine" in out, out
 
-        expect = TorchEngine(tp2_bundle, EngineConfig()).generate(
+        expect = Engine(tp2_bundle, EngineConfig()).generate(
             [Request(prompt_ids=[5] * 8, speculation={"method": "none"},
                      sampling=SamplingParams(max_tokens=10, ignore_eos=True))])[0]["token_ids"]
         body = {"prompt": [5] * 8, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
