@@ -116,9 +116,9 @@ _enc = {}
 
 def encoder(bundle):
     if bundle not in _enc:
-        from specbuild.backends.select import TorchEngine
+        from specbuild.engine.engine import Engine
 
-        _enc[bundle] = TorchEngine(bundle)
+        _enc[bundle] = Engine(bundle)
     return _enc[bundle]
 
 

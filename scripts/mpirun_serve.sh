@@ -12,11 +12,11 @@
 #
 # -disable-auto-cleanup: without it the launcher kills rank 0 within a second of rank 1's
 # exit; with it, rank 0 keeps serving and decodes plainly (/health says "degraded").
-# Each rank runs under a small guard process (specbuild/dist/context.py) so that even a
+# Each rank runs under a small guard process (specbuild/mpi/context.py) so that even a
 # rank killed by a signal looks like an ordinary exit to the launcher.
 # SIGTERM or Ctrl-C to mpirun shuts both ranks down; a SIGKILL of mpirun (or of its process
 # group) ends them too, within seconds: no rank outlives its launcher or keeps the port
-# (parent-death ties, specbuild/dist/context.py). curl examples: scripts/serve.sh.
+# (parent-death ties, specbuild/mpi/context.py). curl examples: scripts/serve.sh.
 #
 # Environment: SPECBUILD_VENV (default .venv); THREADS sets --threads when none is given.
 set -euo pipefail

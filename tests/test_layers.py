@@ -9,7 +9,7 @@ Ranks (lower may not import higher):
     4 engine                       the torch step loop
     5 backends                     the request-level interface
     5 telemetry                    the store the engine's event sink feeds (beside backends; neither imports the other)
-    6 dist, serve                  MPI and front ends (neither imports the other)
+    6 mpi, serve                   MPI and front ends (neither imports the other)
     7 cli                          click only
 
 Beside the chain: compiler and train may import ranks 0-4 (nothing at or above backends);
@@ -32,11 +32,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "specbuild")
 
 RANK = {"bundle": 0, "errors": 0, "formats": 0, "model": 1, "sampling": 2, "speculation": 3,
-        "engine": 4, "backends": 5, "telemetry": 5, "dist": 6, "serve": 6, "cli": 7}
-PEERS = [{"dist", "serve"}, {"backends", "telemetry"}]  # same rank, neither imports the other
+        "engine": 4, "backends": 5, "telemetry": 5, "mpi": 6, "serve": 6, "cli": 7}
+PEERS = [{"mpi", "serve"}, {"backends", "telemetry"}]  # same rank, neither imports the other
 # Rooms beside the chain: the highest chain rank they may import, and which side rooms.
 SIDE = {"compiler": (4, set()), "train": (4, {"compiler"}), "bench": (6, {"compiler", "train"})}
-# bench's 6 admits dist; serve (also 6) is excluded by name below.
+# bench's 6 admits mpi; serve (also 6) is excluded by name below.
 SIDE_FORBIDDEN = {"bench": {"serve", "cli"}}
 # Package-level modules that any room may import (no code of their own to speak of).
 NEUTRAL = {"", "__main__"}
@@ -139,13 +139,13 @@ def test_every_room_is_known():
 def test_rule_rejects_what_it_should():
     # the rule itself, on made-up edges: a test that cannot fail proves nothing
     assert not allowed("model", "engine")
-    assert not allowed("backends", "dist")
-    assert not allowed("serve", "dist")
+    assert not allowed("backends", "mpi")
+    assert not allowed("serve", "mpi")
     assert not allowed("compiler", "backends")
     assert not allowed("compiler", "train")
     assert allowed("train", "compiler")
     assert not allowed("bench", "serve") and not allowed("bench", "cli")
-    assert allowed("bench", "dist") and allowed("cli", "bench")
+    assert allowed("bench", "mpi") and allowed("cli", "bench")
     assert not allowed("engine", "compiler")
     assert allowed("engine", "bundle") and allowed("formats", "errors")
 
@@ -248,30 +248,12 @@ def repo_python_files() -> list[str] | None:
     return sorted({p for p in proc.stdout.split() if os.path.isfile(os.path.join(ROOT, p))})
 
 
-def test_ruff_covers_every_python_file():
-    """ruff's default excludes name `dist` and `build`; pyproject.toml's `exclude` replaces them, so
-    `ruff check .` reads specbuild/dist/ and every other Python file of the repository."""
-    ruff = shutil.which("ruff") or shutil.which("ruff", path=os.path.dirname(sys.executable))
-    if ruff is None:
-        pytest.skip("ruff is not installed (pip install ruff)")
-    expected = repo_python_files()
-    if expected is None:
-        pytest.skip("not a git checkout: no `git ls-files` to compare ruff's file list with")
-    proc = subprocess.run([ruff, "check", "--show-files", "."], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    linted = sorted(os.path.relpath(p, ROOT) for p in proc.stdout.split() if p.endswith(".py"))
-    assert "specbuild/dist/minedraft.py" in expected
-    missing = sorted(set(expected) - set(linted))
-    extra = sorted(set(linted) - set(expected))
-    assert not missing and not extra, f"ruff skips {missing}; ruff reads files git does not list: {extra}"
-
-
 # ---- paths named in docstrings and comments ------------------------------------------------
 # A path token: segments of word characters, dots and dashes joined by '/', not preceded by
 # another path character (so `NVIDIA/TensorRT-LLM/docs/...` is one foreign token, not `docs/...`).
 PATH_TOKEN = re.compile(r"(?<![\w./-])((?:\.\./)*(?:[A-Za-z_][\w.-]*/)+[\w.*-]*\w)")
 REPO_ROOTS = ("specbuild", "tests", "scripts", "docs")  # top-level folders: paths from the repository root
-FORMER_ROOMS = {"build": "compiler", "runtime": "engine (and model, speculation, dist)"}  # see CHANGELOG.md
+FORMER_ROOMS = {"build": "compiler", "runtime": "engine (and model, speculation, mpi)"}  # see CHANGELOG.md
 
 
 def path_problem(token: str) -> str | None:
@@ -333,7 +315,7 @@ def prose_of(path: str) -> list[tuple[int, str]]:
 
 
 def test_path_problem_rules():
-    assert path_problem("specbuild/dist/minedraft.py") is None
+    assert path_problem("specbuild/mpi/minedraft.py") is None
     assert path_problem("tests/helpers/tiny.py") is None
     assert path_problem("specbuild/data/drafters/*/MODEL_CARD.md") is None
     assert path_problem("model/decoder.py") is None  # room-relative

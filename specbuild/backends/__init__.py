@@ -1,1 +1,1 @@
-"""The request-level interface (submit / abort / step / stats) both engines implement: the torch engine, the TensorRT-LLM adapter, and open_engine which picks one."""
+"""The request-level interface (submit / abort / step / stats) both engines implement: the TensorRT-LLM adapter, and open_engine which picks it or the torch engine (engine.engine.Engine)."""

@@ -1,8 +1,8 @@
 """What an MPI launcher (mpirun) told this process in its environment: rank and world size.
 
 A pure read of the environment, no MPI import: the TensorRT-LLM backend needs it for leader
-mode (backends/tensorrt_llm.py) and dist/context.py for MineDraft's roles, and the backend
-may not import dist/ (imports point down the chain).
+mode (backends/tensorrt_llm.py) and mpi/context.py for MineDraft's roles, and the backend
+may not import mpi/ (imports point down the chain).
 """
 
 from __future__ import annotations

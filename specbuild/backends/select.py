@@ -10,10 +10,10 @@ the HTTP server, the Triton model) therefore talk to a backend at the request le
     handle.result()["stats"]                               # drafted, accepted, ... (one shape)
 
 Two implementations, both subclasses of `engine.base.BaseEngine` (the request queue and
-the background loop): `torch.TorchEngine` (specbuild's own scheduler: the `Engine`, plus
-`describe_guarantees`) and `tensorrt_llm.TrtllmEngine` (TensorRT-LLM's executor). Which
-guarantee holds where is one table, `guarantees.guarantees()`, printed by `specbuild
-inspect` and documented in the README.
+the background loop): `engine.engine.Engine` (specbuild's own scheduler) and
+`tensorrt_llm.TrtllmEngine` (TensorRT-LLM's executor). Which guarantee holds where is one
+table, `engine.guarantees.guarantees()`, printed by `specbuild inspect` and documented in the
+README.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import logging
 import os
 from typing import Any, Protocol, runtime_checkable
 
-from specbuild.backends.guarantees import LOSSLESS, REFUSED, guarantee_lines, guarantees  # noqa: F401 (public here)
-from specbuild.backends.torch import TorchEngine
+from specbuild.engine.guarantees import LOSSLESS, REFUSED, guarantee_lines, guarantees  # noqa: F401 (public here)
 from specbuild.bundle import read_meta
 from specbuild.errors import SpecbuildError
-from specbuild.engine.engine import EngineConfig
+from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.sequence import Handle, Request
 
 log = logging.getLogger("specbuild.backends")
@@ -202,8 +201,8 @@ def resolve_backend(bundle_dir: str, backend: str = "auto", *, trtllm_attn_backe
 
 def open_engine(bundle_dir: str, config: EngineConfig = EngineConfig(), backend: str = "auto", *,
                 trtllm_attn_backend: str | None = None, trtllm_ngram_impl: str | None = None, **plugins):
-    """The bundle's serving backend: `TorchEngine` or `trtllm_engine.TrtllmEngine`.
-    plugins: `drafters` / `planning` for the torch engine (MineDraft: dist/minedraft.plugin).
+    """The bundle's serving backend: `Engine` (torch) or `trtllm_engine.TrtllmEngine`.
+    plugins: `drafters` / `planning` for the torch engine (MineDraft: mpi/minedraft.plugin).
     trtllm_attn_backend / trtllm_ngram_impl: the LLM-API path's attention backend (TRTLLM,
     FLASHINFER; FLASHINFER avoids the speculative XQA kernels) and n-gram drafter (trtllm,
     specbuild); `--backend auto` asks the same checks with them before it chooses.
@@ -218,7 +217,7 @@ def open_engine(bundle_dir: str, config: EngineConfig = EngineConfig(), backend:
     if name == "torch":
         if backend == "auto" and read_meta(bundle_dir).backend == "tensorrt-llm":
             log.warning("--backend auto: serving on torch, not TensorRT-LLM: %s", why)
-        return TorchEngine(bundle_dir, config, **plugins)
+        return Engine(bundle_dir, config, **plugins)
     if plugins:
         raise ValueError(f"{', '.join(sorted(plugins))} plug into specbuild's own scheduler: the torch backend "
                          f"only (this bundle opens on {name})")

@@ -45,7 +45,7 @@ from typing import Any
 from specbuild.bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
 from specbuild.errors import BundleError, RequestError, SpecbuildError
 from specbuild.formats.trtllm_checkpoint import pad_vocab_size
-from specbuild.backends.guarantees import guarantees
+from specbuild.engine.guarantees import guarantees
 from specbuild.backends.launch import launcher_rank_size
 from specbuild.engine.base import BaseEngine, validated_prompt_ids
 from specbuild.engine.engine import EngineConfig

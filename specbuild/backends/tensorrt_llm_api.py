@@ -61,7 +61,7 @@ import threading
 import time
 from typing import Any
 
-from specbuild.backends.guarantees import guarantees
+from specbuild.engine.guarantees import guarantees
 from specbuild.bundle import BundleMeta, check_fingerprint, read_meta, read_model_config
 from specbuild.backends.tensorrt_llm import LLMAPI_STUB_ENV, ExecutorEngine, load_stand_in, refuse_torch_only
 from specbuild.engine.base import validated_prompt_ids

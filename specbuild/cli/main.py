@@ -40,7 +40,7 @@ def user_errors(fn):
 def fail_once(e: Exception) -> None:
     """A start-up refusal that every MPI rank reaches alike: rank 0 prints it (one line, not
     one per rank) and every rank exits 2."""
-    from specbuild.dist.context import launcher_rank_size
+    from specbuild.mpi.context import launcher_rank_size
 
     if launcher_rank_size()[0] == 0:
         click.echo(f"error: {e}", err=True)
@@ -51,7 +51,7 @@ def dist_context(bundle: str, backend: str, command: str, parallel_draft: bool =
     """This process's `parallel.DistContext`, the MPI world size checked against what the bundle
     needs on the chosen backend (TensorRT-LLM engines: their tp*pp; torch: 1, or 2 with
     --parallel-draft). A mismatch is refused on every rank, printed once (`fail_once`)."""
-    from specbuild.dist.context import TORCH, DistContext, bundle_world
+    from specbuild.mpi.context import TORCH, DistContext, bundle_world
 
     try:
         need = TORCH if parallel_draft else bundle_world(bundle, backend)
@@ -315,7 +315,7 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
     """Generate text from one or more prompts (batched)."""
     from specbuild.backends.select import open_engine
     from specbuild.engine.engine import EngineConfig
-    from specbuild.dist.context import follow_leader
+    from specbuild.mpi.context import follow_leader
     from specbuild.engine.sequence import Request
 
     dist_context(bundle, backend, "generate")  # under `mpirun -n tp*pp`: TensorRT-LLM leader mode

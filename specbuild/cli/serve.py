@@ -14,7 +14,7 @@ of the engine (`parallel.follow_leader`, as `generate` does) until rank 0 shuts 
 all exit 0. Launch it without -disable-auto-cleanup (a dead rank must take the job down).
 
 With --parallel-draft, rank 0 serves HTTP and verifies, rank 1 runs the draft model and
-never binds a port (MineDraft: dist/minedraft.py; roles: dist/context.py).
+never binds a port (MineDraft: mpi/minedraft.py; roles: mpi/context.py).
 scripts/mpirun_serve.sh has the exact mpirun line. The torch engine opens with MineDraft's
 remote drafter and planning policy, so --parallel-draft runs on the torch backend (auto means torch there;
 --backend tensorrt-llm is refused). Other world sizes are refused at start-up, on every
@@ -129,7 +129,7 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
 
         config = ServeConfig(**config_kwargs)
         if ctx.role == "verifier":  # the engine opens with MineDraft's drafter and planning policy
-            from specbuild.dist.minedraft import MpiTransport, plugin
+            from specbuild.mpi.minedraft import MpiTransport, plugin
 
             transport = MpiTransport(ctx)
             minedraft = plugin(bundle, transport, draft_timeout)
@@ -199,7 +199,7 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
 def serve_engine_part(ctx, engine) -> None:
     """A leader-mode rank > 0: no HTTP; this rank's part of the engine runs until rank 0
     shuts down (`parallel.follow_leader`, which `generate` uses too); then exit 0."""
-    from specbuild.dist.context import follow_leader
+    from specbuild.mpi.context import follow_leader
 
     log = logging.getLogger("specbuild.serve")
     try:
@@ -219,7 +219,7 @@ def serve_engine_part(ctx, engine) -> None:
 def serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, prefill_chunk, draft_timeout,
                  prefix_cache=True):
     """Rank 1: run the draft model for rank 0 until it stops or is gone; never returns."""
-    from specbuild.dist.draft_worker import run_draft_rank
+    from specbuild.mpi.draft_worker import run_draft_rank
     from specbuild.engine.engine import EngineConfig
 
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))  # the verifier owns shutdown
@@ -237,7 +237,7 @@ def serve_drafts(ctx, bundle, device, threads, max_batch_size, kv_cache_tokens, 
         rc = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(rc)  # no MPI_Finalize: see dist/context.py
+    os._exit(rc)  # no MPI_Finalize: see mpi/context.py
 
 
 def connect_draft_rank(ctx, engine, app, minedraft) -> None:

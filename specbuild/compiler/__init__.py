@@ -1,1 +1,1 @@
-"""Checkpoints -> bundle: compile, quantize, the draft and Medusa roles, TensorRT-LLM engine builds. Beside the runtime chain: may use formats, model and engine (to materialise roles), never backends/dist/serve/cli."""
+"""Checkpoints -> bundle: compile, quantize, the draft and Medusa roles, TensorRT-LLM engine builds. Beside the runtime chain: may use formats, model and engine (to materialise roles), never backends/mpi/serve/cli."""

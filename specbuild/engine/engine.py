@@ -26,6 +26,7 @@ from specbuild.sampling.constraint import GrammarBackend, ResponseFormat
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
 from specbuild.engine.base import BaseEngine, validated_prompt_ids  # noqa: F401 (validated_prompt_ids: public here too)
+from specbuild.engine.guarantees import guarantees
 from specbuild.engine.scheduler import Scheduler
 from specbuild.engine.sequence import Handle, Request, Sequence
 
@@ -179,7 +180,8 @@ def check_logprobs(request: Request) -> None:
 
 
 class Engine(BaseEngine):
-    """A loaded bundle plus the scheduler that serves it (the torch step loop)."""
+    """A loaded bundle plus the scheduler that serves it (the torch step loop): the torch
+    backend that `backends.select.open_engine` returns."""
 
     backend_name = "torch"
     # Request.prompt_logprobs is served: the request's own prefill keeps its prompt rows' logits
@@ -191,7 +193,7 @@ class Engine(BaseEngine):
         """drafters: method name -> Proposer, used instead of (or beside) the bundle's own (a
         "draft" given here means the bundle's draft model is not loaded); planning: the
         scheduler's planning policy (Scheduler.run_step). MineDraft opens with both
-        (dist/minedraft.plugin)."""
+        (mpi/minedraft.plugin)."""
         t0 = time.perf_counter()
         self.drafters = dict(drafters or {})
         if config.threads:
@@ -405,6 +407,10 @@ class Engine(BaseEngine):
     def methods(self) -> list[str]:
         """Speculation methods this bundle can serve."""
         return ["none", *self.speculator.proposers, "auto"]
+
+    def describe_guarantees(self) -> dict:
+        """The torch rows of the guarantees table (engine/guarantees.py) for this bundle's methods."""
+        return guarantees("torch", methods=self.methods)
 
     def resolve_speculation(self, request: Request) -> SpeculationConfig:
         """The request's setting (or the bundle's default), checked against what we have."""

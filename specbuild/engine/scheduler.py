@@ -77,7 +77,7 @@ class Scheduler:
         self.budget_blocks = 0  # blocks promised to running sequences (never over-committed)
         self.sink = NULL_SINK  # telemetry (engine/events.py); Engine.set_sink attaches one
         # a planning policy given at open: its step(scheduler) runs each engine step through this
-        # scheduler (MineDraft's two batches, dist/minedraft.TwoBatchPlanning); None: step()
+        # scheduler (MineDraft's two batches, mpi/minedraft.TwoBatchPlanning); None: step()
         self.planning = planning
         # requests failed alone inside a step (sequence) and forwards whose whole batch failed (step)
         self.failures = {"sequence": 0, "step": 0}
@@ -246,7 +246,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def commit(self, seq: Sequence, length: int) -> None:
+    def set_cache_lengths(self, seq: Sequence, length: int) -> None:
         """Target and drafter caches of seq move to `length` together (a repair's rollback,
         a shared prompt's copy)."""
         self.cache.set_length(seq.seq_id, length)
@@ -265,7 +265,7 @@ class Scheduler:
                                                           "repair": "re-prefill"})
                 seq.num_cached = 0
                 seq.repairs += 1
-                self.commit(seq, 0)
+                self.set_cache_lengths(seq, 0)
 
     # ---- the step -----------------------------------------------------------------------
     def plan(self, exclude: Collection[int] = ()) -> tuple[list[WorkItem], "object"]:
@@ -315,7 +315,7 @@ class Scheduler:
                 continue  # wait: the source is still prefilling
             self.cache.share(src.seq_id, seq.seq_id, n)  # full blocks held by both, the last one copied
             seq.num_cached = n
-            self.commit(seq, n)
+            self.set_cache_lengths(seq, n)
             if seq.request.prompt_logprobs is not None:  # the prompt is the source's: so are its logprobs
                 seq.prompt_logprobs, seq.prompt_scored = list(src.prompt_logprobs), src.prompt_scored
             seq.prefill_source = None

@@ -31,8 +31,8 @@ import torch
 from tiny import make_tiny_hf
 
 from specbuild.errors import RequestError, SpecbuildError
-from specbuild.backends.select import STATS_KEYS, Backend, TorchEngine, guarantees, open_engine, resolve_backend
-from specbuild.engine.engine import EngineConfig
+from specbuild.backends.select import STATS_KEYS, Backend, guarantees, open_engine, resolve_backend
+from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
 from specbuild.backends.tensorrt_llm import MODE_BITS, EngineLimitError
@@ -178,7 +178,7 @@ def backend(request, trt_bundle, stub_bundle):
 @pytest.fixture(scope="module")
 def reference(trt_bundle):
     """Plain greedy tokens from the torch engine: prompt ids -> first n tokens."""
-    engine = TorchEngine(trt_bundle, EngineConfig())
+    engine = Engine(trt_bundle, EngineConfig())
 
     def ref(ids: list[int], n: int) -> list[int]:
         return engine.generate([Request(prompt_ids=ids, sampling=greedy(n), speculation={"method": "none"})])[0][
@@ -510,7 +510,7 @@ def test_open_engine_picks_the_backend(stub_trtllm, trt_bundle, stub_bundle, tin
         assert resolve_backend(stub_bundle, "auto") == ("torch", "TensorRT-LLM needs a CUDA device and torch sees none")
         with pytest.raises(SpecbuildError, match="--backend tensorrt-llm cannot run .* needs a CUDA device"):
             open_engine(stub_bundle, backend="tensorrt-llm")
-    assert type(open_engine(stub_bundle, backend="torch")) is TorchEngine
+    assert type(open_engine(stub_bundle, backend="torch")) is Engine
     with pytest.raises(SpecbuildError, match="--backend 'onnx' is not one of auto, torch, tensorrt-llm"):
         resolve_backend(trt_bundle, "onnx")
 
@@ -589,7 +589,7 @@ def test_open_engine_gives_the_tensorrt_llm_engine(trtllm_runs_here, stub_bundle
         engine = open_engine(stub_bundle, EngineConfig(), backend=choice)
         assert type(engine) is TrtllmEngine and isinstance(engine, Backend)
         engine.close()
-    assert type(open_engine(stub_bundle, EngineConfig(), backend="torch")) is TorchEngine
+    assert type(open_engine(stub_bundle, EngineConfig(), backend="torch")) is Engine
 
 
 def test_http_server_on_the_tensorrt_llm_backend(trtllm_runs_here, stub_bundle, reference):
@@ -710,7 +710,7 @@ def test_triton_model_on_the_tensorrt_llm_backend(trtllm_runs_here, stub_bundle,
     try:
         assert model.engine.backend_name == "tensorrt-llm"
         prompt = "the cat sat on the mat"
-        torch_engine = TorchEngine(stub_bundle, EngineConfig())
+        torch_engine = Engine(stub_bundle, EngineConfig())
         expected = torch_engine.generate([Request(prompt=prompt, sampling=SamplingParams(max_tokens=10),
                                                   speculation={"method": "none"})])[0]
         good = _TritonRequest(text_input=prompt, max_tokens=np.int32(10), speculation="draft", gamma=np.int32(3),

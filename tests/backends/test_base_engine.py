@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 
 from specbuild.backends.tensorrt_llm import TrtllmEngine
-from specbuild.backends.torch import TorchEngine
 from specbuild.engine.base import BaseEngine
 from specbuild.engine.engine import Engine
 from specbuild.engine.sequence import Request
@@ -18,8 +17,8 @@ SHARED = ("encode", "render_chat", "submit", "stats", "has_work", "run_until_don
 
 
 def test_both_backends_subclass_one_base():
-    assert issubclass(TorchEngine, Engine) and issubclass(Engine, BaseEngine) and issubclass(TrtllmEngine, BaseEngine)
-    for cls in (Engine, TorchEngine, TrtllmEngine):
+    assert issubclass(Engine, BaseEngine) and issubclass(TrtllmEngine, BaseEngine)
+    for cls in (Engine, TrtllmEngine):
         for name in SHARED:  # the base's own code, not a copy or an override
             assert getattr(cls, name) is getattr(BaseEngine, name), (cls.__name__, name)
 
@@ -32,7 +31,7 @@ def test_no_method_is_borrowed_from_another_class():
 
 
 def test_queue_is_the_base_class_own(tiny_bundle):
-    engine = TorchEngine(tiny_bundle)
+    engine = Engine(tiny_bundle)
     # the torch scheduler plans over the engine's own queue: one pair of collections
     assert engine.scheduler.waiting is engine.waiting and engine.scheduler.running is engine.running
     handle = engine.submit(Request(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=3)))

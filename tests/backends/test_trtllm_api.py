@@ -15,7 +15,7 @@ import torch
 from tiny import make_tiny_eagle3, make_tiny_hf, trtllm_draft_bundle
 
 from specbuild.backends.tensorrt_llm_api import TEST_STUB_ENV, TrtllmApiEngine
-from specbuild.engine.engine import EngineConfig
+from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.sequence import Request
 from specbuild.errors import BundleError, RequestError
 from specbuild.sampling.params import SamplingParams
@@ -46,9 +46,7 @@ def api(monkeypatch):
 
 @pytest.fixture(scope="module")
 def reference(bundle):
-    from specbuild.backends.select import TorchEngine
-
-    engine = TorchEngine(bundle, EngineConfig())
+    engine = Engine(bundle, EngineConfig())
     return lambda ids, n: engine.generate([Request(prompt_ids=ids, sampling=greedy(n),
                                                    speculation={"method": "none"})])[0]["token_ids"]
 

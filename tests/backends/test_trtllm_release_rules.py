@@ -21,7 +21,7 @@ from tiny import make_tiny_hf, trtllm_draft_bundle
 
 import trtllm_api_stub as stub
 from specbuild.backends.tensorrt_llm_api import TEST_STUB_ENV, TrtllmApiEngine
-from specbuild.engine.engine import EngineConfig
+from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.sequence import Request
 from specbuild.errors import BundleError, SpecbuildError
 from specbuild.formats.trtllm_support import table_multi_query
@@ -138,7 +138,7 @@ def test_auto_falls_back_to_torch_with_one_line(api, group3, built, caplog):
     """The README's SmolLM2 draft bundle in small: without engines auto does not take the LLM API
     (the docs say auto needs built engines); with engines, the LLM API's own kernel check (the
     engine's refusal) makes auto serve on torch. Either way one warning line says why."""
-    from specbuild.backends.select import TorchEngine, open_engine, resolve_backend, trtllm_path
+    from specbuild.backends.select import open_engine, resolve_backend, trtllm_path
 
     path, why = trtllm_path(group3, auto=True)
     assert path is None and "engines not built" in why and "--backend auto takes TensorRT-LLM only where" in why
@@ -148,7 +148,7 @@ def test_auto_falls_back_to_torch_with_one_line(api, group3, built, caplog):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="specbuild.backends"):
             engine = open_engine(bundle, EngineConfig(), backend="auto")
-        assert type(engine) is TorchEngine
+        assert type(engine) is Engine
         lines = [r.getMessage() for r in caplog.records if r.name == "specbuild.backends"]
         assert len(lines) == 1 and lines[0].startswith("--backend auto: serving on torch") and reason in lines[0]
         assert "\n" not in lines[0]

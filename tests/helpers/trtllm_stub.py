@@ -23,8 +23,7 @@ import sys
 import time
 import types
 
-from specbuild.backends.select import TorchEngine
-from specbuild.engine.engine import EngineConfig
+from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
 from specbuild.backends.tensorrt_llm import accepted_prefix, engine_limits
@@ -35,14 +34,14 @@ class _Rec(types.SimpleNamespace):
         super().__init__(args=args, **kw)
 
 
-_ORACLES: dict[str, TorchEngine] = {}
+_ORACLES: dict[str, Engine] = {}
 STUB_VERSION = "0.19.0"  # the release whose executor API the stand-in follows
 
 
 def oracle(bundle: str, ids: list[int], n: int) -> list[int]:
     """Plain greedy continuation by the torch engine (what a correct engine must produce)."""
     if bundle not in _ORACLES:
-        _ORACLES[bundle] = TorchEngine(bundle, EngineConfig())
+        _ORACLES[bundle] = Engine(bundle, EngineConfig())
     r = _ORACLES[bundle].generate([Request(prompt_ids=list(ids), speculation={"method": "none"},
                                            sampling=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))])
     return r[0]["token_ids"]

@@ -1,9 +1,9 @@
 """A draft model that runs in another process: the Proposer protocol over a draft link.
 
 The drafter itself (a DraftModelProposer) runs elsewhere, e.g. on MineDraft's draft rank
-(dist/minedraft.py); this proposer keeps, per sequence, what that process has seen, and asks
+(mpi/minedraft.py); this proposer keeps, per sequence, what that process has seen, and asks
 it for drafts through a link handed in at construction. Speculation knows nothing of MPI:
-the link (dist/minedraft.py's MpiTransport, or LoopbackTransport in process) encodes the
+the link (mpi/minedraft.py's MpiTransport, or LoopbackTransport in process) encodes the
 orders below onto the wire and decodes the replies.
 
 The link's interface:

@@ -23,9 +23,8 @@ import pytest
 import torch
 
 from specbuild.compiler.compile import CompileOptions, compile_bundle
-from specbuild.dist import draft_worker as W
-from specbuild.backends.select import TorchEngine
-from specbuild.dist import minedraft as M
+from specbuild.mpi import draft_worker as W
+from specbuild.mpi import minedraft as M
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
@@ -282,7 +281,7 @@ def test_drafter_exception_degrades_only_its_sequences(bundle, engine):
 
 def test_world_size_checks():
     from specbuild.errors import SpecbuildError
-    from specbuild.dist.context import DistContext, WorldNeed, check_world
+    from specbuild.mpi.context import DistContext, WorldNeed, check_world
 
     check_world(1, False)
     check_world(2, True)
@@ -546,7 +545,7 @@ def test_leader_mode_serve_two_ranks(tp2_bundle, tmp_path):
                 assert f"stub executor rank {rank}/2 {role}: built, can_enqueue_requests={leader}" in out, out
         assert "rank 1: GPU 1, serving its part of the engine" in out, out
 
-        expect = TorchEngine(tp2_bundle, EngineConfig()).generate(
+        expect = Engine(tp2_bundle, EngineConfig()).generate(
             [Request(prompt_ids=[5] * 8, speculation={"method": "none"},
                      sampling=SamplingParams(max_tokens=10, ignore_eos=True))])[0]["token_ids"]
         body = {"prompt": [5] * 8, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_token_ids": True,

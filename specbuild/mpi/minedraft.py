@@ -53,7 +53,7 @@ import time
 
 import numpy as np
 
-from specbuild.dist import draft_worker as W
+from specbuild.mpi import draft_worker as W
 from specbuild.speculation.proposers.remote import RemoteDraftProposer
 
 log = logging.getLogger("specbuild.minedraft")

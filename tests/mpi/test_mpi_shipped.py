@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from specbuild.compiler.compile import CompileOptions, compile_bundle
-from specbuild.dist import draft_worker as W
+from specbuild.mpi import draft_worker as W
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.sequence import Request
 from specbuild.model.qlinear import as_dense

@@ -217,7 +217,7 @@ class DraftWorker:
 
 # the drafters the draft rank serves: a draft model (with its own embedding/output rows or
 # sharing the target's). Medusa and EAGLE heads read the target's hidden states of every
-# step, so they stay on rank 0 and run there as ordinary speculation (dist/minedraft.py).
+# step, so they stay on rank 0 and run there as ordinary speculation (mpi/minedraft.py).
 DRAFT_RANK_METHODS = ("draft",)
 
 

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from specbuild.compiler.compile import CompileOptions, compile_bundle
 from specbuild.compiler.medusa_role import add_medusa, parse_heads
-from specbuild.dist import draft_worker as W
-from specbuild.dist import minedraft as M
+from specbuild.mpi import draft_worker as W
+from specbuild.mpi import minedraft as M
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.sequence import Request
 from specbuild.errors import BundleError
