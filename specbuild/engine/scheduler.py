@@ -16,12 +16,12 @@ are read and new tokens are produced.
 The scheduler reaches the speculator through `propose` and `settle` (the latter inside
 StepRunner) and `on_step` every step, `rollback` when it re-prefills, shares a prompt's K/V or
 adopts recorded blocks, `reads_rows` at admission (may the sequence reuse a cached prefix?) and
-`release` when a request ends.
+`release` when a request ends. Requests without speculation go the same way: their verdict is
+one sampled token.
 
 Prefix caching: admitted prompts adopt the recorded blocks that begin them (`adopt_prefix`),
 again each step while they prefill; committed full blocks are recorded after every step and at
-release (`record_prefix`; model/kv_cache.py has the rules). Requests without speculation go the same way: their verdict is one
-sampled token.
+release (`record_prefix`; model/kv_cache.py has the rules).
 
 Fault isolation: an exception raised while one sequence's tokens are chosen (its penalties
 and grammar, sampling, verification, drafter bookkeeping, non-finite rows in its logits)
@@ -299,9 +299,9 @@ class Scheduler:
 
     def share_prefills(self, running: list[Sequence]) -> None:
         """Sequences that share another's prompt (`n` > 1 choices: prefill_source) take its
-        prompt's K/V once it has them, instead of prefilling again: the blocks are shared and
-        only the last prompt token is run as the sequence's first decode step. Full blocks are held by
-        both (read-only: model/kv_cache.py), the partial last one copied. Until then they
+        prompt's K/V once it has them, instead of prefilling again: full blocks are held by both
+        (read-only: model/kv_cache.py), the partial last one copied, and only the last prompt
+        token is run as the sequence's first decode step. Until then they
         wait (no prefill chunk of their own); if the source is gone first, they prefill."""
         for seq in running:
             src = seq.prefill_source
