@@ -15,8 +15,8 @@ are read and new tokens are produced.
 
 The scheduler reaches the speculator through `propose` and `settle` (the latter inside
 StepRunner) and `on_step` every step, `rollback` when it re-prefills, shares a prompt's K/V or
-adopts recorded blocks, `reads_rows` at admission (may the sequence reuse a cached prefix?) and
-`release` when a request ends. Requests without speculation go the same way: their verdict is
+adopts recorded blocks, `prefix_limit` and `adopted` when it does (EAGLE-3's features of the
+adopted blocks), and `release` when a request ends. Requests without speculation go the same way: their verdict is
 one sampled token.
 
 Prefix caching: admitted prompts adopt the recorded blocks that begin them (`adopt_prefix`),
@@ -120,13 +120,10 @@ class Scheduler:
 
     # ---- prefix reuse ---------------------------------------------------------------------
     def reuses_prefix(self, seq: Sequence) -> bool:
-        """Whether seq may start from recorded blocks: prefix caching is on, it asks for no
-        prompt logprobs (those come from its own prefill's rows) and none of its drafters reads
-        the target's features at every row of the text (EAGLE's head needs them for the prompt).
-        A sibling choice of `n` > 1 takes its source's blocks instead (share_prefills), adopted
-        prefix included."""
-        return (self.prefix_cache and seq.request.prompt_logprobs is None and seq.prefill_source is None
-                and not self.speculator.reads_rows(seq))
+        """Whether seq may start from recorded blocks: prefix caching is on and it asks for no
+        prompt logprobs (those come from its own prefill's rows). A sibling choice of `n` > 1
+        takes its source's blocks instead (share_prefills), adopted prefix included."""
+        return self.prefix_cache and seq.request.prompt_logprobs is None and seq.prefill_source is None
 
     def adopt_prefix(self, seq: Sequence, first: bool = False) -> None:
         """Extend seq's cached text with the longest run of recorded blocks that continues its
@@ -137,10 +134,17 @@ class Scheduler:
         limit = len(seq.prompt_ids) - 1
         if seq.num_cached >= limit:
             return
+        # a drafter that reads every row's features (EAGLE-3) bounds it to the blocks whose
+        # features it keeps, and is handed them
+        limit = self.speculator.prefix_limit(seq, limit)
+        if first and limit < len(seq.prompt_ids) - 1:
+            self.cache.counters["queried_tokens"] += len(seq.prompt_ids) - 1 - limit
+        start = seq.num_cached
         n = self.cache.extend(seq.seq_id, seq.prompt_ids, limit, query=first)
         if n:
             seq.num_cached += n
             seq.cached_tokens += n
+            self.speculator.adopted(seq, start, seq.num_cached)
             self.speculator.rollback(seq, seq.num_cached)
 
     def twin_prefilling(self, seq: Sequence, n: int, inflight: set[bytes]) -> bool:

@@ -297,10 +297,24 @@ class Speculator:
         seq.spec_state.uses = names
         return names
 
-    def reads_rows(self, seq) -> bool:
-        """Whether a drafter seq may use reads the target's features at every row of the text
-        (EAGLE-3's aux layers): such a sequence computes its whole prompt itself."""
-        return any(self.needs(name).aux_layers for name in self.uses(seq))
+    def row_readers(self, seq) -> list:
+        """The drafters seq may use that read the target's features at every row of its text
+        (EAGLE-3's aux layers)."""
+        return [self.proposers[n] for n in self.uses(seq) if self.needs(n).aux_layers and n in self.proposers]
+
+    def prefix_limit(self, seq, limit: int) -> int:
+        """How many leading tokens of seq's prompt (at most `limit`) may come from the prefix
+        cache: all, unless a drafter it may use reads every row's features; then only those
+        whose features every such drafter keeps (stored_prefix)."""
+        for prop in self.row_readers(seq):
+            limit = min(limit, prop.stored_prefix(seq, limit))
+        return limit
+
+    def adopted(self, seq, start: int, end: int) -> None:
+        """The target took positions start..end of seq from the prefix cache: the drafters that
+        read every row's features are handed those positions' kept features."""
+        for prop in self.row_readers(seq):
+            prop.adopt(seq, start, end)
 
     # ---- the step: propose ---------------------------------------------------------------------
     def propose(self, seqs: list, on_error=None) -> Proposal:

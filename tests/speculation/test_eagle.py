@@ -302,20 +302,43 @@ def test_the_head_is_served_compiled_losslessly(trained, tmp_path, fmt):
 
 
 @pytest.mark.parametrize("method", ["eagle", "hybrid"])
-def test_eagle_sequences_compute_their_own_prompt_with_prefix_caching_on(trained, method):
-    """EAGLE's head reads the target's features at every prompt row, which the prefix cache does
-    not keep: a sequence that may draft with it computes its whole prompt (cached_tokens 0),
-    and its output equals the engine's without the cache; a plain request beside it reuses."""
+def test_eagle_second_turn_reuses_the_prefix_with_the_heads_features(trained, method):
+    """Prefix caching under EAGLE-3: the head reads the target's features at every row, so its
+    drafter keeps the features of full blocks of accepted text; a second turn takes those blocks
+    from the prefix cache, the head gets their features, drafts and is accepted, and the output
+    equals the engine's without the cache. Another salt finds no features and computes all."""
     on = Engine(trained["with_head"], EngineConfig(max_batch_size=4))
     off = Engine(trained["with_head"], EngineConfig(max_batch_size=4, prefix_cache=False))
-    turn1 = trained["prompts"][0]
-    got = {}
+    turn1 = trained["prompts"][0] * 3  # a few blocks of text the head was trained on
+    got, accepted = {}, 0
     for name, engine in (("on", on), ("off", off)):
         first = run(engine, method, [turn1])[0]
         got[name] = run(engine, method, [turn1 + first["token_ids"] + [20, 21, 22]])[0]
+        accepted += first["stats"]["accepted"] + got[name]["stats"]["accepted"]
     assert got["on"]["token_ids"] == got["off"]["token_ids"]
-    assert got["on"]["stats"]["cached_tokens"] == 0
-    assert got["on"]["stats"]["drafted"] > 0 and got["on"]["stats"]["accepted"] > 0
-    plain = run(on, "none", [turn1 + [20, 21, 22]])[0]
-    assert len(turn1) < 16 or plain["stats"]["cached_tokens"] > 0
+    assert got["on"]["stats"]["cached_tokens"] >= len(turn1) // 16 * 16 > 0
+    assert got["off"]["stats"]["cached_tokens"] == 0
+    assert got["on"]["stats"]["drafted"] > 0 and accepted > 0
+    eagle = on.speculator.proposers["eagle"]
+    assert eagle.store and eagle.stored_bytes > 0
+    salted = on.generate([Request(prompt_ids=turn1 + [20, 21], cache_salt="other",
+                                  speculation=SpeculationConfig.make(None, method=method),
+                                  sampling=SamplingParams(max_tokens=4, ignore_eos=True))])[0]
+    assert salted["stats"]["cached_tokens"] == 0
     on.cache.check()
+
+
+def test_an_eagle_sequence_takes_only_blocks_whose_features_are_kept(trained):
+    """Features evicted (the store emptied here) while the target's blocks stay recorded: an
+    EAGLE sequence computes the prompt (and its head drafts from complete features), a plain
+    request beside it still reuses the blocks."""
+    engine = Engine(trained["with_head"], EngineConfig(max_batch_size=4))
+    turn1 = trained["prompts"][0] * 3
+    run(engine, "eagle", [turn1])
+    eagle = engine.speculator.proposers["eagle"]
+    eagle.store.clear()
+    eagle.stored_bytes = 0
+    again = run(engine, "eagle", [turn1 + [20, 21]])[0]
+    assert again["stats"]["cached_tokens"] == 0 and again["stats"]["drafted"] > 0
+    plain = run(engine, "none", [turn1 + [20, 22]])[0]
+    assert plain["stats"]["cached_tokens"] >= len(turn1) // 16 * 16

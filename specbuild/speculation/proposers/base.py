@@ -157,3 +157,13 @@ class DrafterBase:
 
     def release(self, seq) -> None:
         pass
+
+    # prefix caching, for drafters that read the target's features at every row (aux_layers):
+    # a sequence may take from the cache only the leading tokens whose features the drafter
+    # still holds, and is handed them when it does
+    def stored_prefix(self, seq, limit: int) -> int:
+        """Leading tokens of seq's text (at most `limit`) whose features this drafter keeps."""
+        return 0
+
+    def adopt(self, seq, start: int, end: int) -> None:
+        """The target took positions start..end of seq from the prefix cache."""

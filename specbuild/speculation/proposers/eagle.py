@@ -18,13 +18,22 @@ budget comes from the cost model: the n maximising (1 + sum of the n best path
 probabilities) / verify_cost(n + 1), so a chain (budget = depth, beam 1) wins when wide
 verification is expensive. Candidates are deterministic given the head (probs None), so
 greedy tree verification and the recursive rejection over siblings stay lossless.
+
+Prefix caching: the target's features of full blocks of accepted text are kept (`store`, keyed
+by the prefix cache's chained block hash, least recently used out past STORE_BYTES), so a
+prompt that takes a block from the target's prefix cache is handed that block's features
+(`adopt`) and the head computes its own K/V from them; a sequence may take only the blocks whose
+features are kept (`stored_prefix`). Drafts only: output never depends on the store.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+
+from specbuild.model.kv_cache import chain_hashes, salt_root
 
 from specbuild.speculation.eagle_head import EagleHead
 from specbuild.speculation.proposers.base import Draft, DrafterBase, Needs, Observation
@@ -38,6 +47,10 @@ class EagleState:
     n: int = 0  # head positions cached
     pending: list = field(default_factory=list)  # features [3H] of positions n, n + 1, ...
     broken: bool = False  # a gap in the features (e.g. never observed): no drafts
+    # features of positions acc_start.. (acc_start on a block boundary) not yet kept as a block
+    acc_start: int = 0
+    acc: list = field(default_factory=list)
+    chain: list = field(default_factory=list)  # chained block hashes of the text (kv_cache.chain_hashes)
 
     def cut(self, length: int) -> None:
         self.n = min(self.n, length)
@@ -45,11 +58,18 @@ class EagleState:
             self.k, self.v = self.k[:self.n], self.v[:self.n]
 
 
+STORE_BYTES = 64 << 20  # the features kept for prefix caching (SmolLM2-135M: 9,700 positions)
+
+
 class EagleProposer(DrafterBase):
     name = "eagle"
 
-    def __init__(self, head: EagleHead, target_vocab: int, max_nodes: int, topk: int = 4, beam: int = 4) -> None:
+    def __init__(self, head: EagleHead, target_vocab: int, max_nodes: int, topk: int = 4, beam: int = 4,
+                 block_size: int = 16, store_bytes: int = STORE_BYTES) -> None:
         self.head = head
+        self.block_size = block_size
+        self.store: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # block hash -> features [block, 3H]
+        self.store_bytes, self.stored_bytes = store_bytes, 0
         self.needs = Needs(aux_layers=tuple(head.config.aux_layers), tree=True)
         self.states: dict[int, EagleState] = {}  # seq_id -> the head's cache and pending features
         self.target_vocab = target_vocab
@@ -114,6 +134,64 @@ class EagleProposer(DrafterBase):
         if start == 0:
             st.broken = False
         st.pending.extend(feats.unbind(0))
+        self._collect(seq, st, start, feats)
+
+    # ---- the features kept for prefix caching ------------------------------------------------------
+    @staticmethod
+    def _salt(seq) -> bytes:
+        return salt_root(getattr(getattr(seq, "request", None), "cache_salt", None))
+
+    def _collect(self, seq, st: EagleState, start: int, feats: torch.Tensor) -> None:
+        """Gather the features of seq's accepted text by whole blocks (from a block boundary)."""
+        bs = self.block_size
+        if start == st.acc_start + len(st.acc):
+            st.acc.extend(feats.unbind(0))
+        else:  # a restart or a gap: from the next block boundary on
+            skip = (-start) % bs
+            st.acc_start, st.acc = start + skip, list(feats.unbind(0))[skip:]
+        self._flush(seq, st)
+
+    def _flush(self, seq, st: EagleState) -> None:
+        """Keep every gathered full block whose tokens are all in the text (the tokens of a pass
+        are appended after its features arrive)."""
+        bs, ids = self.block_size, seq.all_ids
+        while len(st.acc) >= bs and st.acc_start + bs <= len(ids):
+            j = st.acc_start // bs
+            h = chain_hashes(ids, bs, j + 1, self._salt(seq), st.chain)[j]
+            if h in self.store:
+                self.store.move_to_end(h)
+            else:
+                block = torch.stack(st.acc[:bs])
+                self.store[h] = block
+                self.stored_bytes += block.numel() * block.element_size()
+                while self.stored_bytes > self.store_bytes and self.store:
+                    _, old = self.store.popitem(last=False)
+                    self.stored_bytes -= old.numel() * old.element_size()
+            st.acc, st.acc_start = st.acc[bs:], st.acc_start + bs
+
+    def stored_prefix(self, seq, limit: int) -> int:
+        bs, n = self.block_size, 0
+        for h in chain_hashes(seq.all_ids, bs, max(0, limit) // bs, self._salt(seq)):
+            if h not in self.store:
+                break
+            n += 1
+        return n * bs
+
+    def adopt(self, seq, start: int, end: int) -> None:
+        """Hand the head the kept features of positions start..end (whole blocks), which the
+        target took from its prefix cache instead of computing them."""
+        bs = self.block_size
+        chain = chain_hashes(seq.all_ids, bs, end // bs, self._salt(seq))
+        blocks = []
+        for h in chain[start // bs:]:
+            block = self.store.get(h)
+            if block is None:  # evicted since stored_prefix: the head has a gap, so it drafts nothing
+                self.states.setdefault(seq.seq_id, EagleState()).broken = True
+                return
+            self.store.move_to_end(h)
+            blocks.append(block)
+        if blocks:
+            self.feed(seq, start, torch.cat(blocks))
 
     # ---- drafting ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -229,6 +307,8 @@ class EagleProposer(DrafterBase):
         out: list[Draft | None] = []
         for seq, gamma in zip(seqs, gammas):
             st: EagleState | None = self.states.get(seq.seq_id)
+            if st is not None:
+                self._flush(seq, st)  # blocks whose last tokens the previous pass appended
             if gamma <= 0 or st is None or st.broken:
                 out.append(None)
                 continue
@@ -245,7 +325,9 @@ class EagleProposer(DrafterBase):
             st.pending = []
 
     def release(self, seq) -> None:
-        self.states.pop(seq.seq_id, None)
+        st = self.states.pop(seq.seq_id, None)
+        if st is not None:
+            self._flush(seq, st)  # the last pass's blocks, whose tokens are in the text by now
 
 
 def build(ctx) -> EagleProposer | None:
@@ -258,7 +340,7 @@ def build(ctx) -> EagleProposer | None:
     level = head_kernel_level(ctx.config.device)
     if level:
         head.quantize_int8(level)
-    return EagleProposer(head, ctx.vocab_size, ctx.max_draft_len)
+    return EagleProposer(head, ctx.vocab_size, ctx.max_draft_len, block_size=ctx.config.block_size)
 
 
 def head_kernel_level(device) -> int:
