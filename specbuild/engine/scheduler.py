@@ -136,11 +136,10 @@ class Scheduler:
             return
         # a drafter that reads every row's features (EAGLE-3) bounds it to the blocks whose
         # features it keeps, and is handed them
+        looked_up = limit if first else 0
         limit = self.speculator.prefix_limit(seq, limit)
-        if first and limit < len(seq.prompt_ids) - 1:
-            self.cache.counters["queried_tokens"] += len(seq.prompt_ids) - 1 - limit
         start = seq.num_cached
-        n = self.cache.extend(seq.seq_id, seq.prompt_ids, limit, query=first)
+        n = self.cache.extend(seq.seq_id, seq.prompt_ids, limit, query=looked_up)
         if n:
             seq.num_cached += n
             seq.cached_tokens += n

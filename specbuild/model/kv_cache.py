@@ -208,7 +208,7 @@ class PagedKVCache:
                         length = j * bs
                     self._drop(old)
         seq.length = length
-        keep = -(-length // bs)
+        keep = -(-length // bs)  # blocks reserved past the end (a draft's room) go back too
         while len(seq.table) > keep:
             self._drop(seq.table.pop())
 
@@ -245,16 +245,16 @@ class PagedKVCache:
         self.counters["recorded_blocks"] += added
         return added
 
-    def extend(self, seq_id: int, tokens, limit: int, query: bool = False) -> int:
+    def extend(self, seq_id: int, tokens, limit: int, query: int = 0) -> int:
         """Append to the sequence's table the recorded blocks that continue its text `tokens`
         (up to `limit` tokens from position 0), read-only; returns the tokens gained. Only a
         sequence that ends on a block boundary with no block reserved past its length can grow
-        this way (a new prompt, or one still prefilling). query: count `limit` as tokens looked
-        up (a prompt's first lookup); hits count either way."""
+        this way (a new prompt, or one still prefilling). query: prompt tokens to count as looked
+        up (a prompt's first lookup: all of it but its last token, even where a drafter bounds
+        `limit`); hits count either way."""
         seq = self.seqs[seq_id]
         bs, have = self.block_size, len(seq.table)
-        if query:
-            self.counters["queried_tokens"] += max(0, limit)
+        self.counters["queried_tokens"] += max(0, query)
         n = max(0, limit) // bs
         if seq.length != have * bs or n <= have:
             return 0

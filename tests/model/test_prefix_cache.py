@@ -47,7 +47,7 @@ def prefill(cache: PagedKVCache, sid: int, tokens: list[int], salt: bytes = b"")
     """A new prompt: adopt what is recorded (leaving its last token), compute the rest, record.
     Returns the tokens reused."""
     cache.add(sid, salt)
-    got = cache.extend(sid, tokens, len(tokens) - 1, query=True)
+    got = cache.extend(sid, tokens, len(tokens) - 1, query=len(tokens) - 1)
     write(cache, sid, tokens, got, len(tokens))
     cache.register(sid, tokens, len(tokens))
     return got
@@ -204,8 +204,8 @@ def test_extend_continues_a_prefilling_sequence():
     p1, p2 = system + [1, 2, 3], system + [7, 8]
     cache.add(1)
     cache.add(2)
-    assert cache.extend(1, p1, len(p1) - 1, query=True) == 0
-    assert cache.extend(2, p2, len(p2) - 1, query=True) == 0
+    assert cache.extend(1, p1, len(p1) - 1, query=len(p1) - 1) == 0
+    assert cache.extend(2, p2, len(p2) - 1, query=len(p2) - 1) == 0
     write(cache, 1, p1, 0, 8)  # a first chunk of seq 1
     cache.register(1, p1, 8)
     assert cache.extend(2, p2, len(p2) - 1) == 8

@@ -43,8 +43,8 @@ class DraftModelProposer(DrafterBase):
             self.cache.add(seq.seq_id, key_root(self.salt_of(seq)))
             self.lengths[seq.seq_id] = 0
             if self.prefix_cache:
-                self.lengths[seq.seq_id] = self.cache.extend(seq.seq_id, seq.all_ids, len(seq.all_ids) - 1,
-                                                             query=True)
+                n = len(seq.all_ids) - 1
+                self.lengths[seq.seq_id] = self.cache.extend(seq.seq_id, seq.all_ids, n, query=n)
 
     @staticmethod
     def salt_of(seq) -> int:
