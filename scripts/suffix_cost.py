@@ -28,12 +28,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specbuild.bench.repeated import questions  # noqa: E402
 from specbuild.speculation.proposers.suffix import SuffixProposer  # noqa: E402
+from specbuild.speculation.state import SpecState  # noqa: E402
 
 
 class Seq:
     def __init__(self, seq_id, prompt):
         self.seq_id, self.prompt_ids, self.output_ids = seq_id, list(prompt), []
         self.content_type, self.finish_reason, self.spec = None, "stop", None
+        self.spec_state = SpecState(uses=frozenset({"suffix"}))  # release() stores only its users' text
 
 
 def path_len(tokens, parents, truth) -> int:
@@ -52,7 +54,7 @@ def replay_ours(streams, nodes):
     times, passes, emitted = [], 0, 0
     for n, (prompt, output) in enumerate(streams):
         seq = Seq(n, prompt)
-        seq.spec = type("S", (), {"method": "suffix"})()
+        seq.spec = type("S", (), {"method": "suffix", "dynamic": False})()  # a fixed depth: the tree's nodes
         t = 0
         while t < len(output):
             t0 = time.perf_counter()
