@@ -100,3 +100,17 @@ def test_every_script_is_guarded_and_imports():
     assert out.returncode == 0, out.stderr[-2000:]
     failed = json.loads(out.stdout.strip().splitlines()[-1])
     assert not failed, f"scripts that do not import: {failed}"
+
+
+def test_suffix_cost_replays_a_copy_heavy_stream():
+    """scripts/suffix_cost.py drives the suffix drafter through a stand-in sequence: the stand-in
+    must carry what the drafter reads (it once lacked spec.dynamic and died on its first draft).
+    A stream that repeats its prompt is drafted and followed for several tokens a pass."""
+    sys.path.insert(0, SCRIPTS)
+    try:
+        import suffix_cost
+    finally:
+        sys.path.remove(SCRIPTS)
+    prompt = [(7 * i) % 50 + 1 for i in range(120)]
+    times, tokens_per_pass = suffix_cost.replay_ours([(prompt, prompt[30:])], 8)
+    assert times and tokens_per_pass > 2.0, tokens_per_pass
