@@ -599,6 +599,56 @@ SPECBUILD_Q8_YMM_TILE(q8_tile_avx2, "avx2,fma,f16c", AVX2)
 SPECBUILD_Q8_YMM_TILE(q8_tile_avxvnni, "avx2,fma,f16c,avxvnni", VEX)
 SPECBUILD_Q8_YMM_TILE(q8_tile_vnni256, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", EVEX)
 
+// Plain AVX2 with 2-4 rows (one row keeps the two-half tile, which has registers to spare there): one half (8 columns) of the block at a time, so a tile holds R
+// int16 sums and R float accumulators (2R + 7 registers, none spilled), where the two-half tile
+// above at 2 rows spilled its accumulators to the stack and spent a third of its time on the
+// reloads (perf, AMD EPYC). Per (row, column) the same integers and the same epilogue, in the
+// same block order: the same bits as every path above.
+template <int R, bool F16S>
+__attribute__((target("avx2,fma,f16c"))) void q8_rows_avx2(const uint8_t* w, int64_t grp_bytes, int ngroups, int G,
+                                                            const int8_t* xq, int64_t K, const float* dx,
+                                                            const float* qs, float* out /* [R][16] */) {
+  const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const int64_t nbk = K / QB;
+  const int chunks = G / 8;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int g = 0; g < ngroups; ++g) {
+      const uint8_t* wg = w + g * grp_bytes;
+      const uint8_t* sp = wg + chunks * 64;
+      for (int b = 0; b < G / QB; ++b) {
+        __m256i ia[R];
+        for (int r = 0; r < R; ++r) ia[r] = _mm256_setzero_si256();
+        for (int o = 0; o < 4; ++o) {
+          const int64_t kk = int64_t(g) * G + b * QB + 8 * o;
+          const uint8_t* p = wg + (b * 4 + o) * 64 + h * 32;
+          if (h == 0) _mm_prefetch((const char*)(p + PREFETCH), _MM_HINT_T0);
+          const __m256i v = _mm256_loadu_si256((const __m256i*)p);
+          const __m256i vl = _mm256_and_si256(v, nib), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+          for (int r = 0; r < R; ++r) {
+            const __m256i xa = _mm256_set1_epi32(load_i32(xq + r * K + kk));
+            const __m256i xb = _mm256_set1_epi32(load_i32(xq + r * K + kk + 4));
+            ia[r] = _mm256_add_epi16(ia[r], _mm256_maddubs_epi16(vl, xa));
+            ia[r] = _mm256_add_epi16(ia[r], _mm256_maddubs_epi16(vh, xb));
+          }
+        }
+        const int64_t blk = int64_t(g) * (G / QB) + b;
+        const __m256 s = F16S ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 16 * h)))
+                              : _mm256_loadu_ps((const float*)sp + 8 * h);
+        const __m256 m = F16S ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 32 + 16 * h)))
+                              : _mm256_loadu_ps((const float*)sp + COLS + 8 * h);
+        for (int r = 0; r < R; ++r) {
+          __m256 t = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_madd_epi16(ia[r], ones)));
+          t = _mm256_fmadd_ps(m, _mm256_set1_ps(qs[r * nbk + blk]), t);
+          acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(dx[r * nbk + blk]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * COLS + h * 8, acc[r]);
+  }
+}
+
 // ---------------------------------------------------------------- the kernels' thread pool ---
 // Why a pool of the kernels' own beside torch's OpenMP (at::parallel_for): OpenMP gives each
 // thread a fixed share of a region and ends it with a barrier, so the region lasts as long as
@@ -839,6 +889,7 @@ inline int row_tile(int64_t left) { return left >= 8 ? 8 : left >= 4 ? 4 : left 
 // tile instead of a 2/4-row tile plus a 1-row one that unpacks every weight again for one row.
 inline int row_tile_any(int64_t left) { return left >= 8 ? 8 : int(left); }
 inline int row_tile_2(int64_t left) { return left >= 2 ? 2 : 1; }  // the ymm int8-input tiles
+inline int row_tile_4(int64_t left) { return left >= 4 ? 4 : int(left); }  // plain AVX2's (q8_rows_avx2)
 
 // Calls fn(std::integral_constant<int, R>) for R = r in 1..8 (a tile template per row count).
 template <class Fn>
@@ -1205,13 +1256,18 @@ void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_
 #define YTILE(FN)                                                        \
   if (R == 2) FN<2, 2, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile); \
   else FN<1, 2, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
-      if (path == Q8_AVX2) { YTILE(q8_tile_avx2) }
+      if (path == Q8_AVX2) {
+        if (R == 4) q8_rows_avx2<4, F16S>(wb, grp, ng, G, xt, K, dt, st, tile);
+        else if (R == 3) q8_rows_avx2<3, F16S>(wb, grp, ng, G, xt, K, dt, st, tile);
+        else if (R == 2) q8_rows_avx2<2, F16S>(wb, grp, ng, G, xt, K, dt, st, tile);
+        else q8_tile_avx2<1, 2, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile);  // one row: both halves at once
+      }
       else if (path == Q8_AVXVNNI) { YTILE(q8_tile_avxvnni) }
       else { YTILE(q8_tile_vnni256) }
 #undef YTILE
     }
     write_out(tile, R, 1, t0, b * COLS, N, out);
-  }, zmm ? row_tile_any : row_tile_2);
+  }, zmm ? row_tile_any : path == Q8_AVX2 ? row_tile_4 : row_tile_2);
 }
 
 at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, int64_t G, bool f16_scales,
