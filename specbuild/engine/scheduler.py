@@ -4,7 +4,7 @@ One `step()` reads top to bottom:
 
     admit               waiting requests while the KV budget lasts (Scheduler.admit)
     plan                check_lengths, share_prefills, Speculator.propose -> Proposal, WorkItems
-    bin_groups          the forwards the items run in (engine/step.py)
+    grouping            the forwards the items run in: one (ragged); a hook may split them
     StepRunner.run      per group: batch, Decoder.forward, Speculator.settle -> Verdict, commit, emit
 
 Every sequence has pending tokens `all_ids[num_cached:]` whose K/V are not yet in the
@@ -38,14 +38,14 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from specbuild.errors import RequestError
 from specbuild.model.kv_cache import PagedKVCache, salt_root
 from specbuild.model.decoder import Decoder
 from specbuild.engine.sequence import Event, Sequence
 from specbuild.engine.events import NULL_SINK
-from specbuild.engine.step import BINNINGS, StepRunner, WorkItem, bin_groups
+from specbuild.engine.step import StepRunner, WorkItem
 from specbuild.engine.stepparts import StepParts
 
 log = logging.getLogger("specbuild.scheduler")
@@ -56,17 +56,16 @@ class Scheduler:
 
     def __init__(self, model: Decoder, cache: PagedKVCache, max_batch_size: int, max_seq_len: int,
                  speculator, prefill_chunk: int = 256, waiting: collections.deque | None = None,
-                 running: list | None = None, planning=None, binning: str = "ragged",
-                 prefix_cache: bool = True) -> None:
-        if binning not in BINNINGS:
-            raise ValueError(f"binning={binning!r} is not one of {', '.join(BINNINGS)}")
+                 running: list | None = None, planning=None, prefix_cache: bool = True) -> None:
         self.model = model
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.speculator = speculator
-        self.binning = binning
+        # the forwards a step's items run in: None runs them all in one ragged pass (the fastest
+        # wherever measured); the binning benchmark sets one to measure others (bench/binning.py)
+        self.grouping: Callable[[list[WorkItem]], list[list[WorkItem]]] | None = None
         # automatic prefix caching (model/kv_cache.py): prompts adopt recorded blocks of earlier text
         self.prefix_cache = prefix_cache
         self.parts = StepParts()  # where each step's time goes, by kind and batch (engine/stepparts.py)
@@ -344,8 +343,7 @@ class Scheduler:
             items, proposal = self.plan(exclude)
             parts.add("plan", time.perf_counter() - tp)
             parts.add("draft", sum(proposal.draft_ms.values()) / 1e3)
-            groups = bin_groups(items, self.binning, self.speculator.bin_cost if self.binning == "bins" else None) \
-                if items else []
+            groups = [] if not items else [items] if self.grouping is None else self.grouping(items)
         except Exception as e:  # noqa: BLE001 - planning belongs to no single sequence
             self.fail_batch([s for s in self.running if id(s) not in exclude], e, "planning the step")
             return 0
@@ -360,7 +358,7 @@ class Scheduler:
         decode = [it for it in items if it.completes]
         methods = {d.method for d in proposal.drafts.values()}
         kind = "prefill" if not decode else "plain" if not methods else methods.pop() if len(methods) == 1 else "mixed"
-        rows = sum(it.width + it.pad for it in items)
+        rows = sum(it.width for it in items)
         parts.end(kind, len(decode), runner.emitted, rows, time.perf_counter() - t0)
         self.speculator.on_step(kind, len(decode), runner.emitted, rows, parts.last_total)
         return len(items)
