@@ -4,7 +4,8 @@ micro-batches, measured in one run on the same prompts (batched, prompt lookup).
     python scripts/bench_binning.py BUNDLE [--batch-size 8] [--max-tokens 64] [--threads 2] [--repeats 3]
 
 Prints tokens/s per strategy (median of repeats), target passes, and checks that every
-strategy's greedy output equals plain decoding.
+strategy's greedy output equals plain decoding. The engine runs ragged only; padded and bins
+run through its step's two seams (specbuild/bench/binning.use).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 
 
 from specbuild.bench import specbench as B  # noqa: E402
+from specbuild.bench.binning import STRATEGIES, use  # noqa: E402
 from specbuild.engine.engine import Engine, EngineConfig  # noqa: E402
 from specbuild.sampling.params import SamplingParams  # noqa: E402
 from specbuild.engine.sequence import Request  # noqa: E402
@@ -31,8 +33,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gamma", type=int, default=4, help="fixed draft length (0: dynamic)")
     args = ap.parse_args()
-    engines = {s: Engine(args.bundle, EngineConfig(prefix_cache=False, threads=args.threads, max_batch_size=args.batch_size, binning=s))
-               for s in ("ragged", "padded", "bins")}
+    engines = {s: Engine(args.bundle, EngineConfig(prefix_cache=False, threads=args.threads, max_batch_size=args.batch_size))
+               for s in STRATEGIES}
+    for s, engine in engines.items():
+        use(engine, s)
     any_engine = engines["ragged"]
     questions = B.select_questions(B.load_questions(), B.load_split(), "eval", per_category=2)[:args.batch_size]
     prompts = [any_engine.encode(any_engine.render_chat([{"role": "user", "content": q["turns"][0]}]),

@@ -43,9 +43,6 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     block_size: int = 16
     prefill_chunk: int = 256
-    # ragged (one flattened pass, the default and fastest measured) | padded | bins (planned
-    # micro-batches): the other two are kept to be measured against it (scripts/bench_binning.py)
-    binning: str = "ragged"
     load_draft: bool = True  # False: the draft model runs elsewhere (MineDraft's draft rank)
     # auto: on CPU each dtype's float linears are stored in the layout measured cheaper at
     # load (qlinear.choose_layouts: float32 transposed, ~1.35x faster at 5-11 rows on the
@@ -87,8 +84,6 @@ class EngineConfig:
             raise ValueError(f"suffix_corpus={self.suffix_corpus!r} must be a file path")
         if self.weight_layouts not in ("auto", "rows"):
             raise ValueError(f"weight_layouts={self.weight_layouts!r} is not one of auto, rows")
-        if self.binning not in ("ragged", "padded", "bins"):
-            raise ValueError(f"binning={self.binning!r} is not one of ragged, padded, bins")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size={self.block_size} is not one of 8, 16, 32, 64, 128")
         if self.compile and torch.device(self.device).type != "cpu":
@@ -268,7 +263,7 @@ class Engine(BaseEngine):
         self._init_loop(threading.Lock())
         self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len, self.speculator,
                                    config.prefill_chunk, waiting=self.waiting, running=self.running,
-                                   planning=planning, binning=config.binning, prefix_cache=config.prefix_cache)
+                                   planning=planning, prefix_cache=config.prefix_cache)
         self.policies = None  # speculation.policy.PolicyTable (set_policies) or None
         self.threads_governor, self.threads_why = self.make_governor()
         self.step_thread: int | None = None  # the ident of the thread that ran the last step

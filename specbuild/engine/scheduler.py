@@ -2,10 +2,11 @@
 
 One `step()` reads top to bottom:
 
-    admit               waiting requests while the KV budget lasts (Scheduler.admit)
-    plan                check_lengths, share_prefills, Speculator.propose -> Proposal, WorkItems
-    bin_groups          the forwards the items run in (engine/step.py)
-    StepRunner.run      per group: batch, Decoder.forward, Speculator.settle -> Verdict, commit, emit
+    begin_step          admit: waiting requests while the KV budget lasts; check_lengths
+    complete_step
+      plan              share_prefills, Speculator.propose -> Proposal, WorkItems
+      grouping          the forwards the items run in: one (ragged); a hook may split them
+      StepRunner.run    per group: batch, Decoder.forward, Speculator.settle -> Verdict, commit, emit
 
 Every sequence has pending tokens `all_ids[num_cached:]` whose K/V are not yet in the
 cache: the remaining prompt while prefilling, just the last sampled token when decoding,
@@ -18,6 +19,18 @@ StepRunner) and `on_step` every step, `rollback` when it re-prefills, shares a p
 adopts recorded blocks, `prefix_limit` and `adopted` when it does (EAGLE-3's features of the
 adopted blocks), and `release` when a request ends. Requests without speculation go the same way: their verdict is
 one sampled token.
+
+A planning policy (`planning`, given at open: MineDraft's two batches, mpi/minedraft.py) runs
+each engine step in place of `step()` through this interface, and nothing else of the scheduler:
+
+    begin_step()                 admission and cache-length repair, once per step; -> the running
+                                 sequences (a copy: the policy partitions it)
+    complete_step(leave_out=())  the rest of the step (plan, forwards, emit, telemetry) over the
+                                 running sequences but `leave_out` (the batch being drafted);
+                                 -> how many advanced
+    speculator                   the drafting choices it orders with (`depth_for`)
+
+`step()` is `begin_step()` then `complete_step()`.
 
 Prefix caching: admitted prompts adopt the recorded blocks that begin them (`adopt_prefix`),
 again each step while they prefill; committed full blocks are recorded after every step and at
@@ -38,14 +51,14 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from specbuild.errors import RequestError
 from specbuild.model.kv_cache import PagedKVCache, salt_root
 from specbuild.model.decoder import Decoder
 from specbuild.engine.sequence import Event, Sequence
 from specbuild.engine.events import NULL_SINK
-from specbuild.engine.step import BINNINGS, StepRunner, WorkItem, bin_groups
+from specbuild.engine.step import StepRunner, WorkItem
 from specbuild.engine.stepparts import StepParts
 
 log = logging.getLogger("specbuild.scheduler")
@@ -56,17 +69,16 @@ class Scheduler:
 
     def __init__(self, model: Decoder, cache: PagedKVCache, max_batch_size: int, max_seq_len: int,
                  speculator, prefill_chunk: int = 256, waiting: collections.deque | None = None,
-                 running: list | None = None, planning=None, binning: str = "ragged",
-                 prefix_cache: bool = True) -> None:
-        if binning not in BINNINGS:
-            raise ValueError(f"binning={binning!r} is not one of {', '.join(BINNINGS)}")
+                 running: list | None = None, planning=None, prefix_cache: bool = True) -> None:
         self.model = model
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.speculator = speculator
-        self.binning = binning
+        # the forwards a step's items run in: None runs them all in one ragged pass (the fastest
+        # wherever measured); the binning benchmark sets one to measure others (bench/binning.py)
+        self.grouping: Callable[[list[WorkItem]], list[list[WorkItem]]] | None = None
         # automatic prefix caching (model/kv_cache.py): prompts adopt recorded blocks of earlier text
         self.prefix_cache = prefix_cache
         self.parts = StepParts()  # where each step's time goes, by kind and batch (engine/stepparts.py)
@@ -271,13 +283,13 @@ class Scheduler:
                 self.set_cache_lengths(seq, 0)
 
     # ---- the step -----------------------------------------------------------------------
-    def plan(self, exclude: Collection[int] = ()) -> tuple[list[WorkItem], "object"]:
-        """(work for every running sequence whose id() is not in `exclude` (MineDraft's batch
-        being drafted), the speculator's Proposal). `self.running` itself is never replaced:
+    def plan(self, leave_out: Collection[Sequence] = ()) -> tuple[list[WorkItem], "object"]:
+        """(work for every running sequence not in `leave_out` (MineDraft's batch being
+        drafted), the speculator's Proposal). `self.running` itself is never replaced:
         lock-free readers (stats()) always see every running request."""
-        self.check_lengths()
         items, budget = [], self.prefill_chunk
-        running = [s for s in self.running if id(s) not in exclude] if exclude else list(self.running)
+        skip = {s.seq_id for s in leave_out}
+        running = [s for s in self.running if s.seq_id not in skip] if skip else list(self.running)
         self.share_prefills(running)
         proposal = self.speculator.propose(running, on_error=self.fail_sequence)
         drafts = proposal.drafts
@@ -328,26 +340,40 @@ class Scheduler:
         """One step of the engine loop: the planning policy's, else `step()`."""
         return self.planning.step(self) if self.planning is not None else self.step()
 
-    def step(self, exclude: Collection[int] = (), admit: bool = True) -> int:
-        """One batched step. Returns the number of sequences that advanced.
-
-        exclude: id()s of running sequences to leave out of this step (MineDraft: the batch
-        the draft rank is drafting); admit=False when the caller already admitted."""
+    def step(self) -> int:
+        """One batched step. Returns the number of sequences that advanced."""
         t0 = time.perf_counter()
-        if admit:
-            self.admit()
+        if not self.begin_step():
+            return 0
+        return self.complete_step(t0=t0)
+
+    # ---- what a planning policy uses (see the module doc) -------------------------------
+    def begin_step(self) -> list[Sequence]:
+        """Admit waiting requests while the KV budget lasts, then repair every cache whose length
+        disagrees with its sequence (check_lengths): once per step, before complete_step.
+        Returns the running sequences (a copy)."""
+        self.admit()
+        if self.running:
+            self.check_lengths()
+        return list(self.running)
+
+    def complete_step(self, leave_out: Collection[Sequence] = (), t0: float | None = None) -> int:
+        """The rest of the step begun by begin_step: plan, run the forwards and emit, over the
+        running sequences but `leave_out` (MineDraft: the batch the draft rank is drafting).
+        Returns the number of sequences that advanced. t0: when the step began (its timing)."""
+        t0 = time.perf_counter() if t0 is None else t0
         if not self.running:
             return 0
         parts = self.parts
         try:
             tp = time.perf_counter()
-            items, proposal = self.plan(exclude)
+            items, proposal = self.plan(leave_out)
             parts.add("plan", time.perf_counter() - tp)
             parts.add("draft", sum(proposal.draft_ms.values()) / 1e3)
-            groups = bin_groups(items, self.binning, self.speculator.bin_cost if self.binning == "bins" else None) \
-                if items else []
+            groups = [] if not items else [items] if self.grouping is None else self.grouping(items)
         except Exception as e:  # noqa: BLE001 - planning belongs to no single sequence
-            self.fail_batch([s for s in self.running if id(s) not in exclude], e, "planning the step")
+            skip = {s.seq_id for s in leave_out}
+            self.fail_batch([s for s in self.running if s.seq_id not in skip], e, "planning the step")
             return 0
         runner = self.runner
         runner.emitted = 0
@@ -360,7 +386,7 @@ class Scheduler:
         decode = [it for it in items if it.completes]
         methods = {d.method for d in proposal.drafts.values()}
         kind = "prefill" if not decode else "plain" if not methods else methods.pop() if len(methods) == 1 else "mixed"
-        rows = sum(it.width + it.pad for it in items)
+        rows = sum(it.width for it in items)
         parts.end(kind, len(decode), runner.emitted, rows, time.perf_counter() - t0)
         self.speculator.on_step(kind, len(decode), runner.emitted, rows, parts.last_total)
         return len(items)

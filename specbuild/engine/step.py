@@ -26,13 +26,10 @@ from specbuild.model.decoder import ForwardBatch, ForwardOutput, ragged_mask
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.sampling.params import check_logits, token_logprobs
 from specbuild.sampling.processing import chain_paths, process_logits, tree_paths
-from specbuild.speculation.binning import plan as plan_bins
 from specbuild.speculation.speculator import PassResult, Proposal, Verdict
 from specbuild.engine.events import StepRecord
 from specbuild.engine.stepparts import StepParts
 from specbuild.engine.sequence import Event, Sequence
-
-BINNINGS = ("ragged", "padded", "bins")
 
 
 @dataclass
@@ -45,7 +42,6 @@ class WorkItem:
     start: int = 0  # cache length before this step (position of chunk[0])
     row0: int = 0  # first row of this item in the flattened batch (build_forward_batch)
     completes: bool = False  # chunk reaches the end of the pending tokens
-    pad: int = 0  # filler rows (padded binning only): computed, never read, rolled back
     score: tuple[int, int] | None = None  # prompt positions [p0, p1) whose logits score the prompt
 
     @property
@@ -67,24 +63,23 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache, fast: bool =
     The mask lets each row see its own sequence's past (all of it) and its own new rows
     under that item's new-token mask (causal, or the tree's ancestor mask for tree drafts).
     """
-    if fast and all(it.pad == 0 and len(it.chunk) == 1 and it.completes and it.seq.request.prompt_logprobs is None
+    if fast and all(len(it.chunk) == 1 and it.completes and it.seq.request.prompt_logprobs is None
                     for it in items):
         return decode_batch(items, cache)
     ids, pos, wslots, rslots, logit_rows, prompt = [], [], [], [], [], []
     blocks = []
     t = s = 0
     for it in items:
-        n = it.width + it.pad
-        tokens = it.chunk + (list(it.draft.tokens) if it.n_draft else []) + [it.chunk[-1]] * it.pad
+        n = it.width
+        tokens = it.chunk + (list(it.draft.tokens) if it.n_draft else [])
         depth = torch.arange(n)
         if it.n_draft and it.draft.depths is not None:
             # tree drafts: the chunk's last token is the root; nodes sit at root + depth
-            depth = torch.cat([torch.arange(len(it.chunk)), len(it.chunk) - 1 + torch.as_tensor(it.draft.depths),
-                               torch.arange(it.pad) + it.width])
+            depth = torch.cat([torch.arange(len(it.chunk)), len(it.chunk) - 1 + torch.as_tensor(it.draft.depths)])
         ids.append(torch.tensor(tokens, dtype=torch.int64))
         pos.append(it.start + depth)
         # prompt rows: the chunk's rows at positions inside the prompt (a prefill chunk; never a
-        # draft or a pad row, which follow the chunk)
+        # draft, which follows the chunk)
         in_prompt = torch.zeros(n, dtype=torch.bool)
         in_prompt[:max(0, min(len(it.chunk), len(it.seq.prompt_ids) - it.start))] = True
         prompt.append(in_prompt)
@@ -123,7 +118,7 @@ def build_forward_batch(items: list[WorkItem], cache: PagedKVCache, fast: bool =
 
 def decode_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBatch:
     """build_forward_batch for decode items (one pending token each, with or without a chain or
-    tree draft; no pad rows, no prompt logprobs): the same ForwardBatch from plain lists, a few
+    tree draft; no prompt logprobs): the same ForwardBatch from plain lists, a few
     tensors per batch instead of ~15 per item (a plain step's Python was a fifth of a 5 ms step,
     a speculative one's build cost 1.4-1.8x a plain one's; tests/engine/test_engine.py checks this
     against the general path)."""
@@ -187,26 +182,11 @@ def draft_paths(draft) -> list[list[int]]:
     return chain_paths(draft.tokens)
 
 
-def bin_groups(items: list[WorkItem], binning: str, cost) -> list[list[WorkItem]]:
-    """The forwards a step's items run in. ragged (the default): one flattened pass.
-    padded: one pass, decode items padded to the widest; bins: micro-batches planned on the
-    measured costs (speculation/binning.py). padded and bins exist to be measured against
-    ragged (scripts/bench_binning.py); ragged was the fastest wherever it was measured."""
-    if binning == "ragged" or len(items) <= 1:
-        return [items]
-    if binning == "padded":
-        widest = max((it.width for it in items if it.completes and len(it.chunk) == 1), default=0)
-        for it in items:
-            if it.completes and len(it.chunk) == 1:
-                it.pad = widest - it.width
-        return [items]
-    groups = plan_bins([it.width for it in items], binning, cost)
-    return [[items[i] for i in g] for g in groups]
-
-
 class StepRunner:
     """Runs the groups the scheduler plans (the scheduler owns admission and lifecycle:
-    `owner` gives release, fail_sequence, fail_batch and the telemetry sink)."""
+    `owner` gives release, fail_sequence, fail_batch and the telemetry sink). `build` makes a
+    group's ForwardBatch: build_forward_batch; the binning benchmark's padded strategy swaps in
+    its own (bench/binning.padded_batch)."""
 
     def __init__(self, owner, model, cache: PagedKVCache, speculator, parts: StepParts | None = None) -> None:
         self.owner = owner
@@ -217,6 +197,7 @@ class StepRunner:
         self.speculator = speculator
         self.passes = 0
         self.target_ms = 0.0  # the last group's target forward, for the sink's step rows
+        self.build = build_forward_batch
 
     def run(self, group: list[WorkItem], proposal: Proposal) -> None:
         try:
@@ -248,7 +229,7 @@ class StepRunner:
         logit rows, and the auxiliary layers at every row of the sequences in
         proposal.feature_seqs (returns their first row in out.aux, by seq_id)."""
         t0 = time.perf_counter()
-        batch = build_forward_batch(group, self.cache)
+        batch = self.build(group, self.cache)
         self.parts.add("build", time.perf_counter() - t0)
         aux0: dict[int, int] = {}
         rows: list[int] = []

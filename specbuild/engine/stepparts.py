@@ -3,7 +3,7 @@ did (plain decoding, or the drafter whose drafts it verified) and by its batch s
 
 The scheduler (engine/scheduler.py) times one step as it runs, in the thread that runs it:
 
-    plan      check_lengths, share_prefills, the speculator's propose (drafting is inside: `draft`)
+    plan      share_prefills, the speculator's propose (drafting is inside: `draft`)
     draft     the drafters' propose calls alone (Proposal.draft_ms)
     build     build_forward_batch
     forward   the target's forward
@@ -11,7 +11,7 @@ The scheduler (engine/scheduler.py) times one step as it runs, in the thread tha
               observe and rollback (Speculator.settle)
     commit    per item: K/V moves and the cache's length (StepRunner.commit)
     emit      per item: appending the tokens, telemetry, the event to the waiting handle
-    other     the rest of the step (admission, binning, the loop around the groups)
+    other     the rest of the step (admission, check_lengths, grouping, the loop around the groups)
 
 Every figure is a sum over steps of one key; `describe()` gives ms per step, tokens per step and
 tokens per second of step time. The accounting costs a few clock reads per step. Steps that only

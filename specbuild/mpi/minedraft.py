@@ -164,8 +164,9 @@ class LoopbackTransport:
 class TwoBatchPlanning:
     """The scheduler's planning policy under MineDraft: draft-model requests alternate
     between two batches (see the module doc). `step(scheduler)` runs one engine step through
-    the scheduler's own admission and `Scheduler.step` (with the batch being drafted left out),
-    so everything the plain step does (telemetry, hidden states, faults) happens here too."""
+    the scheduler's planning interface (engine/scheduler.py: `begin_step`, then
+    `complete_step` with the batch being drafted left out; `speculator` for the depths), so
+    everything the plain step does (telemetry, hidden states, faults) happens here too."""
 
     def __init__(self, remote: RemoteDraftProposer) -> None:
         self.remote = remote
@@ -202,23 +203,22 @@ class TwoBatchPlanning:
         return [(seq, gamma) for seq in batch if (gamma := spec.depth_for(seq, "draft")) is not None]
 
     def step(self, scheduler) -> int:
-        scheduler.admit()
-        if not scheduler.running:
+        running = scheduler.begin_step()  # admitted, caches repaired
+        if not running:
             self.remote.flush_releases()
             return 0
-        scheduler.check_lengths()
-        self.sync_batches(scheduler.running)
+        self.sync_batches(running)
         verified, drafted = self.batches[self.turn], self.batches[1 - self.turn]
         # prompts the target prefills this step go to the draft rank too, so that its cache
         # fills meanwhile instead of inside the sequence's first draft round trip
-        prefilling = [s for s in scheduler.running if s.num_cached < len(s.all_ids) - 1 and self.uses_draft(s)]
+        prefilling = [s for s in running if s.num_cached < len(s.all_ids) - 1 and self.uses_draft(s)]
         if not (verified and drafted and self.remote.healthy):
             self.stats["ordinary_steps"] += 1
             self.remote.sync_allowed = True
             placed = verified or drafted
             if not placed:  # no draft round trip in this step to queue behind the prefill
                 self.remote.prefill(prefilling)
-            n = scheduler.step()
+            n = scheduler.complete_step()
             if placed:
                 self.remote.prefill([s for s in prefilling if not s.finished])
         else:
@@ -241,8 +241,8 @@ class TwoBatchPlanning:
             self.remote.sync_allowed = False
             t0 = time.monotonic()
             # the base step (plan / forward / finish, hidden states included) over every running
-            # sequence but the batch being drafted; admission was done above
-            n = scheduler.step(exclude={id(s) for s in drafted}, admit=False)
+            # sequence but the batch being drafted; begin_step admitted above
+            n = scheduler.complete_step(leave_out=drafted)
             t1 = time.monotonic()
             self.remote.receive(sent)
             self.stats["verify_seconds"] += t1 - t0

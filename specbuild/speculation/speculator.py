@@ -28,7 +28,6 @@ from specbuild.speculation.gamma import CostModel, GammaController, TreeCostMode
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.decoder import Decoder
 from specbuild.sampling.params import argmax_ids, check_logits, sample_from, warp_probs
-from specbuild.speculation.binning import BinCost
 from specbuild.speculation.proposers.base import Draft, Needs, Observation, candidate_sources
 from specbuild.sampling.acceptance import verify_chain_greedy, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled, verify_tree_typical
 
@@ -161,7 +160,6 @@ class Speculator:
         self.draft_room = max_draft_len + 1  # KV positions a step may need past a sequence's text
         self._costs = costs
         self._controller: GammaController | None = None
-        self._bin_cost: BinCost | None = None
         self._auto_methods: tuple[str, ...] | None = None
         self._auto_uses: frozenset[str] = frozenset()
         # auto's batch-wide switch, learned from the steps' own wall time (speculation/goodput.py)
@@ -182,12 +180,6 @@ class Speculator:
             self._controller = GammaController(self._costs)
             self._controller.emit = self.emit
         return self._controller
-
-    @property
-    def bin_cost(self) -> BinCost:
-        """A pass's fixed and per-token cost from the calibrated verify costs (micro-batch planning)."""
-        _ = self.controller
-        return self._bin_cost
 
     def calibrate(self) -> dict[str, CostModel]:
         """Verify cost by width (and each drafter model's step), measured once per machine and
@@ -233,9 +225,6 @@ class Speculator:
         for name, prop in self.proposers.items():
             if hasattr(prop, "verify_cost"):  # the EAGLE tree's node budget
                 prop.verify_cost = costs[name].verify
-        w1, wn = verify[1], verify[max(widths)]
-        self._bin_cost = BinCost(pass_overhead=max(w1 - (wn - w1) / max(max(widths) - 1, 1), 1e-4),
-                                token_cost=max((wn - w1) / max(max(widths) - 1, 1), 1e-6))
         log.info("speculation costs %s in %.2fs: verify %s", "read from the cache" if cached else "calibrated",
                  time.perf_counter() - t0, {k: round(v * 1e3, 2) for k, v in verify.items()})
         return costs

@@ -12,7 +12,6 @@ import pytest
 from faults import CULPRIT, check_isolation, innocents_unchanged, requests
 from tiny import draft_pair_bundle
 
-from specbuild.engine import scheduler as scheduler_mod
 from specbuild.engine.engine import Engine, EngineConfig
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21, 22, 20, 21], list(range(30, 70)), [40, 41, 40, 41, 40]]
@@ -85,19 +84,18 @@ def test_failures_show_in_metrics(engine, monkeypatch):
 
 
 def test_a_failed_plan_fails_the_step_only(engine, monkeypatch):
-    """Planning (drafting, binning) belongs to the whole step: its failure fails the planned
+    """Planning (drafting, grouping) belongs to the whole step: its failure fails the planned
     requests (500, counted as a step failure), never the engine; the next batch is served."""
-    real = scheduler_mod.bin_groups
     calls = {"n": 0}
 
-    def bins(items, binning, cost):
+    def grouping(items):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected planning fault")
-        return real(items, binning, cost)
+        return [items]
 
     before = engine.stats()["step_failures"]
-    monkeypatch.setattr(scheduler_mod, "bin_groups", bins)
+    monkeypatch.setattr(engine.scheduler, "grouping", grouping)
     failed = engine.generate(requests(PROMPTS[:2], "ngram", 1))
     assert [r["finish_reason"] for r in failed] == ["error", "error"]
     assert all("while planning the step" in r["error"] for r in failed)

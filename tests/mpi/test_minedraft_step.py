@@ -1,5 +1,5 @@
-"""MineDraft's verification is `Scheduler.step` itself (it passes the batch being drafted as
-`exclude`), so everything the plain step does happens on MineDraft steps too: Medusa and
+"""MineDraft's verification is the plain step itself (`Scheduler.begin_step`, then
+`complete_step` with the batch being drafted as `leave_out`), so everything the plain step does happens on MineDraft steps too: Medusa and
 `auto` requests get the target's hidden state and keep drafting; and the running set is
 never swapped for a subset while a step plans, so `stats()` (read without the lock, e.g.
 by /health) always counts every running request. In process, over the loopback drafter."""
@@ -105,6 +105,32 @@ def test_stats_count_every_running_request_during_a_minedraft_step(bundle):
     assert all(h.result()["finish_reason"] == "length" for h in handles)
     assert planning.stats["minedraft_steps"] > 5, planning.stats
     assert seen and all(r == n for r, n in seen), [s for s in seen if s[0] != s[1]][:5]
+
+
+def test_the_planning_policy_uses_only_the_declared_scheduler_interface(bundle):
+    """TwoBatchPlanning runs its steps through Scheduler.begin_step, complete_step and
+    speculator (engine/scheduler.py's module doc) and nothing else of the scheduler."""
+    engine, planning = loopback_engine(bundle)
+
+    class Interface:  # any other attribute is an AttributeError inside the step
+        def __init__(self, scheduler) -> None:
+            self.begin_step, self.complete_step = scheduler.begin_step, scheduler.complete_step
+            self.speculator = scheduler.speculator
+
+    class Narrowed:
+        def step(self, scheduler):
+            return planning.step(Interface(scheduler))
+
+        def health(self):
+            return planning.health()
+
+    engine.scheduler.planning = Narrowed()
+    expect = Engine(bundle, EngineConfig(max_batch_size=4, threads=1)).generate([request(p, "none") for p in PROMPTS])
+    handles = [engine.submit(request(p, "draft")) for p in PROMPTS]
+    engine.run_until_done()
+    assert [h.result()["token_ids"] for h in handles] == [r["token_ids"] for r in expect]
+    assert all(h.result()["finish_reason"] == "length" for h in handles)
+    assert planning.stats["minedraft_steps"] > 5, planning.stats
 
 
 def test_heads_only_bundle_is_refused_with_the_reason(tmp_path):

@@ -1,18 +1,17 @@
 """Lossless speculation through the engine: greedy equality, sampled distribution, stop
-strings inside an acceptance, cache rollback and repair, gamma and binning planners."""
+strings inside an acceptance, cache rollback and repair, the gamma planner (the binning
+planner's tests are in tests/bench/test_binning.py)."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import os
-import random
 
 import pytest
 import torch
 
 from specbuild.compiler.compile import CompileOptions, compile_bundle
-from specbuild.speculation.binning import BinCost, plan_bins
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.speculation.gamma import CostModel, best_gamma, expected_tokens
 from specbuild.sampling.params import SamplingParams
@@ -37,12 +36,12 @@ def run(engine, method, gamma=None, prompts=PROMPTS, max_tokens=40, **sampling):
     return engine.generate(reqs)
 
 
-@pytest.mark.parametrize("binning", ["ragged", "padded", "bins"])
-def test_greedy_equals_plain_for_every_drafter_and_gamma(spec_bundle, binning):
-    engine = Engine(spec_bundle, EngineConfig(max_batch_size=4, binning=binning))
+def test_greedy_equals_plain_for_every_drafter_and_gamma(spec_bundle):
+    """The engine's one (ragged) binning; padded and bins: tests/bench/test_binning.py."""
+    engine = Engine(spec_bundle, EngineConfig(max_batch_size=4))
     plain = run(engine, "none")
     assert all(r["stats"]["drafted"] == 0 for r in plain)
-    gammas = [1, 3, 6, None] if binning == "ragged" else [3, None]
+    gammas = [1, 3, 6, None]
     for method, gamma in itertools.product(["ngram", "draft"], gammas):
         spec = run(engine, method, gamma)
         for r, p in zip(spec, plain):
@@ -161,32 +160,6 @@ def test_gamma_controller_choices():
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
     expensive = CostModel({1: 0.010, 9: 0.090}, draft_cost=0.010)  # no speculation can pay
     assert best_gamma(0.7, 0, 8, expensive) == 0
-
-
-def test_bin_planner_is_optimal_against_brute_force():
-    rng = random.Random(0)
-    cost = BinCost(pass_overhead=0.01, token_cost=0.001, padded=True)
-
-    def partitions(items):
-        if not items:
-            yield []
-            return
-        first, rest = items[0], items[1:]
-        for p in partitions(rest):
-            for i in range(len(p)):
-                yield p[:i] + [[first] + p[i]] + p[i + 1:]
-            yield [[first]] + p
-
-    for _ in range(30):
-        widths = [rng.randint(1, 9) for _ in range(rng.randint(1, 6))]
-        groups = plan_bins(widths, cost, max_bins=len(widths))
-        assert sorted(i for g in groups for i in g) == list(range(len(widths)))
-        got = sum(cost.cost([widths[i] for i in g]) for g in groups)
-        best = min(sum(cost.cost([widths[i] for i in g]) for g in p) for p in partitions(list(range(len(widths)))))
-        assert got <= best + 1e-12
-    # cheap passes, costly padding: widths far apart go to different bins
-    groups = plan_bins([1, 1, 1, 9, 9], BinCost(0.0001, 0.01), max_bins=4)
-    assert len(groups) == 2
 
 
 def test_speculation_errors_name_value_and_limit(spec_bundle):
