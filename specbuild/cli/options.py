@@ -150,7 +150,7 @@ def drafter_option(flat: str, f, help_extra: str = "") -> click.Option:
 
 class DrafterCommand(click.Command):
     """A command that takes the registered drafters' settings (their Options fields) as options
-    `--<name>-<field>`, handed to the callback as one `drafters` argument: {name: {field:
+    `--<name>-<field>` (the suffix drafter's store_tokens: --suffix-store-tokens), handed to the callback as one `drafters` argument: {name: {field:
     value}} (EngineConfig.drafters, RepoConfig.drafters). `drafter_settings` keeps only those
     settings (`<name>_<field>` names; None: all); `drafter_help` adds a sentence to a setting's
     help. The options follow the registry (proposers/registry.py): a drafter registered later

@@ -58,7 +58,7 @@ def model_step_cost(prop) -> float:
     """Seconds one drafted token costs a drafter in steps of its own models (0: it runs none)."""
     from specbuild.model.timing import forward_costs
 
-    return sum(forward_costs(model, cache, [1], repeats=3)[1]["wall_ms"] / 1e3 for model, cache in prop.models())
+    return float(sum(forward_costs(model, cache, [1], repeats=3)[1]["wall_ms"] / 1e3 for model, cache in prop.models()))
 
 
 def model_key(prop):
