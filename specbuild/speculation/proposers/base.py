@@ -242,9 +242,9 @@ class DrafterBase:
         """Seconds one depth of a draft costs (asked only where cost_key is not None)."""
         return 0.0
 
-    def set_verify_cost(self, verify: Callable[[int], float]) -> None:
+    def set_verify_cost(self, verify: Callable[[int], float] | None) -> None:
         """The measured verify cost by width (seconds), once calibration has run: drafters that
-        size their trees by it keep it in `verify_cost`."""
+        size their trees by it keep it in `verify_cost` (None: their fixed stand-in)."""
         self.verify_cost = verify
 
     # ---- requests -----------------------------------------------------------------------------
