@@ -6,7 +6,6 @@ it declared it reads reach it, and its own per-sequence state is freed."""
 
 from __future__ import annotations
 
-import os
 import sys
 import textwrap
 
@@ -142,7 +141,6 @@ CAPPED = textwrap.dedent('''
 def capped_drafter(tmp_path, monkeypatch):
     (tmp_path / "toy_capped.py").write_text(CAPPED)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     registry.register("toy_capped", "toy_capped")
     yield "toy_capped"
     registry.unregister("toy_capped")

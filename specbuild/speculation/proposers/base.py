@@ -123,11 +123,6 @@ def option_fields(options_cls) -> list:
     return list(fields(options_cls))
 
 
-def option_help(f) -> str:
-    """A setting's help text: its field's metadata["help"] (shown by `--help` and `inspect`)."""
-    return str(f.metadata.get("help", ""))
-
-
 @dataclass(frozen=True)
 class EngineSettings:
     """The engine-wide settings a drafter may read (EngineConfig's fields of the same names)."""
