@@ -17,7 +17,7 @@ import click  # noqa: E402
 
 from specbuild.cli.lazy import LazyGroup
 from specbuild.cli.options import DrafterCommand, compile_option, content_type_option, gamma_options, shared, telemetry_option
-from specbuild.cli.options import trtllm_options
+from specbuild.cli.options import MethodChoice, trtllm_options
 from specbuild.errors import SpecbuildError
 
 __all__ = ["main", "user_errors", "compile_option", "fail_once", "dist_context"]  # compile_option: options.py
@@ -260,7 +260,7 @@ def sampling_options(fn):
 
 def speculation_options(fn):
     for opt in reversed([
-        click.option("--speculation", type=click.Choice(["none", "ngram", "draft", "medusa", "recycle", "eagle", "suffix", "hybrid", "auto"]), default=None,
+        click.option("--speculation", type=MethodChoice(), default=None,
                      help="Drafter [bundle default]. auto picks per sequence by measured tokens/s."),
         gamma_options,
         shared("--tree"),

@@ -126,6 +126,24 @@ def gamma_options(fn):
     return fn
 
 
+class MethodChoice(click.Choice):
+    """none, each registered drafter (proposers/registry.py, in its order; read when the value is
+    checked or the help shown, so a drafter registered at run time is a choice too) and auto."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        from specbuild.speculation.proposers.registry import names
+
+        return ("none", *names(), "auto")
+
+    @choices.setter
+    def choices(self, _value) -> None:
+        pass
+
+
 def drafter_option(flat: str, f, help_extra: str = "") -> click.Option:
     """The click option of a drafter's setting `flat` (`<name>_<field>`) from its Options field
     `f`: a bool is a flag, metadata "choices" a choice, "path" an existing file; its default is

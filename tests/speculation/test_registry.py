@@ -163,6 +163,7 @@ def test_a_drafter_with_a_setting_is_one_module_and_its_setting_reaches_every_fr
     for command in ("generate", "serve", "triton-repo"):
         r = CliRunner().invoke(main, [command, "--help"])
         assert r.exit_code == 0 and "--toy-capped-max-draft" in r.output and "Most tokens a toy draft" in r.output
+    assert "toy_capped" in CliRunner().invoke(main, ["generate", "--help"]).output  # a --speculation choice
     # a Triton parameter: triton-repo writes it, the model reads it into EngineConfig
     out = tmp_path / "repo"
     r = CliRunner().invoke(main, ["triton-repo", tiny_bundle, "--out", str(out), "--toy-capped-max-draft", "2"])
