@@ -83,7 +83,10 @@ class Backend(Protocol):
 def bundle_guarantees(bundle_dir: str) -> dict[str, dict[str, Any]]:
     """backend -> guarantees table, for each backend this bundle can run on (inspect)."""
     meta = read_meta(bundle_dir)
-    torch_methods = ["none", "ngram", "recycle", "suffix", "hybrid", *[m for m in ("draft", "medusa", "eagle") if m in meta.roles], "auto"]
+    from specbuild.speculation.proposers import registry
+
+    # every registered drafter whose bundle role (its module's ROLE) this bundle has
+    torch_methods = ["none", *[m for m in registry.names() if registry.role(m) in (None, *meta.roles)], "auto"]
     out = {"torch": guarantees("torch", methods=torch_methods)}
     if meta.backend == "tensorrt-llm":
         from specbuild.backends.tensorrt_llm import read_trtllm_meta

@@ -55,7 +55,7 @@ def fixed_eagle_budget(engine) -> None:
     proposer's fixed stand-in (cost ~ sqrt(rows))."""
     prop = engine.speculator.proposers.get("eagle")
     if prop is not None:
-        prop.verify_cost = None
+        prop.set_verify_cost(None)
 
 
 def record(engine, method: str, prompts: int, max_tokens: int, **spec) -> dict:

@@ -319,7 +319,10 @@ def charged_costs(engine, methods: list[str]) -> dict:
     per drafted token (a draft model's step, one level of an EAGLE head or Medusa's heads; 0 for
     the text-matching drafters). Milliseconds."""
     costs = engine.speculator.controller.costs
-    verify = {int(w): round(c * 1e3, 3) for w, c in sorted(costs.verify.items())} if hasattr(costs, "verify") else {}
+    from specbuild.speculation.calibration import MeasuredCosts
+
+    verify = {int(w): round(c * 1e3, 3) for w, c in sorted(costs.verify.items())} if isinstance(costs, MeasuredCosts) \
+        else {}
     drafts = {m: round(costs[m].draft_cost * 1e3, 3) for m in methods
               if m != "none" and m in engine.speculator.proposers}
     return {"verify_ms": verify, "draft_ms": drafts}

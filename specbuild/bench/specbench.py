@@ -231,7 +231,7 @@ def drafter_state(runner) -> dict | None:
     specbuild row, or None for rows without any."""
     engine = getattr(runner, "engine", None)
     props = getattr(getattr(engine, "speculator", None), "proposers", {}) if engine is not None else {}
-    snaps = {name: p.snapshot() for name, p in props.items() if hasattr(p, "snapshot")}
+    snaps = {name: snap for name, p in props.items() if (snap := p.snapshot()) is not None}
     return snaps or None
 
 
@@ -241,8 +241,7 @@ def restore_drafter_state(runner, state: dict | None) -> None:
     engine = getattr(runner, "engine", None)
     props = getattr(getattr(engine, "speculator", None), "proposers", {}) if engine is not None else {}
     for name, p in props.items():
-        if hasattr(p, "restore"):
-            p.restore((state or {}).get(name))
+        p.restore((state or {}).get(name))
 
 
 def clear_prefix_cache(runner) -> None:

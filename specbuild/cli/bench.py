@@ -10,7 +10,7 @@ import click
 
 from specbuild.bench.run import DEFAULT_PER_CATEGORY, BenchConfig, run_bench, run_formats
 from specbuild.bench.specbench import SPLITS, format_table
-from specbuild.cli.options import compile_option, gamma_options, shared, telemetry_option
+from specbuild.cli.options import DrafterCommand, compile_option, gamma_options, shared, telemetry_option
 
 def _csv(value: str | None) -> tuple[str, ...] | None:
     if value is None:
@@ -18,7 +18,8 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
-@click.command()
+@click.command(cls=DrafterCommand, drafter_settings=("suffix_corpus",),
+               drafter_help={"suffix_corpus": " Every row's store starts from it (cold: empty)."})
 @click.argument("bundle", type=click.Path())
 @click.option("--workload", type=click.Choice(["spec-bench", "repeated"]), default="spec-bench", show_default=True,
               help="spec-bench: the Spec-Bench questions (or --dataset); repeated: multi-turn sessions editing and "
@@ -61,10 +62,9 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
 @shared("--no-progress")
 @shared("--plot", help="Also draw each row's speedup by task group into this PNG file.")
 @telemetry_option
-@shared("--suffix-corpus", help_extra=" Every row's store starts from it (cold: empty).")
 def bench(bundle, workload, dataset, split, per_category, max_tokens, speculation, gamma, gamma_min, gamma_max, batch_size,
           repeats, threads, device, peers, floor, floor_mib, trees, verify_costs, formats, compile_, as_json,
-          no_progress, plot, telemetry, suffix_corpus) -> None:
+          no_progress, plot, telemetry, drafters) -> None:
     """Spec-Bench style benchmark: tokens/s, speedup over plain decoding and mean accepted
     tokens per task group, greedy outputs checked against plain decoding.
 
@@ -93,7 +93,7 @@ def bench(bundle, workload, dataset, split, per_category, max_tokens, speculatio
                           batch_size=batch_size, repeats=repeats, threads=threads, device=device,
                           peers=_csv(peers) or (), floor=floor, floor_bytes=floor_mib << 20,
                           trees=_csv(trees), verify_costs=verify_costs, progress=not no_progress, telemetry=telemetry,
-                          compile=compile_, suffix_corpus=suffix_corpus)
+                          compile=compile_, suffix_corpus=drafters.get("suffix", {}).get("corpus"))
         report = run_bench(bundle, cfg, command=shlex.join(["specbuild"] + sys.argv[1:]))
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

@@ -16,8 +16,8 @@ import sys
 import click  # noqa: E402
 
 from specbuild.cli.lazy import LazyGroup
-from specbuild.cli.options import compile_option, content_type_option, gamma_options, shared, suffix_options, telemetry_option
-from specbuild.cli.options import trtllm_options
+from specbuild.cli.options import DrafterCommand, compile_option, content_type_option, gamma_options, shared, telemetry_option
+from specbuild.cli.options import MethodChoice, trtllm_options
 from specbuild.errors import SpecbuildError
 
 __all__ = ["main", "user_errors", "compile_option", "fail_once", "dist_context"]  # compile_option: options.py
@@ -162,6 +162,10 @@ def inspect(bundle, as_json) -> None:
     if meta.backend == "tensorrt-llm":
         info["trtllm"] = trtllm_info(bundle)
     info["guarantees"] = bundle_guarantees(bundle)
+    from specbuild.speculation.proposers.registry import describe_settings
+
+    # the drafters' settings (their modules' Options): EngineConfig `<name>_<field>`, --<name>-<field>
+    info["drafter_settings"] = describe_settings()
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -188,6 +192,9 @@ def inspect(bundle, as_json) -> None:
     for table in info["guarantees"].values():
         for line in guarantee_lines(table):
             click.echo(line)
+    click.echo("drafter settings (--<drafter>-<setting>, Triton parameter <drafter>_<setting>):")
+    for key, s in info["drafter_settings"].items():
+        click.echo(f"  {key:24s} default {s['default']!s:10s} {s['help']}")
 
 
 def trtllm_info(bundle: str) -> dict:
@@ -253,7 +260,7 @@ def sampling_options(fn):
 
 def speculation_options(fn):
     for opt in reversed([
-        click.option("--speculation", type=click.Choice(["none", "ngram", "draft", "medusa", "recycle", "eagle", "suffix", "hybrid", "auto"]), default=None,
+        click.option("--speculation", type=MethodChoice(), default=None,
                      help="Drafter [bundle default]. auto picks per sequence by measured tokens/s."),
         gamma_options,
         shared("--tree"),
@@ -283,7 +290,7 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
     return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None}, engine.default_sampling)
 
 
-@main.command()
+@main.command(cls=DrafterCommand)
 @click.argument("bundle", type=click.Path())
 @shared("--prompt", required=True, help="Prompt text (repeat for a batch).")
 @shared("--chat", help="Wrap each prompt in the model's chat template.")
@@ -306,12 +313,11 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
 @telemetry_option
 @content_type_option
 @shared("--no-prefix-cache")
-@suffix_options
 @user_errors
 def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
              presence_penalty, frequency_penalty, speculation, gamma, gamma_min, gamma_max, tree, typical, threads,
              device, backend, compile_, as_json, json_schema, regex, grammar, logprobs, telemetry, content_type,
-             no_prefix_cache, suffix, trtllm) -> None:
+             no_prefix_cache, trtllm, drafters) -> None:
     """Generate text from one or more prompts (batched)."""
     from specbuild.backends.select import open_engine
     from specbuild.engine.engine import EngineConfig
@@ -320,7 +326,8 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
 
     dist_context(bundle, backend, "generate")  # under `mpirun -n tp*pp`: TensorRT-LLM leader mode
     engine = open_engine(bundle, EngineConfig(device=device, threads=threads, compile=compile_,
-                                              prefix_cache=not no_prefix_cache, **suffix), backend=backend, **trtllm)
+                                              prefix_cache=not no_prefix_cache, drafters=drafters),
+                         backend=backend, **trtllm)
     if follow_leader(engine, say=lambda line: click.echo(line, err=True)):  # ranks > 0: until rank 0 is done
         return
     from specbuild.speculation.policy import check_content_type

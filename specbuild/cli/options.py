@@ -6,6 +6,11 @@ meaning live here. `tests/cli/test_options.py` refuses a second `click.option` d
 any option name in specbuild/cli/ (the few names that mean different things in different
 commands are listed there with the reason).
 
+The drafters' own settings are not listed here: each drafter module declares them in its
+`Options` dataclass (proposers/registry.py), and a command made with `cls=DrafterCommand` takes
+them as `--<drafter>-<setting>` options, added when the command is first parsed or its help
+shown (listing the commands imports no drafter).
+
 Imports only click, so every cli module may use it.
 """
 
@@ -51,17 +56,6 @@ SHARED: dict[str, dict[str, Any]] = {
                               help="Turn off automatic prefix caching (EngineConfig.prefix_cache): by default a "
                                    "prompt that begins with text an earlier request computed (a chat's next turn, "
                                    "a shared system prompt) reuses that text's KV blocks. Output is the same."),
-    # the suffix drafter's store of earlier requests (EngineConfig.suffix_*)
-    "--suffix-store-tokens": dict(type=int, default=200_000, show_default=True,
-                                  help="Cap of the suffix drafter's store of earlier requests, in tokens (LRU by "
-                                       "whole request)."),
-    "--suffix-scope": dict(type=click.Choice(["global", "content_type"]), default="global", show_default=True,
-                           help="One suffix store for all requests, or one per request content type."),
-    "--suffix-prompts": dict(is_flag=True, help="Prompts join the suffix store beside outputs."),
-    "--suffix-corpus": dict(type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE.jsonl",
-                            help="Pre-fill the suffix store at start from this jsonl of the target's earlier outputs "
-                                 "({\"text\": ...} or {\"token_ids\": [...]} a line, at most 64 MiB; within the "
-                                 "store's cap, evictable like any request). Drafts only: lossless."),
     # prompts and speculation
     "--prompt": dict(decls=("--prompt", "prompts"), multiple=True, help="Prompt text (repeatable)."),
     "--chat": dict(is_flag=True, help="Render each prompt as a user turn in the bundle's chat template."),
@@ -132,20 +126,85 @@ def gamma_options(fn):
     return fn
 
 
-SUFFIX_FIELDS = ("suffix_store_tokens", "suffix_scope", "suffix_prompts", "suffix_corpus")
+class MethodChoice(click.Choice):
+    """none, each registered drafter (proposers/registry.py, in its order; read when the value is
+    checked or the help shown, so a drafter registered at run time is a choice too) and auto."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        from specbuild.speculation.proposers.registry import names
+
+        return ("none", *names(), "auto")
+
+    @choices.setter
+    def choices(self, _value) -> None:
+        pass
 
 
-def suffix_options(fn):
-    """--suffix-store-tokens, --suffix-scope, --suffix-prompts, --suffix-corpus, handed to the
-    command as one `suffix` dict of EngineConfig fields (RepoConfig's for triton-repo)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        kwargs["suffix"] = {k: kwargs.pop(k) for k in SUFFIX_FIELDS}
-        return fn(*args, **kwargs)
+def drafter_option(flat: str, f, help_extra: str = "") -> click.Option:
+    """The click option of a drafter's setting `flat` (`<name>_<field>`) from its Options field
+    `f`: a bool is a flag, metadata "choices" a choice, "path" an existing file; its default is
+    the field's; its help the field's metadata "help" (+ help_extra)."""
+    import dataclasses
 
-    for field in reversed(SUFFIX_FIELDS):
-        wrapper = shared("--" + field.replace("_", "-"))(wrapper)
-    return wrapper
+    meta = f.metadata
+    default = f.default if f.default is not dataclasses.MISSING else None
+    spec: dict[str, Any] = {"default": default, "help": str(meta.get("help", "")) + help_extra}
+    if isinstance(default, bool):
+        spec["is_flag"] = True
+    elif meta.get("choices"):
+        spec.update(type=click.Choice(list(meta["choices"])), show_default=True)
+    elif meta.get("path"):
+        spec["type"] = click.Path(exists=True, dir_okay=False)
+    elif default is not None:
+        spec.update(type=type(default), show_default=True)
+    if meta.get("metavar"):
+        spec["metavar"] = meta["metavar"]
+    return click.Option(["--" + flat.replace("_", "-"), flat], **spec)
+
+
+class DrafterCommand(click.Command):
+    """A command that takes the registered drafters' settings (their Options fields) as options
+    `--<name>-<field>` (the suffix drafter's store_tokens: --suffix-store-tokens), handed to the callback as one `drafters` argument: {name: {field:
+    value}} (EngineConfig.drafters, RepoConfig.drafters). `drafter_settings` keeps only those
+    settings (`<name>_<field>` names; None: all); `drafter_help` adds a sentence to a setting's
+    help. The options follow the registry (proposers/registry.py): a drafter registered later
+    is picked up the next time the command is parsed."""
+
+    def __init__(self, *args, drafter_settings: tuple[str, ...] | None = None,
+                 drafter_help: dict[str, str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drafter_settings = drafter_settings
+        self.drafter_help = dict(drafter_help or {})
+        self._drafter_params: list[click.Parameter] = []
+        self._drafter_table: dict = {}
+
+    def drafter_table(self) -> dict:
+        """`<name>_<field>` -> (name, field) of the settings this command takes, its options in place."""
+        from specbuild.speculation.proposers.registry import settings
+
+        table = {k: v for k, v in settings().items() if self.drafter_settings is None or k in self.drafter_settings}
+        if table.keys() != self._drafter_table.keys():
+            self.params = [p for p in self.params if p not in self._drafter_params]
+            self._drafter_params = [drafter_option(k, f, self.drafter_help.get(k, "")) for k, (_, f) in table.items()]
+            self.params.extend(self._drafter_params)
+            self._drafter_table = table
+        return table
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        self.drafter_table()
+        return super().get_params(ctx)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        drafters: dict[str, dict[str, Any]] = {}
+        for key, (name, f) in self.drafter_table().items():
+            if key in ctx.params:
+                drafters.setdefault(name, {})[f.name] = ctx.params.pop(key)
+        ctx.params["drafters"] = drafters
+        return super().invoke(ctx)
 
 
 TRTLLM_FIELDS = ("trtllm_attn_backend", "trtllm_ngram_impl")

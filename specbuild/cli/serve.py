@@ -35,13 +35,13 @@ import threading
 
 import click
 
-from specbuild.cli.options import compile_option, shared, suffix_options, telemetry_option
+from specbuild.cli.options import DrafterCommand, compile_option, shared, telemetry_option
 from specbuild.cli.options import trtllm_options
 from specbuild.cli.telemetry import open_telemetry
 from specbuild.errors import SpecbuildError
 
 
-@click.command()
+@click.command(cls=DrafterCommand)
 @click.argument("bundle", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
 @click.option("--port", default=8000, show_default=True, type=int, help="TCP port (0: a free one).")
@@ -82,12 +82,11 @@ from specbuild.errors import SpecbuildError
 @click.option("--draft-timeout", type=float, default=5.0, show_default=True,
               help="Seconds the verifier waits for a draft reply before it decodes without the draft rank for good.")
 @shared("--no-prefix-cache")
-@suffix_options
 @telemetry_option
 def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, compile_, kv_cache_tokens, prefill_chunk,
           body_timeout, header_timeout, max_header_bytes, max_headers, max_connections, max_inflight, model_name,
           strict_fields, chat_template, tool_call_parser, log_level, parallel_draft, draft_timeout, no_prefix_cache,
-          suffix, telemetry, trtllm) -> None:
+          telemetry, trtllm, drafters) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
     from specbuild.cli.main import dist_context, fail_once
 
@@ -135,7 +134,8 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
             minedraft = plugin(bundle, transport, draft_timeout)
         engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
                                                   kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
-                                                  compile=compile_, prefix_cache=not no_prefix_cache, **suffix),
+                                                  compile=compile_, prefix_cache=not no_prefix_cache,
+                                                  drafters=drafters),
                              backend="torch" if parallel_draft else backend, **({} if parallel_draft else trtllm),
                              **(minedraft.open_kwargs() if minedraft is not None else {}))
         if ctx.role == "worker":

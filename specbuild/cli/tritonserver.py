@@ -13,11 +13,11 @@ import sys
 import click
 
 from specbuild.errors import SpecbuildError
-from specbuild.cli.options import compile_option, shared, suffix_options
+from specbuild.cli.options import DrafterCommand, compile_option, shared
 from specbuild.cli.options import trtllm_options
 
 
-@click.command()
+@click.command(cls=DrafterCommand)
 @click.argument("bundle", type=click.Path())
 @shared("--out", decls=("--out", "out"), help="Model repository directory (created).")
 @shared("--model-name", default="specbuild", show_default=True, help="Triton model name.")
@@ -43,10 +43,9 @@ from specbuild.cli.options import trtllm_options
               help="config.pbtxt's max_batch_size: > 0 takes [batch, 1] tensors as TensorRT-LLM's ensemble does; "
                    "0 writes the older [1] layout.")
 @shared("--no-prefix-cache")
-@suffix_options
 def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, device, kv_cache_tokens, compile_, python_env,
                 plain, plain_instances, backend, engine_factory, telemetry, triton_max_batch_size, no_prefix_cache,
-                suffix, trtllm) -> None:
+                trtllm, drafters) -> None:
     """Write a Triton model repository that serves BUNDLE with speculative decoding."""
     from specbuild.serve.tritonserver_repo import RepoConfig, write_repository
 
@@ -55,8 +54,8 @@ def triton_repo(bundle, out, model_name, max_queue, max_batch_size, threads, dev
                             max_batch_size=max_batch_size, device=device, kv_cache_tokens=kv_cache_tokens,
                             plain=plain, plain_instances=plain_instances, engine_factory=engine_factory,
                             backend=backend, telemetry=telemetry, compile=compile_,
-                            triton_max_batch_size=triton_max_batch_size, prefix_cache=not no_prefix_cache, **suffix,
-                            **trtllm)
+                            triton_max_batch_size=triton_max_batch_size, prefix_cache=not no_prefix_cache,
+                            drafters=drafters, **trtllm)
         names = write_repository(bundle, out, config)
     except (SpecbuildError, ValueError) as e:
         click.echo(f"error: {e}", err=True)

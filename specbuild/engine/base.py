@@ -140,6 +140,11 @@ class BaseEngine:
         sequences adds its own counts."""
         return {"step": getattr(self, "_loop_failures", 0), "sequence": 0}
 
+    def drafter_settings(self) -> dict:
+        """The drafters' settings this engine runs with, `<name>_<field>` -> value (/health);
+        empty where the backend runs no specbuild drafters."""
+        return {}
+
     def _extra_stats(self) -> dict:
         """Backend-specific load figures added to stats() (the torch engine: its telemetry sink's)."""
         return {}

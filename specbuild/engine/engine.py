@@ -15,7 +15,8 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 
@@ -25,6 +26,7 @@ from specbuild.model.decoder import Decoder
 from specbuild.sampling.constraint import GrammarBackend, ResponseFormat
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
+from specbuild.speculation.proposers.registry import accepts_flat_settings
 from specbuild.engine.base import BaseEngine, validated_prompt_ids  # noqa: F401 (validated_prompt_ids: public here too)
 from specbuild.engine.guarantees import guarantees
 from specbuild.engine.scheduler import Scheduler
@@ -33,6 +35,7 @@ from specbuild.engine.sequence import Handle, Request, Sequence
 log = logging.getLogger("specbuild.engine")
 
 
+@accepts_flat_settings(defaults=True)
 @dataclass(frozen=True)
 class EngineConfig:
     """Runtime settings (not part of the bundle). None means: the bundle's limit."""
@@ -65,23 +68,18 @@ class EngineConfig:
     # (a chat's next turn, a shared system prompt); unheld ones are evicted least recently used
     # only when the cache needs room
     prefix_cache: bool = True
-    # the suffix drafter's store of earlier requests (speculation/proposers/suffix.py): its cap in
-    # tokens (whole requests evicted, least recently used first), its scope (global: one store;
-    # content_type: one per request content type) and whether prompts join it beside outputs
-    suffix_store_tokens: int = 200_000
-    suffix_scope: str = "global"
-    suffix_prompts: bool = False
-    # a server-side jsonl of the target's earlier outputs that pre-fills that store at load (a warm
-    # start; drafts only, so lossless): proposers/suffix.read_corpus's format and size limit
-    suffix_corpus: str | None = None
+    # the drafters' own settings: drafter name -> its module's Options (proposers/registry.py;
+    # given as Options or a dict of their fields); a drafter not named here takes its Options'
+    # defaults. Each setting may also be given flat as `<name>_<field>` (suffix_store_tokens=...),
+    # the name it has on the CLI (--suffix-store-tokens) and as a Triton parameter, and read back
+    # the same way (config.suffix_store_tokens)
+    drafters: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.suffix_store_tokens, int) or not 0 <= self.suffix_store_tokens <= 1 << 26:
-            raise ValueError(f"suffix_store_tokens={self.suffix_store_tokens!r} is out of range [0, {1 << 26}]")
-        if self.suffix_scope not in ("global", "content_type"):
-            raise ValueError(f"suffix_scope={self.suffix_scope!r} is not one of global, content_type")
-        if self.suffix_corpus is not None and (not isinstance(self.suffix_corpus, str) or not self.suffix_corpus):
-            raise ValueError(f"suffix_corpus={self.suffix_corpus!r} must be a file path")
+        if self.drafters:
+            from specbuild.speculation.proposers.registry import make_options
+
+            object.__setattr__(self, "drafters", make_options(self.drafters))
         if self.weight_layouts not in ("auto", "rows"):
             raise ValueError(f"weight_layouts={self.weight_layouts!r} is not one of auto, rows")
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -92,6 +90,13 @@ class EngineConfig:
                              "or TensorRT-LLM")
         if not 16 <= self.prefill_chunk <= 8192:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} is out of range [16, 8192]")
+
+
+def drafter_options(config: EngineConfig, name: str) -> Any:
+    """Drafter `name`'s Options in `config` (its defaults when config names none)."""
+    from specbuild.speculation.proposers.registry import options_for
+
+    return options_for(config.drafters, name)
 
 
 def load_weights(role_dir: str, device: str) -> dict:
@@ -230,6 +235,7 @@ class Engine(BaseEngine):
         self.compile_seconds = None
         if config.compile:
             from specbuild.model.timing import warm_up_compiled
+            from specbuild.speculation.calibration import compile_drafters
 
             try:
                 # a head's aux layers in every forward's graph (Decoder.compile): one graph family
@@ -237,10 +243,7 @@ class Engine(BaseEngine):
                 aux = [self.speculator.aux_layers] if self.speculator.aux_layers else [()]
                 self.compile_seconds = warm_up_compiled(self.model, self.cache, aux)
                 # draft models too (their proposals only decide speed; the target's pass decides tokens)
-                for prop in self.speculator.proposers.values():
-                    if isinstance(getattr(prop, "model", None), Decoder) and prop.model.compiled is None:
-                        prop.model.compile()
-                        self.compile_seconds += warm_up_compiled(prop.model, prop.cache)
+                self.compile_seconds += compile_drafters(self.speculator.proposers)
             except Exception as e:  # noqa: BLE001 - inductor's failures (no C++ compiler, ...) vary widely
                 raise BundleError(f"compile=True: torch.compile of the layer stack failed here ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:300] if str(e) else ''}); inductor's CPU backend needs a "
@@ -347,15 +350,18 @@ class Engine(BaseEngine):
         """The drafters of proposers/registry.py that this bundle and configuration serve
         (prompt lookup always), behind one Speculator; a drafter that cannot be served in this
         configuration is named in self.unavailable with why."""
-        from specbuild.speculation.proposers.base import DrafterContext
+        from specbuild.speculation.proposers.base import DrafterContext, EngineSettings
         from specbuild.speculation.proposers.registry import build_all
         from specbuild.speculation.speculator import Speculator
 
         limits = self.meta.limits
-        ctx = DrafterContext(self.bundle_dir, self.meta, self.config, self.model, self.cache, limits.max_draft_len,
+        c = self.config
+        settings = EngineSettings(device=c.device, block_size=c.block_size, prefix_cache=c.prefix_cache,
+                                  load_draft=c.load_draft)
+        ctx = DrafterContext(self.bundle_dir, self.meta, settings, self.model, self.cache, limits.max_draft_len,
                              self.max_seq_len, self.load_role_model,
                              encode=lambda text: self.encode(text, add_special_tokens=False))
-        proposers, self.unavailable = build_all(ctx, self.drafters)
+        proposers, self.unavailable = build_all(ctx, self.drafters, c.drafters)
         return Speculator(self.model, self.cache, proposers, limits.max_draft_len, self.max_seq_len)
 
     def load_role_model(self, role_name: str) -> tuple[Decoder, torch.Tensor | None]:
@@ -403,6 +409,16 @@ class Engine(BaseEngine):
         """Speculation methods this bundle can serve."""
         return ["none", *self.speculator.proposers, "auto"]
 
+    def drafter_settings(self) -> dict:
+        """Every registered drafter's settings as this engine runs them (its Options, defaults
+        filled in), `<name>_<field>` -> value; a setting naming a server-side file (Options field
+        metadata "path") reads as whether one is set, never the path."""
+        from specbuild.speculation.proposers.registry import names, options_for, settings
+
+        opts = {name: options_for(self.config.drafters, name) for name in names()}
+        return {key: (getattr(opts[name], f.name) is not None) if f.metadata.get("path") else getattr(opts[name], f.name)
+                for key, (name, f) in settings().items()}
+
     def describe_guarantees(self) -> dict:
         """The torch rows of the guarantees table (engine/guarantees.py) for this bundle's methods."""
         return guarantees("torch", methods=self.methods)
@@ -427,20 +443,15 @@ class Engine(BaseEngine):
                                f"{', '.join(tree_methods)}, not {spec.method!r}"
                                + (" (EAGLE builds its own tree each step from the head's scores)"
                                   if spec.method == "eagle" else ""))
-        for name in self.tree_methods():  # drafters that draft a fixed tree the request may name
-            prop = self.speculator.proposers[name]
+        for name, prop in self.speculator.proposers.items():  # e.g. a fixed tree the request names
             if spec.method in (name, "auto"):
-                tree = prop.validate_tree(spec.tree)
-                if tree.num_drafts > self.meta.limits.max_draft_len:
-                    raise RequestError(f"tree {tree.name or spec.tree!r} has {tree.num_drafts} nodes; the bundle's "
-                                       f"max_draft_len is {self.meta.limits.max_draft_len} (recompile with "
-                                       "--max-draft-len)")
+                prop.check_request(spec, self.meta.limits.max_draft_len)
         return spec
 
     def tree_methods(self, all_known: bool = False) -> list[str]:
-        """The drafters whose tree a request may choose (they have validate_tree: Medusa, token
-        recycling); all_known also names the built-in ones this bundle lacks."""
-        have = [n for n, p in self.speculator.proposers.items() if hasattr(p, "validate_tree")]
+        """The drafters whose tree a request may choose (request_tree: Medusa, token recycling);
+        all_known also names the built-in ones this bundle lacks."""
+        have = [n for n, p in self.speculator.proposers.items() if p.request_tree]
         return list(dict.fromkeys([*FIXED_TREE_METHODS, *have])) if all_known else have
 
     # ---- telemetry and gamma policies (engine/events.py, speculation/policy.py) ---------------
@@ -481,9 +492,9 @@ class Engine(BaseEngine):
 
     def _extra_stats(self) -> dict:
         """With a telemetry sink attached (set_sink), its counters in stats():
-        telemetry_rows_dropped / _written / _queued, telemetry_write_errors; and the suffix
-        drafter's global store: suffix_store_requests / _tokens / _max_tokens / _evictions /
-        _warm_tokens (what the warm corpus put in at load; those tokens count in _tokens too); and
+        telemetry_rows_dropped / _written / _queued, telemetry_write_errors; each drafter's
+        engine_stats (the suffix drafter's global store: suffix_store_requests / _tokens /
+        _max_tokens / _evictions / _warm_tokens); and
         threads: the step's thread count now, with the ThreadGovernor's state (or why it is off);
         step_parts: where the steps' time went, by kind and batch size (engine/stepparts.py);
         auto_switch: auto's plain-or-speculate arm by batch size (speculation/goodput.py);
@@ -496,12 +507,8 @@ class Engine(BaseEngine):
         out["threads"] = {**self.threads_governor.describe(), "why": self.threads_why} \
             if self.threads_governor is not None \
             else {"threads": torch.get_num_threads(), "adaptive": False, "why": self.threads_why}
-        suffix = self.speculator.proposers.get("suffix")
-        if hasattr(suffix, "store"):
-            st = suffix.store.stats()
-            out.update({f"suffix_store_{k}": st[k] for k in ("requests", "tokens", "max_tokens", "evictions")})
-            warm = suffix.warm_state[1] if getattr(suffix, "warm_state", None) is not None else {}
-            out["suffix_store_warm_tokens"] = warm.get("warm_tokens", 0)  # loaded from the warm corpus at start
+        for prop in self.speculator.proposers.values():  # the drafters' own (DrafterBase.engine_stats)
+            out.update(prop.engine_stats())
         return out
 
     def _failure_counts(self) -> dict[str, int]:

@@ -8,25 +8,23 @@ from typing import Any
 LOSSLESS = "lossless"
 REFUSED = "refused"
 
-_TORCH_ROWS = {
-    "none": (LOSSLESS, LOSSLESS, "plain decoding"),
-    "ngram": (LOSSLESS, LOSSLESS, "specbuild verify: argmax match (greedy), chain rejection sampling with "
-                                  "one-hot drafts (sampled)"),
-    "draft": (LOSSLESS, LOSSLESS, "specbuild verify: argmax match (greedy), chain rejection sampling with the "
-                                  "draft's probabilities (sampled)"),
-    "medusa": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
-                                   "over siblings (sampled); --typical is LOSSY and opt-in"),
-    "recycle": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
-                                    "over siblings with deterministic candidates from the target's own earlier "
-                                    "top-k (sampled)"),
-    "eagle": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling over "
-                                  "siblings with the head's deterministic top-k candidates (sampled)"),
-    "suffix": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
-                                   "over siblings with deterministic candidates from text already seen (sampled)"),
-    "hybrid": (LOSSLESS, LOSSLESS, "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
-                                   "over siblings with the merged deterministic candidates of suffix and recycle (sampled)"),
-    "auto": (LOSSLESS, LOSSLESS, "as the method it picks per sequence"),
-}
+# the torch rows of the methods that are no drafter; each drafter's row is its module's GUARANTEE
+# (proposers/registry.guarantee_row), so a registered drafter is never missing from the table
+_NONE_ROW = (LOSSLESS, LOSSLESS, "plain decoding")
+_AUTO_ROW = (LOSSLESS, LOSSLESS, "as the method it picks per sequence")
+# a drafter whose module declares no row: every torch method runs through specbuild's verifier
+_GENERIC_ROW = (LOSSLESS, LOSSLESS, "specbuild verify: argmax match or tree argmax walk (greedy), rejection "
+                                    "sampling (sampled)")
+
+
+def torch_rows() -> dict[str, tuple[str, str, str]]:
+    """none, every registered drafter (its GUARANTEE row, else the generic one), auto."""
+    from specbuild.speculation.proposers import registry
+
+    rows = {"none": _NONE_ROW}
+    rows.update({name: registry.guarantee_row(name) or _GENERIC_ROW for name in registry.names()})
+    rows["auto"] = _AUTO_ROW
+    return rows
 
 
 def guarantees(backend: str, *, mode: str = "none", gather_generation_logits: bool = False,
@@ -41,7 +39,7 @@ def guarantees(backend: str, *, mode: str = "none", gather_generation_logits: bo
     `gather_generation_logits` whether both engines were built with --gather_generation_logits.
     """
     if backend == "torch":
-        rows = {m: r for m, r in _TORCH_ROWS.items() if methods is None or m in methods}
+        rows = {m: r for m, r in torch_rows().items() if methods is None or m in methods}
         notes = ["every method runs through specbuild's own verifier (tested by chi-square against the "
                  "exact joint distribution: `specbuild verify`)",
                  "the draft length is chosen per sequence within [gamma_min, gamma_max]"]

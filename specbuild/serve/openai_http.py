@@ -930,6 +930,9 @@ class OpenAIServer:
             info["auto_switch"] = load["auto_switch"]
         if load.get("prefix_cache"):  # reuse across requests (model/kv_cache.py): hit rate, blocks recorded
             info["prefix_cache"] = load["prefix_cache"]
+        settings = getattr(engine, "drafter_settings", None)  # the drafters' settings (their Options)
+        if settings is not None and settings():
+            info["drafter_settings"] = settings()
         for check in self.health_checks:
             extra = check()
             if extra.get("status") == "degraded" and info["status"] == "ok":

@@ -331,29 +331,44 @@ def string_tensor(text: str) -> np.ndarray:
     return np.array([text.encode("utf-8")], dtype=np.object_)
 
 
-def suffix_settings(params: dict[str, str]) -> dict[str, Any]:
-    """EngineConfig's suffix-store fields from the model's parameters of the same names
-    (tritonserver_repo.SUFFIX_PARAMS; the CLI's --suffix-*): written by the repository's
-    author, so the warm corpus path is server-side configuration, never a request's."""
+def drafter_settings(params: dict[str, str], only: str | None = None) -> dict[str, Any]:
+    """The drafters' settings (`<name>_<field>`, as EngineConfig takes them flat) from the model's
+    parameters of those names (tritonserver_repo.drafter_parameters; the CLI's --<name>-<field>):
+    written by the repository's author, so a path among them (the suffix store's warm corpus) is
+    server-side configuration, never a request's. Each is read as its Options field's default
+    is typed (a flag: "1"); `only`: one drafter's."""
+    import dataclasses
+
+    from specbuild.speculation.proposers.registry import settings
+
     out: dict[str, Any] = {}
-    if params.get("suffix_store_tokens"):
-        out["suffix_store_tokens"] = int(params["suffix_store_tokens"])
-    if params.get("suffix_scope"):
-        out["suffix_scope"] = params["suffix_scope"]
-    if params.get("suffix_prompts") == "1":
-        out["suffix_prompts"] = True
-    if params.get("suffix_corpus"):
-        out["suffix_corpus"] = params["suffix_corpus"]
+    for key, (name, f) in settings().items():
+        raw = params.get(key)
+        if not raw or (only is not None and name != only):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if isinstance(default, bool):
+            if raw == "1":
+                out[key] = True
+        elif isinstance(default, (int, float)):
+            out[key] = type(default)(raw)
+        else:
+            out[key] = raw
     return out
+
+
+def suffix_settings(params: dict[str, str]) -> dict[str, Any]:
+    """The suffix drafter's settings among the model's parameters (drafter_settings)."""
+    return drafter_settings(params, "suffix")
 
 
 def engine_flags(params: dict[str, str]) -> dict[str, Any]:
     """EngineConfig's switches from the model's parameters: compile ("1": triton-repo
-    --compile), prefix_cache ("0": --no-prefix-cache) and the suffix store's settings."""
+    --compile), prefix_cache ("0": --no-prefix-cache) and the drafters' settings."""
     out: dict[str, Any] = {"compile": True} if params.get("compile") == "1" else {}
     if params.get("prefix_cache") == "0":
         out["prefix_cache"] = False
-    return {**out, **suffix_settings(params)}
+    return {**out, **drafter_settings(params)}
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:

@@ -24,7 +24,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from specbuild.speculation.proposers.registry import accepts_flat_settings
 
 # name -> (Triton data type, dims, optional)
 INPUTS: dict[str, tuple[str, tuple[int, ...], bool]] = {
@@ -87,9 +89,7 @@ DEFAULT_FACTORY = "specbuild.backends.select:open_engine"
 BACKEND_CHOICES = ("auto", "torch", "tensorrt-llm")  # runtime.backend's (not imported: it loads torch)
 
 
-SUFFIX_PARAMS = ("suffix_store_tokens", "suffix_scope", "suffix_prompts", "suffix_corpus")
-
-
+@accepts_flat_settings(defaults=False)
 @dataclass(frozen=True)
 class RepoConfig:
     """What the repository's config.pbtxt files record.
@@ -122,12 +122,11 @@ class RepoConfig:
     telemetry: str | None = None  # telemetry store (SQLite path or postgresql:// DSN) for the engine model
     triton_max_batch_size: int = 64  # > 0: [batch, 1] tensors as TensorRT-LLM's ensemble; 0: [1] tensors
     prefix_cache: bool = True  # EngineConfig.prefix_cache (`--no-prefix-cache`): parameter prefix_cache "0" when off
-    # the suffix drafter's store (EngineConfig's fields of the same names, `--suffix-*` on the CLI),
-    # written as model parameters of those names; the warm corpus is a server-side file
-    suffix_store_tokens: int | None = None
-    suffix_scope: str | None = None
-    suffix_prompts: bool = False
-    suffix_corpus: str | None = None
+    # the drafters' settings given (drafter name -> {field: value}; proposers/registry.py), each
+    # written as the model parameter `<name>_<field>` (a flag as "1" when set, a file path
+    # absolute) and read back into EngineConfig.drafters by the model (tritonserver_model.py);
+    # also given flat as RepoConfig(suffix_store_tokens=...). The files they name are checked here
+    drafters: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.model_name):
@@ -158,19 +157,13 @@ class RepoConfig:
         if self.backend != "auto" and self.engine_factory != DEFAULT_FACTORY:
             raise ValueError(f"backend={self.backend!r} applies to the default engine factory ({DEFAULT_FACTORY}); "
                              f"engine_factory={self.engine_factory!r} picks its own backend")
-        if self.suffix_store_tokens is not None and not 0 <= self.suffix_store_tokens <= 1 << 26:
-            raise ValueError(f"suffix_store_tokens={self.suffix_store_tokens} is out of range [0, {1 << 26}]")
-        if self.suffix_scope not in (None, "global", "content_type"):
-            raise ValueError(f"suffix_scope={self.suffix_scope!r} is not one of global, content_type")
-        if self.suffix_corpus is not None:
-            from specbuild.speculation.proposers.suffix import CORPUS_MAX_BYTES
+        if self.drafters:
+            from specbuild.speculation.proposers.registry import make_options
 
-            if not os.path.isfile(self.suffix_corpus):
-                raise ValueError(f"suffix_corpus={self.suffix_corpus!r} is not a file")
-            size = os.path.getsize(self.suffix_corpus)
-            if size > CORPUS_MAX_BYTES:
-                raise ValueError(f"suffix_corpus={self.suffix_corpus!r} is {size} bytes, over the limit of "
-                                 f"{CORPUS_MAX_BYTES} bytes")
+            given = {name: {k: v for k, v in values.items() if v is not None} for name, values in self.drafters.items()}
+            object.__setattr__(self, "drafters", given)
+            for opts in make_options(given, what="RepoConfig").values():  # their own checks, and their files
+                opts.check_files()
         if self.python_env is not None and not os.path.isfile(os.path.join(self.python_env, "bin", "activate")):
             raise ValueError(f"python_env={self.python_env!r} has no bin/activate (make one with "
                              "scripts/get_tritonserver.py)")
@@ -248,14 +241,7 @@ def write_repository(bundle_dir: str, out: str, config: RepoConfig = RepoConfig(
         engine_params["compile"] = "1"
     if not config.prefix_cache:
         engine_params["prefix_cache"] = "0"
-    for key in SUFFIX_PARAMS:
-        value = getattr(config, key)
-        if key == "suffix_prompts":
-            value = "1" if value else None
-        elif key == "suffix_corpus" and value is not None:
-            value = os.path.abspath(value)
-        if value is not None:
-            engine_params[key] = str(value)
+    engine_params.update(drafter_parameters(config.drafters))
     os.makedirs(out, exist_ok=True)
     names = [config.model_name]
     batch = config.triton_max_batch_size
@@ -269,6 +255,24 @@ def write_repository(bundle_dir: str, out: str, config: RepoConfig = RepoConfig(
     else:
         remove_stale_plain(os.path.join(out, plain_name))
     return names
+
+
+def drafter_parameters(drafters: dict) -> dict[str, str]:
+    """The model parameters `<name>_<field>` of the drafters' settings given (RepoConfig.drafters):
+    a flag "1" when set (left out when not), a path (Options field metadata "path") absolute."""
+    from specbuild.speculation.proposers.registry import settings
+
+    out = {}
+    for key, (name, f) in settings().items():
+        value = drafters.get(name, {}).get(f.name)
+        if value is None or value is False:
+            continue
+        if value is True:
+            value = "1"
+        elif f.metadata.get("path"):
+            value = os.path.abspath(value)
+        out[key] = str(value)
+    return out
 
 
 def remove_stale_plain(model_dir: str) -> None:

@@ -11,7 +11,8 @@ trims the drafters to the verdict's length. Two lifecycle calls remain: `release
 copies a prompt's K/V).
 
 The drafters are named only by the registry (proposers/registry.py); here each is reached
-through its declared `Needs` and the Proposer protocol (proposers/base.py).
+through its declared `Needs` and the drafter contract (proposers/base.py). What speculation
+costs is measured in speculation/calibration.py.
 """
 
 from __future__ import annotations
@@ -32,48 +33,12 @@ from specbuild.speculation.proposers.base import Draft, Needs, Observation, cand
 from specbuild.sampling.acceptance import verify_chain_greedy, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled, verify_tree_typical
 
 log = logging.getLogger("specbuild.speculator")
-# a cached width-1 verify cost more than this many times the best of a few live forwards was
-# measured under a load that has gone (466 ms cached against a 108 ms step was seen; 6.68 ms
-# cached, measured while a compiler ran, against a live 3.4-3.7 ms, 2026-12-05): measured again
-LIVE_CHECK_FACTOR = 1.5
 # `auto` drafts with the drafters that read nothing of the target's pass beyond its tokens and
 # whose drafting costs at most this share of a plain step per token (measured at start-up): the
 # others' bookkeeping (EAGLE's features of every row, recycling's logits) is paid on every step,
 # drafting or not, and their drafting alone took 4-6 ms against a 6 ms step on a 2-core Xeon
 # (2026-12-06). They stay one request field away (`"speculation": "eagle"`).
 AUTO_DRAFT_SHARE = 0.15
-
-
-def monotone_costs(costs: dict[int, float]) -> dict[str, float]:
-    """Verify costs by width made nondecreasing from above: a width costs at most what any wider
-    pass was measured at (more rows never cost less; a narrower pass measured above a wider one
-    was slowed by something else). Keys become strings, as the cost cache stores them."""
-    out, cap = {}, float("inf")
-    for w in sorted(costs, reverse=True):
-        cap = min(cap, float(costs[w]))
-        out[str(w)] = cap
-    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
-
-
-def stack_plan(model) -> dict:
-    """How a target's forward runs, for the cost cache's key: its compiled stack (fused C++,
-    torch.compile or none), the layers' and the lm_head's formats, the kernel level or path
-    the layers run at, and which build of specbuild's kernels (its source digest) loaded."""
-    import os
-
-    from specbuild.model import cpu_kernels
-
-    stack = type(model.compiled).__name__ if getattr(model, "compiled", None) is not None else "eager"
-    w = getattr(model, "w", {}).get("layers.0.qkv")
-    impl = w.formats.get(w.primary) if hasattr(w, "formats") else None
-    plan = {"stack": stack, "layers": getattr(w, "primary", "dense"), "kernel": int(getattr(impl, "kernel", 0) or 0)}
-    head = getattr(model, "lm_head", None)
-    if hasattr(head, "primary"):
-        plan["lm_head"] = head.primary
-    path = cpu_kernels.status().get("path") if plan["kernel"] or plan.get("lm_head") else None
-    if path:
-        plan["build"] = os.path.basename(os.path.dirname(path))  # a kernel change re-measures the costs
-    return plan
 
 
 GRAMMAR = "grammar"  # Draft.method of the tokens a structured-output grammar forces
@@ -126,23 +91,6 @@ def plain_next_token(seq, scores: torch.Tensor) -> int:
     return int(sample_from(probs, seq.uniforms(1))[0])
 
 
-class MeasuredCosts(dict):
-    """method -> CostModel; a drafter added after calibration (at load) gets the measured
-    verify costs and its own step measured on first use."""
-
-    def __init__(self, verify: dict[int, float], speculator: "Speculator") -> None:
-        super().__init__()
-        self.verify, self.speculator = verify, speculator
-
-    def __missing__(self, method: str) -> CostModel:
-        from specbuild.model.timing import forward_costs
-
-        prop = self.speculator.proposers[method]
-        draft = forward_costs(prop.model, prop.cache, [1], repeats=3)[1]["wall_ms"] / 1e3 if hasattr(prop, "model") else 0.0
-        self[method] = CostModel(self.verify, draft)
-        return self[method]
-
-
 @functools.lru_cache(maxsize=256)
 def nodes_within_depth(tree) -> list[int]:
     """[d] = how many of the tree's nodes lie within depth d (d = 0 .. max depth); once per tree."""
@@ -182,52 +130,12 @@ class Speculator:
         return self._controller
 
     def calibrate(self) -> dict[str, CostModel]:
-        """Verify cost by width (and each drafter model's step), measured once per machine and
-        bundle and kept in the cost cache (model/timing.cached_costs: keyed by CPU, flags,
-        torch version, threads and the models' fingerprints), so a fresh process reads them
-        instead of timing ~20 forwards. The engine calibrates at load, before any request."""
-        from specbuild.model.timing import cached_costs, forward_costs, machine_key, model_fingerprint, warm_up
+        """The measured costs (speculation/calibration.calibrate: verify cost by width and each
+        drafter's, cached per machine and bundle). The engine calibrates at load, before any
+        request."""
+        from specbuild.speculation.calibration import calibrate
 
-        t0 = time.perf_counter()
-        widths = sorted({1, 2, 3, 5, self.max_draft_len + 1})
-        drafters = {name: prop for name, prop in self.proposers.items() if hasattr(prop, "model")}
-        levels = {name: prop for name, prop in self.proposers.items() if hasattr(prop, "level_cost")}
-
-        def measure() -> dict:
-            verify = forward_costs(self.target, self.cache, widths, repeats=5)
-            drafts = {name: forward_costs(prop.model, prop.cache, [1], repeats=3)[1]["wall_ms"] / 1e3
-                      for name, prop in drafters.items()}
-            drafts.update({name: prop.level_cost() for name, prop in levels.items()})  # EAGLE, Medusa: per depth
-            return {"verify": monotone_costs({w: c["min_ms"] / 1e3 for w, c in verify.items()}), "draft": drafts}
-
-        # v2: best of 5 with a monotone lower envelope (v1's medians of 3 read a width-1 pass at
-        # 19.4 ms beside a width-2 one at 13.2 on a 2-core Xeon whose step takes 9), and keyed by
-        # how the target's stack runs (a fused stack or kernel level changes every cost)
-        key = {"what": "speculation costs v2 (best seconds, 64 cached tokens)", "widths": widths,
-               "machine": machine_key(self.target.device), "target": model_fingerprint(self.target),
-               "stack": stack_plan(self.target),
-               "drafters": {name: model_fingerprint(prop.model) for name, prop in drafters.items()},
-               "levels": {name: prop.cost_key() for name, prop in levels.items()}}
-        def check(cached: dict) -> str | None:  # one live width-1 forward against the cached cost
-            live = forward_costs(self.target, self.cache, [1], repeats=3)[1]["min_ms"] / 1e3
-            then = float(cached["verify"]["1"])
-            return f"cached width-1 cost {then * 1e3:.2f} ms, live {live * 1e3:.2f} ms" \
-                if then > LIVE_CHECK_FACTOR * live else None
-
-        measured, cached = cached_costs(key, measure, timing=True, check=check)
-        if cached:  # no forwards ran: set the kernels up now, not in the first request
-            warm_up(self.target, self.cache, widths)
-            for prop in drafters.values():
-                warm_up(prop.model, prop.cache, [1])
-        verify = {int(w): float(c) for w, c in measured["verify"].items()}
-        costs = MeasuredCosts(verify, self)
-        costs.update({name: CostModel(verify, float(measured["draft"].get(name, 0.0))) for name in self.proposers})
-        for name, prop in self.proposers.items():
-            if hasattr(prop, "verify_cost"):  # the EAGLE tree's node budget
-                prop.verify_cost = costs[name].verify
-        log.info("speculation costs %s in %.2fs: verify %s", "read from the cache" if cached else "calibrated",
-                 time.perf_counter() - t0, {k: round(v * 1e3, 2) for k, v in verify.items()})
-        return costs
+        return calibrate(self)
 
     @property
     def auto_methods(self) -> tuple[str, ...]:
@@ -264,8 +172,7 @@ class Speculator:
         if self._controller is not None:
             self._controller.emit = emit
         for prop in self.proposers.values():
-            if hasattr(prop, "emit"):
-                prop.emit = emit
+            prop.set_emit(emit)
 
     # ---- who reads what ----------------------------------------------------------------------
     def needs(self, name: str) -> Needs:
@@ -418,10 +325,10 @@ class Speculator:
         """The measured costs of `method` for seq; for Medusa, depth g verifies all of the
         request's tree within depth g (gamma.TreeCostModel)."""
         cm = self.controller.costs[method]
-        validate = getattr(self.proposers.get(method), "validate_tree", None)
-        if validate is None:  # a chain drafter (or a tree proposer that does not name its tree)
+        prop = self.proposers.get(method)
+        if prop is None or not prop.request_tree:  # a chain drafter (or a tree drafter that grows its own)
             return cm
-        return TreeCostModel(cm, nodes_within_depth(validate(getattr(seq.spec, "tree", None))))
+        return TreeCostModel(cm, nodes_within_depth(prop.validate_tree(getattr(seq.spec, "tree", None))))
 
     def depth_for(self, seq, method: str) -> int | None:
         """The depth seq would draft with `method` now, None when its method (or `auto`) would
@@ -558,7 +465,7 @@ class Speculator:
         the kept length (a drafter's state for a sequence it does not serve is empty)."""
         for name in uses:
             prop = self.proposers.get(name)
-            if prop is not None and hasattr(prop, "observe"):
+            if prop is not None:
                 needs = self.needs(name)
                 prop.observe(seq, Observation(obs.length, obs.start, obs.method,
                                               tokens=obs.tokens if needs.logits else [],

@@ -95,3 +95,104 @@ def test_an_unregistered_drafter_is_refused_by_name(tiny_bundle):
         SpeculationConfig.make(None, method="toy_bigram")
     with pytest.raises(ValueError, match="'auto'"):
         registry.register("auto", "x")
+
+
+CAPPED = textwrap.dedent('''
+    """A toy drafter with a setting: the prompt-lookup drafter's drafts cut to `max_draft` tokens."""
+    from dataclasses import dataclass, field
+
+    from specbuild.speculation.proposers.base import DrafterBase, DrafterOptions
+    from specbuild.speculation.proposers.ngram import NgramProposer
+
+
+    @dataclass(frozen=True)
+    class Options(DrafterOptions):
+        max_draft: int = field(default=3, metadata={"help": "Most tokens a toy draft holds."})
+
+        def __post_init__(self):
+            if not 1 <= self.max_draft <= 16:
+                raise ValueError(f"toy_capped_max_draft={self.max_draft} is out of range [1, 16]")
+
+
+    GUARANTEE = ("lossless", "lossless", "toy: specbuild verify, capped prompt lookup")
+
+
+    class CappedProposer(DrafterBase):
+        name = "toy_capped"
+
+        def __init__(self, max_draft):
+            self.max_draft, self.lookup, self.longest = max_draft, NgramProposer(), 0
+
+        def propose(self, seqs, gammas):
+            drafts = self.lookup.propose(seqs, [min(g, self.max_draft) for g in gammas])
+            for d in drafts:
+                if d is not None:
+                    d.method = self.name
+                    self.longest = max(self.longest, len(d))
+            return drafts
+
+
+    def build(ctx):
+        return CappedProposer(ctx.options.max_draft)
+''')
+
+
+@pytest.fixture
+def capped_drafter(tmp_path, monkeypatch):
+    (tmp_path / "toy_capped.py").write_text(CAPPED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.register("toy_capped", "toy_capped")
+    yield "toy_capped"
+    registry.unregister("toy_capped")
+    sys.modules.pop("toy_capped", None)
+
+
+def test_a_drafter_with_a_setting_is_one_module_and_its_setting_reaches_every_front_end(tiny_bundle, capped_drafter,
+                                                                                         tmp_path):
+    """The toy's one setting (its Options field max_draft) is the CLI option --toy-capped-max-draft,
+    the Triton model parameter toy_capped_max_draft (written by triton-repo and read back into
+    EngineConfig), a field of /health's body and a line of `specbuild inspect`, with its
+    guarantee row; the engine builds the drafter with the value given, which it checks."""
+    from click.testing import CliRunner
+
+    from specbuild.cli.main import main
+    from specbuild.serve.openai_http import OpenAIServer, ServeConfig
+    from specbuild.serve.tritonserver_model import config_parameters, drafter_settings
+
+    # the command line: generate, serve and triton-repo take it
+    for command in ("generate", "serve", "triton-repo"):
+        r = CliRunner().invoke(main, [command, "--help"])
+        assert r.exit_code == 0 and "--toy-capped-max-draft" in r.output and "Most tokens a toy draft" in r.output
+    assert "toy_capped" in CliRunner().invoke(main, ["generate", "--help"]).output  # a --speculation choice
+    # a Triton parameter: triton-repo writes it, the model reads it into EngineConfig
+    out = tmp_path / "repo"
+    r = CliRunner().invoke(main, ["triton-repo", tiny_bundle, "--out", str(out), "--toy-capped-max-draft", "2"])
+    assert r.exit_code == 0, r.output
+    params = {}
+    for line in (out / "specbuild" / "config.pbtxt").read_text().splitlines():
+        if line.startswith("parameters {"):
+            key = line.split('key: "', 1)[1].split('"', 1)[0]
+            params[key] = {"string_value": line.split('string_value: "', 1)[1].rsplit('"', 1)[0]}
+    assert params["toy_capped_max_draft"] == {"string_value": "2"}
+    settings = drafter_settings(config_parameters({"parameters": params}))
+    assert settings["toy_capped_max_draft"] == 2
+    config = EngineConfig(max_batch_size=4, **settings)
+    assert config.toy_capped_max_draft == 2 and config.drafters["toy_capped"].max_draft == 2
+    bad = CliRunner().invoke(main, ["triton-repo", tiny_bundle, "--out", str(out), "--toy-capped-max-draft", "99"])
+    assert bad.exit_code == 2 and "toy_capped_max_draft=99" in bad.output, bad.output
+    with pytest.raises(ValueError, match="toy_capped_max_draft=0"):
+        EngineConfig(drafters={"toy_capped": {"max_draft": 0}})
+    # `specbuild inspect`: the setting with its default and help, and the drafter's guarantee row
+    r = CliRunner().invoke(main, ["inspect", tiny_bundle])
+    assert r.exit_code == 0, r.output
+    assert "toy_capped_max_draft" in r.output and "Most tokens a toy draft" in r.output
+    assert "capped prompt lookup" in r.output
+    # served with the value given: drafts of at most 2 tokens, greedy output the target's
+    engine = Engine(tiny_bundle, config)
+    assert "toy_capped" in engine.methods and engine.describe_guarantees()["methods"]["toy_capped"]["acceptance"] \
+        == "toy: specbuild verify, capped prompt lookup"
+    plain, capped = run(engine, "none"), run(engine, "toy_capped")
+    assert [r["token_ids"] for r in capped] == [r["token_ids"] for r in plain]
+    assert engine.speculator.proposers["toy_capped"].longest == 2
+    # HTTP: /health's body names the setting's value
+    assert OpenAIServer(engine, ServeConfig(port=0)).health()[1]["drafter_settings"]["toy_capped_max_draft"] == 2

@@ -14,7 +14,7 @@ from specbuild.engine.sequence import Request, Sequence
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
 from specbuild.speculation.gamma import CostModel, GammaController
-from specbuild.speculation.proposers.base import Needs
+from specbuild.speculation.proposers.base import DrafterBase, Needs
 from specbuild.speculation.proposers.eagle import EagleState
 from specbuild.speculation.proposers.remote import RemoteState
 from specbuild.speculation.speculator import PassResult, Speculator
@@ -52,7 +52,7 @@ def test_one_estimator_per_method_with_a_window():
 
 def test_auto_chooses_by_the_controllers_estimate():
     costs = {"draft": CostModel({1: 1.0, 2: 1.02, 5: 1.1}, 0.01), "ngram": CostModel({1: 1.0, 2: 1.02, 5: 1.1})}
-    proposers = {"ngram": object(), "draft": object()}
+    proposers = {"ngram": DrafterBase(), "draft": DrafterBase()}
     spec = Speculator(None, None, proposers, max_draft_len=4, max_seq_len=64, costs=costs)
     seq = fake_seq()
     for _ in range(10):
@@ -78,7 +78,7 @@ def test_auto_weighs_a_drafter_by_how_often_it_finds_a_draft():
     """ngram with a fine acceptance when it matches, but it has found nothing for 10 steps:
     auto takes suffix, which finds drafts accepted a little less often."""
     costs = {"ngram": CostModel({1: 1.0, 2: 1.2, 5: 1.6}), "suffix": CostModel({1: 1.0, 2: 1.2, 5: 1.6})}
-    spec = Speculator(None, None, {"suffix": object(), "ngram": object()}, max_draft_len=4, max_seq_len=64,
+    spec = Speculator(None, None, {"suffix": DrafterBase(), "ngram": DrafterBase()}, max_draft_len=4, max_seq_len=64,
                       costs=costs)
     seq = fake_seq()
     for _ in range(10):
@@ -112,7 +112,9 @@ def test_auto_drafts_only_with_drafters_that_read_nothing_of_the_pass_and_draft_
     uses them, drafting or not; a drafter model costing a third of a step per token never pays
     on a CPU: auto leaves them out (a request still names them)."""
     def prop(needs):
-        return types.SimpleNamespace(needs=needs, observe=lambda seq, obs: None, rollback=lambda seq, length: None)
+        p = DrafterBase()
+        p.needs = needs
+        return p
 
     proposers = {"suffix": prop(Needs(tree=True)), "ngram": prop(Needs()), "recycle": prop(Needs(logits=True)),
                  "eagle": prop(Needs(aux_layers=(1, 2))), "draft": prop(Needs()),

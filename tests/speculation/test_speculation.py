@@ -232,7 +232,7 @@ def test_cost_calibration_is_cached_per_machine_and_bundle_and_done_at_load(tmp_
     monkeypatch.delenv("SPECBUILD_COST_CACHE", raising=False)
     # the live check runs (its forwards are counted) but never rejects: on a busy test machine
     # one live forward can be far from the cached median (tests/model/test_costcache.py tests rejection)
-    monkeypatch.setattr("specbuild.speculation.speculator.LIVE_CHECK_FACTOR", float("inf"))
+    monkeypatch.setattr("specbuild.speculation.calibration.LIVE_CHECK_FACTOR", float("inf"))
     assert cache_dir() == str(tmp_path / "cache")
     bundles = [compile_bundle(make_tiny_hf(str(tmp_path / f"hf{s}"), seed=s), str(tmp_path / f"b{s}"),
                               CompileOptions(max_seq_len=128)) for s in (1, 2)]
@@ -263,7 +263,7 @@ def test_cost_calibration_is_cached_per_machine_and_bundle_and_done_at_load(tmp_
 def test_verify_costs_are_made_monotone_from_above():
     """A narrower pass measured above a wider one was slowed by something else: it is charged
     the wider pass's cost (the 2-core Xeon's v1 calibration read w1 19.4 ms beside w2 13.2)."""
-    from specbuild.speculation.speculator import monotone_costs
+    from specbuild.speculation.calibration import monotone_costs
 
     got = monotone_costs({1: 0.0194, 2: 0.0132, 3: 0.0203, 5: 0.0161, 9: 0.0208})
     assert got == {"1": 0.0132, "2": 0.0132, "3": 0.0161, "5": 0.0161, "9": 0.0208}

@@ -12,7 +12,7 @@ import torch
 from specbuild.compiler.compile import CompileOptions, compile_bundle
 from specbuild.speculation.tree import TreeSpec, load_tree
 from specbuild.engine.engine import Engine, EngineConfig
-from specbuild.speculation.proposers.base import Draft
+from specbuild.speculation.proposers.base import Draft, DrafterBase
 from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Request
 from specbuild.speculation.config import SpeculationConfig
@@ -22,7 +22,7 @@ from tiny import make_tiny_hf
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 70))]
 
 
-class NoisyTreeProposer:
+class NoisyTreeProposer(DrafterBase):
     """Builds each node's token as the ranks[i]-th most likely token of (target logits +
     noise) after the node's parent path: deterministic candidates, like Medusa's top-k."""
 

@@ -11,16 +11,25 @@ sampling; None for deterministic drafters, which count as one-hot). A tree draft
 carries `parents` / `depths` / `tree_mask` (node 0 = the root = the sequence's last
 token, not part of `tokens`; node i >= 1 is tokens[i - 1]).
 
-Adding a drafter: write its module with a `Proposer` class and a `build(ctx)` function, and
-add one line to proposers/registry.py (tests/speculation/test_registry.py does it with a toy).
+Everything else the engine, the speculator and the benchmarks ask of a drafter is a defaulted
+method of `DrafterBase` (what models it runs, what its drafting costs, whether it refuses a
+request, its counters, its snapshot), so nothing is found by probing for attributes; a drafter
+overrides what applies to it.
+
+Adding a drafter: write its module with a `DrafterBase` subclass, a `build(ctx)` function, and
+optionally its `Options` dataclass (its server-side settings: `--<name>-<field>` on the CLI,
+`<name>_<field>` Triton parameters, EngineConfig.drafters[name]) and its `GUARANTEE` row
+(engine/guarantees.py), then add one line to proposers/registry.py
+(tests/speculation/test_registry.py does it with a toy).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-import torch
+if TYPE_CHECKING:  # annotations only: the command line reads drafters' Options without loading torch
+    import torch
 
 
 @dataclass
@@ -94,13 +103,45 @@ class Unavailable(Exception):
     """A drafter's build(ctx) refuses this configuration; the message says why (engine.unavailable)."""
 
 
+@dataclass(frozen=True)
+class DrafterOptions:
+    """Base of a drafter module's `Options`: a frozen dataclass of its server-side settings,
+    checked in its own __post_init__ (ValueError naming the setting as `<name>_<field>`)."""
+
+    def check_files(self) -> None:
+        """Check the files these settings name where they are written down for a server to read
+        later (tritonserver_repo.RepoConfig); ValueError when one is wrong. Default: none named."""
+
+
+@dataclass(frozen=True)
+class NoOptions(DrafterOptions):
+    """The settings of a drafter that has none (a module without an `Options` dataclass)."""
+
+
+def option_fields(options_cls) -> list:
+    """The dataclass fields of a drafter's Options (its settings), in order."""
+    return list(fields(options_cls))
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine-wide settings a drafter may read (EngineConfig's fields of the same names)."""
+
+    device: str = "cpu"
+    block_size: int = 16
+    prefix_cache: bool = True
+    load_draft: bool = True  # False: the draft model runs elsewhere (MineDraft's draft rank)
+
+
 @dataclass
 class DrafterContext:
-    """What a drafter's `build(ctx)` may read when the engine opens a bundle."""
+    """What a drafter's `build(ctx)` may read when the engine opens a bundle: the bundle, the
+    target, the engine-wide settings a drafter may use, and its own `options` (its module's
+    Options, from EngineConfig.drafters)."""
 
     bundle_dir: str
     meta: Any  # bundle.BundleMeta
-    config: Any  # engine.EngineConfig
+    settings: EngineSettings
     target: Any  # model.decoder.Decoder
     cache: Any  # the target's PagedKVCache
     max_draft_len: int
@@ -109,6 +150,7 @@ class DrafterContext:
     load_model: Callable[[str], tuple[Any, torch.Tensor | None]]
     built: dict = field(default_factory=dict)  # the drafters built before this one, by name
     encode: Callable[[str], list[int]] | None = None  # the target's tokenizer, no special tokens (warm corpora)
+    options: Any = NoOptions()  # this drafter's Options (registry.build_all sets it per drafter)
 
     @property
     def roles(self) -> dict:
@@ -144,10 +186,21 @@ class Proposer(Protocol):
 
 
 class DrafterBase:
-    """Defaults for the Proposer protocol: reads nothing extra, learns nothing, holds nothing."""
+    """Defaults for the Proposer protocol: reads nothing extra, learns nothing, holds nothing;
+    and the rest of the contract, each method defaulted to "does not apply": it runs no model
+    of its own, costs nothing to draft beyond what the speculator measures, takes no tree a
+    request chooses, reports no counters, keeps no learned state worth a snapshot."""
 
     name = ""
     needs = Needs()
+    # a request may name the token tree it drafts (`SpeculationConfig.tree`; Medusa, token
+    # recycling): such a drafter overrides validate_tree
+    request_tree = False
+    verify_cost: Callable[[int], float] | None = None  # width -> seconds, once costs are measured
+    emit: Callable | None = None  # callable(seq, kind, detail): failure-mode events, or None
+
+    def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
+        raise NotImplementedError(f"drafter {type(self).__name__} does not define propose")
 
     def observe(self, seq, obs: Observation) -> None:
         pass
@@ -167,3 +220,64 @@ class DrafterBase:
 
     def adopt(self, seq, start: int, end: int) -> None:
         """The target took positions start..end of seq from the prefix cache."""
+
+    # ---- costs (speculation/calibration.py) ---------------------------------------------------
+    def models(self) -> list[tuple[Any, Any]]:
+        """The (Decoder, its cache) pairs this drafter runs a step of per drafted token (a draft
+        model): calibration times them, `compile=True` compiles them. Default: none."""
+        return []
+
+    def cost_key(self) -> Any:
+        """For a drafter whose drafting cost is measured by `level_cost` (a head: EAGLE,
+        Medusa): what that cost depends on besides the machine (the cost cache's key).
+        Default None: no such cost."""
+        return None
+
+    def level_cost(self) -> float:
+        """Seconds one depth of a draft costs (asked only where cost_key is not None)."""
+        return 0.0
+
+    def set_verify_cost(self, verify: Callable[[int], float] | None) -> None:
+        """The measured verify cost by width (seconds), once calibration has run: drafters that
+        size their trees by it keep it in `verify_cost` (None: their fixed stand-in)."""
+        self.verify_cost = verify
+
+    # ---- requests -----------------------------------------------------------------------------
+    def validate_tree(self, tree) -> Any:
+        """A request's tree resolved and checked (request_tree drafters; raises RequestError)."""
+        return None
+
+    def check_request(self, spec, max_draft_len: int) -> None:
+        """Refuse (RequestError) speculation settings this drafter cannot serve; called for the
+        requests whose method may draft with it (its name, or auto). Default: a request_tree
+        drafter checks the request's tree and its node count against the bundle's draft room."""
+        if not self.request_tree:
+            return
+        tree = self.validate_tree(spec.tree)
+        if tree.num_drafts > max_draft_len:
+            from specbuild.errors import RequestError
+
+            raise RequestError(f"tree {tree.name or spec.tree!r} has {tree.num_drafts} nodes; the bundle's "
+                               f"max_draft_len is {max_draft_len} (recompile with --max-draft-len)")
+
+    # ---- reporting and benchmarks ----------------------------------------------------------------
+    def set_emit(self, emit: Callable | None) -> None:
+        """Route this drafter's failure-mode events to emit(seq, kind, detail); None: off."""
+        self.emit = emit
+
+    def stats(self) -> dict:
+        """The drafter's own counters, as its module names them. Default: none."""
+        return {}
+
+    def engine_stats(self) -> dict:
+        """What the drafter adds to Engine.stats() (and so to /metrics and /health's load): flat
+        keys that begin with its name (the suffix store's suffix_store_tokens). Default: none."""
+        return {}
+
+    def snapshot(self) -> Any:
+        """A copy of what the drafter learned across requests (benchmarks restore it so every
+        row and repeat starts alike); None: nothing."""
+        return None
+
+    def restore(self, snap: Any) -> None:
+        """Put back a snapshot; None: a fresh start."""

@@ -22,6 +22,11 @@ from specbuild.speculation.proposers.base import Draft, DrafterBase
 log = logging.getLogger("specbuild.draft")
 
 
+GUARANTEE = ("lossless", "lossless", "specbuild verify: argmax match (greedy), chain rejection sampling with "
+                                     "the draft's probabilities (sampled)")  # its row of engine/guarantees.py's torch table
+ROLE = "draft"  # the bundle role it needs
+
+
 class DraftModelProposer(DrafterBase):
     name = "draft"
     emit = None  # callable(seq, kind, detail) or None: cache desync reports (Speculator.set_emit)
@@ -167,6 +172,9 @@ class DraftModelProposer(DrafterBase):
         self.lengths[seq.seq_id] = keep
         self.cache.set_length(seq.seq_id, keep)
 
+    def models(self) -> list[tuple[Decoder, object]]:
+        return [(self.model, self.cache)]
+
     def release(self, seq) -> None:
         self.cache.release(seq.seq_id)
         self.lengths.pop(seq.seq_id, None)
@@ -175,8 +183,8 @@ class DraftModelProposer(DrafterBase):
 def build(ctx) -> DraftModelProposer | None:
     """The bundle's draft role, unless its model runs elsewhere (load_draft=False: MineDraft's
     draft rank) or is not in the bundle."""
-    if "draft" not in ctx.roles or not ctx.config.load_draft:
+    if "draft" not in ctx.roles or not ctx.settings.load_draft:
         return None
     model, vocab_map = ctx.load_model("draft")
-    return DraftModelProposer(model, ctx.cache.num_blocks, ctx.vocab_size, ctx.config.block_size,
-                              vocab_map=vocab_map, prefix_cache=ctx.config.prefix_cache)
+    return DraftModelProposer(model, ctx.cache.num_blocks, ctx.vocab_size, ctx.settings.block_size,
+                              vocab_map=vocab_map, prefix_cache=ctx.settings.prefix_cache)

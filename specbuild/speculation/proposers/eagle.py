@@ -61,6 +61,11 @@ class EagleState:
 STORE_BYTES = 64 << 20  # the features kept for prefix caching (SmolLM2-135M: 9,700 positions)
 
 
+GUARANTEE = ("lossless", "lossless", "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
+                                     "over siblings with the head's deterministic top-k candidates (sampled)")  # its row of engine/guarantees.py's torch table
+ROLE = "eagle"  # the bundle role it needs
+
+
 class EagleProposer(DrafterBase):
     name = "eagle"
 
@@ -336,11 +341,11 @@ def build(ctx) -> EagleProposer | None:
     from specbuild.speculation.eagle_head import load_eagle
 
     head = load_eagle(ctx.bundle_dir, ctx.roles["eagle"], ctx.target.w, ctx.max_seq_len + ctx.max_draft_len + 2,
-                      ctx.config.device)
-    level = head_kernel_level(ctx.config.device)
+                      ctx.settings.device)
+    level = head_kernel_level(ctx.settings.device)
     if level:
         head.quantize_int8(level)
-    return EagleProposer(head, ctx.vocab_size, ctx.max_draft_len, block_size=ctx.config.block_size)
+    return EagleProposer(head, ctx.vocab_size, ctx.max_draft_len, block_size=ctx.settings.block_size)
 
 
 def head_kernel_level(device) -> int:

@@ -73,6 +73,11 @@ class _Track:
             self.misses[drafter] = 0 if got else self.misses.get(drafter, 0) + 1
 
 
+GUARANTEE = ("lossless", "lossless", "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
+                                     "over siblings with the merged deterministic candidates of suffix and recycle "
+                                     "(sampled)")  # its row of engine/guarantees.py's torch table
+
+
 class HybridProposer(DrafterBase):
     """Proposer protocol (base.py) over the engine's suffix and recycling proposers (their
     stores and tables are shared with the methods of those names, and learn from hybrid's

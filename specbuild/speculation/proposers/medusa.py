@@ -58,12 +58,18 @@ def _tree_index(tree: TreeSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return heads, ranks, tree.ancestor_mask_tensor()
 
 
+GUARANTEE = ("lossless", "lossless", "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
+                                     "over siblings (sampled); --typical is LOSSY and opt-in")  # its row of engine/guarantees.py's torch table
+ROLE = "medusa"  # the bundle role it needs
+
+
 class MedusaProposer(DrafterBase):
     """Proposer protocol (base.py) over `MedusaHeads`; `default_tree` is the bundle's tree.
     Per sequence it keeps the hidden state its next draft starts from (`self.hidden`)."""
 
     name = "medusa"
     needs = Needs(hidden=True, tree=True)
+    request_tree = True  # a request may name its tree (validate_tree)
 
     def __init__(self, heads: MedusaHeads, default_tree: TreeSpec) -> None:
         self.heads = heads
@@ -177,5 +183,5 @@ def build(ctx) -> MedusaProposer | None:
         return None
     from specbuild.speculation.medusa_heads import load_medusa
 
-    role = load_medusa(ctx.bundle_dir, ctx.target.w, ctx.config.device)
+    role = load_medusa(ctx.bundle_dir, ctx.target.w, ctx.settings.device)
     return MedusaProposer(role.heads, role.tree)

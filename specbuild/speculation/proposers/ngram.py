@@ -30,6 +30,10 @@ def lookup(ids: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
     return []
 
 
+GUARANTEE = ("lossless", "lossless", "specbuild verify: argmax match (greedy), chain rejection sampling with "
+                                     "one-hot drafts (sampled)")  # its row of engine/guarantees.py's torch table
+
+
 class NgramProposer(DrafterBase):
     """Stateless: reads the sequence's text only (DrafterBase's defaults otherwise)."""
 

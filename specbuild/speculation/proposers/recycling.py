@@ -61,12 +61,18 @@ def _prune(tree: TreeSpec, max_depth: int) -> TreeSpec:
                                f"{tree.name}@depth{max_depth}" if tree.name else None)
 
 
+GUARANTEE = ("lossless", "lossless", "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
+                                     "over siblings with deterministic candidates from the target's own earlier "
+                                     "top-k (sampled)")  # its row of engine/guarantees.py's torch table
+
+
 class RecyclingProposer(DrafterBase):
     """Proposer protocol (base.py): one table shared by every request; `learn(tokens, logits)`
     feeds it with each verified row of the requests that use it (`observe`)."""
 
     name = "recycle"
     needs = Needs(logits=True, tree=True)
+    request_tree = True  # a request may name its tree (validate_tree)
 
     def __init__(self, vocab_size: int, tree: TreeSpec | None = None, k: int = MAX_RANK, max_nodes: int = 8,
                  with_lookup: bool = True) -> None:

@@ -45,7 +45,9 @@ from collections import Counter, OrderedDict
 
 import numpy as np
 
-from specbuild.speculation.proposers.base import Draft, DrafterBase, Needs
+from dataclasses import dataclass, field
+
+from specbuild.speculation.proposers.base import Draft, DrafterBase, DrafterOptions, Needs
 
 SEP = -1  # between documents, and past the arena's end
 DEAD = -2  # an evicted document's slots
@@ -363,16 +365,13 @@ class MatchRates:
         return out
 
 
-CORPUS_MAX_BYTES = 64 << 20  # most bytes of a warm corpus file (EngineConfig.suffix_corpus)
+CORPUS_MAX_BYTES = 64 << 20  # most bytes of a warm corpus file (the suffix_corpus setting)
+GUARANTEE = ("lossless", "lossless", "specbuild verify: tree argmax walk (greedy), recursive rejection sampling "
+                                     "over siblings with deterministic candidates from text already seen (sampled)")
 
 
-def read_corpus(path: str, max_bytes: int = CORPUS_MAX_BYTES) -> list[dict]:
-    """A warm corpus: a jsonl file of the target's earlier outputs, one JSON object a line
-    with "text" (a string, tokenized by the engine) or "token_ids" (a list of ints), and
-    optionally "content_type" (the store's scope under --suffix-scope content_type). Read
-    only from server-side configuration (EngineConfig.suffix_corpus), never from a request;
-    refused over max_bytes."""
-    import json
+def check_corpus_file(path: str, max_bytes: int = CORPUS_MAX_BYTES) -> None:
+    """ValueError unless `path` is a file of at most max_bytes (the warm corpus)."""
     import os
 
     if not isinstance(path, str) or not os.path.isfile(path):
@@ -380,6 +379,49 @@ def read_corpus(path: str, max_bytes: int = CORPUS_MAX_BYTES) -> list[dict]:
     size = os.path.getsize(path)
     if size > max_bytes:
         raise ValueError(f"suffix_corpus={path!r} is {size} bytes, over the limit of {max_bytes} bytes")
+
+
+@dataclass(frozen=True)
+class Options(DrafterOptions):
+    """The suffix drafter's store of earlier requests: its cap in tokens (whole requests evicted,
+    least recently used first), its scope (global: one store; content_type: one per request
+    content type), whether prompts join it beside outputs, and a server-side jsonl of the
+    target's earlier outputs that pre-fills it at load (a warm start; drafts only, so lossless:
+    read_corpus's format and size limit). Server-side settings only, never a request's."""
+
+    store_tokens: int = field(default=200_000, metadata={
+        "help": "Cap of the suffix drafter's store of earlier requests, in tokens (LRU by whole request)."})
+    scope: str = field(default="global", metadata={
+        "choices": SCOPES, "help": "One suffix store for all requests, or one per request content type."})
+    prompts: bool = field(default=False, metadata={"help": "Prompts join the suffix store beside outputs."})
+    corpus: str | None = field(default=None, metadata={
+        "path": True, "metavar": "FILE.jsonl",
+        "help": "Pre-fill the suffix store at start from this jsonl of the target's earlier outputs "
+                "({\"text\": ...} or {\"token_ids\": [...]} a line, at most 64 MiB; within the store's cap, "
+                "evictable like any request). Drafts only: lossless."})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store_tokens, int) or not 0 <= self.store_tokens <= 1 << 26:
+            raise ValueError(f"suffix_store_tokens={self.store_tokens!r} is out of range [0, {1 << 26}]")
+        if self.scope not in SCOPES:
+            raise ValueError(f"suffix_scope={self.scope!r} is not one of {', '.join(SCOPES)}")
+        if self.corpus is not None and (not isinstance(self.corpus, str) or not self.corpus):
+            raise ValueError(f"suffix_corpus={self.corpus!r} must be a file path")
+
+    def check_files(self) -> None:
+        if self.corpus is not None:
+            check_corpus_file(self.corpus)
+
+
+def read_corpus(path: str, max_bytes: int = CORPUS_MAX_BYTES) -> list[dict]:
+    """A warm corpus: a jsonl file of the target's earlier outputs, one JSON object a line
+    with "text" (a string, tokenized by the engine) or "token_ids" (a list of ints), and
+    optionally "content_type" (the store's scope under --suffix-scope content_type). Read
+    only from server-side configuration (Options.corpus, the suffix_corpus setting), never
+    from a request; refused over max_bytes."""
+    import json
+
+    check_corpus_file(path, max_bytes)
     out = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -577,13 +619,22 @@ class SuffixProposer(DrafterBase):
         return {**self.store.stats(), **warm, "local_requests": len(self.local), "drafts": self.drafts,
                 "drafts_from_local": self.from_local, "drafts_from_global": self.from_global}
 
+    def engine_stats(self) -> dict[str, int]:
+        """The global store in Engine.stats() (/metrics): suffix_store_requests / _tokens /
+        _max_tokens / _evictions / _warm_tokens (what the warm corpus put in at load; those
+        tokens count in _tokens too)."""
+        st = self.store.stats()
+        out = {f"suffix_store_{k}": st[k] for k in ("requests", "tokens", "max_tokens", "evictions")}
+        warm = self.warm_state[1] if self.warm_state is not None else {}
+        out["suffix_store_warm_tokens"] = warm.get("warm_tokens", 0)  # loaded from the warm corpus at start
+        return out
+
 
 def build(ctx) -> SuffixProposer:
-    c = ctx.config
-    prop = SuffixProposer(max(1, ctx.max_draft_len), c.suffix_store_tokens, c.suffix_scope, c.suffix_prompts)
-    corpus = getattr(c, "suffix_corpus", None)
-    if corpus:  # server-side configuration only (EngineConfig), never a request's field
-        prop.warm(read_corpus(corpus), ctx.encode, ctx.vocab_size)
+    o: Options = ctx.options
+    prop = SuffixProposer(max(1, ctx.max_draft_len), o.store_tokens, o.scope, o.prompts)
+    if o.corpus:  # server-side configuration only (EngineConfig), never a request's field
+        prop.warm(read_corpus(o.corpus), ctx.encode, ctx.vocab_size)
     return prop
 
 
