@@ -663,9 +663,9 @@ class TrtllmEngine(ExecutorEngine):
                 seq = self.waiting.popleft()
                 seq.t_admit = time.perf_counter()
                 self.running.append(seq)
-            busy = {id(f.seq) for f in self._flights.values()}
+            busy = {f.seq.seq_id for f in self._flights.values()}
             for seq in list(self.running):
-                if id(seq) not in busy:
+                if seq.seq_id not in busy:
                     self._launch(seq)
             waiting_on = {key[0] for key in self._flights}
         responses = []

@@ -272,24 +272,24 @@ class Scheduler:
 
     # ---- the step -----------------------------------------------------------------------
     def plan(self, exclude: Collection[int] = ()) -> tuple[list[WorkItem], "object"]:
-        """(work for every running sequence whose id() is not in `exclude` (MineDraft's batch
+        """(work for every running sequence whose seq_id is not in `exclude` (MineDraft's batch
         being drafted), the speculator's Proposal). `self.running` itself is never replaced:
         lock-free readers (stats()) always see every running request."""
         self.check_lengths()
         items, budget = [], self.prefill_chunk
-        running = [s for s in self.running if id(s) not in exclude] if exclude else list(self.running)
+        running = [s for s in self.running if s.seq_id not in exclude] if exclude else list(self.running)
         self.share_prefills(running)
         proposal = self.speculator.propose(running, on_error=self.fail_sequence)
         drafts = proposal.drafts
         running = [s for s in running if not s.finished]  # a sequence failed alone while drafting
         for seq in running:
             pending = seq.all_ids[seq.num_cached:]
-            if len(pending) == 1 or seq in drafts:
-                items.append(WorkItem(seq, pending, drafts.get(seq), seq.num_cached, completes=True))
+            if len(pending) == 1 or seq.seq_id in drafts:
+                items.append(WorkItem(seq, pending, drafts.get(seq.seq_id), seq.num_cached, completes=True))
         inflight: set[bytes] = set()  # hashes of the prompt blocks this step's prefill chunks complete
         for seq in running:
             pending = seq.all_ids[seq.num_cached:]
-            if len(pending) > 1 and seq not in drafts and budget > 0 and seq.prefill_source is None:
+            if len(pending) > 1 and seq.seq_id not in drafts and budget > 0 and seq.prefill_source is None:
                 if self.prefix_cache and seq.num_cached < len(seq.prompt_ids) - 1 and self.reuses_prefix(seq):
                     self.adopt_prefix(seq)  # blocks others computed since: a batch with one system prompt
                     pending = seq.all_ids[seq.num_cached:]
@@ -331,7 +331,7 @@ class Scheduler:
     def step(self, exclude: Collection[int] = (), admit: bool = True) -> int:
         """One batched step. Returns the number of sequences that advanced.
 
-        exclude: id()s of running sequences to leave out of this step (MineDraft: the batch
+        exclude: seq_ids of running sequences to leave out of this step (MineDraft: the batch
         the draft rank is drafting); admit=False when the caller already admitted."""
         t0 = time.perf_counter()
         if admit:
@@ -347,7 +347,7 @@ class Scheduler:
             groups = bin_groups(items, self.binning, self.speculator.bin_cost if self.binning == "bins" else None) \
                 if items else []
         except Exception as e:  # noqa: BLE001 - planning belongs to no single sequence
-            self.fail_batch([s for s in self.running if id(s) not in exclude], e, "planning the step")
+            self.fail_batch([s for s in self.running if s.seq_id not in exclude], e, "planning the step")
             return 0
         runner = self.runner
         runner.emitted = 0

@@ -1083,7 +1083,7 @@ class Events:
         self.server, self.call, self.handles = server, call, handles
         self.ready = asyncio.Event()
         self.gone = False
-        self.recorded: set[int] = set()  # id()s of the handles counted (from the loop or the abort thread)
+        self.recorded: set[int] = set()  # seq_ids of the handles counted (from the loop or the abort thread)
         loop = asyncio.get_running_loop()
 
         def wake() -> None:
@@ -1108,8 +1108,8 @@ class Events:
         """Metrics for each finished choice, once; before its last bytes go out, so that a
         client that reads /metrics after its response sees its request counted."""
         for h in [handle] if handle is not None else self.handles:
-            if id(h) not in self.recorded:
-                self.recorded.add(id(h))
+            if h.seq.seq_id not in self.recorded:
+                self.recorded.add(h.seq.seq_id)
                 self.server.metrics.observe_request(self.call.endpoint, h.seq.finish_reason, h.seq)
 
     def __aiter__(self):

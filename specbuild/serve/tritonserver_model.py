@@ -442,7 +442,7 @@ class EngineModel:
             thread = threading.Thread(target=self.forward, args=(handle, sender, parsed, request, use), daemon=True,
                                       name=f"specbuild-forward-{handle.request_id}")
             with self.lock:
-                self.active[id(handle)] = (handle, thread)
+                self.active[handle.seq.seq_id] = (handle, thread)
             thread.start()
         return None
 
@@ -531,7 +531,7 @@ class EngineModel:
                 pass
         finally:
             with self.lock:
-                self.active.pop(id(handle), None)
+                self.active.pop(handle.seq.seq_id, None)
 
     def count(self, seq) -> None:
         for name, value in (("generated_tokens", len(seq.output_ids)), ("draft_tokens", seq.drafted),

@@ -85,7 +85,7 @@ NO_NEEDS = Needs()  # a drafter that declares nothing reads nothing beyond the t
 class Proposal:
     """What `propose` hands the step: the drafts, and what the target's pass must return."""
 
-    drafts: dict = field(default_factory=dict)  # Sequence -> Draft
+    drafts: dict = field(default_factory=dict)  # seq_id -> Draft
     hidden: bool = False  # final-normed hidden states of the logit rows (a drafter reads them)
     aux_layers: tuple[int, ...] = ()  # target layers whose inputs `feature_seqs`' rows return
     feature_seqs: frozenset[int] = frozenset()  # seq_ids whose every row's features a drafter reads
@@ -343,7 +343,7 @@ class Speculator:
                 on_error(seq, e, "choosing its drafts (its grammar's forced tokens, method, depth)")
                 continue
             if isinstance(choice, Draft):  # the grammar's forced tokens: a free draft, whatever the method
-                out.drafts[seq] = choice
+                out.drafts[seq.seq_id] = choice
             elif choice is not None:
                 by_method.setdefault(choice[0], []).append((seq, choice[1]))
         for method, pairs in by_method.items():
@@ -364,7 +364,7 @@ class Speculator:
                 found = draft is not None and len(draft) > 0
                 self.controller.found(seq, method, found)
                 if found:
-                    out.drafts[seq] = draft
+                    out.drafts[seq.seq_id] = draft
                 else:
                     self.controller.record(seq, method, 0, 0)
         out.hidden = hidden
