@@ -108,7 +108,7 @@ class Scheduler:
             seq.budget_blocks = need
             self.budget_blocks += need
             self.cache.add(seq.seq_id, salt_root(seq.request.cache_salt))
-            seq.t_admit = time.perf_counter()
+            seq.tally.on_admit()
             self.running.append(seq)
             try:
                 if self.sink.enabled:
@@ -141,8 +141,8 @@ class Scheduler:
         start = seq.num_cached
         n = self.cache.extend(seq.seq_id, seq.prompt_ids, limit, query=looked_up)
         if n:
-            seq.num_cached += n
-            seq.cached_tokens += n
+            seq.set_cached(seq.num_cached + n)
+            seq.tally.on_prefix_hit(n)
             self.speculator.adopted(seq, start, seq.num_cached)
             self.speculator.rollback(seq, seq.num_cached)
 
@@ -266,8 +266,8 @@ class Scheduler:
                 if self.sink.enabled:
                     self.sink.on_event(seq, "kv_desync", {"cache": "target", "have": have, "expected": seq.num_cached,
                                                           "repair": "re-prefill"})
-                seq.num_cached = 0
-                seq.repairs += 1
+                seq.set_cached(0)
+                seq.tally.on_repair()
                 self.set_cache_lengths(seq, 0)
 
     # ---- the step -----------------------------------------------------------------------
@@ -317,12 +317,12 @@ class Scheduler:
             if src.num_cached < n:
                 continue  # wait: the source is still prefilling
             self.cache.share(src.seq_id, seq.seq_id, n)  # full blocks held by both, the last one copied
-            seq.num_cached = n
+            seq.set_cached(n)
             self.set_cache_lengths(seq, n)
             if seq.request.prompt_logprobs is not None:  # the prompt is the source's: so are its logprobs
                 seq.prompt_logprobs, seq.prompt_scored = list(src.prompt_logprobs), src.prompt_scored
             seq.prefill_source = None
-            seq.extra_stats["stat_shared_prefill_tokens"] = n
+            seq.tally.note("stat_shared_prefill_tokens", n)
 
     def run_step(self) -> int:
         """One step of the engine loop: the planning policy's, else `step()`."""

@@ -1317,7 +1317,7 @@ def usage(call: Call, seqs: list) -> dict[str, Any]:
     stats = [s.stats() for s in seqs]
     prompt = sum(st["prompt_tokens"] for st in stats[::call.n])
     completion = sum(st["generated_tokens"] for st in stats)
-    passes = sum(s.verify_passes for s in seqs)
+    passes = sum(s.tally.verify_passes for s in seqs)
     accepted = sum(st["accepted"] for st in stats)
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
            # OpenAI's: prompt tokens whose K/V came from the prefix cache (each prompt's first choice)
