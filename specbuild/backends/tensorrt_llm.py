@@ -395,9 +395,7 @@ class ExecutorEngine(BaseEngine):
             if seq in self.waiting:
                 self.waiting.remove(seq)
             self._release(seq)
-            if not seq.finished:
-                seq.finished, seq.finish_reason = True, "abort"
-                handle._emit(Event([], "", True, "abort"))
+            seq.abort()
 
     @staticmethod
     def _verification(drafted: int, accepted: int, positions: int) -> Verdict:

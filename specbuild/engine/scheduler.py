@@ -43,7 +43,7 @@ from collections.abc import Collection
 from specbuild.errors import RequestError
 from specbuild.model.kv_cache import PagedKVCache, salt_root
 from specbuild.model.decoder import Decoder
-from specbuild.engine.sequence import Event, Sequence
+from specbuild.engine.sequence import Sequence
 from specbuild.engine.events import NULL_SINK
 from specbuild.engine.step import BINNINGS, StepRunner, WorkItem, bin_groups
 from specbuild.engine.stepparts import StepParts
@@ -241,10 +241,7 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.release(seq)
-        if not seq.finished:
-            seq.finished, seq.finish_reason = True, "abort"
-            if seq.handle:
-                seq.handle._emit(Event([], "", True, "abort"))
+        seq.abort()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -320,7 +317,7 @@ class Scheduler:
             seq.set_cached(n)
             self.set_cache_lengths(seq, n)
             if seq.request.prompt_logprobs is not None:  # the prompt is the source's: so are its logprobs
-                seq.prompt_logprobs, seq.prompt_scored = list(src.prompt_logprobs), src.prompt_scored
+                seq.score_prompt(list(src.prompt_logprobs), src.prompt_scored)
             seq.prefill_source = None
             seq.tally.note("stat_shared_prefill_tokens", n)
 

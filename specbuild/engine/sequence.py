@@ -54,14 +54,15 @@ class Sequence:
     """Scheduler state of one request. Owned by the step loop's thread."""
 
     def __init__(self, request: Request, prompt_ids: list[int], params: SamplingParams, spec, tokenizer,
-                 eos_ids: tuple[int, ...], max_total_len: int) -> None:
+                 eos_ids: tuple[int, ...], max_total_len: int, prefill_source: Sequence | None = None) -> None:
         self.seq_id = next(_ids)
         self.request = request
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params  # seeded
         self.spec = spec
-        self.prefill_source = None  # a running Sequence whose prompt K/V this one copies (engine/scheduler.py)
+        # a running Sequence whose prompt K/V this one copies (the scheduler's share_prefills clears it)
+        self.prefill_source = prefill_source
         self.constraint = None  # sampling.constraint.Constraint when the request asks for structured output
         self.logprobs: list = []  # per output token, when request.logprobs is set
         self.prompt_logprobs: list = []  # prompt tokens 1.. when request.prompt_logprobs is set (plain numbers)
@@ -72,8 +73,7 @@ class Sequence:
         self.num_cached = 0  # tokens of all_ids whose K/V are in the target cache (set_cached)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop_filter = StopStringFilter(params.stop)
-        self.finished = False
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # set when it ends (finished): stop | length | abort | error
         self.text = ""
         self.handle: Handle | None = None
         self.tally = SeqStats()  # its statistics: written by SeqStats' own methods only
@@ -95,6 +95,10 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens this sequence may still generate: its max_tokens and the context limit."""
         return min(self.params.max_tokens - len(self.output_ids), self.max_total_len - self.total_len)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     @property
     def in_prefill(self) -> bool:
@@ -140,11 +144,26 @@ class Sequence:
         engine did. A request that already ended keeps its result (no second final event)."""
         if self.handle is not None and self.handle.done.is_set():
             return
-        self.finished, self.finish_reason = True, "error"
+        self.finish_reason = "error"
         if self.handle:
             self.handle.error = message
             self.handle.error_status = status
             self.handle._emit(Event([], "", True, "error"))
+
+    def abort(self) -> None:
+        """End the request as aborted (finish reason "abort") and tell its handle; a request
+        that already ended keeps its result."""
+        if self.finished:
+            return
+        self.finish_reason = "abort"
+        if self.handle is not None:
+            self.handle._emit(Event([], "", True, "abort"))
+
+    def score_prompt(self, logprobs: list, upto: int) -> None:
+        """Prompt logprobs of the positions before `upto` (prompt_logprobs): the step's, or its
+        prompt source's (share_prefills) when it copies them."""
+        self.prompt_logprobs += logprobs
+        self.prompt_scored = upto
 
     def set_cached(self, length: int) -> None:
         """The target's cache holds `length` tokens of all_ids: the one writer of num_cached
@@ -152,7 +171,6 @@ class Sequence:
         self.num_cached = length
 
     def _finish(self, reason: str) -> None:
-        self.finished = True
         self.finish_reason = reason
         if not self.stop_filter.stopped:
             self.text += self.stop_filter.push(self.detok.flush())

@@ -276,9 +276,8 @@ class StepRunner:
         seq = it.seq
         if score_rows is not None:  # the prompt's logprobs: plain numbers kept, the rows let go
             p0, p1 = it.score
-            seq.prompt_logprobs += token_logprobs(score_rows, seq.params, seq.prompt_ids[p0 + 1:p1 + 1],
-                                                  seq.request.prompt_logprobs)
-            seq.prompt_scored = p1
+            seq.score_prompt(token_logprobs(score_rows, seq.params, seq.prompt_ids[p0 + 1:p1 + 1],
+                                            seq.request.prompt_logprobs), p1)
         if not it.completes:
             verdict = self.speculator.settle(seq, PassResult(it.start, it.chunk, features=feats))
             seq.tally.on_pass(verdict)
