@@ -51,7 +51,11 @@ class Event:
 
 
 class Sequence:
-    """Scheduler state of one request. Owned by the step loop's thread."""
+    """Scheduler state of one request: its token state, with its statistics (`tally`, a
+    SeqStats), the speculator's state (`spec_state`) and its `handle` as parts. Owned by the
+    step loop's thread. Each field has one writer (tests/engine/test_sequence_record.py):
+    these methods, or the one module that owns it (the step the logprobs, the scheduler the KV
+    budget, the engine what it decides at submit)."""
 
     def __init__(self, request: Request, prompt_ids: list[int], params: SamplingParams, spec, tokenizer,
                  eos_ids: tuple[int, ...], max_total_len: int, prefill_source: Sequence | None = None) -> None:
