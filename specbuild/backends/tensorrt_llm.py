@@ -52,6 +52,7 @@ from specbuild.engine.engine import EngineConfig
 from specbuild.sampling.params import SamplingParams
 from specbuild.engine.sequence import Event, Handle, Request, Sequence
 from specbuild.speculation.config import SpeculationConfig
+from specbuild.speculation.speculator import Verdict
 
 log = logging.getLogger("specbuild.trtllm")
 
@@ -394,18 +395,14 @@ class ExecutorEngine(BaseEngine):
             if seq in self.waiting:
                 self.waiting.remove(seq)
             self._release(seq)
-            if not seq.finished:
-                seq.finished, seq.finish_reason = True, "abort"
-                handle._emit(Event([], "", True, "abort"))
+            seq.abort()
 
-    def _record_verification(self, seq: Sequence, drafted: int, accepted: int, positions: int) -> None:
-        """Acceptance stats of one verification (same fields as the torch scheduler's)."""
-        seq.verify_passes += 1
-        seq.drafted += drafted
-        seq.accepted += accepted
-        if positions:
-            seq.gammas.append(positions)
-        seq.count_by_position([1] * positions, accepted)
+    @staticmethod
+    def _verification(drafted: int, accepted: int, positions: int) -> Verdict:
+        """One verification as the sequence's statistics count it (SeqStats.on_pass, as the
+        torch step's Verdicts): a decode pass of `positions` draft positions."""
+        return Verdict([], accepted, [], 0, verify_pass=True, gamma=positions or None, drafted=drafted,
+                       depth_counts=[1] * positions)
 
     def _fail(self, seq: Sequence, message: str) -> None:
         seq.fail(message)
@@ -574,7 +571,7 @@ class TrtllmEngine(ExecutorEngine):
         spec, note = self.resolve_speculation(request, params)
         seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
         if note:
-            seq.extra_stats["stat_speculation_off"] = note
+            seq.tally.note("stat_speculation_off", note)
         return seq
 
     def _release(self, seq: Sequence) -> None:
@@ -661,11 +658,11 @@ class TrtllmEngine(ExecutorEngine):
         with self._lock:
             while self.waiting and len(self.running) < self.max_batch_size:
                 seq = self.waiting.popleft()
-                seq.t_admit = time.perf_counter()
+                seq.tally.on_admit()
                 self.running.append(seq)
-            busy = {id(f.seq) for f in self._flights.values()}
+            busy = {f.seq.seq_id for f in self._flights.values()}
             for seq in list(self.running):
-                if id(seq) not in busy:
+                if seq.seq_id not in busy:
                     self._launch(seq)
             waiting_on = {key[0] for key in self._flights}
         responses = []
@@ -697,13 +694,15 @@ class TrtllmEngine(ExecutorEngine):
             self._release(seq)  # no progress and no reason to stop: never loop on it
             self._fail(seq, f"TensorRT-LLM returned no tokens (finish reason {_reason_name(result) or 'none'})")
             return 1
-        seq.target_passes += 1
         if flight.kind == "verify":
-            self._record_verification(seq, len(flight.draft), accepted_prefix(flight.draft, tokens), len(flight.draft))
+            verdict = self._verification(len(flight.draft), accepted_prefix(flight.draft, tokens), len(flight.draft))
         elif flight.responses > 0:  # the first streaming answer is the prompt's (context) iteration
             nodes = self.tree["num_drafts"] if self.mode == "medusa" else 0
             depth = self.tree["max_depth"] if self.mode == "medusa" else 0
-            self._record_verification(seq, nodes, max(len(tokens) - 1, 0), depth)
+            verdict = self._verification(nodes, max(len(tokens) - 1, 0), depth)
+        else:
+            verdict = Verdict(tokens, 0, [], 0)  # a target pass that decodes nothing yet
+        seq.tally.on_pass(verdict)
         flight.responses += 1
         before = len(seq.text)
         kept = seq.append_tokens(tokens) if tokens else []
@@ -721,9 +720,9 @@ class TrtllmEngine(ExecutorEngine):
     def _perf_stats(self, seq: Sequence, result) -> None:
         spec = getattr(getattr(result, "request_perf_metrics", None), "speculative_decoding", None)
         if spec is not None and getattr(spec, "total_draft_tokens", 0):
-            seq.extra_stats["stat_trtllm_total_draft_tokens"] = int(spec.total_draft_tokens)
-            seq.extra_stats["stat_trtllm_total_accepted_draft_tokens"] = int(spec.total_accepted_draft_tokens)
-            seq.extra_stats["stat_trtllm_acceptance_rate"] = round(float(spec.acceptance_rate), 4)
+            seq.tally.note("stat_trtllm_total_draft_tokens", int(spec.total_draft_tokens))
+            seq.tally.note("stat_trtllm_total_accepted_draft_tokens", int(spec.total_accepted_draft_tokens))
+            seq.tally.note("stat_trtllm_acceptance_rate", round(float(spec.acceptance_rate), 4))
 
 
     def close(self) -> None:

@@ -67,6 +67,7 @@ from specbuild.backends.tensorrt_llm import LLMAPI_STUB_ENV, ExecutorEngine, loa
 from specbuild.engine.base import validated_prompt_ids
 from specbuild.engine.engine import EngineConfig
 from specbuild.engine.sequence import Event, Request, Sequence
+from specbuild.speculation.speculator import Verdict
 from specbuild.errors import BundleError, RequestError
 from specbuild.sampling.params import SamplingParams
 from specbuild.speculation.config import SpeculationConfig
@@ -367,11 +368,11 @@ class TrtllmApiEngine(ExecutorEngine):
         self.default_speculation = SpeculationConfig.make(
             default, method=method, gamma_min=min(default.gamma_min, cap), gamma_max=min(default.gamma_max, cap),
             gamma=min(default.gamma, cap))
-        self._results: dict[int, Any] = {}  # id(seq) -> its generate_async result
+        self._results: dict[int, Any] = {}  # seq_id -> its generate_async result
         self._inbox: queue.Queue = queue.Queue()
-        self._backlog: dict[int, collections.deque] = {}  # id(seq) -> its iterations not yet turned into events
+        self._backlog: dict[int, collections.deque] = {}  # seq_id -> its iterations not yet turned into events
         self._init_loop(threading.RLock())
-        self._iterations: dict[int, int] = {}  # id(seq) -> generation iterations seen
+        self._iterations: dict[int, int] = {}  # seq_id -> generation iterations seen
         self.load_seconds = time.perf_counter() - t0
 
     def _check_kernels(self, method: str, tp: int, attn_backend: str | None, spec=None) -> None:
@@ -434,9 +435,9 @@ class TrtllmApiEngine(ExecutorEngine):
         return Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
 
     def _release(self, seq: Sequence) -> None:
-        self._backlog.pop(id(seq), None)
-        self._iterations.pop(id(seq), None)
-        result = self._results.pop(id(seq), None)
+        self._backlog.pop(seq.seq_id, None)
+        self._iterations.pop(seq.seq_id, None)
+        result = self._results.pop(seq.seq_id, None)
         if result is not None and not result.finished:
             result.abort()
         if seq in self.running:
@@ -461,7 +462,7 @@ class TrtllmApiEngine(ExecutorEngine):
     def _launch(self, seq: Sequence) -> None:
         result = self.llm.generate_async(list(seq.all_ids), sampling_params=self._sampling_params(seq),
                                          streaming=True)
-        self._results[id(seq)] = result
+        self._results[seq.seq_id] = result
         threading.Thread(target=self._read, args=(seq, result), name="specbuild-trtllm-reader", daemon=True).start()
 
     def _read(self, seq: Sequence, result) -> None:
@@ -478,9 +479,9 @@ class TrtllmApiEngine(ExecutorEngine):
         with self._lock:
             while self.waiting and len(self.running) < self.max_batch_size:
                 seq = self.waiting.popleft()
-                seq.t_admit = time.perf_counter()
+                seq.tally.on_admit()
                 self.running.append(seq)
-                self._iterations[id(seq)] = 0
+                self._iterations[seq.seq_id] = 0
                 self._launch(seq)
         arrived = []  # what the readers queued (outside the lock: abort() must not wait on it)
         try:
@@ -491,24 +492,24 @@ class TrtllmApiEngine(ExecutorEngine):
             pass
         with self._lock:  # in arrival order per request; one iteration per request per step
             for item in arrived:
-                if id(item[0]) in self._results:
-                    self._backlog.setdefault(id(item[0]), collections.deque()).append(item)
+                if item[0].seq_id in self._results:
+                    self._backlog.setdefault(item[0].seq_id, collections.deque()).append(item)
             items = [q.popleft() for q in self._backlog.values()]
             self._backlog = {k: q for k, q in self._backlog.items() if q}
             return sum(self._on_item(*item) for item in items)
 
     def _on_item(self, seq: Sequence, tokens: list[int], final: bool, reason, error) -> int:
-        if seq.finished or id(seq) not in self._results:
+        if seq.finished or seq.seq_id not in self._results:
             return 0  # aborted or stopped by specbuild: what its cancelled result still said
         if error:
             self._release(seq)
             self._fail(seq, error)
             return 1
-        seq.target_passes += 1
-        iteration = self._iterations.get(id(seq), 0)
-        self._iterations[id(seq)] = iteration + 1
-        if iteration > 0 and self.method != "none":  # the first answer is the prompt's (context) iteration
-            self._record(seq, len(tokens))
+        iteration = self._iterations.get(seq.seq_id, 0)
+        self._iterations[seq.seq_id] = iteration + 1
+        # the first answer is the prompt's (context) iteration: a target pass that decodes nothing yet
+        seq.tally.on_pass(self._verdict(len(tokens)) if iteration > 0 and self.method != "none"
+                          else Verdict(tokens, 0, [], 0))
         before = len(seq.text)
         kept = seq.append_tokens(tokens) if tokens else []
         if not seq.finished and final:
@@ -519,12 +520,12 @@ class TrtllmApiEngine(ExecutorEngine):
             self._release(seq)
         return 1
 
-    def _record(self, seq: Sequence, produced: int) -> None:
+    def _verdict(self, produced: int) -> Verdict:
         """One generation iteration that produced `produced` tokens: produced - 1 drafts accepted of
         max_draft_len (an upper bound of what was drafted: the LLM API reports no per-request draft
         counts, and the drafter may run in TensorRT-LLM's worker process, out of specbuild's sight)."""
         drafted = self.max_draft_len
-        self._record_verification(seq, drafted, min(max(produced - 1, 0), drafted), drafted)
+        return self._verification(drafted, min(max(produced - 1, 0), drafted), drafted)
 
     def close(self) -> None:
         self.stop()

@@ -127,7 +127,7 @@ class BaseEngine:
         sequence_failures (requests failed alone inside a step; their neighbours went on).
         Lock-free reads."""
         running = list(self.running)
-        gammas = [s.gammas[-1] for s in running if getattr(s, "gammas", None)]
+        gammas = [s.tally.gammas[-1] for s in running if s.tally.gammas]
         used, total = self._kv_blocks()
         failures = self._failure_counts()
         return {"queue_depth": len(self.waiting), "running": len(running), "kv_blocks_used": used,

@@ -381,11 +381,11 @@ class Engine(BaseEngine):
         prompt_ids = validated_prompt_ids(request, self.encode, self.target_config.vocab_size, self.max_seq_len)
         params = request.sampling.with_seed()
         spec = self.resolve_speculation(request)
-        seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len)
-        check_logprobs(request)
         source = request.shares_prompt_with
-        if source is not None and getattr(source, "seq", None) is not None and source.seq.prompt_ids == prompt_ids:
-            seq.prefill_source = source.seq
+        shared = source.seq if source is not None and getattr(source, "seq", None) is not None \
+            and source.seq.prompt_ids == prompt_ids else None
+        seq = Sequence(request, prompt_ids, params, spec, self.tokenizer, self.eos_ids, self.max_seq_len, shared)
+        check_logprobs(request)
         fmt = ResponseFormat.parse(request.response_format) if isinstance(request.response_format, dict) \
             else request.response_format
         if fmt is not None:

@@ -56,7 +56,7 @@ from collections.abc import Callable, Collection
 from specbuild.errors import RequestError
 from specbuild.model.kv_cache import PagedKVCache, salt_root
 from specbuild.model.decoder import Decoder
-from specbuild.engine.sequence import Event, Sequence
+from specbuild.engine.sequence import Sequence
 from specbuild.engine.events import NULL_SINK
 from specbuild.engine.step import StepRunner, WorkItem
 from specbuild.engine.stepparts import StepParts
@@ -120,7 +120,7 @@ class Scheduler:
             seq.budget_blocks = need
             self.budget_blocks += need
             self.cache.add(seq.seq_id, salt_root(seq.request.cache_salt))
-            seq.t_admit = time.perf_counter()
+            seq.tally.on_admit()
             self.running.append(seq)
             try:
                 if self.sink.enabled:
@@ -153,8 +153,8 @@ class Scheduler:
         start = seq.num_cached
         n = self.cache.extend(seq.seq_id, seq.prompt_ids, limit, query=looked_up)
         if n:
-            seq.num_cached += n
-            seq.cached_tokens += n
+            seq.set_cached(seq.num_cached + n)
+            seq.tally.on_prefix_hit(n)
             self.speculator.adopted(seq, start, seq.num_cached)
             self.speculator.rollback(seq, seq.num_cached)
 
@@ -253,10 +253,7 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.release(seq)
-        if not seq.finished:
-            seq.finished, seq.finish_reason = True, "abort"
-            if seq.handle:
-                seq.handle._emit(Event([], "", True, "abort"))
+        seq.abort()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -278,8 +275,8 @@ class Scheduler:
                 if self.sink.enabled:
                     self.sink.on_event(seq, "kv_desync", {"cache": "target", "have": have, "expected": seq.num_cached,
                                                           "repair": "re-prefill"})
-                seq.num_cached = 0
-                seq.repairs += 1
+                seq.set_cached(0)
+                seq.tally.on_repair()
                 self.set_cache_lengths(seq, 0)
 
     # ---- the step -----------------------------------------------------------------------
@@ -296,12 +293,12 @@ class Scheduler:
         running = [s for s in running if not s.finished]  # a sequence failed alone while drafting
         for seq in running:
             pending = seq.all_ids[seq.num_cached:]
-            if len(pending) == 1 or seq in drafts:
-                items.append(WorkItem(seq, pending, drafts.get(seq), seq.num_cached, completes=True))
+            if len(pending) == 1 or seq.seq_id in drafts:
+                items.append(WorkItem(seq, pending, drafts.get(seq.seq_id), seq.num_cached, completes=True))
         inflight: set[bytes] = set()  # hashes of the prompt blocks this step's prefill chunks complete
         for seq in running:
             pending = seq.all_ids[seq.num_cached:]
-            if len(pending) > 1 and seq not in drafts and budget > 0 and seq.prefill_source is None:
+            if len(pending) > 1 and seq.seq_id not in drafts and budget > 0 and seq.prefill_source is None:
                 if self.prefix_cache and seq.num_cached < len(seq.prompt_ids) - 1 and self.reuses_prefix(seq):
                     self.adopt_prefix(seq)  # blocks others computed since: a batch with one system prompt
                     pending = seq.all_ids[seq.num_cached:]
@@ -329,12 +326,12 @@ class Scheduler:
             if src.num_cached < n:
                 continue  # wait: the source is still prefilling
             self.cache.share(src.seq_id, seq.seq_id, n)  # full blocks held by both, the last one copied
-            seq.num_cached = n
+            seq.set_cached(n)
             self.set_cache_lengths(seq, n)
             if seq.request.prompt_logprobs is not None:  # the prompt is the source's: so are its logprobs
-                seq.prompt_logprobs, seq.prompt_scored = list(src.prompt_logprobs), src.prompt_scored
+                seq.score_prompt(list(src.prompt_logprobs), src.prompt_scored)
             seq.prefill_source = None
-            seq.extra_stats["stat_shared_prefill_tokens"] = n
+            seq.tally.note("stat_shared_prefill_tokens", n)
 
     def run_step(self) -> int:
         """One step of the engine loop: the planning policy's, else `step()`."""

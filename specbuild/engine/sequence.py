@@ -51,48 +51,38 @@ class Event:
 
 
 class Sequence:
-    """Scheduler state of one request. Owned by the step loop's thread."""
+    """Scheduler state of one request: its token state, with its statistics (`tally`, a
+    SeqStats), the speculator's state (`spec_state`) and its `handle` as parts. Owned by the
+    step loop's thread. Each field has one writer (tests/engine/test_sequence_record.py):
+    these methods, or the one module that owns it (the step the logprobs, the scheduler the KV
+    budget, the engine what it decides at submit)."""
 
     def __init__(self, request: Request, prompt_ids: list[int], params: SamplingParams, spec, tokenizer,
-                 eos_ids: tuple[int, ...], max_total_len: int) -> None:
+                 eos_ids: tuple[int, ...], max_total_len: int, prefill_source: Sequence | None = None) -> None:
         self.seq_id = next(_ids)
         self.request = request
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params  # seeded
         self.spec = spec
-        self.prefill_source = None  # a running Sequence whose prompt K/V this one copies (engine/scheduler.py)
+        # a running Sequence whose prompt K/V this one copies (the scheduler's share_prefills clears it)
+        self.prefill_source = prefill_source
         self.constraint = None  # sampling.constraint.Constraint when the request asks for structured output
         self.logprobs: list = []  # per output token, when request.logprobs is set
-        self.pending_logprobs: list = []  # the last step's, aligned with the tokens it chose
         self.prompt_logprobs: list = []  # prompt tokens 1.. when request.prompt_logprobs is set (plain numbers)
         self.prompt_scored = 0  # prompt positions whose next-token logprob is in prompt_logprobs
         self.generator = torch.Generator().manual_seed(params.seed)
         self.eos_ids = () if params.ignore_eos else tuple(eos_ids) + tuple(params.stop_token_ids)
         self.max_total_len = max_total_len
-        self.num_cached = 0  # tokens of all_ids whose K/V are in the target cache
-        self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache (usage's cached_tokens)
+        self.num_cached = 0  # tokens of all_ids whose K/V are in the target cache (set_cached)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop_filter = StopStringFilter(params.stop)
-        self.finished = False
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # set when it ends (finished): stop | length | abort | error
         self.text = ""
         self.handle: Handle | None = None
-        self.t_submit = time.perf_counter()
-        self.t_admit: float | None = None
-        self.t_first: float | None = None
-        self.t_last: float | None = None
-        self.target_passes = 0
-        self.drafted = 0
-        self.accepted = 0
-        self.verify_passes = 0  # decode passes (each yields accepted + 1 tokens)
-        self.accepted_by_pos: list[int] = []
-        self.drafted_by_pos: list[int] = []
-        self.gammas: list[int] = []
+        self.tally = SeqStats()  # its statistics: written by SeqStats' own methods only
         self.budget_blocks = 0  # KV blocks the scheduler promised this sequence at admission
-        self.repairs = 0  # times its target cache was found inconsistent and re-prefilled
         self.spec_state = SpecState()  # the speculator's and drafters' state (speculation/state.py)
-        self.extra_stats: dict[str, Any] = {}  # backend-specific result stats, under their output names
         self.content_type: str | None = None  # set by Engine.submit (the request's, or classified)
         self.content_type_source: str | None = None  # request | classifier
         self.gamma_policy = None  # speculation.policy.GammaPolicy the controller starts from, or None
@@ -109,6 +99,10 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens this sequence may still generate: its max_tokens and the context limit."""
         return min(self.params.max_tokens - len(self.output_ids), self.max_total_len - self.total_len)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     @property
     def in_prefill(self) -> bool:
@@ -128,8 +122,6 @@ class Sequence:
         for tok in tokens:
             self.output_ids.append(tok)
             kept.append(tok)
-            if self.t_first is None:
-                self.t_first = now
             if tok in self.eos_ids:
                 self._finish("stop")
                 break
@@ -146,7 +138,7 @@ class Sequence:
             if len(self.output_ids) >= self.params.max_tokens or self.total_len >= self.max_total_len:
                 self._finish("length")
                 break
-        self.t_last = now
+        self.tally.on_tokens(len(kept), now)
         return kept
 
     def fail(self, message: str, status: int = 500) -> None:
@@ -156,57 +148,126 @@ class Sequence:
         engine did. A request that already ended keeps its result (no second final event)."""
         if self.handle is not None and self.handle.done.is_set():
             return
-        self.finished, self.finish_reason = True, "error"
+        self.finish_reason = "error"
         if self.handle:
             self.handle.error = message
             self.handle.error_status = status
             self.handle._emit(Event([], "", True, "error"))
 
-    def count_by_position(self, counts: list[int], accepted: int) -> None:
-        """Acceptance by draft position: counts[i] drafts (a tree's nodes) at position i, the
-        first `accepted` positions accepted."""
-        for i, c in enumerate(counts):
-            if len(self.drafted_by_pos) <= i:
-                self.drafted_by_pos.append(0)
-                self.accepted_by_pos.append(0)
-            self.drafted_by_pos[i] += c
-            self.accepted_by_pos[i] += int(i < accepted)
+    def abort(self) -> None:
+        """End the request as aborted (finish reason "abort") and tell its handle; a request
+        that already ended keeps its result."""
+        if self.finished:
+            return
+        self.finish_reason = "abort"
+        if self.handle is not None:
+            self.handle._emit(Event([], "", True, "abort"))
+
+    def score_prompt(self, logprobs: list, upto: int) -> None:
+        """Prompt logprobs of the positions before `upto` (prompt_logprobs): the step's, or its
+        prompt source's (share_prefills) when it copies them."""
+        self.prompt_logprobs += logprobs
+        self.prompt_scored = upto
+
+    def set_cached(self, length: int) -> None:
+        """The target's cache holds `length` tokens of all_ids: the one writer of num_cached
+        (a step's commit, a prefix adopted, a shared prompt copied, a repair's 0)."""
+        self.num_cached = length
 
     def _finish(self, reason: str) -> None:
-        self.finished = True
         self.finish_reason = reason
         if not self.stop_filter.stopped:
             self.text += self.stop_filter.push(self.detok.flush())
             self.text += self.stop_filter.flush()
 
     def stats(self) -> dict[str, Any]:
+        t = self.tally
         gen = len(self.output_ids)
-        t_end = self.t_last or time.perf_counter()
-        t0 = self.t_admit or self.t_submit
+        t_end = t.t_last or time.perf_counter()
+        t0 = t.t_admit or t.t_submit
         dur = max(t_end - t0, 1e-9)
-        tpot = ((self.t_last - self.t_first) / (gen - 1) * 1e3) if gen > 1 and self.t_first else 0.0
-        passes = max(self.verify_passes, 1)
+        tpot = ((t.t_last - t.t_first) / (gen - 1) * 1e3) if gen > 1 and t.t_first else 0.0
+        passes = max(t.verify_passes, 1)
         return {
             "seed": self.params.seed,
             "prompt_tokens": len(self.prompt_ids),
-            "cached_tokens": self.cached_tokens,
+            "cached_tokens": t.cached_tokens,
             "generated_tokens": gen,
-            "target_passes": self.target_passes,
-            "ttft_ms": round(((self.t_first or t_end) - self.t_submit) * 1e3, 3),
+            "target_passes": t.target_passes,
+            "ttft_ms": round(((t.t_first or t_end) - t.t_submit) * 1e3, 3),
             "tpot_ms": round(tpot, 3),
             "tokens_per_s": round(gen / dur, 3),
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "mean_accepted_tokens": round((self.accepted + self.verify_passes) / passes, 4)
-            if self.verify_passes else 1.0,
+            "drafted": t.drafted,
+            "accepted": t.accepted,
+            "mean_accepted_tokens": round((t.accepted + t.verify_passes) / passes, 4)
+            if t.verify_passes else 1.0,
             "acceptance_by_position": [round(a / d, 4) if d else None
-                                       for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)],
-            "gamma": gamma_summary(self.gammas),
+                                       for a, d in zip(t.accepted_by_pos, t.drafted_by_pos)],
+            "gamma": gamma_summary(t.gammas),
             **({"grammar_mask_ms": round(self.constraint.mask_seconds * 1e3, 3), "grammar_masked_rows":
                 self.constraint.masks} if self.constraint is not None else {}),
-            **self.extra_stats,
+            **t.extra,
             "content_type": self.content_type,
         }
+
+
+class SeqStats:
+    """A sequence's statistics (`seq.tally`; `Sequence.stats()` reports them). Only these
+    methods write its fields: the step and the TensorRT-LLM backends hand `on_pass` each
+    target pass's Verdict, the scheduler notes admission, prefix hits and repairs."""
+
+    def __init__(self) -> None:
+        self.t_submit = time.perf_counter()
+        self.t_admit: float | None = None
+        self.t_first: float | None = None  # the first output token
+        self.t_last: float | None = None  # the latest output tokens
+        self.target_passes = 0  # target passes that ran this sequence (prefill chunks included)
+        self.verify_passes = 0  # decode passes (each yields accepted + 1 tokens)
+        self.drafted = 0  # draft tokens verified (a tree's: its nodes)
+        self.accepted = 0
+        self.drafted_by_pos: list[int] = []  # per draft position (a tree's depth): drafts verified
+        self.accepted_by_pos: list[int] = []  # ... and those accepted
+        self.gammas: list[int] = []  # the depth planned at each decode pass that planned one
+        self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache (usage's cached_tokens)
+        self.repairs = 0  # times its target cache was found inconsistent and re-prefilled
+        self.extra: dict[str, Any] = {}  # backend-specific result stats, under their output names
+
+    def on_pass(self, verdict) -> None:
+        """One target pass over the sequence, as its Verdict (speculation/speculator.py) counts
+        it: a decode pass (verify_pass), the depth planned for it (gamma), drafts verified and
+        accepted, and the drafts per position (depth_counts)."""
+        self.target_passes += 1
+        if verdict.verify_pass:
+            self.verify_passes += 1
+        if verdict.gamma is not None:
+            self.gammas.append(verdict.gamma)
+        self.drafted += verdict.drafted
+        self.accepted += verdict.accepted
+        for i, c in enumerate(verdict.depth_counts):
+            if len(self.drafted_by_pos) <= i:
+                self.drafted_by_pos.append(0)
+                self.accepted_by_pos.append(0)
+            self.drafted_by_pos[i] += c
+            self.accepted_by_pos[i] += int(i < verdict.accepted)
+
+    def on_tokens(self, n: int, now: float) -> None:
+        """`n` tokens appended at `now` (0: a stop ended the append before any was kept)."""
+        if n and self.t_first is None:
+            self.t_first = now
+        self.t_last = now
+
+    def on_admit(self) -> None:
+        self.t_admit = time.perf_counter()
+
+    def on_prefix_hit(self, n: int) -> None:
+        self.cached_tokens += n
+
+    def on_repair(self) -> None:
+        self.repairs += 1
+
+    def note(self, name: str, value: Any) -> None:
+        """A backend's own result stat (output name `stat_...`)."""
+        self.extra[name] = value
 
 
 def gamma_summary(gammas: list[int]) -> dict[str, Any]:

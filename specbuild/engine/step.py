@@ -255,28 +255,26 @@ class StepRunner:
         that does not complete), hidden / feats what the drafters asked for."""
         t0 = time.perf_counter()
         seq = it.seq
-        seq.target_passes += 1
         if score_rows is not None:  # the prompt's logprobs: plain numbers kept, the rows let go
             p0, p1 = it.score
-            seq.prompt_logprobs += token_logprobs(score_rows, seq.params, seq.prompt_ids[p0 + 1:p1 + 1],
-                                                  seq.request.prompt_logprobs)
-            seq.prompt_scored = p1
+            seq.score_prompt(token_logprobs(score_rows, seq.params, seq.prompt_ids[p0 + 1:p1 + 1],
+                                            seq.request.prompt_logprobs), p1)
         if not it.completes:
-            self.commit(seq, self.speculator.settle(seq, PassResult(it.start, it.chunk, features=feats)))
+            verdict = self.speculator.settle(seq, PassResult(it.start, it.chunk, features=feats))
+            seq.tally.on_pass(verdict)
+            self.commit(seq, verdict)
             return
         # the model's own rows: a NaN/inf here is this sequence's failure, found before the
         # shared recycling table or any drafter reads them
         check_logits(rows, "the target's logits")
-        was_decode = len(it.chunk) == 1 and seq.output_ids
         draft = it.draft if it.n_draft else None
         # penalties, logit_bias and the grammar, identically for plain and verify rows
         scores = process_logits(rows, seq.params, seq.output_ids, draft_paths(draft), seq.constraint)
         verdict = self.speculator.settle(seq, PassResult(it.start, it.chunk, draft, rows, scores, hidden, feats))
+        seq.tally.on_pass(verdict)
+        chosen: list = []  # the new tokens' logprobs, when the request asks for them
         if seq.request.logprobs is not None:  # the rows that chose the new tokens
-            seq.pending_logprobs = token_logprobs(scores[verdict.rows], seq.params, verdict.tokens,
-                                                  seq.request.logprobs)
-        if was_decode or draft is not None:
-            seq.verify_passes += 1
+            chosen = token_logprobs(scores[verdict.rows], seq.params, verdict.tokens, seq.request.logprobs)
         t1 = time.perf_counter()
         self.commit(seq, verdict)
         t2 = time.perf_counter()
@@ -288,10 +286,10 @@ class StepRunner:
         self.emitted += len(kept)
         lps = None
         if seq.request.logprobs is not None:
-            lps = seq.pending_logprobs[:len(kept)]
+            lps = chosen[:len(kept)]
             seq.logprobs += lps
         sink = self.owner.sink
-        if sink.enabled and (was_decode or draft is not None):
+        if sink.enabled and verdict.verify_pass:
             self.record_step(seq, it, verdict, len(kept), proposal, batch_size)
         if seq.handle is not None:
             seq.handle._emit(Event(kept, seq.text[before:], seq.finished, seq.finish_reason, lps))
@@ -307,7 +305,7 @@ class StepRunner:
             src = slots[torch.tensor([m[0] for m in verdict.kv_moves])]
             dst = slots[torch.tensor([m[1] for m in verdict.kv_moves])]
             self.cache.copy_slots(src.to(self.cache.device), dst.to(self.cache.device))
-        seq.num_cached = verdict.length
+        seq.set_cached(verdict.length)
         self.cache.set_length(seq.seq_id, verdict.length)
 
     def record_step(self, seq: Sequence, it: WorkItem, verdict: Verdict, emitted: int, proposal: Proposal,
@@ -316,8 +314,8 @@ class StepRunner:
         method = seq.spec_state.method
         depths = it.draft.depths if it.n_draft else None
         self.owner.sink.on_step(seq, StepRecord(
-            step_num=seq.verify_passes, method=method if it.n_draft else None,
-            gamma=seq.gammas[-1] if seq.gammas else 0, drafted=it.n_draft, accepted=verdict.accepted, emitted=emitted,
+            step_num=seq.tally.verify_passes, method=method if it.n_draft else None,
+            gamma=seq.tally.gammas[-1] if seq.tally.gammas else 0, drafted=it.n_draft, accepted=verdict.accepted, emitted=emitted,
             depth=(max(depths) if depths is not None and len(depths) else it.n_draft),
             draft_ms=proposal.draft_ms.get(method, 0.0) if it.n_draft else 0.0,
             target_ms=self.target_ms, batch_size=batch_size,

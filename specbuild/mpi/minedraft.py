@@ -181,21 +181,21 @@ class TwoBatchPlanning:
 
     def sync_batches(self, running: list) -> None:
         """Recycle sequences that left, place new decoders (balance counter), rebalance."""
-        live = {id(s) for s in running if not s.finished and s.num_cached >= len(s.all_ids) - 1
+        live = {s.seq_id for s in running if not s.finished and s.num_cached >= len(s.all_ids) - 1
                 and self.uses_draft(s)}
         for batch in self.batches:
-            batch[:] = [s for s in batch if id(s) in live]
-        placed = {id(s) for b in self.batches for s in b}
+            batch[:] = [s for s in batch if s.seq_id in live]
+        placed = {s.seq_id for b in self.batches for s in b}
         drafted, verified = self.batches[1 - self.turn], self.batches[self.turn]
         for seq in running:
-            if id(seq) in live and id(seq) not in placed:
+            if seq.seq_id in live and seq.seq_id not in placed:
                 (drafted if len(drafted) <= len(verified) else verified).append(seq)
         for big, small in ((drafted, verified), (verified, drafted)):
             while len(big) - len(small) >= 2:  # prefer moving one whose drafts are not in hand
                 victim = ([s for s in big if not self.remote.has_draft(s)] or big)[-1]
                 big.remove(victim)
                 small.append(victim)
-        assert not {id(s) for s in self.batches[0]} & {id(s) for s in self.batches[1]}
+        assert not {s.seq_id for s in self.batches[0]} & {s.seq_id for s in self.batches[1]}
         self.balance = len(self.batches[0]) - len(self.batches[1])
 
     def draft_orders(self, spec, batch: list) -> list[tuple[object, int]]:

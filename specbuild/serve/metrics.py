@@ -255,8 +255,9 @@ class ServerMetrics:
         self.generation_tokens.inc(stats["generated_tokens"])
         self.drafted.inc(stats["drafted"])
         self.accepted.inc(stats["accepted"])
-        self.verify_passes.inc(seq.verify_passes)
-        gammas = list(getattr(seq, "gammas", ()))
+        t = seq.tally
+        self.verify_passes.inc(t.verify_passes)
+        gammas = t.gammas
         if gammas:
             self.gamma_steps.inc(len(gammas))
             self.gamma_sum.inc(sum(gammas))
@@ -264,8 +265,8 @@ class ServerMetrics:
             self.ttft.observe(stats["ttft_ms"] / 1e3)
             if stats["generated_tokens"] > 1:
                 self.tpot.observe(stats["tpot_ms"] / 1e3)
-            if seq.t_last is not None:
-                self.e2e.observe(max(seq.t_last - seq.t_submit, 0.0))
+            if t.t_last is not None:
+                self.e2e.observe(max(t.t_last - t.t_submit, 0.0))
 
     def render(self) -> str:
         return "\n".join(line for m in self.all for line in m.render()) + "\n"

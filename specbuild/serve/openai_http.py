@@ -1086,7 +1086,7 @@ class Events:
         self.server, self.call, self.handles = server, call, handles
         self.ready = asyncio.Event()
         self.gone = False
-        self.recorded: set[int] = set()  # id()s of the handles counted (from the loop or the abort thread)
+        self.recorded: set[int] = set()  # seq_ids of the handles counted (from the loop or the abort thread)
         loop = asyncio.get_running_loop()
 
         def wake() -> None:
@@ -1111,8 +1111,8 @@ class Events:
         """Metrics for each finished choice, once; before its last bytes go out, so that a
         client that reads /metrics after its response sees its request counted."""
         for h in [handle] if handle is not None else self.handles:
-            if id(h) not in self.recorded:
-                self.recorded.add(id(h))
+            if h.seq.seq_id not in self.recorded:
+                self.recorded.add(h.seq.seq_id)
                 self.server.metrics.observe_request(self.call.endpoint, h.seq.finish_reason, h.seq)
 
     def __aiter__(self):
@@ -1320,7 +1320,7 @@ def usage(call: Call, seqs: list) -> dict[str, Any]:
     stats = [s.stats() for s in seqs]
     prompt = sum(st["prompt_tokens"] for st in stats[::call.n])
     completion = sum(st["generated_tokens"] for st in stats)
-    passes = sum(s.verify_passes for s in seqs)
+    passes = sum(s.tally.verify_passes for s in seqs)
     accepted = sum(st["accepted"] for st in stats)
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
            # OpenAI's: prompt tokens whose K/V came from the prefix cache (each prompt's first choice)

@@ -457,7 +457,7 @@ class EngineModel:
             thread = threading.Thread(target=self.forward, args=(handle, sender, parsed, request, use), daemon=True,
                                       name=f"specbuild-forward-{handle.request_id}")
             with self.lock:
-                self.active[id(handle)] = (handle, thread)
+                self.active[handle.seq.seq_id] = (handle, thread)
             thread.start()
         return None
 
@@ -482,7 +482,7 @@ class EngineModel:
         if perf:
             seq = handle.seq
             block = getattr(getattr(self.engine, "cache", None), "block_size", 16)
-            values = perf_values(seq.drafted, seq.accepted, getattr(seq, "cached_tokens", 0),
+            values = perf_values(seq.tally.drafted, seq.tally.accepted, seq.tally.cached_tokens,
                                  len(seq.prompt_ids) + len(seq.output_ids), block)
             outputs += [pb_utils.Tensor(k, batched(v, b)) for k, v in values.items()]
         if logprobs is not None:
@@ -546,11 +546,11 @@ class EngineModel:
                 pass
         finally:
             with self.lock:
-                self.active.pop(id(handle), None)
+                self.active.pop(handle.seq.seq_id, None)
 
     def count(self, seq) -> None:
-        for name, value in (("generated_tokens", len(seq.output_ids)), ("draft_tokens", seq.drafted),
-                            ("accepted_draft_tokens", seq.accepted)):
+        for name, value in (("generated_tokens", len(seq.output_ids)), ("draft_tokens", seq.tally.drafted),
+                            ("accepted_draft_tokens", seq.tally.accepted)):
             if name in self.metrics and value:
                 with self.ipc_lock:
                     self.metrics[name][1].increment(value)

@@ -49,7 +49,7 @@ NO_NEEDS = Needs()  # a drafter that declares nothing reads nothing beyond the t
 class Proposal:
     """What `propose` hands the step: the drafts, and what the target's pass must return."""
 
-    drafts: dict = field(default_factory=dict)  # Sequence -> Draft
+    drafts: dict = field(default_factory=dict)  # seq_id -> Draft
     hidden: bool = False  # final-normed hidden states of the logit rows (a drafter reads them)
     aux_layers: tuple[int, ...] = ()  # target layers whose inputs `feature_seqs`' rows return
     feature_seqs: frozenset[int] = frozenset()  # seq_ids whose every row's features a drafter reads
@@ -79,6 +79,11 @@ class Verdict:
     length: int  # tokens whose K/V the target's cache keeps (chunk + accepted drafts)
     kv_moves: list[tuple[int, int]] = field(default_factory=list)  # (from, to) cache positions, applied first
     method: str | None = None  # the drafter whose draft was verified (None: plain or a prefill chunk)
+    # what the sequence's statistics count (SeqStats.on_pass, engine/sequence.py):
+    verify_pass: bool = False  # a decode pass: it chose tokens after the prompt (each yields accepted + 1)
+    gamma: int | None = None  # the depth plan_draft chose for this pass (None: none planned)
+    drafted: int = 0  # draft tokens verified (a tree's: its nodes)
+    depth_counts: list[int] = field(default_factory=list)  # drafts verified per position (a tree's: 1 per depth)
 
 
 def plain_next_token(seq, scores: torch.Tensor) -> int:
@@ -239,7 +244,7 @@ class Speculator:
                 on_error(seq, e, "choosing its drafts (its grammar's forced tokens, method, depth)")
                 continue
             if isinstance(choice, Draft):  # the grammar's forced tokens: a free draft, whatever the method
-                out.drafts[seq] = choice
+                out.drafts[seq.seq_id] = choice
             elif choice is not None:
                 by_method.setdefault(choice[0], []).append((seq, choice[1]))
         for method, pairs in by_method.items():
@@ -260,7 +265,7 @@ class Speculator:
                 found = draft is not None and len(draft) > 0
                 self.controller.found(seq, method, found)
                 if found:
-                    out.drafts[seq] = draft
+                    out.drafts[seq.seq_id] = draft
                 else:
                     self.controller.record(seq, method, 0, 0)
         out.hidden = hidden
@@ -341,20 +346,21 @@ class Speculator:
 
     def plan_draft(self, seq) -> "Draft | tuple[str, int] | None":
         """seq's drafting this step: the grammar's forced tokens (a Draft), (method, gamma > 0),
-        or None (plain). Records the choice (spec_state.method, gammas)."""
+        or None (plain). Records the choice (spec_state.method, spec_state.planned_gamma: settle
+        hands it to the pass's Verdict)."""
         forced = self.forced_draft(seq)
         if forced is not None:
-            seq.gammas.append(len(forced))
+            seq.spec_state.planned_gamma = len(forced)
             return forced
         method = self.choose_method(seq)
         seq.spec_state.method = method
         if method is None:
-            seq.gammas.append(0)
+            seq.spec_state.planned_gamma = 0
             return None
         gamma = self.controller.next(seq, method, self.cost_model(seq, method))
         # never draft past the sequence's room (its max tokens or the context limit)
         gamma = max(0, min(gamma, self.max_draft_len, seq.remaining - 1))
-        seq.gammas.append(gamma)
+        seq.spec_state.planned_gamma = gamma
         return (method, gamma) if gamma > 0 else None
 
     def propose_apart(self, method: str, pairs: list, batch_error: Exception) -> list:
@@ -429,6 +435,7 @@ class Speculator:
             return Verdict([], 0, [], length)
         draft = res.draft if res.draft is not None and len(res.draft) else None
         nodes: tuple[int, ...] = ()
+        depth_counts: list[int] = []
         if draft is None:
             tokens, accepted, rows = [plain_next_token(seq, res.scores[0])], 0, [0]
         elif draft.is_tree:
@@ -437,12 +444,15 @@ class Speculator:
             tokens, accepted, rows = list(verdict.tokens), len(nodes), [0, *nodes]
             seq.spec_state.candidate_sources = candidate_sources(draft, accepted, nodes)
             # by depth: the fraction of tree steps whose accepted path reached depth d + 1
-            self.record(seq, draft, len(draft), accepted, depth_counts=[1] * max(draft.depths))
+            depth_counts = [1] * max(draft.depths)
+            self.record(seq, draft, accepted, len(depth_counts))
         else:
             accepted, tokens = self.verify_chain(seq, draft, res.scores)
             rows = list(range(len(tokens)))
             seq.spec_state.candidate_sources = candidate_sources(draft, accepted)
-            self.record(seq, draft, len(draft), accepted)
+            depth_counts = [1] * len(draft)
+            self.record(seq, draft, accepted, len(draft))
+        gamma, seq.spec_state.planned_gamma = seq.spec_state.planned_gamma, None
         length = res.start + c + accepted
         root = res.start + c - 1  # cache position of the root (the chunk's last token)
         # a tree's accepted path moves into the positions right after the root; the other
@@ -458,7 +468,8 @@ class Speculator:
             features=None if res.features is None else res.features[torch.tensor(kept, dtype=torch.int64)],
             sources=seq.spec_state.candidate_sources if draft is not None else None))
         return Verdict(tokens, accepted, rows, length, moves, (seq.spec_state.method or draft.method) if draft
-                       is not None else None)
+                       is not None else None, verify_pass=draft is not None or (c == 1 and len(seq.output_ids) > 0),
+                       gamma=gamma, drafted=len(draft) if draft is not None else 0, depth_counts=depth_counts)
 
     def _observe(self, seq, uses: frozenset[str], obs: Observation) -> None:
         """The sequence's drafters read what they declared; then every drafter is trimmed to
@@ -500,17 +511,12 @@ class Speculator:
             return verify_tree_typical(draft.parents, node_tokens, target_probs, uniforms)
         return verify_tree_sampled(draft.parents, node_tokens, target_probs, uniforms)
 
-    def record(self, seq, draft, k: int, a: int, depth_counts: list[int] | None = None) -> None:
-        """Acceptance statistics: drafted tokens (tree: nodes), accepted, and by position."""
-        seq.drafted += k
-        seq.accepted += a
-        seq.count_by_position(depth_counts or [1] * k, a)
+    def record(self, seq, draft, a: int, depth: int) -> None:
+        """The depth controller learns of a verified draft: `a` of `depth` accepted (a tree's
+        depth, not its node count). The sequence's own statistics come with the Verdict."""
         if draft.method == GRAMMAR:  # free drafts say nothing about the drafters' acceptance
             return
-        method = seq.spec_state.method or draft.method
-        # a tree's "drafted" for the depth controller is its depth, not its node count
-        depth = len(depth_counts) if depth_counts else k
-        self.controller.record(seq, method, depth, a)
+        self.controller.record(seq, seq.spec_state.method or draft.method, depth, a)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def rollback(self, seq, length: int) -> None:

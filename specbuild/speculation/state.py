@@ -30,3 +30,6 @@ class SpecState:
     # Speculator.settle: the last verified draft's candidates by source and position
     # (proposers/base.candidate_sources), for telemetry
     candidate_sources: dict | None = None
+    # Speculator.plan_draft: the depth planned for this step, until settle hands it to the
+    # step's Verdict (the sequence's statistics: SeqStats.gammas)
+    planned_gamma: int | None = None

@@ -100,13 +100,14 @@ class TelemetrySink:
         reason = seq.finish_reason if seq.finished else None
         status = ("active" if not end else "completed" if reason in ("stop", "length")
                   else "failed" if reason == "error" else "aborted")
-        gammas = seq.gammas
+        t = seq.tally
+        gammas = t.gammas
         return (s.session_id, seq.request.request_id, s.created_at, time.time() if end else None, self.model_id,
                 spec.method if spec is not None else "none", getattr(spec, "tree", None), seq.content_type,
                 seq.content_type_source, self.source, self.run_id, len(seq.prompt_ids), len(seq.output_ids),
                 gammas[-1] if gammas else 0, sum(a for _, a in s.rolling), sum(d for d, _ in s.rolling),
-                seq.drafted, seq.accepted, seq.drafted - seq.accepted, seq.target_passes, seq.verify_passes,
-                seq.num_cached, stats["ttft_ms"] if stats and seq.t_first else None,
+                t.drafted, t.accepted, t.drafted - t.accepted, t.target_passes, t.verify_passes,
+                seq.num_cached, stats["ttft_ms"] if stats and t.t_first else None,
                 stats["tpot_ms"] if stats and len(seq.output_ids) > 1 else None, status, reason)
 
     def on_session_start(self, seq) -> None:
@@ -127,7 +128,7 @@ class TelemetrySink:
     @staticmethod
     def _sources(seq, step: StepRecord) -> str | None:
         """The step's candidate sources (schema.STEP_COLUMNS), as the speculator left them."""
-        sources = getattr(getattr(seq, "spec_state", None), "candidate_sources", None) if step.drafted else None
+        sources = seq.spec_state.candidate_sources if step.drafted else None
         return json.dumps(sources, separators=(",", ":")) if sources else None
 
     def on_session_end(self, seq) -> None:
@@ -136,7 +137,7 @@ class TelemetrySink:
 
     def on_event(self, seq, kind: str, detail: dict) -> None:
         s = self._session(seq) if seq is not None else None
-        self._put("event", (s.session_id if s else None, kind, seq.verify_passes if seq is not None else None,
+        self._put("event", (s.session_id if s else None, kind, seq.tally.verify_passes if seq is not None else None,
                             json.dumps(detail, default=str), time.time()))
 
     # ---- the writer thread ------------------------------------------------------------------------

@@ -78,6 +78,6 @@ def test_choices_that_share_a_prefill_share_its_logprobs(engine):
     second = engine.submit(Request(prompt_ids=list(PROMPT), prompt_logprobs=2, shares_prompt_with=first,
                                    sampling=SamplingParams(max_tokens=2, ignore_eos=True, seed=3, temperature=0.7)))
     engine.run_until_done()
-    assert second.seq.extra_stats.get("stat_shared_prefill_tokens") == len(PROMPT) - 1  # it did not prefill
+    assert second.seq.tally.extra.get("stat_shared_prefill_tokens") == len(PROMPT) - 1  # it did not prefill
     assert len(first.seq.prompt_logprobs) == len(PROMPT) - 1
     assert second.seq.prompt_logprobs == first.seq.prompt_logprobs

@@ -82,8 +82,8 @@ def test_medusa_requests_draft_on_minedraft_steps(bundle):
         if method == "medusa":
             # every decode step after the first drafts a tree: the hidden state was there on
             # MineDraft steps too (before the fix, only ordinary steps carried it)
-            drafted_steps = seq.drafted_by_pos[0] if seq.drafted_by_pos else 0  # tree steps with drafts
-            assert drafted_steps >= seq.verify_passes - 1, (drafted_steps, seq.verify_passes)
+            drafted_steps = seq.tally.drafted_by_pos[0] if seq.tally.drafted_by_pos else 0  # tree steps with drafts
+            assert drafted_steps >= seq.tally.verify_passes - 1, (drafted_steps, seq.tally.verify_passes)
     assert sum(r["stats"]["accepted"] for r, m in zip(results, methods) if m == "medusa") > 0
 
 
@@ -94,7 +94,7 @@ def test_stats_count_every_running_request_during_a_minedraft_step(bundle):
 
     def spy(fn):  # inside the step (planning, forward), as a lock-free reader would see it
         def wrapped(*args, **kwargs):
-            admitted = sum(1 for h in handles if h.seq.t_admit is not None and not h.seq.finished)
+            admitted = sum(1 for h in handles if h.seq.tally.t_admit is not None and not h.seq.finished)
             seen.append((engine.stats()["running"], admitted))
             return fn(*args, **kwargs)
         return wrapped

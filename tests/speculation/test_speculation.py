@@ -147,7 +147,7 @@ def test_length_mismatch_is_repaired_by_re_prefill(spec_bundle, caplog):
     with caplog.at_level("WARNING"):
         r = h.result()
     assert r["token_ids"] == plain["token_ids"]
-    assert seq.repairs == 1
+    assert seq.tally.repairs == 1
     assert "re-prefilling" in caplog.text
 
 

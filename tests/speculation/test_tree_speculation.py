@@ -113,7 +113,7 @@ def test_kv_after_tree_steps_equals_plain_prefill(engine):
     for _ in range(8):
         engine.step()
     seq = h.seq
-    assert seq.accepted > 0 and not seq.finished
+    assert seq.tally.accepted > 0 and not seq.finished
     n = seq.num_cached
     cache = engine.cache
     slots = cache.slots(seq.seq_id, 0, n)
