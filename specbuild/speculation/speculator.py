@@ -28,7 +28,7 @@ from specbuild.speculation.goodput import GoodputSwitch
 from specbuild.speculation.gamma import CostModel, GammaController, TreeCostModel, best_gamma, expected_tokens
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.decoder import Decoder
-from specbuild.sampling.params import argmax_ids, check_logits, sample_from, warp_probs
+from specbuild.sampling.params import checked_argmax, sample_from, warp_probs
 from specbuild.speculation.proposers.base import Draft, Needs, Observation, candidate_sources
 from specbuild.sampling.acceptance import verify_chain_greedy, verify_chain_sampled, verify_tree_greedy, verify_tree_sampled, verify_tree_typical
 
@@ -90,8 +90,7 @@ def plain_next_token(seq, scores: torch.Tensor) -> int:
     """Sample one token from scores [vocab] (already `process_logits`ed) with the request's
     params and generator."""
     if seq.params.greedy:
-        check_logits(scores)
-        return argmax_ids(scores)[0]
+        return checked_argmax(scores)
     probs = warp_probs(scores.unsqueeze(0), seq.params)
     return int(sample_from(probs, seq.uniforms(1))[0])
 

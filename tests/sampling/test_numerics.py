@@ -8,6 +8,7 @@ every method the draft-pair bundle serves (Medusa and EAGLE: beside their bundle
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 from specbuild.errors import NumericsError, RequestError
 from specbuild.sampling.acceptance import (verify_chain_greedy, verify_chain_sampled, verify_tree_greedy,
                                            verify_tree_sampled, verify_tree_typical)
-from specbuild.sampling.params import TEMPERATURE_FLOOR, SamplingParams, sample_from, warp_probs
+from specbuild.sampling.params import TEMPERATURE_FLOOR, SamplingParams, argmax_ids, checked_argmax, sample_from, warp_probs
 
 VOCAB = 24
 FAST = settings(max_examples=60, deadline=None, derandomize=True, database=None)  # same examples every run: CI cannot flake
@@ -149,3 +150,22 @@ def test_extreme_parameters_through_every_method(engine):
     seen = check_extreme(engine, ["none", "ngram", "draft", "recycle"], [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8],
                          examples=16)
     assert sum(seen.values()) >= 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_checked_argmax_picks_the_greedy_token_and_refuses_what_check_logits_refuses(dtype):
+    """One pass gives the argmax and the check: a usable row gives argmax_ids' token (first of
+    ties); a NaN anywhere, a +inf, or a row of -inf raise NumericsError naming the reason."""
+    row = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(dtype)
+    assert checked_argmax(row) == argmax_ids(row)[0]
+    tied = torch.zeros(10, dtype=dtype)
+    tied[[4, 7]] = 2.0
+    tied[0] = float("-inf")
+    assert checked_argmax(tied) == 4
+    for bad, why in ((999, "NaN"), (500, "+inf")):
+        r = row.clone()
+        r[bad] = float("nan") if why == "NaN" else float("inf")
+        with pytest.raises(NumericsError, match=re.escape(why)):
+            checked_argmax(r)
+    with pytest.raises(NumericsError, match="no finite entry"):
+        checked_argmax(torch.full((10,), float("-inf"), dtype=dtype))
