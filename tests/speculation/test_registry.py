@@ -59,14 +59,20 @@ TOY = textwrap.dedent('''
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21, 22, 20, 21], list(range(30, 60))]
 
 
+def registered(tmp_path, monkeypatch, name: str, source: str):
+    """A drafter module written to tmp_path and registered under `name` (a fixture's body:
+    yields the name, then unregisters it and forgets the module)."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.register(name, name)
+    yield name
+    registry.unregister(name)
+    sys.modules.pop(name, None)
+
+
 @pytest.fixture
 def toy_drafter(tmp_path, monkeypatch):
-    (tmp_path / "toy_bigram.py").write_text(TOY)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    registry.register("toy_bigram", "toy_bigram")
-    yield "toy_bigram"
-    registry.unregister("toy_bigram")
-    sys.modules.pop("toy_bigram", None)
+    yield from registered(tmp_path, monkeypatch, "toy_bigram", TOY)
 
 
 def run(engine, method):
@@ -139,12 +145,7 @@ CAPPED = textwrap.dedent('''
 
 @pytest.fixture
 def capped_drafter(tmp_path, monkeypatch):
-    (tmp_path / "toy_capped.py").write_text(CAPPED)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    registry.register("toy_capped", "toy_capped")
-    yield "toy_capped"
-    registry.unregister("toy_capped")
-    sys.modules.pop("toy_capped", None)
+    yield from registered(tmp_path, monkeypatch, "toy_capped", CAPPED)
 
 
 def test_a_drafter_with_a_setting_is_one_module_and_its_setting_reaches_every_front_end(tiny_bundle, capped_drafter,
