@@ -389,7 +389,7 @@ class Engine(BaseEngine):
         fmt = ResponseFormat.parse(request.response_format) if isinstance(request.response_format, dict) \
             else request.response_format
         if fmt is not None:
-            seq.constraint = self.grammar().constraint(fmt)
+            seq.admission.constraint = self.grammar().constraint(fmt)
         self.assign_content_type(request, seq)
         need = self.scheduler.block_budget(seq)
         if need > self.cache.num_blocks:
@@ -481,14 +481,16 @@ class Engine(BaseEngine):
         if request.content_type is not None:
             from specbuild.speculation.policy import check_content_type
 
-            seq.content_type, seq.content_type_source = check_content_type(request.content_type), "request"
+            seq.admission.content_type = check_content_type(request.content_type)
+            seq.admission.content_type_source = "request"
         elif self.policies is not None or self.scheduler.sink.enabled:
             from specbuild.speculation.policy import classify_prompt
 
             text = request.prompt if request.prompt is not None else self.tokenizer.decode(seq.prompt_ids[-2048:])
-            seq.content_type, seq.content_type_source = classify_prompt(text), "classifier"
+            seq.admission.content_type = classify_prompt(text)
+            seq.admission.content_type_source = "classifier"
         if self.policies is not None and seq.spec is not None and seq.spec.enabled:
-            seq.gamma_policy = self.policies.lookup(seq.content_type, seq.spec.method)
+            seq.admission.gamma_policy = self.policies.lookup(seq.content_type, seq.spec.method)
 
     def _extra_stats(self) -> dict:
         """With a telemetry sink attached (set_sink), its counters in stats():

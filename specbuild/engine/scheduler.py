@@ -117,7 +117,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            seq.budget_blocks = need
+            seq.admission.budget_blocks = need
             self.budget_blocks += need
             self.cache.add(seq.seq_id, salt_root(seq.request.cache_salt))
             seq.tally.on_admit()
@@ -135,7 +135,7 @@ class Scheduler:
         """Whether seq may start from recorded blocks: prefix caching is on and it asks for no
         prompt logprobs (those come from its own prefill's rows). A sibling choice of `n` > 1
         takes its source's blocks instead (share_prefills), adopted prefix included."""
-        return self.prefix_cache and seq.request.prompt_logprobs is None and seq.prefill_source is None
+        return self.prefix_cache and seq.request.prompt_logprobs is None and seq.admission.prefill_source is None
 
     def adopt_prefix(self, seq: Sequence, first: bool = False) -> None:
         """Extend seq's cached text with the longest run of recorded blocks that continues its
@@ -189,7 +189,7 @@ class Scheduler:
             self.record_prefix(seq)
         if was_running:
             self.running.remove(seq)
-            self.budget_blocks -= seq.budget_blocks
+            self.budget_blocks -= seq.admission.budget_blocks
         self.cache.release(seq.seq_id)
         self.speculator.release(seq)
         if was_running and self.sink.enabled:
@@ -212,7 +212,7 @@ class Scheduler:
             self.cache.release(seq.seq_id)
             if seq in self.running:
                 self.running.remove(seq)
-                self.budget_blocks -= seq.budget_blocks
+                self.budget_blocks -= seq.admission.budget_blocks
 
     def fail_sequence(self, seq: Sequence, exc: BaseException, while_: str) -> None:
         """`exc` was raised for seq alone: end that request with an error naming the cause
@@ -298,7 +298,7 @@ class Scheduler:
         inflight: set[bytes] = set()  # hashes of the prompt blocks this step's prefill chunks complete
         for seq in running:
             pending = seq.all_ids[seq.num_cached:]
-            if len(pending) > 1 and seq.seq_id not in drafts and budget > 0 and seq.prefill_source is None:
+            if len(pending) > 1 and seq.seq_id not in drafts and budget > 0 and seq.admission.prefill_source is None:
                 if self.prefix_cache and seq.num_cached < len(seq.prompt_ids) - 1 and self.reuses_prefix(seq):
                     self.adopt_prefix(seq)  # blocks others computed since: a batch with one system prompt
                     pending = seq.all_ids[seq.num_cached:]
@@ -316,12 +316,12 @@ class Scheduler:
         token is run as the sequence's first decode step. Until then they
         wait (no prefill chunk of their own); if the source is gone first, they prefill."""
         for seq in running:
-            src = seq.prefill_source
+            src = seq.admission.prefill_source
             if src is None:
                 continue
             n = len(seq.prompt_ids) - 1
             if n <= 0 or seq.num_cached or src.finished or src.seq_id not in self.cache.seqs or src not in self.running:
-                seq.prefill_source = None  # prefill as usual
+                seq.admission.prefill_source = None  # prefill as usual
                 continue
             if src.num_cached < n:
                 continue  # wait: the source is still prefilling
@@ -329,8 +329,8 @@ class Scheduler:
             seq.set_cached(n)
             self.set_cache_lengths(seq, n)
             if seq.request.prompt_logprobs is not None:  # the prompt is the source's: so are its logprobs
-                seq.score_prompt(list(src.prompt_logprobs), src.prompt_scored)
-            seq.prefill_source = None
+                seq.scoring.score_prompt(list(src.scoring.prompt_logprobs), src.scoring.prompt_scored)
+            seq.admission.prefill_source = None
             seq.tally.note("stat_shared_prefill_tokens", n)
 
     def run_step(self) -> int:

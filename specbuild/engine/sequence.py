@@ -51,11 +51,13 @@ class Event:
 
 
 class Sequence:
-    """Scheduler state of one request: its token state, with its statistics (`tally`, a
-    SeqStats), the speculator's state (`spec_state`) and its `handle` as parts. Owned by the
-    step loop's thread. Each field has one writer (tests/engine/test_sequence_record.py):
-    these methods, or the one module that owns it (the step the logprobs, the scheduler the KV
-    budget, the engine what it decides at submit)."""
+    """Scheduler state of one request: its token state, with its parts: the output's text and
+    what ends it (`ending`, an Ending), its logprobs (`scoring`, a Scoring), what was decided
+    as it came in (`admission`, an Admission), its statistics (`tally`, a SeqStats), the
+    speculator's state (`spec_state`) and its `handle`. Owned by the step loop's thread. Each
+    field has one writer (tests/engine/test_sequence_record.py): these methods, the part's own
+    methods, or the one module that owns it (the engine what it decides at submit, the
+    scheduler the KV budget and the prompt source)."""
 
     def __init__(self, request: Request, prompt_ids: list[int], params: SamplingParams, spec, tokenizer,
                  eos_ids: tuple[int, ...], max_total_len: int, prefill_source: Sequence | None = None) -> None:
@@ -65,27 +67,30 @@ class Sequence:
         self.output_ids: list[int] = []
         self.params = params  # seeded
         self.spec = spec
-        # a running Sequence whose prompt K/V this one copies (the scheduler's share_prefills clears it)
-        self.prefill_source = prefill_source
-        self.constraint = None  # sampling.constraint.Constraint when the request asks for structured output
-        self.logprobs: list = []  # per output token, when request.logprobs is set
-        self.prompt_logprobs: list = []  # prompt tokens 1.. when request.prompt_logprobs is set (plain numbers)
-        self.prompt_scored = 0  # prompt positions whose next-token logprob is in prompt_logprobs
         self.generator = torch.Generator().manual_seed(params.seed)
-        self.eos_ids = () if params.ignore_eos else tuple(eos_ids) + tuple(params.stop_token_ids)
-        self.max_total_len = max_total_len
         self.num_cached = 0  # tokens of all_ids whose K/V are in the target cache (set_cached)
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.stop_filter = StopStringFilter(params.stop)
         self.finish_reason: str | None = None  # set when it ends (finished): stop | length | abort | error
-        self.text = ""
-        self.handle: Handle | None = None
+        self.ending = Ending(tokenizer, params, eos_ids, max_total_len)  # its text and what ends it
+        self.scoring = Scoring()  # its logprobs (the step's), written by Scoring's methods only
+        self.admission = Admission(prefill_source)  # what the engine and the scheduler decided for it
         self.tally = SeqStats()  # its statistics: written by SeqStats' own methods only
-        self.budget_blocks = 0  # KV blocks the scheduler promised this sequence at admission
         self.spec_state = SpecState()  # the speculator's and drafters' state (speculation/state.py)
-        self.content_type: str | None = None  # set by Engine.submit (the request's, or classified)
-        self.content_type_source: str | None = None  # request | classifier
-        self.gamma_policy = None  # speculation.policy.GammaPolicy the controller starts from, or None
+        self.handle: Handle | None = None
+
+    @property
+    def text(self) -> str:
+        """The output's text so far (`ending.text`)."""
+        return self.ending.text
+
+    @property
+    def content_type(self) -> str | None:
+        """The request's content type (`admission.content_type`): its own, or classified."""
+        return self.admission.content_type
+
+    @property
+    def constraint(self):
+        """The grammar constraint of a structured-output request (`admission.constraint`), or None."""
+        return self.admission.constraint
 
     @property
     def all_ids(self) -> list[int]:
@@ -98,7 +103,7 @@ class Sequence:
     @property
     def remaining(self) -> int:
         """Tokens this sequence may still generate: its max_tokens and the context limit."""
-        return min(self.params.max_tokens - len(self.output_ids), self.max_total_len - self.total_len)
+        return min(self.params.max_tokens - len(self.output_ids), self.ending.max_total_len - self.total_len)
 
     @property
     def finished(self) -> bool:
@@ -119,23 +124,22 @@ class Sequence:
         """
         kept: list[int] = []
         now = time.perf_counter()
+        ending, constraint = self.ending, self.admission.constraint
         for tok in tokens:
             self.output_ids.append(tok)
             kept.append(tok)
-            if tok in self.eos_ids:
+            if tok in ending.eos_ids:
                 self._finish("stop")
                 break
-            if self.constraint is not None:
-                self.constraint.advance(tok)
-            new_text = self.stop_filter.push(self.detok.push([tok]))
-            self.text += new_text
-            if self.stop_filter.stopped:
+            if constraint is not None:
+                constraint.advance(tok)
+            if ending.push(tok):  # a stop string
                 self._finish("stop")
                 break
-            if self.constraint is not None and self.constraint.finished:  # the grammar is complete
+            if constraint is not None and constraint.finished:  # the grammar is complete
                 self._finish("stop")
                 break
-            if len(self.output_ids) >= self.params.max_tokens or self.total_len >= self.max_total_len:
+            if len(self.output_ids) >= self.params.max_tokens or self.total_len >= ending.max_total_len:
                 self._finish("length")
                 break
         self.tally.on_tokens(len(kept), now)
@@ -163,12 +167,6 @@ class Sequence:
         if self.handle is not None:
             self.handle._emit(Event([], "", True, "abort"))
 
-    def score_prompt(self, logprobs: list, upto: int) -> None:
-        """Prompt logprobs of the positions before `upto` (prompt_logprobs): the step's, or its
-        prompt source's (share_prefills) when it copies them."""
-        self.prompt_logprobs += logprobs
-        self.prompt_scored = upto
-
     def set_cached(self, length: int) -> None:
         """The target's cache holds `length` tokens of all_ids: the one writer of num_cached
         (a step's commit, a prefix adopted, a shared prompt copied, a repair's 0)."""
@@ -176,9 +174,7 @@ class Sequence:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
-        if not self.stop_filter.stopped:
-            self.text += self.stop_filter.push(self.detok.flush())
-            self.text += self.stop_filter.flush()
+        self.ending.flush()
 
     def stats(self) -> dict[str, Any]:
         t = self.tally
@@ -209,6 +205,71 @@ class Sequence:
             **t.extra,
             "content_type": self.content_type,
         }
+
+
+class Ending:
+    """A sequence's output text and what ends the output (`seq.ending`): the stop token ids
+    (EOS and the request's stop_token_ids, none under ignore_eos), the context limit, the
+    incremental detokenizer and the stop-string filter. Only `push` and `flush` write `text`;
+    the other fields are set here once. `Sequence.append_tokens` asks it, with the grammar
+    and max_tokens, whether the output ends."""
+
+    def __init__(self, tokenizer, params: SamplingParams, eos_ids: tuple[int, ...], max_total_len: int) -> None:
+        self.eos_ids = () if params.ignore_eos else tuple(eos_ids) + tuple(params.stop_token_ids)
+        self.max_total_len = max_total_len  # prompt + output tokens at most (the context)
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stop_filter = StopStringFilter(params.stop)
+        self.text = ""
+
+    def push(self, tok: int) -> bool:
+        """Append the text of one output token (what the stop filter lets through); True when
+        a stop string ended the output."""
+        self.text += self.stop_filter.push(self.detok.push([tok]))
+        return self.stop_filter.stopped
+
+    def flush(self) -> None:
+        """The output ended: the detokenizer's and the stop filter's held-back text (none after
+        a stop string)."""
+        if not self.stop_filter.stopped:
+            self.text += self.stop_filter.push(self.detok.flush())
+            self.text += self.stop_filter.flush()
+
+
+class Scoring:
+    """A sequence's logprobs (`seq.scoring`), kept when its request asks for them; only these
+    methods write its fields (the step calls them, the scheduler's share_prefills copies a
+    prompt source's)."""
+
+    def __init__(self) -> None:
+        self.logprobs: list = []  # per output token (request.logprobs): (logprob, [(id, logprob), ...])
+        self.prompt_logprobs: list = []  # prompt tokens 1.. (request.prompt_logprobs), as logprobs
+        self.prompt_scored = 0  # prompt positions whose next-token logprob is in prompt_logprobs
+
+    def add(self, logprobs: list) -> None:
+        """The logprobs of the output tokens just kept."""
+        self.logprobs += logprobs
+
+    def score_prompt(self, logprobs: list, upto: int) -> None:
+        """Prompt logprobs of the positions before `upto` (prompt_logprobs): the step's, or its
+        prompt source's (share_prefills) when it copies them."""
+        self.prompt_logprobs += logprobs
+        self.prompt_scored = upto
+
+
+class Admission:
+    """What was decided for a sequence as it came in (`seq.admission`), each field by one
+    owner: at submit the engine (Engine._new_sequence, assign_content_type) its grammar
+    constraint, content type and gamma policy; at admission the scheduler its KV budget, and
+    whether it copies a running sequence's prompt (share_prefills clears `prefill_source`)."""
+
+    def __init__(self, prefill_source: Sequence | None = None) -> None:
+        self.constraint = None  # sampling.constraint.Constraint when the request asks for structured output
+        self.content_type: str | None = None  # the request's, or classified (Engine.assign_content_type)
+        self.content_type_source: str | None = None  # request | classifier
+        self.gamma_policy = None  # speculation.policy.GammaPolicy the controller starts from, or None
+        # a running Sequence whose prompt K/V this one copies (the scheduler's share_prefills clears it)
+        self.prefill_source = prefill_source
+        self.budget_blocks = 0  # KV blocks the scheduler promised this sequence at admission
 
 
 class SeqStats:
@@ -343,8 +404,8 @@ class Handle:
             pass
         s = self.seq
         return {"text": s.text, "token_ids": list(s.output_ids), "finish_reason": s.finish_reason,
-                "stats": s.stats(), **({"logprobs": logprob_records(s.logprobs)} if s.request.logprobs is not None
-                                       else {}),
+                "stats": s.stats(),
+                **({"logprobs": logprob_records(s.scoring.logprobs)} if s.request.logprobs is not None else {}),
                 **({"error": self.error, "error_status": self.error_status} if self.error else {})}
 
 

@@ -168,7 +168,7 @@ def prompt_score_span(it: WorkItem) -> tuple[int, int] | None:
     seq = it.seq
     if seq.request.prompt_logprobs is None:
         return None
-    p0 = max(it.start, seq.prompt_scored)
+    p0 = max(it.start, seq.scoring.prompt_scored)
     p1 = min(it.start + len(it.chunk), len(seq.prompt_ids) - 1)
     return (p0, p1) if p1 > p0 else None
 
@@ -257,8 +257,8 @@ class StepRunner:
         seq = it.seq
         if score_rows is not None:  # the prompt's logprobs: plain numbers kept, the rows let go
             p0, p1 = it.score
-            seq.score_prompt(token_logprobs(score_rows, seq.params, seq.prompt_ids[p0 + 1:p1 + 1],
-                                            seq.request.prompt_logprobs), p1)
+            seq.scoring.score_prompt(token_logprobs(score_rows, seq.params, seq.prompt_ids[p0 + 1:p1 + 1],
+                                                    seq.request.prompt_logprobs), p1)
         if not it.completes:
             verdict = self.speculator.settle(seq, PassResult(it.start, it.chunk, features=feats))
             seq.tally.on_pass(verdict)
@@ -287,7 +287,7 @@ class StepRunner:
         lps = None
         if seq.request.logprobs is not None:
             lps = chosen[:len(kept)]
-            seq.logprobs += lps
+            seq.scoring.add(lps)
         sink = self.owner.sink
         if sink.enabled and verdict.verify_pass:
             self.record_step(seq, it, verdict, len(kept), proposal, batch_size)

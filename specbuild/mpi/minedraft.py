@@ -198,9 +198,9 @@ class TwoBatchPlanning:
         assert not {s.seq_id for s in self.batches[0]} & {s.seq_id for s in self.batches[1]}
         self.balance = len(self.batches[0]) - len(self.batches[1])
 
-    def draft_orders(self, spec, batch: list) -> list[tuple[object, int]]:
+    def draft_orders(self, speculator, batch: list) -> list[tuple[object, int]]:
         """(seq, gamma) for the batch to draft: the speculator's method and depth choices."""
-        return [(seq, gamma) for seq in batch if (gamma := spec.depth_for(seq, "draft")) is not None]
+        return [(seq, gamma) for seq in batch if (gamma := speculator.depth_for(seq, "draft")) is not None]
 
     def step(self, scheduler) -> int:
         running = scheduler.begin_step()  # admitted, caches repaired

@@ -613,7 +613,8 @@ class Call:
     id: str
     created: int
     n: int = 1
-    echo_scores: bool = False  # echo + logprobs: each choice's prefill scores the prompt (Sequence.prompt_logprobs)
+    # echo + logprobs: each choice's prefill scores the prompt (Sequence.scoring.prompt_logprobs)
+    echo_scores: bool = False
     logprobs: str | None = None  # "chat" | "completions": how to shape them; None: not asked for
     body: BaseModel | None = None  # the parsed body (errors name the field the client wrote)
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
@@ -981,12 +982,13 @@ class OpenAIServer:
             prompt = call.prompt_of(i)
             if call.tools is not None:
                 choices.append(call.tools.final_choice(call, h.seq, i, shape_logprobs(
-                    call, tok, h.seq.output_ids, h.seq.logprobs, h.seq.text)))
+                    call, tok, h.seq.output_ids, h.seq.scoring.logprobs, h.seq.text)))
                 continue
             choices.append(choice(call, (prompt.echo or "") + output_text(call, tok, h.seq), h.seq.output_ids,
                                   h.seq.finish_reason, True,
                                   index=i, logprobs=join_logprobs(echo_logprobs(call, tok, h.seq), shape_logprobs(
-                                      call, tok, h.seq.output_ids, h.seq.logprobs, h.seq.text, prompt.echo))))
+                                      call, tok, h.seq.output_ids, h.seq.scoring.logprobs, h.seq.text,
+                                      prompt.echo))))
         return JSONResponse(envelope(call, self.model_name, choices, False, usage=usage(call, [h.seq for h in handles])),
                             headers=call.headers())
 
@@ -1238,7 +1240,7 @@ def output_text(call: Call, tokenizer, seq) -> str:
     if not call.special_text:
         return seq.text
     ids = list(seq.output_ids)
-    if seq.finish_reason == "stop" and ids and ids[-1] in seq.eos_ids:
+    if seq.finish_reason == "stop" and ids and ids[-1] in seq.ending.eos_ids:
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=False)
 
@@ -1246,7 +1248,7 @@ def output_text(call: Call, tokenizer, seq) -> str:
 def special_piece(detok, seq, event) -> str:
     """The text of one streamed event with skip_special_tokens false (output_text's, piece by piece)."""
     ids = list(event.token_ids)
-    if event.finished and event.finish_reason == "stop" and ids and ids[-1] in seq.eos_ids:
+    if event.finished and event.finish_reason == "stop" and ids and ids[-1] in seq.ending.eos_ids:
         ids = ids[:-1]
     text = detok.push(ids)
     return text + detok.flush() if event.finished else text
@@ -1344,7 +1346,7 @@ def echo_logprobs(call: Call, tokenizer, seq) -> dict[str, Any] | None:
     from the choice's sequence: its prompt ids and the logprobs its prefill computed."""
     if not call.echo_scores:
         return None
-    ids, items = seq.prompt_ids, seq.prompt_logprobs
+    ids, items = seq.prompt_ids, seq.scoring.prompt_logprobs
 
     def piece(i: int) -> str:
         return tokenizer.decode([i], skip_special_tokens=False)

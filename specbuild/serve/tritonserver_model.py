@@ -531,7 +531,7 @@ class EngineModel:
                             text, calls = [message["content"] or ""], json.dumps(message.get("tool_calls") or [])
                         if parsed.exclude_input is False:  # the ensemble's default: prompt + generated text
                             text.insert(0, parsed.prompt)
-                        lps = list(handle.seq.logprobs) if parsed.logprobs else None
+                        lps = list(handle.seq.scoring.logprobs) if parsed.logprobs else None
                         self.send(sender, self.response("".join(text), handle, parsed.perf, lps, calls), final)
                 if event.finished:
                     self.count(handle.seq)

@@ -8,7 +8,7 @@ g = 0 is plain decoding (1 token per verify_cost(1)). When acceptance stays low,
 chosen; every `probe_every` plain steps one probe step at gamma_max re-measures acceptance
 so speculation can come back when the text turns predictable.
 
-A sequence with a gamma policy (speculation/policy.py, `seq.gamma_policy`) starts from the
+A sequence with a gamma policy (speculation/policy.py, `seq.admission.gamma_policy`) starts from the
 policy's gamma_default and acceptance prior instead of the global ones, moves within the
 policy's bounds, and is switched to plain decoding (speculation off, probes as above) once
 its rolling acceptance stayed below the policy's alpha_threshold for collapse_steps steps.
@@ -21,6 +21,13 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+
+
+def gamma_policy(seq):
+    """seq's gamma policy (`seq.admission.gamma_policy`), or None: also for a sequence without
+    an admission record (the drafters' and the tests' stand-ins)."""
+    admission = getattr(seq, "admission", None)
+    return admission.gamma_policy if admission is not None else None
 
 @dataclass
 class CostModel:
@@ -124,7 +131,7 @@ class GammaController:
         history = self.state(seq).of(method)
         drafted = sum(d for d, _ in history)
         accepted = sum(a for _, a in history)
-        policy = getattr(seq, "gamma_policy", None)
+        policy = gamma_policy(seq)
         if policy is not None:
             return (accepted + self.policy_weight * policy.prior_alpha) / (drafted + self.policy_weight)
         # a weak prior (2 pseudo-drafts) keeps the first steps from swinging to extremes
@@ -150,7 +157,7 @@ class GammaController:
         if not spec.dynamic:
             return spec.gamma
         st = self.state(seq)
-        policy = getattr(seq, "gamma_policy", None)
+        policy = gamma_policy(seq)
         lo, hi = policy.bounds(spec.gamma_min, spec.gamma_max) if policy is not None else (spec.gamma_min, spec.gamma_max)
         if not st.of(method):
             if policy is not None:
@@ -187,7 +194,7 @@ class GammaController:
         if drafted > 0:
             st = self.state(seq)
             st.of(method).append((drafted, accepted))
-            policy = getattr(seq, "gamma_policy", None)
+            policy = gamma_policy(seq)
             if policy is not None and seq.spec.dynamic:
                 self._watch_collapse(seq, method, st, policy, drafted, accepted)
 

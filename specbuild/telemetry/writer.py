@@ -103,8 +103,8 @@ class TelemetrySink:
         t = seq.tally
         gammas = t.gammas
         return (s.session_id, seq.request.request_id, s.created_at, time.time() if end else None, self.model_id,
-                spec.method if spec is not None else "none", getattr(spec, "tree", None), seq.content_type,
-                seq.content_type_source, self.source, self.run_id, len(seq.prompt_ids), len(seq.output_ids),
+                spec.method if spec is not None else "none", getattr(spec, "tree", None), seq.admission.content_type,
+                seq.admission.content_type_source, self.source, self.run_id, len(seq.prompt_ids), len(seq.output_ids),
                 gammas[-1] if gammas else 0, sum(a for _, a in s.rolling), sum(d for d, _ in s.rolling),
                 t.drafted, t.accepted, t.drafted - t.accepted, t.target_passes, t.verify_passes,
                 seq.num_cached, stats["ttft_ms"] if stats and t.t_first else None,

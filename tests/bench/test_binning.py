@@ -63,7 +63,7 @@ def test_padded_batch_adds_filler_rows_only(prompt_logprobs):
     """Every decode item (plain, chain, tree) runs as wide as the widest, its filler after its own
     rows at the next positions; a prefill chunk is not padded; the logit rows are the items' own."""
     def seq(i):
-        return SimpleNamespace(seq_id=i, prompt_ids=list(range(10)), prompt_scored=0,
+        return SimpleNamespace(seq_id=i, prompt_ids=list(range(10)), scoring=SimpleNamespace(prompt_scored=0),
                                request=SimpleNamespace(prompt_logprobs=prompt_logprobs))
 
     tree = Draft(tokens=[7, 8, 9], parents=(-1, 0, 0, 1), depths=[1, 1, 2],

@@ -51,7 +51,7 @@ def run(engine, reqs: list[Request]) -> list[dict]:
     out = []
     for h in handles:
         r = h.result()
-        r["raw_logprobs"], r["raw_prompt_logprobs"] = list(h.seq.logprobs), list(h.seq.prompt_logprobs)
+        r["raw_logprobs"], r["raw_prompt_logprobs"] = list(h.seq.scoring.logprobs), list(h.seq.scoring.prompt_logprobs)
         out.append(r)
     return out
 

@@ -37,15 +37,15 @@ def test_prompt_logprobs_by_the_prefill_equal_one_forward_per_prefix(engine):
     beside = engine.submit(plain(other))  # batched with the scored prefill
     engine.run_until_done()
     seq = h.seq
-    assert len(seq.prompt_logprobs) == len(PROMPT) - 1 and seq.prompt_scored == len(PROMPT) - 1
+    assert len(seq.scoring.prompt_logprobs) == len(PROMPT) - 1 and seq.scoring.prompt_scored == len(PROMPT) - 1
     for i in range(1, len(PROMPT)):
         logp = torch.log_softmax(last_logits(engine, PROMPT[:i]).double(), -1)
-        lp, top = seq.prompt_logprobs[i - 1]
+        lp, top = seq.scoring.prompt_logprobs[i - 1]
         assert lp == pytest.approx(float(logp[PROMPT[i]]), abs=1e-5), i  # float32 warping, as every logprob
         assert [t for t, _ in top] == logp.topk(2).indices.tolist()
     # plain numbers only: no row of logits outlives the step that made it
     assert all(isinstance(lp, float) and all(isinstance(t, int) and isinstance(v, float) for t, v in top)
-               for lp, top in seq.prompt_logprobs)
+               for lp, top in seq.scoring.prompt_logprobs)
     assert beside.result()["token_ids"] == alone  # its neighbour's answer did not change
     assert h.result()["token_ids"] == engine.generate([plain(PROMPT, 3)])[0]["token_ids"]
     assert engine.cache.used_blocks == 0
@@ -68,7 +68,7 @@ def test_bad_prompts_are_refused_before_any_forward(engine, monkeypatch):
 def test_an_aborted_scored_prefill_frees_everything(engine):
     h = engine.submit(scored(PROMPT * 3, max_tokens=8))
     engine.step()  # the first chunk of three
-    assert 0 < h.seq.prompt_scored < len(PROMPT) * 3 - 1 and engine.cache.used_blocks > 0
+    assert 0 < h.seq.scoring.prompt_scored < len(PROMPT) * 3 - 1 and engine.cache.used_blocks > 0
     engine.abort(h)
     assert h.seq.finish_reason == "abort" and engine.cache.used_blocks == 0 and not engine.has_work()
 
@@ -79,5 +79,5 @@ def test_choices_that_share_a_prefill_share_its_logprobs(engine):
                                    sampling=SamplingParams(max_tokens=2, ignore_eos=True, seed=3, temperature=0.7)))
     engine.run_until_done()
     assert second.seq.tally.extra.get("stat_shared_prefill_tokens") == len(PROMPT) - 1  # it did not prefill
-    assert len(first.seq.prompt_logprobs) == len(PROMPT) - 1
-    assert second.seq.prompt_logprobs == first.seq.prompt_logprobs
+    assert len(first.seq.scoring.prompt_logprobs) == len(PROMPT) - 1
+    assert second.seq.scoring.prompt_logprobs == first.seq.scoring.prompt_logprobs

@@ -1,11 +1,14 @@
 """The request record's parts and their writers (engine/sequence.py): an AST scan of specbuild/.
 
-Each part declares its fields in its own __init__ (not counted as a write); a field is then
-written by one owner. A write is
-an assignment (plain, augmented, annotated, in a tuple, or into an item: `x.f[k] = v`) or an
-in-place call (`x.f.append(...)`, ...) whose target is `<base>.f`, where base is the part
-itself (`self` in its class) or an expression that names a sequence or its part (`seq`,
-`s`, `it.seq`, `h.seq`, `....tally`, ...).
+`Sequence` holds the token state and its parts: `ending` (Ending: the text and what ends the
+output), `scoring` (Scoring: the logprobs), `admission` (Admission: what the engine decided at
+submit and the scheduler at admission), `tally` (SeqStats: the statistics), `spec_state` and
+`handle`. Each record declares its fields in its own __init__ (not counted as a write); a
+field is then written by one owner. A write is an assignment (plain, augmented, annotated, in
+a tuple, or into an item: `x.f[k] = v`) or an in-place call (`x.f.append(...)`, ...) whose
+target is `<base>.f`, where base is the record itself (`self` in its class) or an expression
+that names a sequence or its part (`seq`, `s`, `it.seq`, `h.seq`, `....tally`,
+`seq.admission`, ...).
 """
 
 from __future__ import annotations
@@ -14,18 +17,21 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 import specbuild
 
 ROOT = Path(specbuild.__file__).parent
 SEQUENCE = ROOT / "engine" / "sequence.py"
 MUTATORS = {"append", "extend", "insert", "pop", "clear", "update", "setdefault", "remove", "sort"}
-# how the code base names a Sequence (or its statistics part) where it writes one
+# how the code base names a Sequence (or one of its parts) where it writes one
 SEQ_NAMES = {"seq", "s", "src", "source", "sequence", "first", "second"}
+PARTS = {"ending": "Ending", "scoring": "Scoring", "admission": "Admission", "tally": "SeqStats"}
+# fields per record, Sequence included (issue 54: "at most ~15 fields each"); the bound only goes down
 MAX_FIELDS = 15
-# Sequence itself is still over MAX_FIELDS: the token state with the parts (tally, spec_state,
-# handle) and what the engine decides at submit (constraint, content type, gamma policy, the
-# prompt source). The bound only goes down.
-SEQUENCE_MAX_FIELDS = 26
+OWN = "specbuild/engine/sequence.py:{}"
+ENGINE = "specbuild/engine/engine.py:Engine"
+SCHEDULER = "specbuild/engine/scheduler.py:Scheduler"
 
 
 def declared_fields(cls: str) -> list[str]:
@@ -68,19 +74,22 @@ def _names_sequence(base: ast.expr) -> bool:
     if isinstance(base, ast.Name):
         return base.id in SEQ_NAMES
     if isinstance(base, ast.Attribute):
-        return base.attr in ("seq", "tally")
+        return base.attr == "seq" or base.attr in PARTS
     if isinstance(base, ast.Subscript):  # item[0] of a backlog (seq, tokens, ...)
         return isinstance(base.value, ast.Name) and base.value.id == "item"
     return False
 
 
-def writers(fields: list[str], owner: str) -> dict[str, set[str]]:
+def sources() -> list[tuple[str, ast.Module]]:
+    """(module, parsed tree) of every module under specbuild/."""
+    return [(path.relative_to(ROOT.parent).as_posix(), ast.parse(path.read_text())) for path in sorted(ROOT.rglob("*.py"))]
+
+
+def writers(fields: list[str], owner: str, modules: list[tuple[str, ast.Module]] | None = None) -> dict[str, set[str]]:
     """field -> the writers ("module:Class", or "module" outside a class) of each field; the
     owner's __init__ declares its fields, which is no write."""
     found: dict[str, set[str]] = defaultdict(set)
-    for path in sorted(ROOT.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        module = path.relative_to(ROOT.parent).as_posix()
+    for module, tree in sources() if modules is None else modules:
         for cls in [None, *[n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]]:
             scope = tree if cls is None else cls
             nested = {id(t) for c in ast.walk(scope) if isinstance(c, ast.ClassDef) and c is not scope
@@ -98,33 +107,66 @@ def writers(fields: list[str], owner: str) -> dict[str, set[str]]:
     return found
 
 
-def test_statistics_have_one_writer():
-    """SeqStats' fields are written only by its own methods (on_pass: the step's and the
-    TensorRT-LLM backends' Verdicts; on_tokens, on_admit, ...)."""
-    fields = declared_fields("SeqStats")
-    assert {"target_passes", "verify_passes", "drafted", "accepted", "gammas", "t_first"} <= set(fields)
-    assert len(fields) <= MAX_FIELDS, fields
-    found = writers(fields, "SeqStats")
-    assert {f: w for f, w in found.items() if w != {"specbuild/engine/sequence.py:SeqStats"}} == {}
-
-
-def test_statistics_are_not_sequence_fields():
-    """The statistics live in the part only: no Sequence field repeats one."""
-    assert not set(declared_fields("SeqStats")) & set(declared_fields("Sequence"))
-
-
-def test_sequence_fields_have_one_writer_each():
-    """Every Sequence field has at most one writer besides its declaration: its own methods
-    (append_tokens, set_cached, abort, score_prompt, ...), or the one module that owns it (the
-    step its logprobs, the scheduler its KV budget, the engine what it decides at submit)."""
+def test_sequence_is_its_token_state_and_parts():
+    """Sequence's own fields: the token state, with the parts; what moved into a part is no
+    Sequence field any more (front ends read `text`, `content_type`, `constraint` through
+    read-only properties)."""
     fields = declared_fields("Sequence")
-    assert len(fields) <= SEQUENCE_MAX_FIELDS, fields
-    found = writers(fields, "Sequence")
+    assert len(fields) <= MAX_FIELDS, fields
+    assert set(PARTS) | {"spec_state", "handle"} <= set(fields)
+    for cls in PARTS.values():
+        assert not set(declared_fields(cls)) & set(fields), cls
+
+
+@pytest.mark.parametrize("cls", ["Sequence", *PARTS.values()])
+def test_each_field_has_one_writer(cls):
+    """Every field of Sequence and of each part has at most one writer besides its declaration:
+    its own class's methods, or the one module that owns it."""
+    fields = declared_fields(cls)
+    assert len(fields) <= MAX_FIELDS, (cls, fields)
+    found = writers(fields, cls)
     assert {f: w for f, w in found.items() if len(w) > 1} == {}
+
+
+@pytest.mark.parametrize("cls", ["SeqStats", "Ending", "Scoring"])
+def test_parts_written_by_their_own_methods_only(cls):
+    """The statistics (on_pass: the step's and the TensorRT-LLM backends' Verdicts; on_tokens,
+    on_admit, ...), the text (Ending.push and flush, from append_tokens) and the logprobs
+    (Scoring.add and score_prompt: the step, share_prefills) are written by their part alone."""
+    found = writers(declared_fields(cls), cls)
+    assert {f: w for f, w in found.items() if w != {OWN.format(cls)}} == {}
+
+
+def test_statistics_fields():
+    assert {"target_passes", "verify_passes", "drafted", "accepted", "gammas", "t_first"} <= set(
+        declared_fields("SeqStats"))
+
+
+def test_admission_fields_have_their_owners():
+    """What the engine decides at submit is written by the engine; the KV budget and the
+    prompt source (cleared once used or gone) by the scheduler."""
+    assert writers(declared_fields("Admission"), "Admission") == {
+        "constraint": {ENGINE}, "content_type": {ENGINE}, "content_type_source": {ENGINE},
+        "gamma_policy": {ENGINE}, "budget_blocks": {SCHEDULER}, "prefill_source": {SCHEDULER}}
 
 
 def test_num_cached_has_one_writer():
     """The cached length is written by Sequence.set_cached alone (the step's commit, the
     scheduler's prefix adoption, shared prompts and repairs call it)."""
     assert "num_cached" in declared_fields("Sequence")
-    assert writers(["num_cached"], "Sequence") == {"num_cached": {"specbuild/engine/sequence.py:Sequence"}}
+    assert writers(["num_cached"], "Sequence") == {"num_cached": {OWN.format("Sequence")}}
+
+
+def test_a_second_writer_is_found():
+    """The scan sees a write through a part's path from another module (the check above would
+    then fail): a step writing the text, a front end the KV budget."""
+    extra = ast.parse("class Step:\n"
+                      "    def finish(self, it):\n"
+                      "        it.seq.ending.text += 'x'\n"
+                      "        it.seq.admission.budget_blocks = 0\n"
+                      "        it.seq.scoring.logprobs.append(None)\n")
+    modules = [*sources(), ("specbuild/elsewhere.py", extra)]
+    assert writers(["text"], "Ending", modules) == {"text": {OWN.format("Ending"), "specbuild/elsewhere.py:Step"}}
+    assert writers(["budget_blocks"], "Admission", modules) == {
+        "budget_blocks": {SCHEDULER, "specbuild/elsewhere.py:Step"}}
+    assert writers(["logprobs"], "Scoring", modules) == {"logprobs": {OWN.format("Scoring"), "specbuild/elsewhere.py:Step"}}

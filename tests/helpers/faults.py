@@ -46,8 +46,9 @@ def fault(engine, kind: str, monkeypatch, method: str | None = None, after: int 
 
             mp.setattr(prop, "propose", propose)
         elif kind == "verify":
-            spec = engine.speculator
-            real_chain, real_tree, real_plain = spec.verify_chain, spec.verify_tree, speculator_mod.plain_next_token
+            speculator = engine.speculator
+            real_chain, real_tree = speculator.verify_chain, speculator.verify_tree
+            real_plain = speculator_mod.plain_next_token
 
             def verify_chain(seq, draft, scores):
                 if is_culprit(seq, after):
@@ -64,8 +65,8 @@ def fault(engine, kind: str, monkeypatch, method: str | None = None, after: int 
                     raise InjectedFault("injected sampling fault")
                 return real_plain(seq, scores)
 
-            mp.setattr(spec, "verify_chain", verify_chain)
-            mp.setattr(spec, "verify_tree", verify_tree)
+            mp.setattr(speculator, "verify_chain", verify_chain)
+            mp.setattr(speculator, "verify_tree", verify_tree)
             mp.setattr(speculator_mod, "plain_next_token", plain)
         elif kind == "nan":
             runner = engine.scheduler.runner

@@ -53,57 +53,57 @@ def test_one_estimator_per_method_with_a_window():
 def test_auto_chooses_by_the_controllers_estimate():
     costs = {"draft": CostModel({1: 1.0, 2: 1.02, 5: 1.1}, 0.01), "ngram": CostModel({1: 1.0, 2: 1.02, 5: 1.1})}
     proposers = {"ngram": DrafterBase(), "draft": DrafterBase()}
-    spec = Speculator(None, None, proposers, max_draft_len=4, max_seq_len=64, costs=costs)
+    speculator = Speculator(None, None, proposers, max_draft_len=4, max_seq_len=64, costs=costs)
     seq = fake_seq()
     for _ in range(10):
-        spec.controller.record(seq, "draft", 4, 4)
-        spec.controller.record(seq, "ngram", 4, 0)
-    assert spec.choose_method(seq) == "draft"
+        speculator.controller.record(seq, "draft", 4, 4)
+        speculator.controller.record(seq, "ngram", 4, 0)
+    assert speculator.choose_method(seq) == "draft"
     for _ in range(20):
-        spec.controller.record(seq, "draft", 4, 0)
-        spec.controller.record(seq, "ngram", 4, 4)
-    assert spec.choose_method(seq) == "ngram"
+        speculator.controller.record(seq, "draft", 4, 0)
+        speculator.controller.record(seq, "ngram", 4, 4)
+    assert speculator.choose_method(seq) == "ngram"
     for _ in range(20):
-        spec.controller.record(seq, "ngram", 4, 0)
+        speculator.controller.record(seq, "ngram", 4, 0)
     assert not seq.spec_state.auto_plain
-    assert spec.choose_method(seq) is None  # neither pays: plain decoding
+    assert speculator.choose_method(seq) is None  # neither pays: plain decoding
     # final: an estimate changes only when its drafter drafts, so auto stops weighing them
     assert seq.spec_state.auto_plain
     for _ in range(20):  # (even were one to change, the sequence stays plain)
-        spec.controller.record(seq, "ngram", 4, 4)
-    assert spec.choose_method(seq) is None
+        speculator.controller.record(seq, "ngram", 4, 4)
+    assert speculator.choose_method(seq) is None
 
 
 def test_auto_weighs_a_drafter_by_how_often_it_finds_a_draft():
     """ngram with a fine acceptance when it matches, but it has found nothing for 10 steps:
     auto takes suffix, which finds drafts accepted a little less often."""
     costs = {"ngram": CostModel({1: 1.0, 2: 1.2, 5: 1.6}), "suffix": CostModel({1: 1.0, 2: 1.2, 5: 1.6})}
-    spec = Speculator(None, None, {"suffix": DrafterBase(), "ngram": DrafterBase()}, max_draft_len=4, max_seq_len=64,
-                      costs=costs)
+    speculator = Speculator(None, None, {"suffix": DrafterBase(), "ngram": DrafterBase()}, max_draft_len=4,
+                            max_seq_len=64, costs=costs)
     seq = fake_seq()
     for _ in range(10):
-        spec.controller.record(seq, "ngram", 4, 3)
-        spec.controller.record(seq, "suffix", 4, 2)
-        spec.controller.found(seq, "suffix", True)
-    assert spec.choose_method(seq) == "ngram"  # both always find drafts: the better acceptance wins
+        speculator.controller.record(seq, "ngram", 4, 3)
+        speculator.controller.record(seq, "suffix", 4, 2)
+        speculator.controller.found(seq, "suffix", True)
+    assert speculator.choose_method(seq) == "ngram"  # both always find drafts: the better acceptance wins
     for _ in range(10):
-        spec.controller.found(seq, "ngram", False)
-    assert spec.controller.hit_rate(seq, "ngram") < 0.1
-    assert spec.choose_method(seq) == "suffix"
+        speculator.controller.found(seq, "ngram", False)
+    assert speculator.controller.hit_rate(seq, "ngram") < 0.1
+    assert speculator.choose_method(seq) == "suffix"
 
 
 def test_a_settled_auto_sequence_skips_the_drafters_bookkeeping():
     observed = []
     rec = types.SimpleNamespace(needs=Needs(), observe=lambda seq, obs: observed.append(obs.length),
                                 rollback=lambda seq, length: None)
-    spec = Speculator(None, None, {"suffix": rec}, max_draft_len=4, max_seq_len=64,
-                      costs={"suffix": CostModel({1: 1.0, 5: 1.1})})
+    speculator = Speculator(None, None, {"suffix": rec}, max_draft_len=4, max_seq_len=64,
+                            costs={"suffix": CostModel({1: 1.0, 5: 1.1})})
     seq = fake_seq()
     seq.seq_id, seq.params = 1, SamplingParams(temperature=0.0)
     rows = torch.zeros(1, 8)
-    spec.settle(seq, PassResult(0, [1, 2], None, rows, rows))
+    speculator.settle(seq, PassResult(0, [1, 2], None, rows, rows))
     seq.spec_state.auto_plain = True
-    spec.settle(seq, PassResult(2, [3, 4], None, rows, rows))
+    speculator.settle(seq, PassResult(2, [3, 4], None, rows, rows))
     assert observed == [2]
 
 
@@ -120,12 +120,12 @@ def test_auto_drafts_only_with_drafters_that_read_nothing_of_the_pass_and_draft_
                  "eagle": prop(Needs(aux_layers=(1, 2))), "draft": prop(Needs()),
                  "hybrid": prop(Needs(tree=True, parts=("suffix", "recycle")))}
     costs = {name: CostModel({1: 1.0, 5: 1.1}, 0.3 if name == "draft" else 0.0) for name in proposers}
-    spec = Speculator(None, None, proposers, max_draft_len=4, max_seq_len=64, costs=costs)
-    assert spec.auto_methods == ("suffix", "ngram")
+    speculator = Speculator(None, None, proposers, max_draft_len=4, max_seq_len=64, costs=costs)
+    assert speculator.auto_methods == ("suffix", "ngram")
     seq = fake_seq()
-    assert spec.uses(seq) == {"suffix", "ngram"}
-    assert spec.choose_method(seq) in ("suffix", "ngram")
-    assert spec.uses(fake_seq("hybrid")) == {"hybrid", "suffix", "recycle"}  # named: as before
+    assert speculator.uses(seq) == {"suffix", "ngram"}
+    assert speculator.choose_method(seq) in ("suffix", "ngram")
+    assert speculator.uses(fake_seq("hybrid")) == {"hybrid", "suffix", "recycle"}  # named: as before
 
 
 def test_remaining_room_counts_max_tokens_and_context(tiny_bundle):

@@ -137,8 +137,9 @@ CRASH = textwrap.dedent('''
 
     sink = TelemetrySink(sys.argv[1], "m", source="test", queue_size=5000, batch_size=100)
     tally = SimpleNamespace(gammas=[2], drafted=0, accepted=0, target_passes=1, verify_passes=1, t_first=None)
-    seq = SimpleNamespace(seq_id=1, spec=None, tally=tally, request=SimpleNamespace(request_id="r"), content_type="chat",
-                          content_type_source="request", prompt_ids=[1, 2], output_ids=[3], num_cached=2,
+    seq = SimpleNamespace(seq_id=1, spec=None, tally=tally, request=SimpleNamespace(request_id="r"),
+                          admission=SimpleNamespace(content_type="chat", content_type_source="request"),
+                          prompt_ids=[1, 2], output_ids=[3], num_cached=2,
                           finished=False, finish_reason=None, stats=lambda: {}, spec_state=SimpleNamespace(candidate_sources=None))
     sink.on_session_start(seq)
     step = StepRecord(1, "draft", 2, 2, 1, 2, 2, 0.1, 0.2, 1, False)
