@@ -13,15 +13,12 @@ import torch
 
 from specbuild.bench.binning import BinCost, padded_batch, plan_bins, use
 from specbuild.engine.engine import Engine, EngineConfig
-from specbuild.engine.sequence import Request
 from specbuild.engine.step import WorkItem, build_forward_batch
 from specbuild.model.kv_cache import PagedKVCache
-from specbuild.sampling.params import SamplingParams
-from specbuild.speculation.config import SpeculationConfig
 from specbuild.speculation.proposers.base import Draft
-from tiny import draft_pair_bundle
+from tiny import SPEC_PROMPTS, draft_pair_bundle, spec_run
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 90)) + list(range(30, 40))]
+PROMPTS = SPEC_PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +26,7 @@ def spec_bundle(tmp_path_factory) -> str:
     return draft_pair_bundle(tmp_path_factory.mktemp("spec"))
 
 
-def run(engine, method, gamma=None, prompts=PROMPTS, max_tokens=40, **sampling):
-    spec = SpeculationConfig.make(None, method=method, gamma=gamma)
-    reqs = [Request(prompt_ids=p, speculation=spec,
-                    sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)) for p in prompts]
-    return engine.generate(reqs)
+run = spec_run
 
 
 @pytest.mark.parametrize("binning", ["padded", "bins"])

@@ -125,6 +125,23 @@ def draft_pair_bundle(root, noise: float = 0.08, **options) -> str:
     return compile_bundle(target, os.path.join(root, "bundle"), CompileOptions(dtype="float64", **options), draft=draft)
 
 
+# prompts for the draft-pair bundle's speculation runs: a repeat (prompt lookup finds it), a short
+# one, and one long enough to cross blocks and chunks
+SPEC_PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 90)) + list(range(30, 40))]
+
+
+def spec_run(engine, method, gamma=None, prompts=SPEC_PROMPTS, max_tokens=40, **sampling):
+    """engine.generate over `prompts` with speculation `method` (and `gamma`), ignore_eos."""
+    from specbuild.engine.sequence import Request
+    from specbuild.sampling.params import SamplingParams
+    from specbuild.speculation.config import SpeculationConfig
+
+    spec = SpeculationConfig.make(None, method=method, gamma=gamma)
+    reqs = [Request(prompt_ids=p, speculation=spec,
+                    sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)) for p in prompts]
+    return engine.generate(reqs)
+
+
 def make_tiny_eagle3(path: str, target: str, draft_vocab: int = 100, seed: int = 5) -> str:
     """A random EAGLE-3 head (formats/eagle3.py's layout) for the HF target directory `target`:
     one layer of the target's shape, fc over three target layers, draft vocabulary the first

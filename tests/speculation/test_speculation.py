@@ -19,9 +19,9 @@ from specbuild.engine.sequence import Request
 from specbuild.speculation.config import SpeculationConfig
 from specbuild.speculation import speculator as speculator_mod
 from specbuild.bench.verify_dist import check, holm
-from tiny import draft_pair_bundle, make_tiny_hf
+from tiny import SPEC_PROMPTS, draft_pair_bundle, make_tiny_hf, spec_run
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8], [20, 21], list(range(30, 90)) + list(range(30, 40))]
+PROMPTS = SPEC_PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +29,7 @@ def spec_bundle(tmp_path_factory) -> str:
     return draft_pair_bundle(tmp_path_factory.mktemp("spec"))
 
 
-def run(engine, method, gamma=None, prompts=PROMPTS, max_tokens=40, **sampling):
-    spec = SpeculationConfig.make(None, method=method, gamma=gamma)
-    reqs = [Request(prompt_ids=p, speculation=spec,
-                    sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)) for p in prompts]
-    return engine.generate(reqs)
+run = spec_run
 
 
 def test_greedy_equals_plain_for_every_drafter_and_gamma(spec_bundle):
