@@ -4,7 +4,6 @@ padded batch builder's filler rows, and the micro-batch planner against brute fo
 
 from __future__ import annotations
 
-import itertools
 import random
 from types import SimpleNamespace
 
@@ -16,7 +15,7 @@ from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.engine.step import WorkItem, build_forward_batch
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.speculation.proposers.base import Draft
-from tiny import SPEC_PROMPTS, draft_pair_bundle, spec_run
+from tiny import SPEC_PROMPTS, check_drafters_equal_plain, draft_pair_bundle, spec_run
 
 PROMPTS = SPEC_PROMPTS
 
@@ -35,20 +34,7 @@ def test_greedy_equals_plain_for_every_drafter_and_gamma(spec_bundle, binning):
     measured binnings (fewer gammas: each is a whole engine run)."""
     engine = Engine(spec_bundle, EngineConfig(max_batch_size=4))
     use(engine, binning)
-    plain = run(engine, "none")
-    assert all(r["stats"]["drafted"] == 0 for r in plain)
-    gammas = [3, None]
-    for method, gamma in itertools.product(["ngram", "draft"], gammas):
-        spec = run(engine, method, gamma)
-        for r, p in zip(spec, plain):
-            assert r["token_ids"] == p["token_ids"], (method, gamma)
-        drafted = sum(r["stats"]["drafted"] for r in spec)
-        accepted = sum(r["stats"]["accepted"] for r in spec)
-        assert drafted > 0 and accepted > 0, (method, gamma, drafted, accepted)
-        if gamma is not None and method == "draft":
-            assert max(r["stats"]["mean_accepted_tokens"] for r in spec) > 1.2
-    assert engine.cache.free_blocks == engine.cache.num_blocks
-    assert engine.speculator.proposers["draft"].cache.free_blocks == engine.speculator.proposers["draft"].cache.num_blocks
+    check_drafters_equal_plain(engine, [3, None])
 
 
 @pytest.mark.parametrize("prompt_logprobs", [None, 2])

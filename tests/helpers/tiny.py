@@ -142,6 +142,27 @@ def spec_run(engine, method, gamma=None, prompts=SPEC_PROMPTS, max_tokens=40, **
     return engine.generate(reqs)
 
 
+def check_drafters_equal_plain(engine, gammas, methods=("ngram", "draft")) -> None:
+    """Greedy output of each method at each gamma equals plain decoding's, drafts are proposed
+    and some accepted (a fixed gamma of the draft model: more than 1.2 tokens a pass on some
+    prompt), and every KV block comes back, the target's and the draft model's."""
+    import itertools
+
+    plain = spec_run(engine, "none")
+    assert all(r["stats"]["drafted"] == 0 for r in plain)
+    for method, gamma in itertools.product(methods, gammas):
+        spec = spec_run(engine, method, gamma)
+        for r, p in zip(spec, plain):
+            assert r["token_ids"] == p["token_ids"], (method, gamma)
+        drafted = sum(r["stats"]["drafted"] for r in spec)
+        accepted = sum(r["stats"]["accepted"] for r in spec)
+        assert drafted > 0 and accepted > 0, (method, gamma, drafted, accepted)
+        if gamma is not None and method == "draft":
+            assert max(r["stats"]["mean_accepted_tokens"] for r in spec) > 1.2
+    assert engine.cache.free_blocks == engine.cache.num_blocks
+    assert engine.speculator.proposers["draft"].cache.free_blocks == engine.speculator.proposers["draft"].cache.num_blocks
+
+
 def make_tiny_eagle3(path: str, target: str, draft_vocab: int = 100, seed: int = 5) -> str:
     """A random EAGLE-3 head (formats/eagle3.py's layout) for the HF target directory `target`:
     one layer of the target's shape, fc over three target layers, draft vocabulary the first

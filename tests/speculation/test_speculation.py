@@ -4,7 +4,6 @@ planner's tests are in tests/bench/test_binning.py)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 
@@ -19,7 +18,7 @@ from specbuild.engine.sequence import Request
 from specbuild.speculation.config import SpeculationConfig
 from specbuild.speculation import speculator as speculator_mod
 from specbuild.bench.verify_dist import check, holm
-from tiny import SPEC_PROMPTS, draft_pair_bundle, make_tiny_hf, spec_run
+from tiny import SPEC_PROMPTS, check_drafters_equal_plain, draft_pair_bundle, make_tiny_hf, spec_run
 
 PROMPTS = SPEC_PROMPTS
 
@@ -35,20 +34,7 @@ run = spec_run
 def test_greedy_equals_plain_for_every_drafter_and_gamma(spec_bundle):
     """The engine's one (ragged) binning; padded and bins: tests/bench/test_binning.py."""
     engine = Engine(spec_bundle, EngineConfig(max_batch_size=4))
-    plain = run(engine, "none")
-    assert all(r["stats"]["drafted"] == 0 for r in plain)
-    gammas = [1, 3, 6, None]
-    for method, gamma in itertools.product(["ngram", "draft"], gammas):
-        spec = run(engine, method, gamma)
-        for r, p in zip(spec, plain):
-            assert r["token_ids"] == p["token_ids"], (method, gamma)
-        drafted = sum(r["stats"]["drafted"] for r in spec)
-        accepted = sum(r["stats"]["accepted"] for r in spec)
-        assert drafted > 0 and accepted > 0, (method, gamma, drafted, accepted)
-        if gamma is not None and method == "draft":
-            assert max(r["stats"]["mean_accepted_tokens"] for r in spec) > 1.2
-    assert engine.cache.free_blocks == engine.cache.num_blocks
-    assert engine.speculator.proposers["draft"].cache.free_blocks == engine.speculator.proposers["draft"].cache.num_blocks
+    check_drafters_equal_plain(engine, [1, 3, 6, None])
 
 
 def test_auto_is_lossless_and_reports_stats(spec_bundle):
