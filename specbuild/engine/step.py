@@ -24,7 +24,7 @@ import torch
 
 from specbuild.model.decoder import ForwardBatch, ForwardOutput, ragged_mask
 from specbuild.model.kv_cache import PagedKVCache
-from specbuild.sampling.params import check_logits, token_logprobs
+from specbuild.sampling.params import argmax_rows, check_logits, token_logprobs
 from specbuild.sampling.processing import chain_paths, process_logits, tree_paths
 from specbuild.speculation.speculator import PassResult, Proposal, Verdict
 from specbuild.engine.events import StepRecord
@@ -205,22 +205,31 @@ class StepRunner:
         except Exception as e:  # noqa: BLE001 - a forward belongs to its whole group
             self.owner.fail_batch([it.seq for it in group], e, "running the target's forward")
             return
+        t0 = time.perf_counter()
+        try:  # every completing row's argmax and check, in one pass for the group
+            picks = self.pick(group, out.logits)
+        except Exception as e:  # noqa: BLE001 - the rows belong to the whole group
+            self.owner.fail_batch([it.seq for it in group], e, "reading the target's logits")
+            return
+        self.parts.add("settle", time.perf_counter() - t0)
         r = 0
         for it in group:
             score_rows = rows = hidden = None
+            pick = None
             if it.score is not None:  # the prompt's logprobs rows come first
                 score_rows = out.logits[r:r + it.score_rows]
                 r += it.score_rows
             if it.completes:
                 rows = out.logits[r:r + 1 + it.n_draft]  # [1 + k, vocab]
                 hidden = out.hidden[r:r + 1 + it.n_draft] if out.hidden is not None else None
+                pick = picks.get(it.seq.seq_id)
                 r += 1 + it.n_draft
             a = aux0.get(it.seq.seq_id)
             feats = out.aux[a:a + it.width] if a is not None else None
             if it.seq.finished:  # failed or aborted meanwhile (its blocks are gone)
                 continue
             try:
-                self.finish(it, score_rows, rows, hidden, feats, proposal, len(group))
+                self.finish(it, score_rows, rows, hidden, feats, proposal, len(group), pick)
             except Exception as e:  # noqa: BLE001 - this sequence's failure, not its neighbours'
                 self.owner.fail_sequence(it.seq, e, "choosing its next tokens")
 
@@ -248,11 +257,39 @@ class StepRunner:
         self.passes += 1
         return out, aux0
 
+    def pick(self, group: list[WorkItem], logits: torch.Tensor) -> dict[int, tuple[list[int], bool]]:
+        """seq_id -> (argmax of each of its completing rows, whether every one of them is usable),
+        for the group's completing items, in one pass over their rows (params.argmax_rows): the
+        check every sequence's rows need, and the greedy tokens, instead of a check and an
+        argmax per sequence."""
+        spans, r = [], 0
+        for it in group:
+            if it.score is not None:
+                r += it.score_rows
+            if it.completes:
+                spans.append((it.seq.seq_id, r, r + 1 + it.n_draft))
+                r += 1 + it.n_draft
+        if not spans:
+            return {}
+        if all(it.score is None for it in group):
+            ids, ok = argmax_rows(logits)  # the rows are the completing rows, in order
+        else:  # prompt-logprob rows in between: only the completing rows are read
+            index = torch.tensor([i for _, a, b in spans for i in range(a, b)], dtype=torch.int64, device=logits.device)
+            ids, ok = argmax_rows(logits.index_select(0, index))
+            flat, r = [], 0
+            for sid, a, b in spans:
+                flat.append((sid, r, r + b - a))
+                r += b - a
+            spans = flat
+        return {sid: (ids[a:b], all(ok[a:b])) for sid, a, b in spans}
+
     def finish(self, it: WorkItem, score_rows: torch.Tensor | None, rows: torch.Tensor | None,
-               hidden: torch.Tensor | None, feats: torch.Tensor | None, proposal: Proposal, batch_size: int) -> None:
+               hidden: torch.Tensor | None, feats: torch.Tensor | None, proposal: Proposal, batch_size: int,
+               pick: tuple[list[int], bool] | None = None) -> None:
         """One item after the forward: score_rows the prompt rows whose logprobs echo asked for
         (None: not asked in this chunk), rows [1 + k, vocab] its logits (None: a prefill chunk
-        that does not complete), hidden / feats what the drafters asked for."""
+        that does not complete), hidden / feats what the drafters asked for, pick its rows'
+        argmax and check (StepRunner.pick; None: taken here)."""
         t0 = time.perf_counter()
         seq = it.seq
         if score_rows is not None:  # the prompt's logprobs: plain numbers kept, the rows let go
@@ -266,11 +303,19 @@ class StepRunner:
             return
         # the model's own rows: a NaN/inf here is this sequence's failure, found before the
         # shared recycling table or any drafter reads them
-        check_logits(rows, "the target's logits")
+        if pick is None or not pick[1]:
+            check_logits(rows, "the target's logits")  # raises, naming the row and what it holds
         draft = it.draft if it.n_draft else None
         # penalties, logit_bias and the grammar, identically for plain and verify rows
-        scores = process_logits(rows, seq.params, seq.output_ids, draft_paths(draft), seq.constraint)
-        verdict = self.speculator.settle(seq, PassResult(it.start, it.chunk, draft, rows, scores, hidden, feats))
+        params = seq.params
+        if params.adjusts or seq.constraint is not None:
+            scores = process_logits(rows, params, seq.output_ids, draft_paths(draft), seq.constraint)
+        else:
+            scores = rows  # what process_logits returns when the request sets none of them
+        # the group's argmax is the scores' only where nothing changed the rows
+        argmax = pick[0] if pick is not None and scores is rows else None
+        verdict = self.speculator.settle(seq, PassResult(it.start, it.chunk, draft, rows, scores, hidden, feats,
+                                                         argmax=argmax))
         seq.tally.on_pass(verdict)
         chosen: list = []  # the new tokens' logprobs, when the request asks for them
         if seq.request.logprobs is not None:  # the rows that chose the new tokens

@@ -118,14 +118,21 @@ def _check_chain(draft_ids, draft_probs, target, uniforms, target_name="target_p
 
 
 def verify_chain_greedy(
-    draft_ids: torch.Tensor,  # [k] int64
-    target_logits: torch.Tensor,  # [k + 1, vocab] logits or probabilities (only argmax is used)
+    draft_ids: torch.Tensor | list[int],  # [k] int64
+    target_logits: torch.Tensor | None,  # [k + 1, vocab] logits or probabilities (only argmax is used)
+    best: list[int] | None = None,
 ) -> ChainResult:
-    """Accept while draft i equals the target's argmax at i; then the target's argmax."""
-    k, _ = _check_chain(draft_ids, None, target_logits, None, "target_logits")
-    check_logits(target_logits, "target_logits")
-    best = argmax_ids(target_logits)  # [k + 1]
-    drafts = draft_ids.tolist()
+    """Accept while draft i equals the target's argmax at i; then the target's argmax.
+    `best`: the rows' argmax when the caller took it already, over rows it checked
+    (params.argmax_rows); target_logits is then not read (None allowed)."""
+    if best is None:
+        k, _ = _check_chain(draft_ids, None, target_logits, None, "target_logits")
+        check_logits(target_logits, "target_logits")
+        best = argmax_ids(target_logits)  # [k + 1]
+    drafts = draft_ids.tolist() if isinstance(draft_ids, torch.Tensor) else list(draft_ids)
+    k = len(drafts)
+    if len(best) != k + 1:
+        raise ValueError(f"best holds {len(best)} rows' argmax, expected {k + 1} (k = {k} drafts)")
     accepted = 0
     while accepted < k and drafts[accepted] == best[accepted]:
         accepted += 1
@@ -222,13 +229,21 @@ def _check_tree(parents, node_tokens, target_probs, uniforms):
 def verify_tree_greedy(
     parents: Sequence[int],  # n entries, parents[0] = -1, parent index < node index
     node_tokens: torch.Tensor,  # [n] int64 (node 0's entry unused)
-    target_logits: torch.Tensor,  # [n, vocab]: target after each node (logits or probs)
+    target_logits: torch.Tensor | None,  # [n, vocab]: target after each node (logits or probs)
+    best: list[int] | None = None,
 ) -> TreeResult:
     """Longest path whose every node equals the target's argmax at its parent (first such
-    child wins), then the target's argmax at the last accepted node."""
-    children, _ = _check_tree(parents, node_tokens, target_logits, None)
-    check_logits(target_logits, "target_logits")
-    best = argmax_ids(target_logits)
+    child wins), then the target's argmax at the last accepted node. `best`: the rows'
+    argmax when the caller took it already over rows it checked (params.argmax_rows)."""
+    if best is None:
+        children, _ = _check_tree(parents, node_tokens, target_logits, None)
+        check_logits(target_logits, "target_logits")
+        best = argmax_ids(target_logits)
+    else:
+        children, _ = _structure(parents)
+        if len(best) != len(children) or node_tokens.shape[0] != len(children):
+            raise ValueError(f"best holds {len(best)} rows' argmax and node_tokens {node_tokens.shape[0]} "
+                             f"entries, expected {len(children)} (the tree's nodes)")
     tokens = node_tokens.tolist()
     node, path = 0, []
     while True:

@@ -234,6 +234,25 @@ def checked_argmax(row: torch.Tensor, what: str = "logits") -> int:
     return tok
 
 
+def argmax_rows(x: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """For every row of x [rows, vocab]: its argmax (the first maximum, as torch's) and whether
+    the row is usable as check_logits judges it, in one pass over the rows: the argmax
+    propagates NaN, so a row is usable exactly when the entry it picks is finite (no NaN, no
+    +inf, not every entry -inf). The step takes this once for the whole group's logit rows
+    instead of a check and an argmax per sequence (two passes of ~50 us per row on an AMD
+    EPYC, 2026-12-06)."""
+    if x.shape[0] == 0:
+        return [], []
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        a = x.detach().contiguous().numpy()
+        ids = np.argmax(a, axis=-1)
+        ok = np.isfinite(a[np.arange(a.shape[0]), ids])
+        return ids.tolist(), ok.tolist()
+    ids_t = x.argmax(-1)
+    ok_t = torch.isfinite(x.gather(-1, ids_t.unsqueeze(-1)).squeeze(-1))
+    return ids_t.tolist(), ok_t.tolist()
+
+
 def check_logits(logits: torch.Tensor, what: str = "logits") -> None:
     """Raise NumericsError unless every row of `logits` [..., vocab] is usable: no NaN, no
     +inf, and at least one entry above -inf (-inf alone marks a token as impossible). One

@@ -67,6 +67,9 @@ class PassResult:
     scores: torch.Tensor | None = None  # the same rows after penalties, logit_bias and the grammar
     hidden: torch.Tensor | None = None  # [1 + k, H] (Proposal.hidden)
     features: torch.Tensor | None = None  # [len(chunk) + k, F] (Proposal.feature_seqs)
+    # each scores row's argmax, when the step took it for the whole group (params.argmax_rows:
+    # rows checked, and scores are the raw rows: nothing adjusted them); None: settle takes it
+    argmax: list[int] | None = None
 
 
 @dataclass
@@ -86,11 +89,11 @@ class Verdict:
     depth_counts: list[int] = field(default_factory=list)  # drafts verified per position (a tree's: 1 per depth)
 
 
-def plain_next_token(seq, scores: torch.Tensor) -> int:
+def plain_next_token(seq, scores: torch.Tensor, best: list[int] | None = None) -> int:
     """Sample one token from scores [vocab] (already `process_logits`ed) with the request's
-    params and generator."""
+    params and generator; best: the row's argmax when the step took it (greedy)."""
     if seq.params.greedy:
-        return checked_argmax(scores)
+        return best[0] if best is not None else checked_argmax(scores)
     probs = warp_probs(scores.unsqueeze(0), seq.params)
     return int(sample_from(probs, seq.uniforms(1))[0])
 
@@ -435,10 +438,12 @@ class Speculator:
         draft = res.draft if res.draft is not None and len(res.draft) else None
         nodes: tuple[int, ...] = ()
         depth_counts: list[int] = []
+        best = res.argmax if seq.params.greedy else None
         if draft is None:
-            tokens, accepted, rows = [plain_next_token(seq, res.scores[0])], 0, [0]
+            tokens = [plain_next_token(seq, res.scores[0], best)]
+            accepted, rows = 0, [0]
         elif draft.is_tree:
-            verdict = self.verify_tree(seq, draft, res.scores)
+            verdict = self.verify_tree(seq, draft, res.scores, best)
             nodes = tuple(verdict.accepted_nodes)
             tokens, accepted, rows = list(verdict.tokens), len(nodes), [0, *nodes]
             seq.spec_state.candidate_sources = candidate_sources(draft, accepted, nodes)
@@ -446,7 +451,7 @@ class Speculator:
             depth_counts = [1] * max(draft.depths)
             self.record(seq, draft, accepted, len(depth_counts))
         else:
-            accepted, tokens = self.verify_chain(seq, draft, res.scores)
+            accepted, tokens = self.verify_chain(seq, draft, res.scores, best)
             rows = list(range(len(tokens)))
             seq.spec_state.candidate_sources = candidate_sources(draft, accepted)
             depth_counts = [1] * len(draft)
@@ -485,13 +490,15 @@ class Speculator:
                                               sources=obs.sources))
         self.rollback(seq, obs.length)
 
-    def verify_chain(self, seq, draft: Draft, scores: torch.Tensor) -> tuple[int, list[int]]:
-        """scores: [k + 1, vocab]. Returns (accepted drafts, tokens to append)."""
+    def verify_chain(self, seq, draft: Draft, scores: torch.Tensor, best: list[int] | None = None) -> tuple[int, list[int]]:
+        """scores: [k + 1, vocab]; best: their argmax when the step took it (greedy). Returns
+        (accepted drafts, tokens to append)."""
         k = len(draft.tokens)
-        ids = torch.tensor(draft.tokens, dtype=torch.int64)
         if seq.params.greedy:
-            res = verify_chain_greedy(ids, scores)
+            res = verify_chain_greedy(list(draft.tokens) if best is not None else
+                                      torch.tensor(draft.tokens, dtype=torch.int64), scores, best)
         else:
+            ids = torch.tensor(draft.tokens, dtype=torch.int64)
             target_probs = warp_probs(scores, seq.params)  # [k + 1, vocab]
             draft_probs = draft.probs
             if draft_probs is not None:
@@ -499,11 +506,12 @@ class Speculator:
             res = verify_chain_sampled(ids, draft_probs, target_probs, seq.uniforms(k + 1))
         return res.accepted, list(res.tokens)
 
-    def verify_tree(self, seq, draft, target_logits: torch.Tensor):
-        """target_logits: [n + 1, vocab], row i = the target after tree node i (0 = root)."""
+    def verify_tree(self, seq, draft, target_logits: torch.Tensor, best: list[int] | None = None):
+        """target_logits: [n + 1, vocab], row i = the target after tree node i (0 = root);
+        best: their argmax when the step took it (greedy)."""
         node_tokens = torch.tensor([0, *draft.tokens], dtype=torch.int64)
         if seq.params.greedy:
-            return verify_tree_greedy(draft.parents, node_tokens, target_logits)
+            return verify_tree_greedy(draft.parents, node_tokens, target_logits, best)
         target_probs = warp_probs(target_logits, seq.params)
         uniforms = seq.uniforms(len(draft.parents))
         if seq.spec.typical:  # LOSSY, opt-in: Medusa's typical acceptance

@@ -50,35 +50,44 @@ def fault(engine, kind: str, monkeypatch, method: str | None = None, after: int 
             real_chain, real_tree = speculator.verify_chain, speculator.verify_tree
             real_plain = speculator_mod.plain_next_token
 
-            def verify_chain(seq, draft, scores):
+            def verify_chain(seq, draft, scores, *rest):
                 if is_culprit(seq, after):
                     raise InjectedFault("injected verification fault")
-                return real_chain(seq, draft, scores)
+                return real_chain(seq, draft, scores, *rest)
 
-            def verify_tree(seq, draft, scores):
+            def verify_tree(seq, draft, scores, *rest):
                 if is_culprit(seq, after):
                     raise InjectedFault("injected verification fault")
-                return real_tree(seq, draft, scores)
+                return real_tree(seq, draft, scores, *rest)
 
-            def plain(seq, scores):
+            def plain(seq, scores, *rest):
                 if is_culprit(seq, after):
                     raise InjectedFault("injected sampling fault")
-                return real_plain(seq, scores)
+                return real_plain(seq, scores, *rest)
 
             mp.setattr(speculator, "verify_chain", verify_chain)
             mp.setattr(speculator, "verify_tree", verify_tree)
             mp.setattr(speculator_mod, "plain_next_token", plain)
         elif kind == "nan":
             runner = engine.scheduler.runner
-            real_finish = runner.finish
+            real_forward = runner.forward
 
-            def finish(it, score_rows, rows, *rest):
-                if rows is not None and is_culprit(it.seq, after):
-                    rows = rows.clone()
-                    rows[0, 7] = float("nan")  # one entry of its first row
-                return real_finish(it, score_rows, rows, *rest)
+            def forward(group, proposal):
+                # the target's own output holds the NaN: one entry of the culprit's first
+                # logits row, where the step reads it (its check and argmax over the group)
+                out, aux0 = real_forward(group, proposal)
+                r = 0
+                for it in group:
+                    if it.score is not None:
+                        r += it.score_rows
+                    if it.completes:
+                        if is_culprit(it.seq, after):
+                            out.logits = out.logits.clone()
+                            out.logits[r, 7] = float("nan")
+                        r += 1 + it.n_draft
+                return out, aux0
 
-            mp.setattr(runner, "finish", finish)
+            mp.setattr(runner, "forward", forward)
         elif kind == "grammar":
             runner = engine.scheduler.runner
             real_finish = runner.finish

@@ -169,3 +169,55 @@ def test_checked_argmax_picks_the_greedy_token_and_refuses_what_check_logits_ref
             checked_argmax(r)
     with pytest.raises(NumericsError, match="no finite entry"):
         checked_argmax(torch.full((10,), float("-inf"), dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_rows_checks_every_row_as_check_logits_and_picks_torchs_argmax(dtype):
+    """The step's one pass over a group's rows (StepRunner.pick): each row's flag is True
+    exactly when check_logits accepts that row alone, and where it is, the token is torch's
+    argmax (the first maximum on ties)."""
+    from specbuild.sampling.params import argmax_rows, check_logits
+
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(9, VOCAB, generator=g).to(dtype)
+    rows[1, 3] = float("nan")
+    rows[2, 5] = float("inf")
+    rows[3] = float("-inf")
+    rows[4, 2] = rows[4, 11] = 50.0  # a tie: the first wins
+    rows[5, :] = float("-inf")
+    rows[5, 17] = 0.0  # one possible token
+    rows[6, 0] = float("-inf")  # -inf entries beside finite ones are fine
+    ids, ok = argmax_rows(rows)
+    assert len(ids) == len(ok) == 9
+    for i in range(9):
+        try:
+            check_logits(rows[i])
+            usable = True
+        except NumericsError:
+            usable = False
+        assert ok[i] == usable, i
+        if usable:
+            assert ids[i] == int(rows[i].float().argmax()), i
+    assert ok[:7] == [True, False, False, False, True, True, True]
+    assert ids[4] == 2 and ids[5] == 17
+    assert argmax_rows(rows[:0]) == ([], [])
+
+
+def test_greedy_verification_with_the_steps_argmax_equals_its_own():
+    """verify_chain_greedy / verify_tree_greedy given the rows' argmax (the step's pass) decide
+    as they do when they take it themselves."""
+    g = torch.Generator().manual_seed(6)
+    for _ in range(30):
+        rows = torch.randn(4, VOCAB, generator=g)
+        best = rows.argmax(-1).tolist()
+        for draft in ([best[0], best[1], 3], [best[0], 2, best[2]], [1, 2, 3], best[:3]):
+            a = verify_chain_greedy(torch.tensor(draft), rows)
+            b = verify_chain_greedy(draft, None, best)
+            assert (a.accepted, a.next_token, a.tokens) == (b.accepted, b.next_token, b.tokens)
+        parents = [-1, 0, 0, 1]
+        nodes = torch.tensor([0, best[0], 7, best[1]])
+        a = verify_tree_greedy(parents, nodes, rows)
+        b = verify_tree_greedy(parents, nodes, None, best)
+        assert a == b
+    with pytest.raises(ValueError, match="expected 4"):
+        verify_chain_greedy([1, 2, 3], None, [1, 2])
