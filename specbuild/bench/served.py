@@ -451,6 +451,7 @@ def run_one(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, log:
             health = server.health()
             result["step_parts"] = health.get("step_parts") or []
             result["auto_switch"] = health.get("auto_switch") or {}  # auto's arms by batch size (goodput.py)
+            result["row_price"] = health.get("row_price") or {}  # the batch's draft fit (Speculator.fit_to_batch)
     except Exception as e:  # noqa: BLE001 (one row failing is reported; the others still run)
         result = {"concurrency": c, "failed": f"{type(e).__name__}: {e}", "texts": {}}
     finally:
@@ -564,6 +565,13 @@ def format_step_parts(rows: list[dict]) -> list[str]:
                              f"{_f(d['plain_tokens_per_s'])} / {_f(d['spec_tokens_per_s'])} tok/s)"
                              for b, d in r["auto_switch"].items())
             out.append(f"{r['row'] + ' C=' + str(r['concurrency']):<14} auto's switch: {arms}")
+    for r in rows:
+        fit = r.get("row_price") or {}
+        if r.get("engine") == "specbuild" and fit.get("nodes_offered"):
+            price = ", ".join(f"b={b}: {d['ms_per_row'] if d['ms_per_row'] is not None else '-'} ms/row"
+                              for b, d in (fit.get("by_batch") or {}).items())
+            out.append(f"{r['row'] + ' C=' + str(r['concurrency']):<14} batch fit: kept {fit['nodes_kept']} of "
+                       f"{fit['nodes_offered']} draft nodes; steps' cost per row {price}")
     if not out:
         return []
     head = (f"{'row':<14} {'kind':<8} {'batch':<7} {'steps':>5} {'tok/st':>6} {'rows':>6} "

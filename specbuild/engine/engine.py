@@ -500,12 +500,17 @@ class Engine(BaseEngine):
         threads: the step's thread count now, with the ThreadGovernor's state (or why it is off);
         step_parts: where the steps' time went, by kind and batch size (engine/stepparts.py);
         auto_switch: auto's plain-or-speculate arm by batch size (speculation/goodput.py);
+        row_price: a decode step's learned cost per forward row by batch size, and the draft
+        nodes that the batch's fit (Speculator.fit_to_batch) was offered and kept;
         prefix_cache: whether it is on, prompt tokens looked up and found (hit_rate), blocks
         recorded, evicted, recorded now (cached_blocks) and held by no request (evictable_blocks)."""
         out = dict(self.scheduler.sink.stats())
         out["prefix_cache"] = {"enabled": self.scheduler.prefix_cache, **self.cache.prefix_stats()}
         out["step_parts"] = self.scheduler.parts.describe()
         out["auto_switch"] = self.speculator.goodput.describe()
+        offered, kept = self.speculator.fit_nodes
+        out["row_price"] = {"by_batch": self.speculator.row_price.describe(), "nodes_offered": offered,
+                            "nodes_kept": kept}
         out["threads"] = {**self.threads_governor.describe(), "why": self.threads_why} \
             if self.threads_governor is not None \
             else {"threads": torch.get_num_threads(), "adaptive": False, "why": self.threads_why}

@@ -929,6 +929,8 @@ class OpenAIServer:
             info["step_parts"] = load["step_parts"]
         if load.get("auto_switch"):  # auto's batch-wide switch by batch size (speculation/goodput.py)
             info["auto_switch"] = load["auto_switch"]
+        if load.get("row_price"):  # what a decode row costs by batch size; draft nodes the batch kept
+            info["row_price"] = load["row_price"]
         if load.get("prefix_cache"):  # reuse across requests (model/kv_cache.py): hit rate, blocks recorded
             info["prefix_cache"] = load["prefix_cache"]
         settings = getattr(engine, "drafter_settings", None)  # the drafters' settings (their Options)

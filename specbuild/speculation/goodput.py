@@ -170,3 +170,64 @@ class GoodputSwitch:
                          **{f"{a}_steps": len(b.hist[a]) for a in ARMS},
                          **{f"{a}_ran": b.ran[a] for a in ARMS}}
         return out
+
+
+ROW_DECAY = 0.98  # each decode step's weight in the row price halves after ~34 steps
+ROW_PRIOR = 24.0  # the start-up table's slope counts as this many steps' worth of rows' spread
+
+
+class _Fit:
+    """Decayed sums for a least-squares line through (rows, seconds)."""
+
+    __slots__ = ("n", "sx", "sy", "sxx", "sxy")
+
+    def __init__(self) -> None:
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = ROW_DECAY
+        self.n, self.sx, self.sy = self.n * d + 1, self.sx * d + x, self.sy * d + y
+        self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
+
+
+class RowPrice:
+    """What one more forward row costs in a decode step at each batch size, learned from the
+    steps the server runs (wall seconds of the whole step against its rows: the forward, and
+    the building, settling and emitting that grow with the rows), held toward the slope of the
+    start-up table of forward cost by width until the steps' rows vary enough to tell. Steps
+    that prefill are left out (a prompt's rows cost differently). `line(batch, prior)` gives
+    (seconds at zero rows, seconds per row) for Speculator.fit_to_batch."""
+
+    def __init__(self) -> None:
+        self.fits: dict[str, _Fit] = {}
+
+    def observe(self, batch: int, rows: int, seconds: float) -> None:
+        if batch <= 0 or rows <= 0 or seconds <= 0:
+            return
+        f = self.fits.get(batch_bucket(batch))
+        if f is None:
+            f = self.fits[batch_bucket(batch)] = _Fit()
+        f.add(float(rows), seconds)
+
+    def line(self, batch: int, prior: tuple[float, float]) -> tuple[float, float]:
+        """(intercept, slope) in seconds for this batch size; `prior` the start-up table's line
+        through the batch's widths, taken as it is until MIN_STEPS steps were seen."""
+        f = self.fits.get(batch_bucket(batch))
+        if f is None or f.n < MIN_STEPS:
+            return prior
+        mx, my = f.sx / f.n, f.sy / f.n
+        spread = f.sxx - f.sx * mx  # n * var(rows)
+        co = f.sxy - f.sx * my  # n * cov(rows, seconds)
+        slope = max(0.0, (co + ROW_PRIOR * prior[1]) / (spread + ROW_PRIOR))
+        return my - slope * mx, slope
+
+    def describe(self) -> dict:
+        out = {}
+        for name in BUCKETS:
+            f = self.fits.get(name)
+            if f is not None and f.n >= MIN_STEPS:
+                mx, my = f.sx / f.n, f.sy / f.n
+                spread = f.sxx - f.sx * mx
+                out[name] = {"steps": round(f.n, 1), "rows_mean": round(mx, 2), "ms_mean": round(my * 1e3, 3),
+                             "ms_per_row": round((f.sxy - f.sx * my) / spread * 1e3, 3) if spread > 1e-9 else None}
+        return out

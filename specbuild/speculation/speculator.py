@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbuild.speculation.goodput import GoodputSwitch
+from specbuild.speculation.goodput import GoodputSwitch, RowPrice
 from specbuild.speculation.gamma import CostModel, GammaController, TreeCostModel, best_gamma, expected_tokens
 from specbuild.model.kv_cache import PagedKVCache
 from specbuild.model.decoder import Decoder
@@ -39,6 +39,9 @@ log = logging.getLogger("specbuild.speculator")
 # drafting or not, and their drafting alone took 4-6 ms against a 6 ms step on a 2-core Xeon
 # (2026-12-06). They stay one request field away (`"speculation": "eagle"`).
 AUTO_DRAFT_SHARE = 0.15
+# fit_to_batch keeps the first node of a draft it has cut to nothing this many steps in a row: a
+# sequence's acceptance estimate is only learned from drafts it verifies
+FIT_PROBE_EVERY = 16
 
 
 GRAMMAR = "grammar"  # Draft.method of the tokens a structured-output grammar forces
@@ -121,6 +124,10 @@ class Speculator:
         self.goodput = GoodputSwitch()
         self._auto_spec = True  # this step, auto's sequences may speculate
         self._auto_pure = False  # this step, every decoding sequence is auto's and nothing prefills
+        self.row_price = RowPrice()  # a decode step's cost per forward row, learned from the steps (fit_to_batch)
+        self._prefilling = False  # this step prefills a prompt too (its rows teach row_price nothing)
+        self.fit_nodes = [0, 0]  # draft nodes fit_to_batch was offered, and kept
+        self._fit_streak: dict[int, int] = {}  # seq_id -> steps in a row fit_to_batch cut its draft to nothing
         self.emit = None  # callable(seq, kind, detail): failure-mode events (Engine.set_sink)
         # the target layers some drafter reads (one drafter's, in its order: EAGLE-3's three)
         self.aux_layers: tuple[int, ...] = next((tuple(self.needs(n).aux_layers) for n in proposers
@@ -270,10 +277,95 @@ class Speculator:
                     out.drafts[seq.seq_id] = draft
                 else:
                     self.controller.record(seq, method, 0, 0)
+        self.fit_to_batch(out.drafts, {seq.seq_id: seq for seq in seqs})
         out.hidden = hidden
         if features:
             out.aux_layers, out.feature_seqs = self.aux_layers, frozenset(features)
         return out
+
+    def node_odds(self, seq, draft: Draft) -> list[float] | None:
+        """Each drafted node's chance to be accepted, as its drafter or the depth controller
+        estimates it: a drafter's own per-node scores (suffix: the path's share of the
+        occurrences, times its match length's acceptance rate), else for a chain alpha^j at
+        position j (the controller's per-token acceptance of the method on seq). None where
+        neither exists (trees without scores, grammar-forced tokens): left whole."""
+        if draft.method == GRAMMAR:
+            return None
+        if draft.scores is not None and len(draft.scores) == len(draft):
+            return list(draft.scores)
+        if draft.is_tree:
+            return None
+        alpha = self.controller.alpha(seq, seq.spec_state.method or draft.method)
+        return [alpha ** (j + 1) for j in range(len(draft))]
+
+    def fit_to_batch(self, drafts: dict, seqs: dict) -> None:
+        """Cut the step's drafts to what pays for the whole batch: the step's goodput is its
+        tokens over its forward's cost, (B + the drafted nodes' accepted) / verify(B + nodes)
+        for B decoding sequences, and every drafted node is one more row of that forward. The
+        nodes of all drafts are taken most likely first, and the count that maximises that
+        goodput is kept (each draft keeps its first nodes: drafters order them best first,
+        parents before children). One sequence alone is cut the way the suffix drafter cuts
+        its tree; in a batch a row costs as much as ever but the step's tokens are many, so
+        drafts shrink as the batch grows and stop where no node is likely enough (on a 2-core
+        AMD EPYC a row past the first costs ~1.4 ms against a step of ~6 ms at one sequence and
+        ~3 ms a token at eight, 2026-12-06). Drafts only shrink: lossless. Left whole: requests
+        that fixed their depth, and sampled ones (a sampled request's exact tokens follow its
+        drafts, and its seed must give them again whatever batch it lands in)."""
+        decoding = sum(1 for seq in seqs.values() if seq.num_cached >= len(seq.all_ids) - 1)
+        if decoding < 2 or not drafts:
+            return
+        costs = self.controller.costs.get(next(iter(self.proposers)), None) if self.proposers else None
+        if costs is None:
+            return
+        nodes: list[tuple[float, int, int]] = []  # (-odds, node index, seq_id)
+        for sid, draft in drafts.items():
+            seq = seqs.get(sid)
+            spec = getattr(seq, "spec", None)
+            if seq is None or spec is None or not spec.dynamic or not seq.params.greedy:
+                continue
+            odds = self.node_odds(seq, draft)
+            if odds is None:
+                continue
+            nodes.extend((-p, j, sid) for j, p in enumerate(odds))
+        if not nodes:
+            return
+        scored = {sid for _, _, sid in nodes}
+        fixed = sum(len(d) for sid, d in drafts.items() if sid not in scored)  # rows kept whole
+        nodes.sort()
+        base = decoding + fixed
+        # the step's cost by its rows: learned from the steps run at this batch size, from the
+        # start-up table's line through these widths until they tell
+        hi = base + len(nodes)
+        slope0 = (costs.verify(hi) - costs.verify(base)) / max(1, hi - base) if hi > base else 0.0
+        a, b = self.row_price.line(decoding, (costs.verify(base) - slope0 * base, slope0))
+        best_n, best_rate, gain = 0, decoding / max(1e-9, a + b * base), 0.0
+        for n, (neg, _, _) in enumerate(nodes, start=1):
+            gain -= neg
+            rate = (decoding + gain) / max(1e-9, a + b * (base + n))
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        self.fit_nodes[0] += len(nodes)
+        keep = dict.fromkeys(scored, 0)
+        for _, _, sid in nodes[:best_n]:
+            keep[sid] += 1
+        for sid, n in keep.items():
+            draft = drafts[sid]
+            if n == 0:
+                # a sequence is never cut off from learning: with no verified draft of its method
+                # on record, or after FIT_PROBE_EVERY steps cut to nothing, its first node goes
+                # (one row), so its acceptance estimate can rise when its text turns predictable
+                seq = seqs[sid]
+                streak = self._fit_streak.get(sid, 0) + 1
+                if streak >= FIT_PROBE_EVERY or not self.controller.state(seq).of(seq.spec_state.method or draft.method):
+                    n, streak = 1, 0
+                self._fit_streak[sid] = streak
+            else:
+                self._fit_streak.pop(sid, None)
+            if n == 0:
+                del drafts[sid]
+            elif n < len(draft):
+                drafts[sid] = draft.head(n)
+            self.fit_nodes[1] += n
 
     def switch_auto(self, seqs: list) -> None:
         """This step's batch-wide switch for `auto`'s sequences (speculation/goodput.py): decided
@@ -286,6 +378,7 @@ class Speculator:
             decoding += 1
             spec = getattr(seq, "spec", None)
             auto += spec is not None and spec.method == "auto" and not seq.spec_state.auto_plain
+        self._prefilling = prefilling > 0
         if not auto:
             self._auto_spec, self._auto_pure = True, False
             self.goodput.current = None
@@ -296,7 +389,9 @@ class Speculator:
     def on_step(self, kind: str, batch: int, tokens: int, rows: int, seconds: float) -> None:
         """One engine step ended (Scheduler.step): what it did (plain, prefill, or the drafter
         verified), its decode sequences, tokens chosen, forward rows and wall seconds. `auto`'s
-        switch learns the goodput of the arm it ran."""
+        switch learns the goodput of the arm it ran; the row price learns what its rows cost."""
+        if kind != "prefill" and not self._prefilling:
+            self.row_price.observe(batch, rows, seconds)
         if self.goodput.current is not None:
             self.goodput.observe(tokens, seconds, self._auto_pure and kind != "prefill")
 
@@ -532,5 +627,6 @@ class Speculator:
             prop.rollback(seq, length)
 
     def release(self, seq) -> None:
+        self._fit_streak.pop(seq.seq_id, None)
         for prop in self.proposers.values():
             prop.release(seq)

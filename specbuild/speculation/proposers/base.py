@@ -50,6 +50,18 @@ class Draft:
     def is_tree(self) -> bool:
         return self.parents is not None
 
+    def head(self, n: int) -> "Draft":
+        """The draft's first n nodes (a tree's parents come before their children, so they form
+        a tree), with what the drafter said of each."""
+        if not 0 < n <= len(self.tokens):
+            raise ValueError(f"a draft's head of {n} nodes: the draft has {len(self.tokens)}")
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
+                     None if self.parents is None else tuple(self.parents[:n + 1]),
+                     None if self.depths is None else list(self.depths[:n]),
+                     None if self.tree_mask is None else self.tree_mask[:n + 1, :n + 1],
+                     self.method, None if self.sources is None else self.sources[:n],
+                     None if self.scores is None else self.scores[:n])
+
 
 @dataclass(frozen=True)
 class Needs:
