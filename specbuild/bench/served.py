@@ -570,8 +570,9 @@ def format_step_parts(rows: list[dict]) -> list[str]:
         if r.get("engine") == "specbuild" and fit.get("nodes_offered"):
             price = ", ".join(f"b={b}: {d['ms_per_row'] if d['ms_per_row'] is not None else '-'} ms/row"
                               for b, d in (fit.get("by_batch") or {}).items())
+            odds = ", ".join(f"{m} x{f}" for m, f in (fit.get("odds_factor") or {}).items()) or "-"
             out.append(f"{r['row'] + ' C=' + str(r['concurrency']):<14} batch fit: kept {fit['nodes_kept']} of "
-                       f"{fit['nodes_offered']} draft nodes; steps' cost per row {price}")
+                       f"{fit['nodes_offered']} draft nodes; steps' cost per row {price}; drafters' odds {odds}")
     if not out:
         return []
     head = (f"{'row':<14} {'kind':<8} {'batch':<7} {'steps':>5} {'tok/st':>6} {'rows':>6} "

@@ -500,8 +500,9 @@ class Engine(BaseEngine):
         threads: the step's thread count now, with the ThreadGovernor's state (or why it is off);
         step_parts: where the steps' time went, by kind and batch size (engine/stepparts.py);
         auto_switch: auto's plain-or-speculate arm by batch size (speculation/goodput.py);
-        row_price: a decode step's learned cost per forward row by batch size, and the draft
-        nodes that the batch's fit (Speculator.fit_to_batch) was offered and kept;
+        row_price: a decode step's learned cost per forward row by batch size, the draft
+        nodes that the batch's fit (Speculator.fit_to_batch) was offered and kept, and the
+        factor it scales each drafter's own node odds by (Speculator.odds_factor);
         prefix_cache: whether it is on, prompt tokens looked up and found (hit_rate), blocks
         recorded, evicted, recorded now (cached_blocks) and held by no request (evictable_blocks)."""
         out = dict(self.scheduler.sink.stats())
@@ -510,7 +511,8 @@ class Engine(BaseEngine):
         out["auto_switch"] = self.speculator.goodput.describe()
         offered, kept = self.speculator.fit_nodes
         out["row_price"] = {"by_batch": self.speculator.row_price.describe(), "nodes_offered": offered,
-                            "nodes_kept": kept}
+                            "nodes_kept": kept, "odds_factor": {m: round(self.speculator.odds_factor(m), 3)
+                                                                for m in self.speculator.odds_seen}}
         out["threads"] = {**self.threads_governor.describe(), "why": self.threads_why} \
             if self.threads_governor is not None \
             else {"threads": torch.get_num_threads(), "adaptive": False, "why": self.threads_why}

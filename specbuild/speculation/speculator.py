@@ -42,6 +42,8 @@ AUTO_DRAFT_SHARE = 0.15
 # fit_to_batch keeps the first node of a draft it has cut to nothing this many steps in a row: a
 # sequence's acceptance estimate is only learned from drafts it verifies
 FIT_PROBE_EVERY = 16
+ODDS_PRIOR = 4.0  # node odds a drafter's own scores are taken at face value for (odds_factor)
+ODDS_DECAY = 0.99  # per verified draft
 
 
 GRAMMAR = "grammar"  # Draft.method of the tokens a structured-output grammar forces
@@ -128,6 +130,9 @@ class Speculator:
         self._prefilling = False  # this step prefills a prompt too (its rows teach row_price nothing)
         self.fit_nodes = [0, 0]  # draft nodes fit_to_batch was offered, and kept
         self._fit_streak: dict[int, int] = {}  # seq_id -> steps in a row fit_to_batch cut its draft to nothing
+        # method -> [its drafts' summed node odds, the nodes accepted], decayed: how far a drafter's
+        # own odds are from what the target accepts (node_odds scales them by it)
+        self.odds_seen: dict[str, list[float]] = {}
         self.emit = None  # callable(seq, kind, detail): failure-mode events (Engine.set_sink)
         # the target layers some drafter reads (one drafter's, in its order: EAGLE-3's three)
         self.aux_layers: tuple[int, ...] = next((tuple(self.needs(n).aux_layers) for n in proposers
@@ -292,11 +297,31 @@ class Speculator:
         if draft.method == GRAMMAR:
             return None
         if draft.scores is not None and len(draft.scores) == len(draft):
-            return list(draft.scores)
+            f = self.odds_factor(draft.method)
+            return [min(1.0, f * p) for p in draft.scores]
         if draft.is_tree:
             return None
         alpha = self.controller.alpha(seq, seq.spec_state.method or draft.method)
         return [alpha ** (j + 1) for j in range(len(draft))]
+
+    def odds_factor(self, method: str) -> float:
+        """How many nodes the target accepted of `method`'s drafts per node its own odds expected
+        (decayed over its recent verified drafts, held toward 1 until ODDS_PRIOR nodes were
+        expected). Suffix's odds are the share of earlier occurrences that continued so, and
+        on text seen for the first time its matches are short and its odds run high; `/health`'s
+        `row_price.odds_factor` gives the factor per drafter."""
+        seen = self.odds_seen.get(method)
+        if seen is None:
+            return 1.0
+        return (seen[1] + ODDS_PRIOR) / (seen[0] + ODDS_PRIOR)
+
+    def learn_odds(self, draft: Draft, accepted: int) -> None:
+        """A verified draft with the drafter's own node odds: what they expected, what was accepted."""
+        if draft.scores is None or draft.method == GRAMMAR or len(draft.scores) != len(draft):
+            return
+        seen = self.odds_seen.setdefault(draft.method, [0.0, 0.0])
+        seen[0] = seen[0] * ODDS_DECAY + float(sum(draft.scores))
+        seen[1] = seen[1] * ODDS_DECAY + accepted
 
     def fit_to_batch(self, drafts: dict, seqs: dict) -> None:
         """Cut the step's drafts to what pays for the whole batch: the step's goodput is its
@@ -542,6 +567,7 @@ class Speculator:
             nodes = tuple(verdict.accepted_nodes)
             tokens, accepted, rows = list(verdict.tokens), len(nodes), [0, *nodes]
             seq.spec_state.candidate_sources = candidate_sources(draft, accepted, nodes)
+            self.learn_odds(draft, accepted)
             # by depth: the fraction of tree steps whose accepted path reached depth d + 1
             depth_counts = [1] * max(draft.depths)
             self.record(seq, draft, accepted, len(depth_counts))
@@ -549,6 +575,7 @@ class Speculator:
             accepted, tokens = self.verify_chain(seq, draft, res.scores, best)
             rows = list(range(len(tokens)))
             seq.spec_state.candidate_sources = candidate_sources(draft, accepted)
+            self.learn_odds(draft, accepted)
             depth_counts = [1] * len(draft)
             self.record(seq, draft, accepted, len(draft))
         gamma, seq.spec_state.planned_gamma = seq.spec_state.planned_gamma, None

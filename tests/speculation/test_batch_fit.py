@@ -133,3 +133,27 @@ def test_the_row_price_learns_the_steps_cost_per_row_and_holds_to_the_table_unti
     assert b == pytest.approx(0.003, rel=0.05) and a == pytest.approx(0.020, rel=0.1)
     assert price.line(2, prior) == prior
     assert price.describe()["5-8"]["ms_per_row"] == pytest.approx(3.0, rel=0.05)
+
+
+def test_a_drafters_own_odds_are_scaled_by_what_the_target_accepted_of_them():
+    sp = speculator(per_row=0.25)
+    assert sp.odds_factor("ngram") == 1.0
+    for _ in range(50):  # drafts whose odds say 2 nodes a draft; the target took 0.5
+        d = scored_chain([0.9, 0.8, 0.3])
+        sp.learn_odds(d, 1 if _ % 2 else 0)
+    f = sp.odds_factor("ngram")
+    assert 0.2 < f < 0.35
+    s0, s1 = seq(0), seq(1)
+    assert sp.node_odds(s0, scored_chain([0.9, 0.5])) == pytest.approx([0.9 * f, 0.5 * f])
+    # the fit reads the scaled odds: 0.9 pays at face value here, not at a quarter of it
+    for s in (s0, s1):
+        sp.controller.record(s, "ngram", 2, 1)
+    assert fit(sp, {0: scored_chain([0.9]), 1: scored_chain([0.9])}, [s0, s1]) == {}
+    fresh = speculator(per_row=0.25)
+    for s in (s0, s1):
+        fresh.controller.record(s, "ngram", 2, 1)
+    assert fit(fresh, {0: scored_chain([0.9]), 1: scored_chain([0.9])}, [s0, s1]) == {0: 1, 1: 1}
+    # grammar-forced tokens teach nothing
+    g = Draft([1, 2], method=S.GRAMMAR, scores=[1.0, 1.0])
+    sp.learn_odds(g, 0)
+    assert S.GRAMMAR not in sp.odds_seen
