@@ -42,6 +42,7 @@ AUTO_DRAFT_SHARE = 0.15
 # fit_to_batch keeps the first node of a draft it has cut to nothing this many steps in a row: a
 # sequence's acceptance estimate is only learned from drafts it verifies
 FIT_PROBE_EVERY = 16
+FIT_MIN_BATCH = 1  # the fewest decoding sequences fit_to_batch cuts the drafts of
 ODDS_PRIOR = 4.0  # node odds a drafter's own scores are taken at face value for (odds_factor)
 ODDS_DECAY = 0.99  # per verified draft
 
@@ -128,6 +129,7 @@ class Speculator:
         self._auto_pure = False  # this step, every decoding sequence is auto's and nothing prefills
         self.row_price = RowPrice()  # a decode step's cost per forward row, learned from the steps (fit_to_batch)
         self._prefilling = False  # this step prefills a prompt too (its rows teach row_price nothing)
+        self._draft_s = 0.0  # this step's drafting, seconds (on_step)
         self.fit_nodes = [0, 0]  # draft nodes fit_to_batch was offered, and kept
         self._fit_streak: dict[int, int] = {}  # seq_id -> steps in a row fit_to_batch cut its draft to nothing
         # method -> [its drafts' summed node odds, the nodes accepted], decayed: how far a drafter's
@@ -268,6 +270,7 @@ class Speculator:
             except Exception as e:  # noqa: BLE001 - find the sequence it belongs to
                 drafts = self.propose_apart(method, pairs, e)
             out.draft_ms[method] = (time.perf_counter() - t0) * 1e3
+            self._draft_s += out.draft_ms[method] / 1e3
             for (seq, gamma), draft in zip(pairs, drafts):
                 try:
                     draft = self.within_grammar(seq, draft)
@@ -323,24 +326,40 @@ class Speculator:
         seen[0] = seen[0] * ODDS_DECAY + float(sum(draft.scores))
         seen[1] = seen[1] * ODDS_DECAY + accepted
 
+    def plain_costs(self) -> CostModel | None:
+        """The start-up table of the target's forward cost by width."""
+        return self.controller.costs.get(next(iter(self.proposers)), None) if self.proposers else None
+
+    def step_line(self, batch: int, lo: int, hi: int) -> tuple[float, float]:
+        """(seconds, seconds per row) of a decode step of `batch` sequences, drafting aside:
+        the line the row price learned from the steps run at this batch size, the start-up
+        table's line through widths lo..hi until they tell."""
+        costs = self.plain_costs()
+        if costs is None:
+            return self.row_price.line(batch, (0.0, 0.0))
+        hi = max(hi, lo + 1)
+        slope = (costs.verify(hi) - costs.verify(lo)) / (hi - lo)
+        return self.row_price.line(batch, (costs.verify(lo) - slope * lo, slope))
+
     def fit_to_batch(self, drafts: dict, seqs: dict) -> None:
         """Cut the step's drafts to what pays for the whole batch: the step's goodput is its
         tokens over its forward's cost, (B + the drafted nodes' accepted) / verify(B + nodes)
         for B decoding sequences, and every drafted node is one more row of that forward. The
         nodes of all drafts are taken most likely first, and the count that maximises that
         goodput is kept (each draft keeps its first nodes: drafters order them best first,
-        parents before children). One sequence alone is cut the way the suffix drafter cuts
-        its tree; in a batch a row costs as much as ever but the step's tokens are many, so
+        parents before children). One sequence alone is cut by the same rule (the suffix
+        drafter's own cut, on the learned costs and odds: served at one sequence, fixed suffix
+        went from 1.11x to 1.25x plain, AMD EPYC, 2026-12-06); in a batch a row costs as much
+        as ever but the step's tokens are many, so
         drafts shrink as the batch grows and stop where no node is likely enough (on a 2-core
         AMD EPYC a row past the first costs ~1.4 ms against a step of ~6 ms at one sequence and
         ~3 ms a token at eight, 2026-12-06). Drafts only shrink: lossless. Left whole: requests
         that fixed their depth, and sampled ones (a sampled request's exact tokens follow its
         drafts, and its seed must give them again whatever batch it lands in)."""
         decoding = sum(1 for seq in seqs.values() if seq.num_cached >= len(seq.all_ids) - 1)
-        if decoding < 2 or not drafts:
+        if decoding < FIT_MIN_BATCH or not drafts:
             return
-        costs = self.controller.costs.get(next(iter(self.proposers)), None) if self.proposers else None
-        if costs is None:
+        if self.plain_costs() is None:
             return
         nodes: list[tuple[float, int, int]] = []  # (-odds, node index, seq_id)
         for sid, draft in drafts.items():
@@ -358,11 +377,7 @@ class Speculator:
         fixed = sum(len(d) for sid, d in drafts.items() if sid not in scored)  # rows kept whole
         nodes.sort()
         base = decoding + fixed
-        # the step's cost by its rows: learned from the steps run at this batch size, from the
-        # start-up table's line through these widths until they tell
-        hi = base + len(nodes)
-        slope0 = (costs.verify(hi) - costs.verify(base)) / max(1, hi - base) if hi > base else 0.0
-        a, b = self.row_price.line(decoding, (costs.verify(base) - slope0 * base, slope0))
+        a, b = self.step_line(decoding, base, base + len(nodes))
         best_n, best_rate, gain = 0, decoding / max(1e-9, a + b * base), 0.0
         for n, (neg, _, _) in enumerate(nodes, start=1):
             gain -= neg
@@ -413,12 +428,24 @@ class Speculator:
 
     def on_step(self, kind: str, batch: int, tokens: int, rows: int, seconds: float) -> None:
         """One engine step ended (Scheduler.step): what it did (plain, prefill, or the drafter
-        verified), its decode sequences, tokens chosen, forward rows and wall seconds. `auto`'s
-        switch learns the goodput of the arm it ran; the row price learns what its rows cost."""
-        if kind != "prefill" and not self._prefilling:
-            self.row_price.observe(batch, rows, seconds)
+        verified), its decode sequences, tokens chosen, forward rows and wall seconds. The row
+        price learns what its rows cost (its drafting aside); `auto`'s switch learns the goodput
+        of the arm it ran, its tokens over the step's cost as the row price models it for its
+        rows, plus its drafting as timed. A step's wall time jitters by more than the arms differ
+        (served at one sequence the switch flipped 14 times in 774 steps and ran plain on half of
+        them, 2026-12-06); the line through all the steps does not, and the tokens, the rows and
+        the drafting are each step's own."""
+        draft_s = self._draft_s
+        self._draft_s = 0.0
+        decode = batch > 0 and kind != "prefill" and not self._prefilling
         if self.goodput.current is not None:
-            self.goodput.observe(tokens, seconds, self._auto_pure and kind != "prefill")
+            modelled = seconds
+            if decode:  # on the line through the steps before this one
+                a, b = self.step_line(batch, batch, rows)
+                modelled = max(1e-9, a + b * rows) + draft_s
+            self.goodput.observe(tokens, modelled, self._auto_pure and kind != "prefill")
+        if decode:
+            self.row_price.observe(batch, rows, max(0.0, seconds - draft_s))
 
     def choose_method(self, seq) -> str | None:
         method = seq.spec.method if seq.spec is not None else "none"

@@ -62,8 +62,9 @@ def test_cheap_rows_keep_every_draft_and_dear_rows_keep_only_likely_nodes():
     kept = fit(dear, drafts, seqs)
     assert kept == {0: 2, 3: 3}, kept
     assert dear.fit_nodes == [10, 5]
-    # a batch of one is the drafter's own cut: nothing changes here
-    assert fit(dear, {0: scored_chain([0.1, 0.1])}, [seqs[0]]) == {0: 2}
+    # one sequence alone, by the same rule: 0.1 does not pay for a quarter of a step, 0.9 does
+    assert fit(dear, {0: scored_chain([0.1, 0.1])}, [seqs[0]]) == {}
+    assert fit(dear, {0: scored_chain([0.9, 0.1])}, [seqs[0]]) == {0: 1}
 
 
 def test_a_tree_keeps_its_first_nodes_with_their_parents():
@@ -157,3 +158,36 @@ def test_a_drafters_own_odds_are_scaled_by_what_the_target_accepted_of_them():
     g = Draft([1, 2], method=S.GRAMMAR, scores=[1.0, 1.0])
     sp.learn_odds(g, 0)
     assert S.GRAMMAR not in sp.odds_seen
+
+
+def test_autos_switch_sees_each_steps_tokens_over_the_modelled_cost_of_its_rows():
+    """The switch's arms are compared on the row price's line through all the steps, plus each
+    step's own drafting: a step's jitter does not move it, the steps' level does."""
+    sp = speculator(per_row=0.25)
+    hist = lambda arm: sp.goodput.buckets["1"].hist[arm]  # noqa: E731
+
+    def step(kind, tokens, rows, wall, drafting=0.0):
+        sp._auto_pure = True
+        sp.goodput.choose(1, True)
+        sp._draft_s = drafting
+        sp.on_step(kind, 1, tokens, rows, wall)
+
+    step("plain", 1, 1, 5.0)  # nothing learned yet: the start-up table's 1.0 s for one row
+    assert hist("plain")[-1] == (1, pytest.approx(1.0))
+    for i in range(300):  # the steps cost 2 s a row, jittering by +-0.5 s
+        step("plain", 1, 1, 2.0 + (0.5 if i % 2 else -0.5))
+    assert {t for t, _ in hist("plain")} == {1}
+    assert [sec for _, sec in hist("plain")] == pytest.approx([2.0] * len(hist("plain")), rel=0.05)
+    # a drafted step of 3 rows: the line's cost for 3 rows (the table's slope: its rows never
+    # varied) plus its drafting, whatever its wall time
+    a, b = sp.step_line(1, 1, 3)
+    assert b == pytest.approx(0.25, rel=0.05)
+    bucket = sp.goodput.buckets["1"]
+    bucket.arm, bucket.probing, bucket.until_probe = "spec", 0, 100  # the next step speculates
+    step("suffix", 2, 3, 9.0, drafting=0.1)
+    assert hist("spec")[-1] == (2, pytest.approx(a + 3 * b + 0.1))
+    # prefill steps are timed as they ran and teach the line nothing
+    n = sp.row_price.fits["1"].n
+    sp._prefilling = True
+    step("plain", 1, 40, 7.0)
+    assert sp.row_price.fits["1"].n == n
