@@ -284,11 +284,11 @@ def test_stats_report_load_in_the_same_keys(backend):
     """What health checks and metrics read (no scheduler, cache or model): the same keys on every
     backend; KV blocks are None where the backend owns its cache (TensorRT-LLM). Beyond them a
     backend adds only its own documented figures (_extra_stats: the torch engine's suffix store and
-    its thread count, the step parts, auto's switch and the prefix cache)."""
+    its thread count, the step parts, auto's switch, the row price and the prefix cache)."""
     keys = {"queue_depth", "running", "kv_blocks_used", "kv_blocks_total", "gamma", "step_failures",
             "sequence_failures"}
     extras = {"suffix_store_requests", "suffix_store_tokens", "suffix_store_max_tokens", "suffix_store_evictions",
-              "suffix_store_warm_tokens", "threads", "step_parts", "auto_switch", "prefix_cache"} \
+              "suffix_store_warm_tokens", "threads", "step_parts", "auto_switch", "row_price", "prefix_cache"} \
         if backend.backend_name == "torch" else set()
     idle = backend.stats()
     assert set(idle) == keys | extras and (idle["queue_depth"], idle["running"], idle["gamma"]) == (0, 0, 0.0)

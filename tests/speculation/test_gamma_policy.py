@@ -114,16 +114,15 @@ def test_first_gamma_comes_from_the_content_types_policy(engine):
     try:
         for ctype, start in (("code", 7), ("chat", 1)):
             sink.steps.clear()
-            # one sequence at a time: in a batch, the batch's fit may cut the drafts the depth
-            # asked for (Speculator.fit_to_batch); alone a chain is sent whole
-            for p in PROMPTS[:2]:
-                run(engine, "draft", max_tokens=12, content_type=ctype, prompts=[p])
+            run(engine, "draft", max_tokens=12, content_type=ctype)
             first = {}
             for sid, st in sink.steps:
                 first.setdefault(sid, st)
-            assert len(first) == 2
+            assert len(first) == len(PROMPTS)
             assert {st.gamma for st in first.values()} == {start}, ctype
-            assert all(st.drafted == start for st in first.values())
+            # the batch's fit (Speculator.fit_to_batch) may cut what the depth asked for, never
+            # below the one node a sequence with no verified draft yet is sent to learn from
+            assert all(1 <= st.drafted <= start for st in first.values()), [st.drafted for st in first.values()]
     finally:
         engine.set_sink(None)
         engine.set_policies(None)
