@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specbuild.model.decoder import ForwardBatch, ForwardOutput, ragged_mask
@@ -129,7 +130,7 @@ def decode_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBatch:
         n = 1 + (len(d.tokens) if d is not None else 0)
         start = it.start
         cache.reserve(it.seq.seq_id, start + n)
-        all_slots = cache.slots(it.seq.seq_id, 0, start + n)
+        all_slots = cache.slots_array(it.seq.seq_id, 0, start + n)
         ids.append(it.chunk[0])
         pos.append(start)
         new_mask = None
@@ -153,8 +154,8 @@ def decode_batch(items: list[WorkItem], cache: PagedKVCache) -> ForwardBatch:
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
         positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-        write_slots=(wslots[0] if len(items) == 1 else torch.cat(wslots)).to(dev),
-        read_slots=(rslots[0] if len(items) == 1 else torch.cat(rslots)).to(dev),
+        write_slots=torch.from_numpy(np.concatenate(wslots)).to(dev),
+        read_slots=torch.from_numpy(np.concatenate(rslots)).to(dev),
         mask=None if mask is None else mask.to(dev),
         logit_rows=torch.arange(t, dtype=torch.int64, device=dev),
         prompt_rows=torch.tensor(prompt, dtype=torch.bool, device=dev),

@@ -29,6 +29,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specbuild.errors import RequestError
@@ -88,6 +89,7 @@ class PagedKVCache:
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self._offsets = np.arange(block_size, dtype=np.int64)  # a block's slots from its first (slots_array)
         slots = num_blocks * block_size
         # zeros, not empty: never let garbage (NaN) reach a masked attention row. One tensor per
         # layer (its own storage, not views of one): a compiled layer stack writes them in place
@@ -170,13 +172,18 @@ class PagedKVCache:
 
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
         """Slot indices of positions [start, end) of a sequence. Returns [end - start] int64."""
+        return torch.from_numpy(self.slots_array(seq_id, start, end))
+
+    def slots_array(self, seq_id: int, start: int, end: int) -> np.ndarray:
+        """slots() as a numpy int64 array: each block's slots in a row, then the span. numpy's
+        small ops cost ~1 us where torch's cost ~5-10 (the torch version took ~50-60 us a call,
+        once per sequence per step, AMD EPYC, 2026-12-06)."""
         table = self.seqs[seq_id].table
-        assert end <= len(table) * self.block_size, "positions beyond reserved blocks"
-        first, last = start // self.block_size, -(-end // self.block_size)
-        # each block's slots in a row, then the span: 4 small ops where indexing by position took 6
-        rows = torch.tensor(table[first:last], dtype=torch.int64).unsqueeze(1) * self.block_size \
-            + torch.arange(self.block_size)
-        off = first * self.block_size
+        bs = self.block_size
+        assert end <= len(table) * bs, "positions beyond reserved blocks"
+        first, last = start // bs, -(-end // bs)
+        rows = np.asarray(table[first:last], dtype=np.int64)[:, None] * bs + self._offsets
+        off = first * bs
         return rows.reshape(-1)[start - off:end - off]
 
     def set_length(self, seq_id: int, length: int) -> None:
