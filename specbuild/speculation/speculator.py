@@ -42,7 +42,6 @@ AUTO_DRAFT_SHARE = 0.15
 # fit_to_batch keeps the first node of a draft it has cut to nothing this many steps in a row: a
 # sequence's acceptance estimate is only learned from drafts it verifies
 FIT_PROBE_EVERY = 16
-FIT_MIN_BATCH = 1  # the fewest decoding sequences fit_to_batch cuts the drafts of
 ODDS_PRIOR = 4.0  # node odds a drafter's own scores are taken at face value for (odds_factor)
 ODDS_DECAY = 0.99  # per verified draft
 
@@ -342,24 +341,22 @@ class Speculator:
         return self.row_price.line(batch, (costs.verify(lo) - slope * lo, slope))
 
     def fit_to_batch(self, drafts: dict, seqs: dict) -> None:
-        """Cut the step's drafts to what pays for the whole batch: the step's goodput is its
-        tokens over its forward's cost, (B + the drafted nodes' accepted) / verify(B + nodes)
-        for B decoding sequences, and every drafted node is one more row of that forward. The
-        nodes of all drafts are taken most likely first, and the count that maximises that
-        goodput is kept (each draft keeps its first nodes: drafters order them best first,
-        parents before children). One sequence alone is cut by the same rule (the suffix
-        drafter's own cut, on the learned costs and odds: served at one sequence, fixed suffix
-        went from 1.11x to 1.25x plain, AMD EPYC, 2026-12-06); in a batch a row costs as much
-        as ever but the step's tokens are many, so
-        drafts shrink as the batch grows and stop where no node is likely enough (on a 2-core
-        AMD EPYC a row past the first costs ~1.4 ms against a step of ~6 ms at one sequence and
-        ~3 ms a token at eight, 2026-12-06). Drafts only shrink: lossless. Left whole: requests
-        that fixed their depth, and sampled ones (a sampled request's exact tokens follow its
-        drafts, and its seed must give them again whatever batch it lands in)."""
+        """Cut the step's drafts to what pays for the whole batch. Every drafted node is one
+        more row of the step's forward, and the step's goodput is its tokens over its cost by
+        rows: (B + the kept nodes' odds) / (a + b * rows) for B decoding sequences, (a, b) the
+        row price's line (step_line). The nodes of all drafts are taken most likely first and
+        the count that maximises that goodput is kept; each draft keeps its first nodes
+        (drafters order them best first, parents before children). A lone sequence is cut by
+        the same rule: the suffix drafter's own cut, on the learned costs and scaled odds
+        (served, fixed suffix went from 1.11x to 1.25x plain at one sequence, AMD EPYC,
+        2026-12-06). In a batch a row costs as much as ever but a token costs less (on a
+        2-core AMD EPYC a row ~1.4-2 ms, against ~6.5 ms a token alone and ~2.6-2.9 ms at 4-8
+        sequences), so drafts shrink as the batch grows and stop where no node is likely
+        enough. Drafts only shrink: lossless. Left whole: requests that fixed their depth, and
+        sampled ones (a sampled request's exact tokens follow its drafts, and its seed must
+        give them again whatever batch it lands in)."""
         decoding = sum(1 for seq in seqs.values() if seq.num_cached >= len(seq.all_ids) - 1)
-        if decoding < FIT_MIN_BATCH or not drafts:
-            return
-        if self.plain_costs() is None:
+        if not decoding or not drafts or self.plain_costs() is None:
             return
         nodes: list[tuple[float, int, int]] = []  # (-odds, node index, seq_id)
         for sid, draft in drafts.items():
