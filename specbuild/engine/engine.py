@@ -509,10 +509,7 @@ class Engine(BaseEngine):
         out["prefix_cache"] = {"enabled": self.scheduler.prefix_cache, **self.cache.prefix_stats()}
         out["step_parts"] = self.scheduler.parts.describe()
         out["auto_switch"] = self.speculator.goodput.describe()
-        offered, kept = self.speculator.fit_nodes
-        out["row_price"] = {"by_batch": self.speculator.row_price.describe(), "nodes_offered": offered,
-                            "nodes_kept": kept, "odds_factor": {m: round(self.speculator.odds_factor(m), 3)
-                                                                for m in self.speculator.odds_seen}}
+        out["row_price"] = self.speculator.fit_stats()
         out["threads"] = {**self.threads_governor.describe(), "why": self.threads_why} \
             if self.threads_governor is not None \
             else {"threads": torch.get_num_threads(), "adaptive": False, "why": self.threads_why}

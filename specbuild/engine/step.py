@@ -263,25 +263,20 @@ class StepRunner:
         for the group's completing items, in one pass over their rows (params.argmax_rows): the
         check every sequence's rows need, and the greedy tokens, instead of a check and an
         argmax per sequence."""
-        spans, r = [], 0
+        spans, index, r = [], [], 0  # spans over the completing rows alone; index: their rows in logits
         for it in group:
             if it.score is not None:
                 r += it.score_rows
             if it.completes:
-                spans.append((it.seq.seq_id, r, r + 1 + it.n_draft))
-                r += 1 + it.n_draft
+                n = 1 + it.n_draft
+                spans.append((it.seq.seq_id, len(index), len(index) + n))
+                index.extend(range(r, r + n))
+                r += n
         if not spans:
             return {}
-        if all(it.score is None for it in group):
-            ids, ok = argmax_rows(logits)  # the rows are the completing rows, in order
-        else:  # prompt-logprob rows in between: only the completing rows are read
-            index = torch.tensor([i for _, a, b in spans for i in range(a, b)], dtype=torch.int64, device=logits.device)
-            ids, ok = argmax_rows(logits.index_select(0, index))
-            flat, r = [], 0
-            for sid, a, b in spans:
-                flat.append((sid, r, r + b - a))
-                r += b - a
-            spans = flat
+        if len(index) < logits.shape[0]:  # prompt-logprob rows in between: only the completing rows are read
+            logits = logits.index_select(0, torch.tensor(index, dtype=torch.int64, device=logits.device))
+        ids, ok = argmax_rows(logits)
         return {sid: (ids[a:b], all(ok[a:b])) for sid, a, b in spans}
 
     def finish(self, it: WorkItem, score_rows: torch.Tensor | None, rows: torch.Tensor | None,
@@ -308,12 +303,9 @@ class StepRunner:
             check_logits(rows, "the target's logits")  # raises, naming the row and what it holds
         draft = it.draft if it.n_draft else None
         # penalties, logit_bias and the grammar, identically for plain and verify rows
-        params = seq.params
-        if params.adjusts or seq.constraint is not None:
-            scores = process_logits(rows, params, seq.output_ids, draft_paths(draft), seq.constraint)
-        else:
-            scores = rows  # what process_logits returns when the request sets none of them
-        # the group's argmax is the scores' only where nothing changed the rows
+        scores = process_logits(rows, seq.params, seq.output_ids, draft_paths(draft), seq.constraint)
+        # the group's argmax is the scores' only where nothing changed the rows (process_logits
+        # returns the rows themselves when the request sets no penalty, bias or grammar)
         argmax = pick[0] if pick is not None and scores is rows else None
         verdict = self.speculator.settle(seq, PassResult(it.start, it.chunk, draft, rows, scores, hidden, feats,
                                                          argmax=argmax))

@@ -8,7 +8,6 @@ the one plain decoding samples from.
 from __future__ import annotations
 
 import dataclasses
-import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -227,8 +226,9 @@ def checked_argmax(row: torch.Tensor, what: str = "logits") -> int:
     exactly when the entry it picks is finite (no NaN, no +inf, not every entry -inf); otherwise
     check_logits raises with the reason. A greedy step checked its row with a max, then took its
     argmax: two passes over 49,152 entries per sequence per step, ~50 us each (AMD EPYC)."""
-    tok = argmax_ids(row)[0]
-    if not math.isfinite(float(row.reshape(-1)[tok])):
+    ids, ok = argmax_rows(row.reshape(1, -1))
+    tok = ids[0]
+    if not ok[0]:
         check_logits(row, what)
         raise NumericsError(f"{what}: the greedy token's logit is not finite")  # not reached: check_logits raised
     return tok

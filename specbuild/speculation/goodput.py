@@ -189,6 +189,11 @@ class _Fit:
         self.n, self.sx, self.sy = self.n * d + 1, self.sx * d + x, self.sy * d + y
         self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
 
+    def moments(self) -> tuple[float, float, float, float]:
+        """(mean rows, mean seconds, n * var(rows), n * cov(rows, seconds))."""
+        mx, my = self.sx / self.n, self.sy / self.n
+        return mx, my, self.sxx - self.sx * mx, self.sxy - self.sx * my
+
 
 class RowPrice:
     """What one more forward row costs in a decode step at each batch size, learned from the
@@ -215,9 +220,7 @@ class RowPrice:
         f = self.fits.get(batch_bucket(batch))
         if f is None or f.n < MIN_STEPS:
             return prior
-        mx, my = f.sx / f.n, f.sy / f.n
-        spread = f.sxx - f.sx * mx  # n * var(rows)
-        co = f.sxy - f.sx * my  # n * cov(rows, seconds)
+        mx, my, spread, co = f.moments()
         slope = max(0.0, (co + ROW_PRIOR * prior[1]) / (spread + ROW_PRIOR))
         return my - slope * mx, slope
 
@@ -226,8 +229,7 @@ class RowPrice:
         for name in BUCKETS:
             f = self.fits.get(name)
             if f is not None and f.n >= MIN_STEPS:
-                mx, my = f.sx / f.n, f.sy / f.n
-                spread = f.sxx - f.sx * mx
+                mx, my, spread, co = f.moments()
                 out[name] = {"steps": round(f.n, 1), "rows_mean": round(mx, 2), "ms_mean": round(my * 1e3, 3),
-                             "ms_per_row": round((f.sxy - f.sx * my) / spread * 1e3, 3) if spread > 1e-9 else None}
+                             "ms_per_row": round(co / spread * 1e3, 3) if spread > 1e-9 else None}
         return out

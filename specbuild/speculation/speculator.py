@@ -325,6 +325,13 @@ class Speculator:
         seen[0] = seen[0] * ODDS_DECAY + float(sum(draft.scores))
         seen[1] = seen[1] * ODDS_DECAY + accepted
 
+    def fit_stats(self) -> dict:
+        """What the batch's fit learned and did: the row price by batch size, the draft nodes it
+        was offered and kept, and each drafter's odds factor (Engine.stats' `row_price`)."""
+        return {"by_batch": self.row_price.describe(), "nodes_offered": self.fit_nodes[0],
+                "nodes_kept": self.fit_nodes[1],
+                "odds_factor": {m: round(self.odds_factor(m), 3) for m in self.odds_seen}}
+
     def plain_costs(self) -> CostModel | None:
         """The start-up table of the target's forward cost by width."""
         return self.controller.costs.get(next(iter(self.proposers)), None) if self.proposers else None
