@@ -82,6 +82,75 @@ def test_documents_do_not_run_into_each_other():
     assert m == 1 and ix.continuations(ends, 5).tolist() == [[1, 2, 3, -1, -1]]
 
 
+def reference_match(arena: list[int], n: int, ctx: list[int]) -> tuple[int, list[int]]:
+    """The match by its definition, by brute force: the longest suffix of ctx (at most
+    MATCH_WINDOW tokens) that ends at an arena position e < n with a token after it (not a
+    separator or evicted slot), and the most recent MAX_HITS such positions."""
+    from specbuild.speculation.proposers import suffix as S
+
+    best, ends = 0, []
+    for e in range(1, n):
+        if arena[e] < 0:
+            continue
+        k = 0
+        while k < min(S.MATCH_WINDOW, len(ctx)) and k < e and arena[e - 1 - k] == ctx[-1 - k]:
+            k += 1
+        if k > best:
+            best, ends = k, [e]
+        elif k == best and k:
+            ends.append(e)
+    return best, ends[-S.MAX_HITS:]
+
+
+@pytest.mark.parametrize("in_python", [True, False])
+def test_match_in_python_and_in_numpy_agree_with_the_definition(monkeypatch, in_python):
+    """A match over a few hits runs in Python, over many in numpy (SCAN_IN_PYTHON): both give
+    what the definition gives, on random texts over a small vocabulary (long and short
+    matches, many hits), several documents and an evicted one."""
+    from specbuild.speculation.proposers import suffix as S
+
+    monkeypatch.setattr(S, "SCAN_IN_PYTHON", 10 ** 9 if in_python else 0)
+    rng = np.random.default_rng(7)
+    checked = long = 0
+    for trial in range(40):
+        ix = TokenIndex()
+        vocab = int(rng.integers(2, 12))
+        docs = []
+        for _ in range(int(rng.integers(1, 4))):
+            doc = rng.integers(0, vocab, int(rng.integers(1, 120))).tolist()
+            if docs and rng.random() < 0.5:  # a copy of an earlier passage: long matches
+                src = docs[-1][1]
+                doc += src[: int(rng.integers(1, len(src) + 1))]
+            start = ix.n
+            ix.extend(doc)
+            ix.end_document()
+            docs.append((start, doc))
+        if len(docs) > 1 and rng.random() < 0.5:
+            start, doc = docs[0]
+            ix.kill(start, start + len(doc))
+        assert ix.toks == ix.buf[:ix.n].tolist()
+        for _ in range(10):
+            ctx = rng.integers(0, vocab, int(rng.integers(1, 40))).tolist()
+            if rng.random() < 0.5:  # a context that ends like some stored text
+                start, doc = docs[int(rng.integers(len(docs)))]
+                cut = int(rng.integers(1, len(doc) + 1))
+                ctx = ctx + doc[:cut]
+            m, ends = ix.match(np.array(ctx, dtype=np.int64))
+            want = reference_match(ix.toks, ix.n, ctx)
+            assert (m, ends.tolist()) == want, (trial, ctx)
+            checked += 1
+            long += m >= 8
+    assert checked == 400 and long > 20  # the long-match path was exercised
+
+
+def test_the_local_text_is_no_occurrence_of_itself():
+    """A request's own text: its end is never a match, its earlier occurrences are."""
+    ix = TokenIndex()
+    ix.extend([3, 1, 2, 3, 1, 2])
+    assert ix.match_tail(ix.tail(), ix.n) == (3, [3])  # "3 1 2" ended at 3 (followed by 3); not at 6
+    assert ix.rows([3], 4) == [(3, 1, 2, -1)]
+
+
 def test_tree_is_best_first_by_share_within_budget_and_min_prob():
     rows = np.array([[1, 2, 3], [1, 2, 4], [1, 2, 3], [5, 6, -1], [1, 7, -1]])
     tokens, parents, depths, sources, _ = build_tree([(rows, "local")], budget=5, min_prob=0.1)

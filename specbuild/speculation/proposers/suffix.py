@@ -22,9 +22,10 @@ in isolation against its own pinned torch, protobuf and gRPC tools (a multi-GB b
 environment on a CPU machine), and its store is capped by request count, not size. Here a
 store is an append-only arena of token ids (documents separated by negative ids) with two
 position indexes, by last token and by last 4-gram; that is an implicit suffix trie of
-unbounded depth: the occurrences of a suffix are the index's hits whose backward match
-(one vectorised numpy compare of at most MATCH_WINDOW tokens) reaches its length, and the
-subtree below the match is built from the hits' continuations only when drafting.
+unbounded depth: the occurrences of a suffix are the index's hits whose backward match (at
+most MATCH_WINDOW tokens; in Python over a few hits, one vectorised numpy compare over many)
+reaches its length, and the subtree below the match is built from the hits' continuations
+only when drafting.
 Appending a token costs two dict appends; a draft costs one index read, one compare over
 at most MAX_SCAN hits and a small trie over at most MAX_HITS continuations (docs/suffix.md
 has the measured cost per step, against Arctic's C++ tree built by hand).
@@ -55,20 +56,28 @@ KEY = 4  # the longer index's n-gram length
 MATCH_WINDOW = 32  # longest match measured (tokens)
 MAX_SCAN = 1024  # most recent index hits compared per draft
 MAX_HITS = 64  # most recent occurrences of the longest match whose continuations vote
+SCAN_IN_PYTHON = 48  # up to this many hits a match compares them in Python, past it in numpy
 SCOPES = ("global", "content_type")
 
 
 class TokenIndex:
     """Token ids in one arena (documents separated by SEP) with hit lists by last token and
     by last KEY-gram: `by1[t]` / `by4[(a, b, c, d)]` hold end positions e (arena[e-1] is the
-    last token of the occurrence; its continuation starts at e)."""
+    last token of the occurrence; its continuation starts at e).
+
+    The arena is kept twice: as a numpy array (`buf`, past its end SEP), which a match over
+    many hits compares in one vectorised pass, and as a list of Python ints (`toks`, exactly
+    buf[:n]), which a match over a few hits and the continuations read. A draft usually
+    finds a handful of hits, and there numpy's fixed cost per call (~2 us an operation,
+    ~35 us a match) was most of the drafter's step; the list reads cost ~0.1 us a token."""
 
     def __init__(self, capacity: int = 256) -> None:
         self.buf = np.full(max(16, capacity), SEP, dtype=np.int64)
+        self.toks: list[int] = []
         self.n = 0  # slots used (tokens and separators)
         self.by1: dict[int, list[int]] = {}
         self.by4: dict[tuple[int, ...], list[int]] = {}
-        self._tail: list[int] = []  # last KEY - 1 tokens of the current document
+        self._tail: list[int] = []  # the current document's last (at most) KEY - 1 tokens
 
     def _grow(self, need: int) -> None:
         if need + MATCH_WINDOW + 1 > self.buf.shape[0]:
@@ -77,61 +86,142 @@ class TokenIndex:
             self.buf = new
 
     def extend(self, tokens: list[int]) -> None:
-        """Append tokens to the current (last) document."""
+        """Append tokens (Python ints) to the current (last) document."""
         if not tokens:
             return
         self._grow(self.n + len(tokens))
         self.buf[self.n:self.n + len(tokens)] = tokens
-        by1, by4, tail = self.by1, self.by4, self._tail
-        e = self.n
-        for t in tokens:
+        self.toks.extend(tokens)
+        start = self.n
+        by1, by4 = self.by1, self.by4
+        for e, t in enumerate(tokens, start + 1):
+            hits = by1.get(t)
+            if hits is None:
+                by1[t] = [e]
+            else:
+                hits.append(e)
+        # the KEY-grams that end at each new token, within this document
+        run = self._tail + tokens
+        e = start + KEY - len(self._tail)  # where the first of them ends
+        for key in zip(*(run[i:] for i in range(KEY))):
+            hits = by4.get(key)
+            if hits is None:
+                by4[key] = [e]
+            else:
+                hits.append(e)
             e += 1
-            by1.setdefault(t, []).append(e)
-            tail.append(t)
-            if len(tail) >= KEY:
-                if len(tail) > KEY:
-                    del tail[0]
-                by4.setdefault(tuple(tail), []).append(e)
-        self.n = e
+        self._tail = run[-(KEY - 1):]
+        self.n = start + len(tokens)
 
     def end_document(self) -> None:
         """Close the current document (a separator follows it)."""
         self._grow(self.n + 1)
         self.buf[self.n] = SEP
+        self.toks.append(SEP)
         self.n += 1
         self._tail = []
 
-    def match(self, ctx: np.ndarray) -> tuple[int, np.ndarray]:
-        """The longest suffix of ctx ([L] int64, L >= 1) that occurs here followed by at least
-        one token: (its length, the end positions of its most recent occurrences, at most
-        MAX_HITS, oldest first); (0, []) when even the last token never occurred."""
-        length = ctx.shape[0]
-        hits = self.by4.get(tuple(ctx[-KEY:].tolist())) if length >= KEY else None
-        if hits and hits[-1] >= self.n:  # the text's own end (a request's local text) is no occurrence
+    def kill(self, start: int, end: int) -> None:
+        """Blank slots start..end-1 (an evicted document): stale hits there never match again."""
+        self.buf[start:end] = DEAD
+        self.toks[start:end] = [DEAD] * (end - start)
+
+    def tail(self, width: int = MATCH_WINDOW) -> list[int]:
+        """The arena's last `width` slots (a request's own text: the context a match reads)."""
+        return self.toks[-width:]
+
+    def match(self, ctx) -> tuple[int, np.ndarray]:
+        """The longest suffix of ctx (a sequence of token ids, length L >= 1) that occurs here
+        followed by at least one token: (its length, the end positions of its most recent
+        occurrences, at most MAX_HITS, oldest first); (0, []) when even the last token never
+        occurred."""
+        length = len(ctx)
+        tail = [int(t) for t in ctx[max(0, length - MATCH_WINDOW):]]
+        m, ends = self.match_tail(tail, length)
+        return m, np.asarray(ends, dtype=np.int64)
+
+    def match_tail(self, tail: list[int], length: int) -> tuple[int, list[int]]:
+        """`match` for a context of `length` tokens given its last min(length, MATCH_WINDOW)
+        as a list; the end positions as a list. The last KEY-gram's hits first; where none of
+        them is a live occurrence with a token after it, every match is shorter than KEY and
+        the last token's hits are compared over KEY - 1 tokens."""
+        n = self.n
+        if length >= KEY:
+            hits = self.by4.get(tuple(tail[-KEY:]))
+            if hits and hits[-1] >= n:  # the text's own end (a request's local text) is no occurrence
+                hits = hits[-MAX_SCAN - 1:-1]
+            if hits:
+                m, ends = self._scan(tail, hits, len(tail))
+                if m:
+                    return m, ends
+        hits = self.by1.get(tail[-1])
+        if hits and hits[-1] >= n:
             hits = hits[-MAX_SCAN - 1:-1]
         if not hits:
-            hits = self.by1.get(int(ctx[-1]))
-            if hits and hits[-1] >= self.n:
-                hits = hits[-MAX_SCAN - 1:-1]
-            if not hits:
-                return 0, np.empty(0, dtype=np.int64)
-        cand = np.asarray(hits[-MAX_SCAN:], dtype=np.int64)
-        w = min(MATCH_WINDOW, length)
+            return 0, []
+        return self._scan(tail, hits, min(len(tail), KEY - 1))
+
+    def _scan(self, tail: list[int], hits: list[int], w: int) -> tuple[int, list[int]]:
+        """The longest backward match (at most w tokens) of tail's end before each of the most
+        recent MAX_SCAN hits that has a continuation, and the most recent MAX_HITS hits that
+        reach it (oldest first)."""
+        if len(hits) > MAX_SCAN:
+            hits = hits[-MAX_SCAN:]
+        if len(hits) > SCAN_IN_PYTHON:
+            return self._match_numpy(tail, hits, w)
+        toks = self.toks
+        last = len(toks)
+        want = tail[len(tail) - w:]
+        rev = want[::-1]  # rev[j]: the context's token j back from its end
+        head = min(w, KEY)
+        best, ends = 0, []
+        for e in hits:
+            if e >= last or toks[e] < 0:  # no continuation: the arena's end, a separator, evicted text
+                continue
+            k = 0
+            while k < head and k < e and toks[e - 1 - k] == rev[k]:
+                k += 1
+            if k == head < w:  # the whole window at once (a copy), else on token by token
+                if e >= w and toks[e - w:e] == want:
+                    k = w
+                else:
+                    while k < w and k < e and toks[e - 1 - k] == rev[k]:
+                        k += 1
+            if k > best:
+                best, ends = k, [e]
+            elif k == best and k:
+                ends.append(e)
+        return best, ends[-MAX_HITS:]
+
+    def _match_numpy(self, tail: list[int], hits: list[int], w: int) -> tuple[int, list[int]]:
+        """match_tail over many hits: one vectorised compare of the window before each."""
+        cand = np.asarray(hits, dtype=np.int64)
         back = np.arange(w)
+        want = np.asarray(tail[len(tail) - w:][::-1], dtype=np.int64)
         idx = cand[:, None] - 1 - back[None, :]  # [h, w] arena slots, backwards from each hit
-        eq = (self.buf[np.maximum(idx, 0)] == ctx[length - 1 - back][None, :]) & (idx >= 0)
+        eq = (self.buf[np.maximum(idx, 0)] == want[None, :]) & (idx >= 0)
         mlen = np.cumprod(eq, axis=1).sum(axis=1)
         # a continuation must exist: not the arena's end, a separator or an evicted slot
         mlen[self.buf[np.minimum(cand, self.buf.shape[0] - 1)] < 0] = 0
         m = int(mlen.max())
         if m == 0:
-            return 0, np.empty(0, dtype=np.int64)
-        return m, cand[mlen == m][-MAX_HITS:]
+            return 0, []
+        return m, cand[mlen == m][-MAX_HITS:].tolist()
 
-    def continuations(self, ends: np.ndarray, depth: int) -> np.ndarray:
+    def continuations(self, ends, depth: int) -> np.ndarray:
         """[h, depth] tokens that followed each end position (negative past a document's end)."""
-        idx = np.minimum(ends[:, None] + np.arange(depth)[None, :], self.buf.shape[0] - 1)
-        return self.buf[idx]
+        return np.asarray(self.rows(ends, depth), dtype=np.int64).reshape(len(ends), depth)
+
+    def rows(self, ends, depth: int) -> list[tuple[int, ...]]:
+        """`continuations` as a list of tuples (what build_tree reads)."""
+        toks = self.toks
+        out = []
+        for e in ends:
+            row = toks[e:e + depth]
+            if len(row) < depth:
+                row = row + [SEP] * (depth - len(row))
+            out.append(tuple(row))
+        return out
 
 
 class LocalText:
@@ -142,8 +232,9 @@ class LocalText:
         self.seen_prompt = 0
         self.seen_output = 0
 
-    def sync(self, seq) -> np.ndarray:
-        """Catch up with seq's text (appends only: committed tokens never change); returns it."""
+    def sync(self, seq) -> int:
+        """Catch up with seq's text (appends only: committed tokens never change); returns its
+        length (the text is the index's arena: `index.toks`)."""
         if self.seen_prompt < len(seq.prompt_ids):
             self.index.extend([int(t) for t in seq.prompt_ids[self.seen_prompt:]])
             self.seen_prompt = len(seq.prompt_ids)
@@ -151,7 +242,7 @@ class LocalText:
         if self.seen_output < len(out):
             self.index.extend([int(t) for t in out[self.seen_output:]])
             self.seen_output = len(out)
-        return self.index.buf[:self.index.n]
+        return self.index.n
 
 
 class _Doc:
@@ -206,7 +297,7 @@ class GlobalStore:
     def _evict(self, doc_id: int) -> None:
         doc = self.docs.pop(doc_id)
         index = self.indexes[doc.scope]
-        index.buf[doc.start:doc.end] = DEAD  # stale hits there never match again
+        index.kill(doc.start, doc.end)  # stale hits there never match again
         starts = self._starts[doc.scope]
         del starts[bisect.bisect_left(starts, doc.start)]
         del self._by_start[(doc.scope, doc.start)]
@@ -226,7 +317,7 @@ class GlobalStore:
             doc = self.docs[doc_id]
             del self._by_start[(scope, doc.start)]
             start = fresh.n
-            fresh.extend(old.buf[doc.start:doc.end].tolist())
+            fresh.extend(old.toks[doc.start:doc.end])
             fresh.end_document()
             doc.start, doc.end = start, start + (doc.end - doc.start)
             self._by_start[(scope, start)] = doc_id
@@ -235,12 +326,12 @@ class GlobalStore:
         self.dead_slots[scope] = 0
         self.compactions += 1
 
-    def touch(self, scope: str, ends: np.ndarray) -> None:
+    def touch(self, scope: str, ends) -> None:
         """The documents holding these end positions were used: most recently used now."""
         starts = self._starts.get(scope)
         if not starts:
             return
-        for e in set(ends.tolist()):
+        for e in set(ends.tolist() if isinstance(ends, np.ndarray) else ends):
             i = bisect.bisect_right(starts, e - 1) - 1
             if i >= 0:
                 doc_id = self._by_start.get((scope, starts[i]))
@@ -252,7 +343,7 @@ class GlobalStore:
             out = GlobalStore(self.max_tokens)
             for scope, ix in self.indexes.items():
                 c = out.indexes[scope] = TokenIndex(1)
-                c.buf, c.n, c._tail = ix.buf.copy(), ix.n, list(ix._tail)
+                c.buf, c.toks, c.n, c._tail = ix.buf.copy(), list(ix.toks), ix.n, list(ix._tail)
                 c.by1 = {k: v[:] for k, v in ix.by1.items()}
                 c.by4 = {k: v[:] for k, v in ix.by4.items()}
             out.docs = OrderedDict((i, _Doc(d.scope, d.start, d.end)) for i, d in self.docs.items())
@@ -270,10 +361,11 @@ class GlobalStore:
                     "evictions": self.evictions, "compactions": self.compactions}
 
 
-def build_tree(parts: list[tuple[np.ndarray, str]], budget: int, min_prob: float,
+def build_tree(parts: list[tuple], budget: int, min_prob: float,
                rate: float = 1.0) -> tuple[list[int], list[int], list[int], list[str], list[float]]:
-    """The best-first tree over continuation rows (each part: rows [h, d] and the name of
-    where they came from; negative ids end a row): at most `budget` nodes, each with path
+    """The best-first tree over continuation rows (each part: rows [h, d], an array or a list
+    of tuples as TokenIndex.rows gives, and the name of where they came from; negative ids end
+    a row): at most `budget` nodes, each with path
     probability (the share of all rows through it) >= min_prob, parents before children.
     Nodes are taken best-first by score = path probability * rate ** depth (rate: the
     measured chance that the target follows the match one more token, so a node deep on a
@@ -284,8 +376,10 @@ def build_tree(parts: list[tuple[np.ndarray, str]], budget: int, min_prob: float
     tok_of, cnt, dep, src = [0], [0], [0], [""]
     total = 0.0
     for rows, name in parts:
-        distinct = Counter(map(tuple, rows.tolist()))  # copies of one passage collapse here
-        total += float(rows.shape[0])
+        if isinstance(rows, np.ndarray):
+            rows = rows.tolist()
+        distinct = Counter(map(tuple, rows))  # copies of one passage collapse here
+        total += float(len(rows))
         for row, c in distinct.items():
             node = 0
             for t in row:
@@ -509,13 +603,14 @@ class SuffixProposer(DrafterBase):
         local = self.local.get(seq.seq_id)
         if local is None:
             local = self.local[seq.seq_id] = LocalText()
-        ctx = local.sync(seq)
-        if gamma <= 0 or ctx.shape[0] == 0:
+        length = local.sync(seq)
+        if gamma <= 0 or length == 0:
             return None
-        m_l, ends_l = local.index.match(ctx)
+        tail = local.index.tail()
+        m_l, ends_l = local.index.match_tail(tail, length)
         scope = self.scope_of(seq)
         gindex = self.store.indexes.get(scope)
-        m_g, ends_g = gindex.match(ctx) if gindex is not None else (0, ends_l[:0])
+        m_g, ends_g = gindex.match_tail(tail, length) if gindex is not None else (0, [])
         m = max(m_l, m_g)
         self.last_match = m
         if m == 0:
@@ -524,9 +619,9 @@ class SuffixProposer(DrafterBase):
         depth = min(self.depth_limit(seq, gamma), budget)
         parts = []
         if m_l == m:
-            parts.append((local.index.continuations(ends_l, depth), "local"))
+            parts.append((local.index.rows(ends_l, depth), "local"))
         if m_g == m:
-            parts.append((gindex.continuations(ends_g, depth), "global"))
+            parts.append((gindex.rows(ends_g, depth), "global"))
             self.store.touch(scope, ends_g)
         tokens, parents, depths, sources, scores = build_tree(parts, budget, self.min_prob, self.rates.rate(m))
         if not tokens:
@@ -638,14 +733,31 @@ def build(ctx) -> SuffixProposer:
     return prop
 
 
+_MASKS: dict = {}  # parents -> ancestor mask (read-only, shared)
+_MASKS_MAX = 4096  # distinct tree shapes kept; past it the table starts again
+
+
+def tree_mask(parents: tuple[int, ...]):
+    """The [n + 1, n + 1] bool ancestor mask of a tree given its parents (parents[0] = -1).
+    Drafters repeat a few shapes (chains, the same best-first trees), so masks are built once
+    per shape and shared: nothing writes to a draft's mask (step.py and tree.py read it)."""
+    mask = _MASKS.get(parents)
+    if mask is None:
+        import torch
+
+        n = len(parents)
+        m = np.zeros((n, n), dtype=np.bool_)
+        m[0, 0] = True
+        for i in range(1, n):
+            m[i] = m[parents[i]]
+            m[i, i] = True
+        if len(_MASKS) >= _MASKS_MAX:
+            _MASKS.clear()
+        mask = _MASKS[parents] = torch.from_numpy(m)
+    return mask
+
+
 def tree_draft(tokens: list[int], parents: list[int], depths: list[int], method: str) -> Draft:
     """A Draft of nodes 1..n (parents[0] = -1 for the root; parents before children)."""
-    import torch
-
-    n = len(tokens) + 1
-    mask = np.zeros((n, n), dtype=np.bool_)
-    mask[0, 0] = True
-    for i in range(1, n):
-        mask[i] = mask[parents[i]]
-        mask[i, i] = True
-    return Draft(list(tokens), None, tuple(parents), list(depths), torch.from_numpy(mask), method=method)
+    parents = tuple(parents)
+    return Draft(list(tokens), None, parents, list(depths), tree_mask(parents), method=method)
