@@ -33,10 +33,17 @@ def gamma_policy(seq):
 class CostModel:
     """Measured costs in seconds: verify_cost[w] for verify width w (w = g + 1)."""
 
-    verify_cost: dict[int, float]
+    verify_cost: dict[int, float]  # not changed after construction: verify() keeps what it computed
     draft_cost: float = 0.0  # per drafted token (0 for prompt lookup)
+    _memo: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def verify(self, width: int) -> float:
+        cost = self._memo.get(width)
+        if cost is None:  # (the controllers and drafters ask for the same few widths every step)
+            cost = self._memo[width] = self._verify(width)
+        return cost
+
+    def _verify(self, width: int) -> float:
         if width in self.verify_cost:
             return self.verify_cost[width]
         widths = sorted(self.verify_cost)
