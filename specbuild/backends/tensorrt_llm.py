@@ -575,6 +575,7 @@ class TrtllmEngine(ExecutorEngine):
         return seq
 
     def _release(self, seq: Sequence) -> None:
+        self._ngram.release(seq)  # its index of the sequence's text
         for key, flight in list(self._flights.items()):
             if flight.seq is seq:
                 del self._flights[key]

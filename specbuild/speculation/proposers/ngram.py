@@ -10,11 +10,13 @@ from __future__ import annotations
 import numpy as np
 
 from specbuild.speculation.proposers.base import Draft, DrafterBase
+from specbuild.speculation.proposers.suffix import LocalText
 
 
 def lookup(ids: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
     """ids: [L] int64. Returns up to k tokens that followed the latest earlier occurrence of
-    the longest matching suffix (length n_max down to n_min); [] when nothing matches."""
+    the longest matching suffix (length n_max down to n_min); [] when nothing matches. The
+    definition, scanning the whole text: NgramProposer gives the same from its index."""
     length = ids.shape[0]
     if k <= 0:
         return []
@@ -35,9 +37,17 @@ GUARANTEE = ("lossless", "lossless", "specbuild verify: argmax match (greedy), c
 
 
 class NgramProposer(DrafterBase):
-    """Stateless: reads the sequence's text only (DrafterBase's defaults otherwise)."""
+    """Each sequence's text indexed as it grows (suffix.LocalText: the last token's and last
+    4-gram's earlier positions), so a step's lookup costs a few index reads and compares
+    instead of scanning the whole text with every n (~60-90 us a sequence at a few hundred
+    tokens, growing with the text). The drafts are `lookup`'s (tests/speculation/
+    test_speculation.py checks them against it). The index holds committed text only: nothing
+    to roll back; `release` frees it."""
 
     name = "ngram"
+
+    def __init__(self) -> None:
+        self.local: dict[int, LocalText] = {}
 
     def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
         out: list[Draft | None] = []
@@ -45,10 +55,16 @@ class NgramProposer(DrafterBase):
             if gamma <= 0:
                 out.append(None)
                 continue
-            ids = np.asarray(seq.all_ids, dtype=np.int64)
-            tokens = lookup(ids, seq.spec.ngram_min, seq.spec.ngram_max, gamma)
+            local = self.local.get(seq.seq_id)
+            if local is None:
+                local = self.local[seq.seq_id] = LocalText()
+            local.sync(seq)
+            tokens = local.index.follow(seq.spec.ngram_min, seq.spec.ngram_max, gamma)
             out.append(Draft(tokens, None, method="ngram") if tokens else None)
         return out
+
+    def release(self, seq) -> None:
+        self.local.pop(seq.seq_id, None)
 
 
 def build(ctx) -> NgramProposer:

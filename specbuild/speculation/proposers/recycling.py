@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from specbuild.errors import RequestError
 from specbuild.speculation.proposers.base import Draft, DrafterBase, Needs, Observation
-from specbuild.speculation.proposers.ngram import lookup
+from specbuild.speculation.proposers.suffix import LocalText
 from specbuild.speculation.tree import MAX_RANK, TreeError, TreeSpec, request_tree
 
 # Node budgets for the default trees, keyed by the most nodes the bundle verifies. Path
@@ -84,6 +83,7 @@ class RecyclingProposer(DrafterBase):
         self.default_tree = tree or default_tree(max_nodes)
         self.observed_rows = 0
         self.with_lookup = with_lookup  # prompt lookup's continuation (n >= 2) as the first branch
+        self.local: dict[int, LocalText] = {}  # seq_id -> its text's index (the lookup's; committed text only)
 
     # ---- the table -------------------------------------------------------------------
     @torch.inference_mode()
@@ -191,12 +191,18 @@ class RecyclingProposer(DrafterBase):
                 out.append(None)
                 continue
             cont: list[int] = []
-            if self.with_lookup:
+            if self.with_lookup:  # ngram.lookup's continuation, from the sequence's text index
                 spec = seq.spec
-                cont = lookup(np.asarray(seq.all_ids, dtype=np.int64), max(2, spec.ngram_min),
-                              max(2, spec.ngram_max), tree.max_depth)
+                local = self.local.get(seq.seq_id)
+                if local is None:
+                    local = self.local[seq.seq_id] = LocalText()
+                local.sync(seq)
+                cont = local.index.follow(max(2, spec.ngram_min), max(2, spec.ngram_max), tree.max_depth)
             out.append(self.draft_tree(int(seq.all_ids[-1]), tree, cont))
         return out
+
+    def release(self, seq) -> None:
+        self.local.pop(seq.seq_id, None)
 
     def observe(self, seq, obs: Observation) -> None:
         if obs.logits is not None:

@@ -146,7 +146,7 @@ class TokenIndex:
         them is a live occurrence with a token after it, every match is shorter than KEY and
         the last token's hits are compared over KEY - 1 tokens."""
         n = self.n
-        if length >= KEY:
+        if length >= KEY and len(tail) >= KEY:
             hits = self.by4.get(tuple(tail[-KEY:]))
             if hits and hits[-1] >= n:  # the text's own end (a request's local text) is no occurrence
                 hits = hits[-MAX_SCAN - 1:-1]
@@ -160,6 +160,22 @@ class TokenIndex:
         if not hits:
             return 0, []
         return self._scan(tail, hits, min(len(tail), KEY - 1))
+
+    def follow(self, n_min: int, n_max: int, k: int) -> list[int]:
+        """Prompt lookup over this arena as one text (a request's own, LocalText): up to k
+        tokens that followed the most recent earlier occurrence of the text's longest suffix of
+        n_min..n_max tokens; [] when none occurs. What ngram.lookup gives, from the index: the
+        backward match is capped at n_max, so the latest hit reaching the cap (or the longest
+        match) is the occurrence lookup picks (only the last MAX_SCAN hits of a last token are
+        compared, where lookup reads the whole text)."""
+        length = self.n
+        n_max = min(n_max, length - 1, MATCH_WINDOW)
+        if k <= 0 or n_max < max(1, n_min):
+            return []
+        m, ends = self.match_tail(self.toks[length - n_max:], length)
+        if m < n_min or not ends:
+            return []
+        return self.toks[ends[-1]:ends[-1] + k]
 
     def _scan(self, tail: list[int], hits: list[int], w: int) -> tuple[int, list[int]]:
         """The longest backward match (at most w tokens) of tail's end before each of the most
