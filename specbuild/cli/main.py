@@ -330,7 +330,10 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
                          backend=backend, **trtllm)
     if follow_leader(engine, say=lambda line: click.echo(line, err=True)):  # ranks > 0: until rank 0 is done
         return
+    from specbuild.engine.base import quiet_gc
     from specbuild.speculation.policy import check_content_type
+
+    quiet_gc()  # loaded: the steps that follow leave the collector's walks out
 
     check_content_type(content_type)
     sink = None
