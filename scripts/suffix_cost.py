@@ -13,7 +13,9 @@ that needs no model, not a measured speedup.
     python scripts/suffix_cost.py BUNDLE_DIR [--nodes 8] [--repeats 3]
 
 Arctic's tree (arctic_inference.suffix_decoding) is measured only if it imports: it is built
-from its source archive by hand (see docs/suffix.md), never installed by the project.
+from its source archive by hand (see docs/suffix.md), never installed by the project. Prompt
+lookup (n-grams 1-3) is replayed too: the ngram drafter's index against ngram.lookup's scan of
+the whole text, which it replaced (the same drafts: the same tokens per pass).
 """
 
 from __future__ import annotations
@@ -100,12 +102,47 @@ def replay_arctic(streams, nodes):
     return times, emitted / passes
 
 
+def replay_lookup(streams, nodes, indexed: bool):
+    """Prompt lookup over the same replay (n-grams 1-3, as a request's defaults): the ngram
+    drafter's indexed lookup, or ngram.lookup's scan of the whole text (its definition)."""
+    import numpy as np
+
+    from specbuild.speculation.config import SpeculationConfig
+    from specbuild.speculation.proposers.ngram import NgramProposer, lookup
+
+    prop = NgramProposer()
+    times, passes, emitted = [], 0, 0
+    for n, (prompt, output) in enumerate(streams):
+        seq = Seq(n, prompt)
+        seq.spec = SpeculationConfig.make(None, method="ngram")
+        t = 0
+        while t < len(output):
+            t0 = time.perf_counter()
+            if indexed:
+                d = prop.propose([seq], [nodes])[0]
+                tokens = list(d.tokens) if d is not None else []
+            else:
+                tokens = lookup(np.asarray(seq.prompt_ids + seq.output_ids, dtype=np.int64), 1, 3, nodes)
+            times.append(time.perf_counter() - t0)
+            a = 0
+            while a < len(tokens) and t + a < len(output) and tokens[a] == output[t + a]:
+                a += 1
+            step = min(a + 1, len(output) - t)
+            seq.output_ids.extend(output[t:t + step])
+            t += step
+            passes += 1
+            emitted += step
+        prop.release(seq)
+    return times, emitted / passes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle")
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    import torch  # noqa: F401 - imported before the timing: a draft's tree mask is a torch tensor
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(args.bundle, "tokenizer.json"))
@@ -114,7 +151,9 @@ def main() -> None:
         prompt = tok.encode(q["turns"][0]).ids
         body = prompt[len(prompt) // 4:]  # the answer quotes most of its input
         streams.append((prompt, body))
-    runners = {"specbuild suffix (numpy index)": replay_ours}
+    runners = {"specbuild suffix": replay_ours,
+               "prompt lookup, indexed (ngram drafter)": lambda st, n: replay_lookup(st, n, True),
+               "prompt lookup, whole-text scan": lambda st, n: replay_lookup(st, n, False)}
     try:
         import arctic_inference.suffix_decoding  # noqa: F401
 
