@@ -51,25 +51,40 @@ def path_len(tokens, parents, truth) -> int:
     return best
 
 
-def replay_ours(streams, nodes):
-    prop = SuffixProposer(max_nodes=nodes)
+def replay(streams, make_seq, draft, release):
+    """Each stream step by step: draft(seq) is timed and returns how far its guess follows a
+    given continuation; then that many true tokens and one more join the output. Returns the
+    step times and tokens per pass."""
     times, passes, emitted = [], 0, 0
     for n, (prompt, output) in enumerate(streams):
-        seq = Seq(n, prompt)
-        seq.spec = type("S", (), {"method": "suffix", "dynamic": False})()  # a fixed depth: the tree's nodes
+        seq = make_seq(n, prompt)
         t = 0
         while t < len(output):
             t0 = time.perf_counter()
-            d = prop.draft_for(seq, nodes)
+            follows = draft(seq)
             times.append(time.perf_counter() - t0)
-            a = path_len(d.tokens, d.parents[1:], output[t:]) if d is not None else 0
-            step = min(a + 1, len(output) - t)
+            step = min(follows(output[t:]) + 1, len(output) - t)
             seq.output_ids.extend(output[t:t + step])
             t += step
             passes += 1
             emitted += step
-        prop.release(seq)
+        release(seq)
     return times, emitted / passes
+
+
+def replay_ours(streams, nodes):
+    prop = SuffixProposer(max_nodes=nodes)
+
+    def make_seq(n, prompt):
+        seq = Seq(n, prompt)
+        seq.spec = type("S", (), {"method": "suffix", "dynamic": False})()  # a fixed depth: the tree's nodes
+        return seq
+
+    def draft(seq):
+        d = prop.draft_for(seq, nodes)
+        return lambda truth: path_len(d.tokens, d.parents[1:], truth) if d is not None else 0
+
+    return replay(streams, make_seq, draft, prop.release)
 
 
 def replay_arctic(streams, nodes):
@@ -111,29 +126,27 @@ def replay_lookup(streams, nodes, indexed: bool):
     from specbuild.speculation.proposers.ngram import NgramProposer, lookup
 
     prop = NgramProposer()
-    times, passes, emitted = [], 0, 0
-    for n, (prompt, output) in enumerate(streams):
+
+    def make_seq(n, prompt):
         seq = Seq(n, prompt)
         seq.spec = SpeculationConfig.make(None, method="ngram")
-        t = 0
-        while t < len(output):
-            t0 = time.perf_counter()
-            if indexed:
-                d = prop.propose([seq], [nodes])[0]
-                tokens = list(d.tokens) if d is not None else []
-            else:
-                tokens = lookup(np.asarray(seq.prompt_ids + seq.output_ids, dtype=np.int64), 1, 3, nodes)
-            times.append(time.perf_counter() - t0)
+        return seq
+
+    def draft(seq):
+        if indexed:
+            d = prop.propose([seq], [nodes])[0]
+            tokens = list(d.tokens) if d is not None else []
+        else:
+            tokens = lookup(np.asarray(seq.prompt_ids + seq.output_ids, dtype=np.int64), 1, 3, nodes)
+
+        def follows(truth):
             a = 0
-            while a < len(tokens) and t + a < len(output) and tokens[a] == output[t + a]:
+            while a < len(tokens) and a < len(truth) and tokens[a] == truth[a]:
                 a += 1
-            step = min(a + 1, len(output) - t)
-            seq.output_ids.extend(output[t:t + step])
-            t += step
-            passes += 1
-            emitted += step
-        prop.release(seq)
-    return times, emitted / passes
+            return a
+        return follows
+
+    return replay(streams, make_seq, draft, prop.release)
 
 
 def main() -> None:
