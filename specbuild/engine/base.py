@@ -35,9 +35,8 @@ def quiet_gc() -> bool:
 
     A loaded engine holds ~300,000 objects the collector tracks (torch, the tokenizer, the
     bundle); each step allocates a few hundred more. With Python's defaults a young collection
-    ran every ~700 allocations and an older one every ten of those, walking the survivors: 5-7%
-    of a one-row decode loop's time under perf on an AMD EPYC (2 threads), and stalls of a
-    millisecond or more in the tail. Here the objects alive after loading are collected once
+    ran every ~700 allocations and an older one every ten of those, walking the survivors: 7%
+    of a one-row decode loop's samples under perf on an AMD EPYC (1 thread). Here the objects alive after loading are collected once
     and frozen (gc.freeze: never walked again, still freed by reference counting), and young
     collections come every GC_GEN0 allocations. Called once the engine is loaded: by the
     background loop's start (servers, Triton, MPI ranks) and by `specbuild generate`.

@@ -67,7 +67,7 @@ INT8_NAMES = {1: "AVX2", 2: "AVX-512", 3: "AVX-512 (one-row tiles too)"}  # int8
 def level_name(kind: str, level: int) -> str:
     """The name of `kind`'s ("int4", "int8") ISA level, as the load line prints it."""
     return (INT8_NAMES if kind == "int8" else ISA_NAMES).get(level, ISA_NAMES.get(level, str(level)))
-# int4_q8_mm's `path`; 5 is 2's instructions with the weight prefetch further ahead (the same bits)
+# int4_q8_mm's `path`; 5 is 2's instructions and 6 is 1's with the weight prefetch further ahead (the same bits)
 Q8_PATHS = {1: "AVX2", 2: "AVX512-VNNI", 3: "AVX-VNNI", 4: "AVX512-VL VNNI ymm", 5: "AVX512-VNNI far prefetch",
             6: "AVX2 far prefetch"}
 Q8_BLOCK = 32  # inputs per int8 block (one float32 scale each)

@@ -40,8 +40,8 @@ class NgramProposer(DrafterBase):
     """Each sequence's text indexed as it grows (suffix.LocalText: the last token's and last
     4-gram's earlier positions), so a step's lookup costs a few index reads and compares
     instead of scanning the whole text with every n (~60-90 us a sequence at a few hundred
-    tokens, growing with the text). The drafts are `lookup`'s (tests/speculation/
-    test_speculation.py checks them against it). The index holds committed text only: nothing
+    tokens, growing with the text). The drafts are `lookup`'s (tests/speculation/test_ngram.py
+    checks them against it). The index holds committed text only: nothing
     to roll back; `release` frees it."""
 
     name = "ngram"
@@ -55,11 +55,7 @@ class NgramProposer(DrafterBase):
             if gamma <= 0:
                 out.append(None)
                 continue
-            local = self.local.get(seq.seq_id)
-            if local is None:
-                local = self.local[seq.seq_id] = LocalText()
-            local.sync(seq)
-            tokens = local.index.follow(seq.spec.ngram_min, seq.spec.ngram_max, gamma)
+            tokens = LocalText.synced(self.local, seq).index.follow(seq.spec.ngram_min, seq.spec.ngram_max, gamma)
             out.append(Draft(tokens, None, method="ngram") if tokens else None)
         return out
 

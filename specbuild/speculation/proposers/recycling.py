@@ -193,11 +193,7 @@ class RecyclingProposer(DrafterBase):
             cont: list[int] = []
             if self.with_lookup:  # ngram.lookup's continuation, from the sequence's text index
                 spec = seq.spec
-                local = self.local.get(seq.seq_id)
-                if local is None:
-                    local = self.local[seq.seq_id] = LocalText()
-                local.sync(seq)
-                cont = local.index.follow(max(2, spec.ngram_min), max(2, spec.ngram_max), tree.max_depth)
+                cont = LocalText.synced(self.local, seq).index.follow(max(2, spec.ngram_min), max(2, spec.ngram_max), tree.max_depth)
             out.append(self.draft_tree(int(seq.all_ids[-1]), tree, cont))
         return out
 

@@ -250,6 +250,17 @@ class LocalText:
         self.seen_prompt = 0
         self.seen_output = 0
 
+    @classmethod
+    def synced(cls, table: dict, seq) -> "LocalText":
+        """seq's entry of a drafter's table (seq_id -> LocalText; made on first use), caught up
+        with its text. The suffix and ngram drafters and token recycling's lookup keep one each
+        and drop it on release."""
+        local = table.get(seq.seq_id)
+        if local is None:
+            local = table[seq.seq_id] = cls()
+        local.sync(seq)
+        return local
+
     def sync(self, seq) -> int:
         """Catch up with seq's text (appends only: committed tokens never change); returns its
         length (the text is the index's arena: `index.toks`)."""
@@ -618,10 +629,8 @@ class SuffixProposer(DrafterBase):
         return max(1, min(limit, room - 1 if isinstance(room, int) else limit))
 
     def draft_for(self, seq, gamma: int) -> Draft | None:
-        local = self.local.get(seq.seq_id)
-        if local is None:
-            local = self.local[seq.seq_id] = LocalText()
-        length = local.sync(seq)
+        local = LocalText.synced(self.local, seq)
+        length = local.index.n
         if gamma <= 0 or length == 0:
             return None
         tail = local.index.tail()
