@@ -9,7 +9,7 @@
 # layers' inputs rounded to int8 blocks of 32 as llama.cpp's Q4_1 path rounds them, where
 # specbuild's int4 x int8 kernel runs: x86-64 with AVX2; bfloat16 inputs elsewhere) and
 # --lm-head-activations auto (the int8 lm_head's inputs rounded the same way where specbuild's
-# AVX512-VNNI int8 x int8 kernel runs; float32 inputs elsewhere), its layer
+# int8 x int8 kernel runs: AVX2 or AVX512-VNNI; float32 inputs elsewhere), its layer
 # stack run compiled (--compile) where a C++ compiler exists. Speculation is lossless against
 # that arithmetic. Environment:
 #   SPECBUILD_QUICKSTART_FORMAT=int4|float32   weight format (default int4)

@@ -31,7 +31,7 @@ DEFAULT_FORMATS: dict[str, dict] = {
     "int4": {"quantize": "int4", "lm_head_format": "int8"},
     "int8-a8": {"quantize": "int8", "lm_head_format": "int8", "activations": "int8"},  # per-row int8 inputs too
     "int4-a8": {"quantize": "int4", "lm_head_format": "int8", "activations": "int8"},  # int8 input blocks of 32
-    # and the lm_head's inputs too (--lm-head-activations int8; AVX512-VNNI only)
+    # and the lm_head's inputs too (--lm-head-activations int8; AVX2 or AVX512-VNNI)
     "int4-a8-h8": {"quantize": "int4", "lm_head_format": "int8", "activations": "int8", "lm_head_activations": "int8"},
     "int4-bf16": {"dtype": "bfloat16", "quantize": "int4", "lm_head_format": "int8"},  # bfloat16 hidden states
     "int4-head4": {"quantize": "int4", "lm_head_format": "int4"},  # the lm_head in int4 too

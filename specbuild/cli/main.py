@@ -105,10 +105,11 @@ def main() -> None:
 @click.option("--lm-head-activations", default="float32", show_default=True,
               type=click.Choice(["float32", "int8", "auto"]),
               help="What an int8 lm_head multiplies: float32 inputs, or the final hidden states rounded to int8 "
-                   "blocks of 32 as int4-a8 rounds the layers' inputs, through specbuild's AVX512-VNNI int8 x int8 "
-                   "kernel (half the cost per verify row; perplexity with int4-a8 layers +0.57% of float32's, "
-                   "docs/cpu-kernels.md); int8 needs AVX512-VNNI at load; auto: int8 where it runs, else float32, "
-                   "chosen at load and said in one line. Needs --lm-head-format int8.")
+                   "blocks of 32 as int4-a8 rounds the layers' inputs, through specbuild's int8 x int8 kernel "
+                   "(AVX512-VNNI or AVX2, the same bits; half the cost per verify row; perplexity with int4-a8 "
+                   "layers +0.57% of float32's, docs/cpu-kernels.md); int8 needs that kernel at load (x86-64 "
+                   "with AVX2); auto: int8 where it runs, else float32, chosen at load and said in one line. "
+                   "Needs --lm-head-format int8.")
 @click.option("--wide-format", "wide_formats", multiple=True, type=click.Choice(["float32", "bfloat16"]),
               help="Dense copies of quantized weights built at load for wide verification [float32].")
 @user_errors

@@ -19,7 +19,7 @@ the design and the measurements.
     int4_q8_mm / q8_quantize int4 weights x inputs quantised per row to int8 blocks of 32
                              (the int4-a8 format); q8_paths() / q8_path() its ISA paths
     repack_int8_q8 / int8_q8_mm  int8 weights x the same int8 input blocks (the lm_head under
-                             --lm-head-activations int8 | auto; AVX512-VNNI only)
+                             --lm-head-activations int8 | auto; AVX512-VNNI or AVX2, the same bits)
 
 int4 with int8 inputs (int4_q8_mm) is the project's own for the same reason: torch 2.13's CPU
 build has no x86 int4 x int8 kernel (`_dyn_quant_matmul_4bit` is ARM KleidiAI only), and
@@ -159,7 +159,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("specbuild_cpu::int8_q8_mm")
-    def _(x, packed, n):
+    def _(x, packed, n, path=0):
         return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
     @torch.library.register_fake("specbuild_cpu::q8_quantize")
@@ -444,13 +444,25 @@ def repack_int8_q8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _aligned(torch.cat([chunks, s], 1).reshape(-1))
 
 
+INT8_Q8_PATHS = {1: "AVX2", 2: "AVX512-VNNI"}  # int8_q8_mm's `path` (the same bits on both)
+
+
 def int8_q8_available() -> bool:
-    """Whether int8_q8_mm (the lm_head with int8 input blocks) runs here: AVX512-VNNI only."""
-    return bool(_load()["available"]) and mode() != "avx2" and bool(torch.ops.specbuild_cpu.int8_q8_available())
+    """Whether int8_q8_mm (the lm_head with int8 input blocks) runs here: AVX512-VNNI or AVX2
+    (SPECBUILD_CPU_KERNEL=avx2 keeps it to AVX2)."""
+    return bool(_load()["available"]) and bool(torch.ops.specbuild_cpu.int8_q8_available())
 
 
-def int8_q8_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.ops.specbuild_cpu.int8_q8_mm(x, packed, n)
+def int8_q8_path() -> int:
+    """The int8_q8_mm path this process runs: AVX512-VNNI where it runs (unless
+    SPECBUILD_CPU_KERNEL=avx2), else AVX2; 0 where neither does."""
+    if not int8_q8_available():
+        return 0
+    return 1 if mode() == "avx2" or 2 not in q8_paths() else 2
+
+
+def int8_q8_mm(x: torch.Tensor, packed: torch.Tensor, n: int, path: int = 0) -> torch.Tensor:
+    return torch.ops.specbuild_cpu.int8_q8_mm(x, packed, n, path)
 
 
 def q8_scales_and_m(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -200,8 +200,9 @@ class Int8Q8Format(Int8Format):
     accumulator in block order (acc = fma(isum, d, acc)) and the output is acc * scale
     (cpu_kernels.cpp, int8_q8_mm). Integer sums are exact in any order and nothing is shared
     between rows, so a row's output is the same bits whatever other rows share the call.
-    Inputs and outputs are float32. AVX512-VNNI only: a CPU without it cannot load it (the
-    arithmetic defines the target, so there is no silent fallback to another)."""
+    Inputs and outputs are float32. Runs on specbuild's kernel only (AVX512-VNNI, or AVX2: the
+    same bits); a CPU without either cannot load it (the arithmetic defines the target, so there
+    is no silent fallback to another)."""
 
     name = "int8-q8"
     quantizes_inputs = True
@@ -212,14 +213,15 @@ class Int8Q8Format(Int8Format):
         super().__init__(qweight, scales.float(), torch.float32, kernel=False)
         if qweight.device.type != "cpu" or not cpu_kernels.int8_q8_available():
             why = (f"the weights are on {qweight.device}" if qweight.device.type != "cpu" else
-                   cpu_kernels.status()["reason"] or "this CPU lacks AVX512-VNNI (or SPECBUILD_CPU_KERNEL=avx2)")
+                   cpu_kernels.status()["reason"] or "this CPU lacks AVX2 + FMA")
             raise BundleError("this bundle's lm_head takes int8 input blocks (compiled with --lm-head-activations "
-                              "int8), which run on specbuild's AVX512-VNNI kernel only, not available here: "
-                              f"{why}; recompile without --lm-head-activations int8")
+                              "int8), which run on specbuild's int8 x int8 CPU kernel only (AVX512-VNNI or AVX2), "
+                              f"not available here: {why}; recompile without --lm-head-activations int8")
         if self.qweight.shape[1] % cpu_kernels.Q8_BLOCK:
             raise BundleError(f"an lm_head with int8 input blocks needs in_features a multiple of "
                               f"{cpu_kernels.Q8_BLOCK}, got {self.qweight.shape[1]}")
-        self.kernel = 1  # specbuild's kernel runs it (the one path)
+        self.path = cpu_kernels.int8_q8_path()  # AVX512-VNNI or AVX2: the same bits
+        self.kernel = self.path
         self.q8_packed = cpu_kernels.repack_int8_q8(self.qweight, self.scales)
 
     @property
@@ -227,7 +229,7 @@ class Int8Q8Format(Int8Format):
         return False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] float32 -> [T, N] float32
-        return cpu_kernels.int8_q8_mm(x.float().contiguous(), self.q8_packed, self.qweight.shape[0])
+        return cpu_kernels.int8_q8_mm(x.float().contiguous(), self.q8_packed, self.qweight.shape[0], self.path)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The same arithmetic spelled out in torch: rows rounded to int8 per block of 32 (the
@@ -670,18 +672,19 @@ def build_qlinears(tensors: dict[str, torch.Tensor], quant: dict, check: bool = 
     act = torch.float32 if dynamic else ACT_DTYPES[requested]
     out = dict(tensors)
     checked: set[str] = set()
-    # the lm_head's inputs: int8 blocks of 32 (int8, or auto where the AVX512-VNNI int8 x int8
-    # kernel runs) or float32
+    # the lm_head's inputs: int8 blocks of 32 (int8, or auto where specbuild's int8 x int8 kernel
+    # runs: AVX512-VNNI or AVX2, the same bits) or float32
     head_acts = quant.get("lm_head_activations", "float32")
     head_q8 = head_acts == "int8" or (head_acts == "auto" and tensors["norm"].device.type == "cpu"
                                       and cpu_kernels.int8_q8_available())
     if head_acts != "float32" and check:
         how = f"--lm-head-activations {head_acts}"
         if head_q8:
+            path = cpu_kernels.INT8_Q8_PATHS.get(cpu_kernels.int8_q8_path(), "?")
             print(f"specbuild: {how}: the lm_head takes int8 input blocks of 32 (perplexity within 1% of float32's, "
-                  "docs/cpu-kernels.md) through specbuild's AVX512-VNNI int8 x int8 kernel", file=sys.stderr)
+                  f"docs/cpu-kernels.md) through specbuild's int8 x int8 kernel ({path})", file=sys.stderr)
         else:
-            print(f"specbuild: {how}: the lm_head takes float32 inputs (specbuild's AVX512-VNNI int8 x int8 kernel "
+            print(f"specbuild: {how}: the lm_head takes float32 inputs (specbuild's int8 x int8 kernel "
                   "cannot run here)", file=sys.stderr)
     for name, entry in quant.get("tensors", {}).items():
         fmt = entry["format"]

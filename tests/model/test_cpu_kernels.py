@@ -387,7 +387,7 @@ def test_int4_a8_without_the_kernel_is_a_clear_error(monkeypatch, tmp_path):
 def int8_q8_or_skip() -> None:
     q8_paths()
     if not cpu_kernels.int8_q8_available():
-        pytest.skip("the int8 x int8 kernel needs AVX512-VNNI, which this CPU lacks")
+        pytest.skip("the int8 x int8 kernel needs AVX2 + FMA (or AVX512-VNNI), which this CPU lacks")
 
 
 @pytest.mark.parametrize("n,k", [(40, 96), (37, 64), (200, 576), (49152 // 64, 576)])
@@ -410,6 +410,33 @@ def test_int8_q8_matches_a_float64_reference_and_rows_are_invariant(n, k):
     assert float(((out.double() - ref).abs() / scale).max()) < 1e-5
     for rows in [[3], [16], [2, 9]] + [list(range(w)) for w in range(1, 18)] + [list(range(17 - w, 17)) for w in range(1, 17)]:
         assert torch.equal(cpu_kernels.int8_q8_mm(x[rows], packed, n), out[rows]), rows
+
+
+def test_int8_q8_paths_give_the_same_bits():
+    """AVX2 (vpmaddubsw on |w| and q signed by w) forms the integers the AVX512-VNNI tile forms
+    (vpdpbusd on w + 128, less 128 * qsum), with the same epilogue: the same bits at every width
+    and position; the default path is the best the CPU runs, and a path it cannot run is refused
+    by name."""
+    int8_q8_or_skip()
+    gen = torch.Generator().manual_seed(5)
+    n, k = 77, 160
+    qw = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    qw[0, :32] = -128  # |w| = 128: the largest unsigned operand vpmaddubsw sees
+    packed = cpu_kernels.repack_int8_q8(qw, torch.rand(n, generator=gen) + 1e-3)
+    x = q8_inputs(17, k)
+    best = cpu_kernels.int8_q8_path()
+    assert best in cpu_kernels.INT8_Q8_PATHS
+    out = cpu_kernels.int8_q8_mm(x, packed, n)
+    assert torch.equal(cpu_kernels.int8_q8_mm(x, packed, n, best), out)
+    runs = [p for p in cpu_kernels.INT8_Q8_PATHS if p == 1 or p in cpu_kernels.q8_paths()]
+    for path in runs:
+        for rows in [list(range(w)) for w in range(1, 18)] + [[16], [2, 9, 11]]:
+            assert torch.equal(cpu_kernels.int8_q8_mm(x[rows], packed, n, path), out[rows]), (path, rows)
+    with pytest.raises(RuntimeError, match="path must be 0 .* got 3"):
+        cpu_kernels.int8_q8_mm(x, packed, n, 3)
+    if 2 not in runs:
+        with pytest.raises(RuntimeError, match=r"path 2 \(AVX512-VNNI\) cannot run on this CPU"):
+            cpu_kernels.int8_q8_mm(x, packed, n, 2)
 
 
 def test_int8_q8_bad_inputs_name_the_value():
@@ -477,7 +504,7 @@ def test_int8_inputs_lm_head_without_vnni_is_a_clear_error(monkeypatch):
     from specbuild.model.qlinear import Int8Q8Format
 
     monkeypatch.setattr(cpu_kernels, "int8_q8_available", lambda: False)
-    with pytest.raises(BundleError, match="--lm-head-activations int8.*AVX512-VNNI kernel only"):
+    with pytest.raises(BundleError, match="--lm-head-activations int8.*int8 x int8 CPU kernel only"):
         Int8Q8Format(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16))
 
 
