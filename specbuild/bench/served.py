@@ -452,6 +452,7 @@ def run_one(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, log:
             result["step_parts"] = health.get("step_parts") or []
             result["auto_switch"] = health.get("auto_switch") or {}  # auto's arms by batch size (goodput.py)
             result["row_price"] = health.get("row_price") or {}  # the batch's draft fit (Speculator.fit_to_batch)
+            result["threads"] = health.get("threads") or {}  # the kernels' threading, the pool's counters
     except Exception as e:  # noqa: BLE001 (one row failing is reported; the others still run)
         result = {"concurrency": c, "failed": f"{type(e).__name__}: {e}", "texts": {}}
     finally:

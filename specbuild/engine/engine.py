@@ -513,6 +513,11 @@ class Engine(BaseEngine):
         out["threads"] = {**self.threads_governor.describe(), "why": self.threads_why} \
             if self.threads_governor is not None \
             else {"threads": torch.get_num_threads(), "adaptive": False, "why": self.threads_why}
+        from specbuild.model import cpu_kernels
+
+        pool = cpu_kernels.pool_stats() if torch.device(self.config.device).type == "cpu" else {}
+        if pool:  # the kernels' pool: jobs, chunks by helpers and callers, waits for a preempted helper
+            out["threads"] = {**out["threads"], "kernels_pool": pool}
         for prop in self.speculator.proposers.values():  # the drafters' own (DrafterBase.engine_stats)
             out.update(prop.engine_stats())
         return out

@@ -931,6 +931,8 @@ class OpenAIServer:
             info["auto_switch"] = load["auto_switch"]
         if load.get("row_price"):  # what a decode row costs by batch size; draft nodes the batch kept
             info["row_price"] = load["row_price"]
+        if load.get("threads"):  # the kernels' threading: the governor's choice and state, the pool's counters
+            info["threads"] = load["threads"]
         if load.get("prefix_cache"):  # reuse across requests (model/kv_cache.py): hit rate, blocks recorded
             info["prefix_cache"] = load["prefix_cache"]
         settings = getattr(engine, "drafter_settings", None)  # the drafters' settings (their Options)

@@ -33,6 +33,12 @@ def test_a_fresh_server_serves_the_load_and_the_report_names_machine_and_identit
     parts = {p["kind"] for p in rows["none"]["step_parts"]}
     assert "plain" in parts and all(p["step_ms"] > 0 for p in rows["none"]["step_parts"])
     assert "the served steps' parts" in text and "prompts seen for the first time" in text
+    # the kernels' threading as the server ran it (/health's threads: the governor's choice and,
+    # on the kernels' own pool, its jobs)
+    threads = rows["none"]["threads"]
+    assert threads["threads"] >= 1 and "why" in threads
+    if "kernels_pool" in threads:
+        assert threads["kernels_pool"]["jobs"] >= 0 and "waits" in threads["kernels_pool"]
 
 
 def test_the_repeated_workload_answers_the_prompts_once_before_the_counted_run(tiny_bundle, tmp_path):
