@@ -567,6 +567,9 @@ class Engine(BaseEngine):
             if governor is None:
                 return self.scheduler.run_step()
             governor.before()
+            # a step on a threading under trial (OpenMP ran 1.3-2x the pool's step served) says
+            # nothing of what steps cost once the choice is kept: the row price skips it
+            self.speculator.learn_costs = not governor.trialling
             t0 = time.perf_counter()
             n = self.scheduler.run_step()
             if n:

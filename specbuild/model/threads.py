@@ -352,6 +352,12 @@ class ThreadGovernor:
         self.state = "trial"
         self.trials += 1
 
+    @property
+    def trialling(self) -> bool:
+        """Whether the next step runs on a candidate under trial rather than on the choice (its
+        wall time then says what that candidate costs, not what the kept one does)."""
+        return self.state in ("trial", "mode-trial")
+
     def after(self, seconds: float) -> None:
         """The wall time of the step that ran at the current count."""
         if self.state == "mode-trial":

@@ -127,6 +127,7 @@ class Speculator:
         self._auto_spec = True  # this step, auto's sequences may speculate
         self._auto_pure = False  # this step, every decoding sequence is auto's and nothing prefills
         self.row_price = RowPrice()  # a decode step's cost per forward row, learned from the steps (fit_to_batch)
+        self.learn_costs = True  # False for a step whose wall time is not the kept threading's (a thread trial)
         self._prefilling = False  # this step prefills a prompt too (its rows teach row_price nothing)
         self._draft_s = 0.0  # this step's drafting, seconds (on_step)
         self.fit_nodes = [0, 0]  # draft nodes fit_to_batch was offered, and kept
@@ -448,7 +449,7 @@ class Speculator:
                 a, b = self.step_line(batch, batch, rows)
                 modelled = max(1e-9, a + b * rows) + draft_s
             self.goodput.observe(tokens, modelled, self._auto_pure and kind != "prefill")
-        if decode:
+        if decode and self.learn_costs:
             self.row_price.observe(batch, rows, max(0.0, seconds - draft_s))
 
     def choose_method(self, seq) -> str | None:

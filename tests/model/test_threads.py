@@ -205,15 +205,19 @@ def test_real_steps_try_the_candidates_again_and_switch_when_another_is_faster()
     assert g.choice == ("openmp", 2)
     # serving: the event loop's wake-ups make OpenMP slow in the real steps; the pool is not
     serve = {("pool", 2): 0.005, ("openmp", 2): 0.012, ("openmp", 1): 0.008}
-    used = []
+    used, trialled = [], []
     for _ in range(int(T.REVISIT_S / 0.005) + 200):
         g.before()
         used.append((g.mode, g.kernel_threads))
+        trialled.append((g.trialling, (g.mode, g.kernel_threads) != g.choice))
         s = serve[(g.mode, g.kernel_threads)]
         m.advance(s)
         g.after(s)
     assert g.mode_trials >= 1 and g.choice == ("pool", 2) and used[-1] == ("pool", 2)
     assert all(used.count(c) >= T.MODE_STEPS for c in serve)  # each candidate ran real steps
+    # every step off the kept choice ran inside a trial, flagged so (the row price skips them)
+    assert all(flag for flag, off_choice in trialled if off_choice) and not trialled[-1][0]
+    assert sum(flag for flag, _ in trialled) >= len(serve) * T.MODE_STEPS
     assert g.describe()["last_trial_ms"][T.choice_label(("openmp", 2))] == pytest.approx(12.0)
 
 

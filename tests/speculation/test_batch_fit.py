@@ -191,3 +191,11 @@ def test_autos_switch_sees_each_steps_tokens_over_the_modelled_cost_of_its_rows(
     sp._prefilling = True
     step("plain", 1, 40, 7.0)
     assert sp.row_price.fits["1"].n == n
+    # nor do steps on a threading under trial (Engine.step clears learn_costs for them)
+    sp._prefilling = False
+    sp.learn_costs = False
+    step("plain", 1, 1, 40.0)
+    assert sp.row_price.fits["1"].n == n
+    sp.learn_costs = True
+    step("plain", 1, 1, 2.0)
+    assert sp.row_price.fits["1"].n > n
