@@ -481,6 +481,17 @@ def merge_rounds(runs: list[dict]) -> dict:
     return out
 
 
+def paired_ratios(runs: list[dict], plain: list[dict]) -> list[float]:
+    """A row's tokens/s over plain decoding's in the same round, round by round (the two ran
+    minutes apart at most, so the host's slower drift cancels in each ratio; rounds where either
+    failed are left out)."""
+    out = []
+    for r, b in zip(runs, plain):
+        if not r.get("failed") and not b.get("failed") and r.get("tokens_per_s") and b.get("tokens_per_s"):
+            out.append(round(r["tokens_per_s"] / b["tokens_per_s"], 3))
+    return out
+
+
 def run_served(cfg: ServedConfig, log_dir: str, say=print, rounds: int = 1, guard_rounds: int = 3) -> dict:
     """Every row at every concurrency, a fresh server each, `rounds` times (the rows' order rotated
     each round, so drift hits every row alike; cells are medians); then the guard. Returns the
@@ -518,6 +529,11 @@ def run_served(cfg: ServedConfig, log_dir: str, say=print, rounds: int = 1, guar
         if r["engine"] == "specbuild" and b and r is not b and b.get("texts"):
             same = [i for i in b["texts"] if r["texts"].get(i) == b["texts"][i]]
             r["identical"] = f"{len(same)}/{len(b['texts'])}"
+        if b and r is not b:
+            paired = paired_ratios(runs.get((r["engine"], r["row"], r["concurrency"]), []),
+                                   runs.get(("specbuild", "none", r["concurrency"]), []))
+            if paired:
+                r["vs_plain_rounds"] = paired
     if cfg.guard is not None and "none" in cfg.methods:
         report["guard"] = run_guard(cfg, log_dir, prompts, guard_rounds, say=say)
     return report
@@ -613,6 +629,18 @@ def format_report(report: dict) -> str:
             s = " " + s
             out += f"{s:>36}"
         lines.append(out)
+    paired = [r for r in report["rows"] if len(r.get("vs_plain_rounds") or []) > 1]
+    if paired:
+        lines += ["", "x specbuild plain round by round (each row over plain decoding in the same round: the host's "
+                      "drift between rounds cancels; median, then each round)"]
+        for e, row in names:
+            cells = []
+            for c in cs:
+                r = cell.get((e, row, c))
+                v = (r or {}).get("vs_plain_rounds") or []
+                cells.append(f"{statistics.median(v):.2f}x ({'/'.join(f'{x:.2f}' for x in v)})" if len(v) > 1 else "-")
+            if any(x != "-" for x in cells):
+                lines.append(f"{e + ' ' + row:<26}" + "".join(f"{x:>36}" for x in cells))
     lines.append("")
     lines.append("TTFT p50/p99 ms, TPOT p50/p99 ms")
     for e, row in names:

@@ -105,3 +105,20 @@ def test_the_guard_alternates_served_and_main_thread_rounds_and_can_fail(tiny_bu
     assert [line.split(":")[0] for line in said] == ["guard round 1/2", "guard round 2/2"]
     strict = S.ServedConfig(bundle=tiny_bundle, compile=False, llama_rows=(), guard=1e-6, main_tokens=16, texts=texts)
     assert S.run_guard(strict, str(tmp_path), prompts, rounds=1, say=said.append)["ok"] is False
+
+
+def test_rows_are_also_compared_with_plain_round_by_round():
+    """Each round's row over plain decoding's in the same round (failed rounds left out), and
+    the report prints the median and every round's ratio where there are two or more."""
+    runs = [{"tokens_per_s": 110.0}, {"failed": "boom"}, {"tokens_per_s": 90.0}]
+    plain = [{"tokens_per_s": 100.0}, {"tokens_per_s": 100.0}, {"tokens_per_s": 100.0}]
+    assert S.paired_ratios(runs, plain) == [1.1, 0.9]
+    assert S.paired_ratios(runs[:1], [{"failed": "x"}]) == []
+    row = lambda name, tps, **kw: {"engine": "specbuild", "row": name, "concurrency": 4,  # noqa: E731
+                                   "tokens_per_s": tps, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0,
+                                   "tpot_p50_ms": 1.0, "tpot_p99_ms": 2.0, **kw}
+    report = {"machine": {"cpu": "cpu", "logical_cpus": 2, "load_average": [0, 0, 0], "date": "d", "flags": "f"},
+              "rows": [row("none", 100.0), row("suffix", 100.0, vs_plain=1.0, vs_plain_rounds=[1.1, 0.9, 1.02])],
+              "skipped": [], "rounds": 3}
+    text = S.format_report(report)
+    assert "round by round" in text and "1.02x (1.10/0.90/1.02)" in text
