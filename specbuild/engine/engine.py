@@ -572,8 +572,8 @@ class Engine(BaseEngine):
             self.speculator.learn_costs = not governor.trialling
             t0 = time.perf_counter()
             n = self.scheduler.run_step()
-            if n:
-                governor.after(time.perf_counter() - t0)
+            if n:  # the step's shape: a thread trial compares like with like
+                governor.after(time.perf_counter() - t0, self.scheduler.parts.last_shape)
             return n
 
     def _fail_running(self, message: str) -> None:

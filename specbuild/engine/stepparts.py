@@ -38,6 +38,7 @@ class StepParts:
         self.sums: dict[tuple[str, str], list[float]] = {}  # key -> [steps, tokens, rows, seconds of each part..., total]
         self.cur = dict.fromkeys(PARTS, 0.0)
         self.last_total = 0.0  # the last step's wall seconds
+        self.last_shape: tuple | None = None
 
     def add(self, part: str, seconds: float) -> None:
         self.cur[part] += seconds
@@ -47,6 +48,7 @@ class StepParts:
         sequences; `tokens` chosen; `rows` the forwards' rows; `total` its wall seconds."""
         cur = self.cur
         self.last_total = total
+        self.last_shape = (kind, batch, rows)  # what the step was: steps of one shape cost alike
         cur["other"] = max(0.0, total - sum(cur[p] for p in PARTS if p not in ("other", "draft")))
         key = (kind, batch_bucket(batch))
         with self._lock:

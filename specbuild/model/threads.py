@@ -110,7 +110,8 @@ BUSY_LEAVE = 0.35   # ... and below which they count as free again
 # the kernels' threading on free cores (ThreadGovernor.decide, and its trials on real steps)
 REVISIT_S = 30.0    # while stepping on free cores, the candidates are tried again on real steps this often
 FIRST_REVISIT_S = 3.0  # ... the first time this soon after the start-up choice (at once where others' load was seen)
-MODE_STEPS = 5      # real steps per candidate in such a trial (taken in turn: each sees the same mix)
+MODE_STEPS = 5      # rounds of real steps in such a trial (one step per candidate in turn, all of one shape)
+MODE_ROUNDS_MAX = 60  # ... rounds tried before a trial that found too few alike ends, keeping the choice
 DECIDE_ROUNDS = 7   # start-up: interleaved rounds ...
 DECIDE_CALLS = 3    # ... of this many timed calls of each candidate (medians of the rounds)
 
@@ -201,6 +202,9 @@ class ThreadGovernor:
         self.mode_trials = 0
         self.revisit_at = 0.0
         self.mode_samples: dict[tuple[str, int], list[float]] = {}
+        self._round: list[tuple[tuple[str, int], float, object]] = []  # this trial round's (candidate, seconds, shape)
+        self._rounds_tried = 0
+        self.mode_trials_inconclusive = 0
         self.last_trial_ms: dict[str, float] = {}
 
     def _sample(self, now: float) -> tuple[float, int, float]:
@@ -314,12 +318,13 @@ class ThreadGovernor:
         if self.state == "free" and len(self.choices) > 1 and self.set_mode is not None and now >= self.revisit_at:
             self.state = "mode-trial"
             self.mode_samples = {c: [] for c in self.choices}
+            self._round, self._rounds_tried = [], 0
             self.mode_trials += 1
         if self.state == "trial":
             counts = {n: len(self.samples[n]) for n in self.candidates}
             self._use(min(self.candidates, key=lambda n: (counts[n], -n)))  # the arm with fewer samples
         elif self.state == "mode-trial":
-            self._apply(min(self.choices, key=lambda c: len(self.mode_samples[c])))  # the one with fewest steps
+            self._apply(self.choices[len(self._round) % len(self.choices)])  # each candidate in turn
         return self.threads
 
     def _on_load(self, now: float, others: float) -> None:
@@ -358,13 +363,35 @@ class ThreadGovernor:
         wall time then says what that candidate costs, not what the kept one does)."""
         return self.state in ("trial", "mode-trial")
 
-    def after(self, seconds: float) -> None:
-        """The wall time of the step that ran at the current count."""
+    def after(self, seconds: float, shape=None) -> None:
+        """The wall time of the step that ran at the current count; `shape` (any comparable
+        value: the engine gives the step's kind, batch and rows) says which steps are alike.
+
+        A trial of the free cores' candidates runs them one step each in turn; a round counts
+        only if its steps were alike (same shape), and it ends after MODE_STEPS counted rounds
+        (the medians decide) or MODE_ROUNDS_MAX rounds (too few alike: the choice stays). Steps
+        of unlike shapes cost unlike times: served at b=5-8, where prefill chunks come and go,
+        5 steps each picked OpenMP at 28.7 ms over the pool's 32.8 for the pool's steps with
+        the larger chunks, and that server's plain decoding then ran at 0.72x its neighbour's
+        (AMD EPYC, 2026-12-07)."""
         if self.state == "mode-trial":
             current = (self.mode, self.kernel_threads)  # (a trial needs several choices, so set_mode)
-            if current in self.mode_samples:
-                self.mode_samples[current].append(seconds)
-            if all(len(v) >= MODE_STEPS for v in self.mode_samples.values()):
+            self._round.append((current, seconds, shape))
+            if len(self._round) < len(self.choices):
+                return
+            rnd, self._round = self._round, []
+            self._rounds_tried += 1
+            if len({s for _, _, s in rnd}) == 1 and {c for c, _, _ in rnd} == set(self.mode_samples):
+                for c, s, _ in rnd:
+                    self.mode_samples[c].append(s)
+            complete = all(len(v) >= MODE_STEPS for v in self.mode_samples.values())
+            if not complete and self._rounds_tried >= MODE_ROUNDS_MAX:
+                self.mode_trials_inconclusive += 1
+                self.state = "free"
+                self._apply(self.choice)
+                self.revisit_at = self.clock() + REVISIT_S
+                return
+            if complete:
                 ms = {c: statistics.median(v) * 1e3 for c, v in self.mode_samples.items()}
                 self.choice = self._fastest(ms)
                 self.last_trial_ms = {choice_label(c): round(v, 3) for c, v in ms.items()}
@@ -388,7 +415,7 @@ class ThreadGovernor:
         if self.pool is not None:
             out.update(pool=self.pooled, pool_switches=self.pool_switches)
         out.update(choice=choice_label(self.choice), choices=[choice_label(c) for c in self.choices],
-                   mode_trials=self.mode_trials)
+                   mode_trials=self.mode_trials, mode_trials_inconclusive=self.mode_trials_inconclusive)
         if self.decided is not None:
             out["decided"] = self.decided
         if self.last_trial_ms:

@@ -253,10 +253,10 @@ def test_the_thread_governor_changes_the_count_but_never_a_token(engine):
                                set_threads=set_threads, tick_s=0.01)
         real_after = gov.after
 
-        def after(seconds):  # one thread is the faster, and fake time moves on
+        def after(seconds, shape=None):  # one thread is the faster, and fake time moves on
             clock["now"] += 0.05
             clock["busy"] += 1.5 * 0.05 * 100
-            real_after(0.01 if gov.threads == 1 else 0.03)
+            real_after(0.01 if gov.threads == 1 else 0.03, shape)
 
         gov.after = after
         engine.threads_governor = gov

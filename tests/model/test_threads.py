@@ -278,3 +278,41 @@ def test_a_choice_timed_beside_others_load_is_tried_again_on_the_first_real_step
     g2 = mode_governor(m2, modes2)
     g2.decide(lambda: (m2.advance(0.004), 0.004)[1])
     assert g2.revisit_at == pytest.approx(m2.now + T.FIRST_REVISIT_S) and g2.decided["others_cores"] < 0.1
+
+
+def test_a_real_step_trial_compares_only_rounds_of_alike_steps():
+    """The candidates run one step each in turn; a round counts only when its steps had one
+    shape. Large steps (prefill chunks) landing on the pool's turns would have made a median
+    over each candidate's own steps pick OpenMP; the rounds they spoil are left out."""
+    m, modes = FakeMachine(), []
+    g = mode_governor(m, modes)
+    g.decide(lambda: {("pool", 2): 0.004, ("openmp", 2): 0.009, ("openmp", 1): 0.007}[(g.mode, g.kernel_threads)])
+    assert g.choice == ("pool", 2)
+    cost = {("pool", 2): 0.005, ("openmp", 2): 0.008, ("openmp", 1): 0.009}
+    trial_steps = 0
+    for _ in range(int(T.REVISIT_S / 0.005) + 400):
+        g.before()
+        c = (g.mode, g.kernel_threads)
+        big = g.state == "mode-trial" and c == ("pool", 2) and trial_steps < 3 * 8
+        if g.state == "mode-trial":
+            trial_steps += 1
+        s = 0.050 if big else cost[c]
+        m.advance(s)
+        g.after(s, ("plain", 8, 40 if big else 8))
+    assert g.mode_trials >= 1 and g.choice == ("pool", 2), g.describe()
+    assert g.describe()["last_trial_ms"][T.choice_label(("pool", 2))] == pytest.approx(5.0)
+
+
+def test_a_trial_that_finds_too_few_alike_rounds_keeps_the_choice():
+    m, modes = FakeMachine(), []
+    g = mode_governor(m, modes)
+    g.decide(lambda: {("pool", 2): 0.004, ("openmp", 2): 0.009, ("openmp", 1): 0.007}[(g.mode, g.kernel_threads)])
+    step = 0
+    while g.mode_trials == 0 or g.state == "mode-trial":
+        g.before()
+        m.advance(0.005)
+        g.after(0.001 if (g.mode, g.kernel_threads) != ("pool", 2) else 0.005, ("plain", 8, step % 7))
+        step += 1
+        assert step < 100000
+    assert g.mode_trials == 1 and g.describe()["mode_trials_inconclusive"] == 1
+    assert g.choice == ("pool", 2) and (g.mode, g.kernel_threads) == ("pool", 2)
