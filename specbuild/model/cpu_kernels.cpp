@@ -58,7 +58,7 @@ constexpr int PREFETCH = 512;  // bytes ahead in each block's stream (measured: 
 // front moved 256 bytes a group while the stream moved 320 (fp16 scales): it fell behind after
 // 32 groups (2048 bytes ahead), and from the second block of a unit on the weights came in on
 // demand. Called once per group: the group's scale lines, PF bytes ahead, so the front keeps
-// pace with the stream (perf on a 2-core AMD EPYC had a third of the one-row tile's samples on
+// pace with the stream (perf on a 2-core AMD EPYC had a quarter of the one-row tile's samples on
 // the scales' load). Prefetches never change what a tile computes.
 inline void prefetch_group_tail(const uint8_t* group, int64_t chunk_bytes, int64_t grp_bytes, int pf) {
   for (int64_t off = chunk_bytes; off < grp_bytes; off += 64) _mm_prefetch((const char*)(group + off + pf), _MM_HINT_T0);
