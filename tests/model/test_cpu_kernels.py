@@ -283,7 +283,8 @@ def test_int4_q8_matches_a_float64_reference_and_every_path_gives_the_same_bits(
 def test_int4_q8_rows_are_invariant_to_width_and_position():
     """Each row of a call of w rows (w = 1..17, at every offset) equals that row computed alone,
     bit for bit, on every path this CPU runs (tiles of 1-8 rows on the VNNI-512 paths, 2/1 on the
-    ymm ones, and 1..4 column blocks)."""
+    VNNI ymm ones, 1-4 on plain AVX2: both halves at once in calls of up to 4 rows, one half at a
+    time in wider ones; and 1..4 column blocks)."""
     paths = q8_paths()
     n, k = 88, 192  # 6 column blocks: full and partial units of 4
     x = q8_inputs(17, k, seed=5)
