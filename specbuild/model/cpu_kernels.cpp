@@ -1664,14 +1664,18 @@ void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_
   const int64_t G = H / KV;
   // items are (row, kv head): the group's query heads share each key and value read; how
   // many items a thread takes is chosen from the work only (never what an item computes);
-  // small calls (a decode step over few keys) stay on one thread
+  // small calls (a decode step over few keys) stay on one thread. Items run kv head by kv
+  // head (item i: head i / T, row i % T), so a thread's consecutive items read one head's
+  // keys and values, which stay in L2; row by row, three heads' (a 640-token prompt: ~1 MB)
+  // did not (30 layers of causal attention over 640 rows, AMD EPYC, pool x2: 195-211 ms
+  // against 259). The order never changes what an item computes.
   const int64_t items = T * KV;
   const int64_t work = std::max<int64_t>(1, off[T] * G * D / std::max<int64_t>(T, 1));
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);
   par_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> s(G * (nmax + 1) + 8);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / KV, g = i % KV, n = off[t + 1] - off[t];
+      const int64_t g = i / T, t = i % T, n = off[t + 1] - off[t];
       if (n == 0) continue;
       fn(qp + (t * H + g * G) * D, G, kp + g * D, ks, vp + g * D, vs, slots + off[t], n, sc, s.data(),
          op + (t * H + g * G) * D);
