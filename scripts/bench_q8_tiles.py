@@ -2,6 +2,9 @@
 """A lab view of two kernels at the widths the product runs them: the int4 x int8 linear
 (int4_q8_mm) over one [3072, 576] layer (SmolLM2-135M's gate_up) and causal rows_attention over a
 prompt, with the CPU model and flags. A diagnostic: served figures come from scripts/bench_serve.py.
+Where `bench_formats.py --kernels` times every format over SmolLM2's shapes with the weights as
+the loop leaves them, this one separates weights from memory (a decode step) and weights in cache
+(prefill's later row tiles), the two cases plain AVX2's tile choice by width is about.
 
 - linear: random int4 weights (Q4_1-like, fp16 scales where exact), each width timed with the
   weights hot (one matrix, called again and again) and cold (60 copies in turn, ~80 MB: from
