@@ -1316,10 +1316,8 @@ void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_
 #define YTILE(FN)                                                        \
   if (R == 2) FN<2, 2, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile); \
   else FN<1, 2, F16S>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
-      if (path == Q8_AVX2 || path == Q8_AVX2_FAR) {
-        if (path == Q8_AVX2) avx2_tile<F16S, PREFETCH>(R, stream, wb, blk, grp, ng, G, xt, K, dt, st, tile);
-        else avx2_tile<F16S, FAR_PREFETCH>(R, stream, wb, blk, grp, ng, G, xt, K, dt, st, tile);
-      }
+      if (path == Q8_AVX2) avx2_tile<F16S, PREFETCH>(R, stream, wb, blk, grp, ng, G, xt, K, dt, st, tile);
+      else if (path == Q8_AVX2_FAR) avx2_tile<F16S, FAR_PREFETCH>(R, stream, wb, blk, grp, ng, G, xt, K, dt, st, tile);
       else if (path == Q8_AVXVNNI) { YTILE(q8_tile_avxvnni) }
       else { YTILE(q8_tile_vnni256) }
 #undef YTILE
