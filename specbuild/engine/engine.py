@@ -187,6 +187,7 @@ class Engine(BaseEngine):
     # Request.prompt_logprobs is served: the request's own prefill keeps its prompt rows' logits
     # (engine/scheduler.py), so it is validated, queued, batched and aborted like any request
     supports_prompt_logprobs = True
+    defer_wakes = True  # the waiters woken as each forward begins (BaseEngine.wake_listener)
 
     def __init__(self, bundle_dir: str, config: EngineConfig = EngineConfig(), drafters: dict | None = None,
                  planning=None) -> None:
@@ -267,6 +268,7 @@ class Engine(BaseEngine):
         self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len, self.speculator,
                                    config.prefill_chunk, waiting=self.waiting, running=self.running,
                                    planning=planning, prefix_cache=config.prefix_cache)
+        self.model.before_stack = self.flush_wakes  # the waiters woken as the layer stack begins
         self.policies = None  # speculation.policy.PolicyTable (set_policies) or None
         self.threads_governor, self.threads_why = self.make_governor()
         self.step_thread: int | None = None  # the ident of the thread that ran the last step

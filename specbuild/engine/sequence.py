@@ -362,7 +362,11 @@ class Handle:
             self.done.set()
         listener = self.listener
         if listener is not None:
-            listener()
+            wake = getattr(self._engine, "wake_listener", None)
+            if wake is not None:
+                wake(listener)  # held back to the step's forward on the loop thread (BaseEngine.wake_listener)
+            else:
+                listener()
 
     def get_nowait(self) -> Event | None:
         """The next queued event, or None when none is queued (never waits)."""

@@ -187,6 +187,9 @@ class Decoder:
         self.rows_agree = self.rows_attention or (self.row_invariant and self.dtype in (torch.bfloat16, torch.float16))
         self.compiled = None  # compiled.CompiledStack or fused.FusedStack once compile() is called
         self.fused_why: str | None = None  # why compile() did not take the fused stack (None: it did)
+        # called once per forward as the layer stack's one long call begins, its inputs made (the
+        # serving engine wakes its HTTP waiters there: BaseEngine.wake_listener); None: nothing
+        self.before_stack = None
         self.compiled_aux: tuple[int, ...] = ()  # aux layers every compiled forward computes
 
     def compile(self, aux_layers: tuple[int, ...] = ()) -> None:
@@ -245,8 +248,10 @@ class Decoder:
                 ran = sorted(set(run_aux))
                 aux = [aux[ran.index(layer)] for layer in sorted(set(aux_layers))]
         else:
-            x, aux = self.layer_stack(*self.stack_inputs(batch), batch.write_slots, cache.k, cache.v, fmt,
-                                      Attend(self, batch, t), aux_layers)
+            inputs, attend = self.stack_inputs(batch), Attend(self, batch, t)
+            if self.before_stack is not None:
+                self.before_stack()
+            x, aux = self.layer_stack(*inputs, batch.write_slots, cache.k, cache.v, fmt, attend, aux_layers)
         if aux_layers:
             aux = [a.index_select(0, aux_rows) for a in aux]
         rows = x.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != t else x
@@ -279,8 +284,10 @@ class Decoder:
         if t < lo:
             x, aux = self.compiled_rows(pad_batch(batch, lo), cache, fmt, aux_layers)
             return x[:t], [a[:t] for a in aux]
-        return self.compiled.run(*self.stack_inputs(batch), batch.write_slots, cache, fmt, Attend(self, batch, t),
-                                 aux_layers)
+        inputs, attend = self.stack_inputs(batch), Attend(self, batch, t)
+        if self.before_stack is not None:
+            self.before_stack()
+        return self.compiled.run(*inputs, batch.write_slots, cache, fmt, attend, aux_layers)
 
     def stack_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer stack's inputs: embeddings [T, hidden] and the rope tables [T, 1, D] (cos,

@@ -11,7 +11,9 @@ Threads. uvicorn runs one asyncio event loop (on the thread that calls `serve_fo
 the engine's step loop runs on its own thread and continuous batching happens there. The
 event loop never blocks on the engine: parsing, chat rendering, tokenizing and `submit` run
 in a worker thread, and a request's events reach its coroutine through `Handle.listener`
-(the engine thread calls `loop.call_soon_threadsafe`). Each request also watches its
+(the engine thread calls `loop.call_soon_threadsafe`; the torch engine makes those calls as
+its next forward's layer stack begins, so this thread's work runs while the stack holds no
+GIL: engine/base.py, wake_listener). Each request also watches its
 connection: when the client goes away its request is aborted (KV blocks freed) at once,
 while it streams, while it waits for a whole answer, or while it is still queued; the abort
 runs on a thread of its own (it takes the engine lock, which a step holds). `/health` runs

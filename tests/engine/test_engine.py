@@ -258,6 +258,55 @@ def test_background_loop_serves_concurrent_threads(tiny_bundle_f64):
     assert_pool_whole(engine)
 
 
+def test_background_wakes_come_as_the_layer_stack_begins_and_none_is_lost(tiny_bundle_f64):
+    """In the loop's thread a waiter's wake is held back until the next forward's layer stack
+    begins (the HTTP thread then runs while the stack holds no GIL); the last one, with no
+    forward after it, comes when the loop runs out of work. Every event gets its wake."""
+    engine = Engine(tiny_bundle_f64, EngineConfig(max_batch_size=4, prefill_chunk=16))
+    stack = engine.model.before_stack
+    in_stack = threading.local()
+
+    def before_stack() -> None:  # marks the wakes made from the stack's hook
+        in_stack.on = True
+        try:
+            stack()
+        finally:
+            in_stack.on = False
+
+    engine.model.before_stack = before_stack
+    requests = [Request(prompt_ids=prompt_ids(90 + i, 5 + 3 * i), sampling=greedy(8 + 2 * i)) for i in range(3)]
+    expected = run_alone(engine, requests)
+    engine.start()
+    try:
+        woken = [threading.Event() for _ in requests]
+        calls: list[list[tuple[bool, bool]]] = [[] for _ in requests]  # (from the loop thread, from the hook)
+        handles = []
+        for i, r in enumerate(requests):
+            def wake(i=i) -> None:
+                calls[i].append((threading.current_thread() is engine._thread, getattr(in_stack, "on", False)))
+                woken[i].set()
+            h = engine.submit(r)
+            h.listener = wake
+            handles.append(h)
+        streamed: list[list[int]] = [[] for _ in requests]
+        for i, h in enumerate(handles):  # drained through the wakes alone, as the HTTP front end does
+            finished = False
+            while not finished:
+                assert woken[i].wait(timeout=60), f"request {i}: an event without a wake"
+                woken[i].clear()
+                while (ev := h.get_nowait()) is not None:
+                    streamed[i] += ev.token_ids
+                    finished = ev.finished
+    finally:
+        engine.stop()
+    assert streamed == [e["token_ids"] for e in expected]
+    for i, c in enumerate(calls):
+        assert c and all(loop for loop, _ in c), c
+        assert sum(hook for _, hook in c) >= 1, c  # some came as a later forward's stack began
+    assert not calls[-1][-1][1]  # the last answer's last wake: no forward after it, the idle loop's
+    assert_pool_whole(engine)
+
+
 # ---- finish reasons --------------------------------------------------------------------------
 
 def test_max_tokens_and_max_seq_len(engine64):
