@@ -17,6 +17,7 @@ import math
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -134,20 +135,26 @@ def ragged_mask(blocks: list[tuple], rows: int, cols: int) -> torch.Tensor | Non
 
     blocks: one (row0, col0, n_new, past, new_mask) per sequence: its n_new query rows start
     at row0, its gathered K/V rows at col0 (past ones first, then the new ones); every row
-    sees the whole past and the new rows through new_mask [n_new, n_new] (None: causal).
-    Nothing crosses sequences. None when a single row may see everything (no mask needed).
+    sees the whole past and the new rows through new_mask [n_new, n_new] (a bool tensor or
+    array; None: causal). Nothing crosses sequences. None when a single row may see
+    everything (no mask needed).
+
+    Built in numpy and handed to torch once: each torch op here cost 20-40 us in a served
+    step, whose weights (~80 MB) have just passed through the caches, against a few us for
+    numpy's (a tree item's mask 115 us in torch, 75 in numpy; four decode rows' 120 against 48;
+    AMD EPYC, caches evicted before each call).
     """
     if rows == 1 and len(blocks) == 1:
         return None
-    mask = torch.zeros(rows, cols, dtype=torch.bool)
+    mask = np.zeros((rows, cols), dtype=np.bool_)
     for r0, c0, n, past, new_mask in blocks:
-        if n == 1 and new_mask is None:  # a decode row: its whole past and itself (one op, not four)
+        if n == 1 and new_mask is None:  # a decode row: its whole past and itself
             mask[r0, c0:c0 + past + 1] = True
             continue
         mask[r0:r0 + n, c0:c0 + past] = True
-        mask[r0:r0 + n, c0 + past:c0 + past + n] = torch.ones(n, n, dtype=torch.bool).tril() \
-            if new_mask is None else new_mask
-    return mask
+        mask[r0:r0 + n, c0 + past:c0 + past + n] = np.tri(n, dtype=np.bool_) if new_mask is None else (
+            new_mask.numpy() if isinstance(new_mask, torch.Tensor) else new_mask)
+    return torch.from_numpy(mask)
 
 
 class Decoder:
