@@ -228,7 +228,7 @@ def _check_tree(parents, node_tokens, target_probs, uniforms):
 
 def verify_tree_greedy(
     parents: Sequence[int],  # n entries, parents[0] = -1, parent index < node index
-    node_tokens: torch.Tensor,  # [n] int64 (node 0's entry unused)
+    node_tokens: torch.Tensor | Sequence[int],  # [n] int64 (node 0's entry unused); ints with best
     target_logits: torch.Tensor | None,  # [n, vocab]: target after each node (logits or probs)
     best: list[int] | None = None,
 ) -> TreeResult:
@@ -241,10 +241,10 @@ def verify_tree_greedy(
         best = argmax_ids(target_logits)
     else:
         children, _ = _structure(parents)
-        if len(best) != len(children) or node_tokens.shape[0] != len(children):
-            raise ValueError(f"best holds {len(best)} rows' argmax and node_tokens {node_tokens.shape[0]} "
+        if len(best) != len(children) or len(node_tokens) != len(children):
+            raise ValueError(f"best holds {len(best)} rows' argmax and node_tokens {len(node_tokens)} "
                              f"entries, expected {len(children)} (the tree's nodes)")
-    tokens = node_tokens.tolist()
+    tokens = node_tokens.tolist() if isinstance(node_tokens, torch.Tensor) else list(node_tokens)
     node, path = 0, []
     while True:
         match = next((c for c in children[node] if tokens[c] == best[node]), None)

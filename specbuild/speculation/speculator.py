@@ -663,9 +663,10 @@ class Speculator:
     def verify_tree(self, seq, draft, target_logits: torch.Tensor, best: list[int] | None = None):
         """target_logits: [n + 1, vocab], row i = the target after tree node i (0 = root);
         best: their argmax when the step took it (greedy)."""
+        if seq.params.greedy:  # the walk reads plain ints (a tensor's making and reading cost ~60 us a step)
+            return verify_tree_greedy(draft.parents, [0, *draft.tokens] if best is not None else
+                                      torch.tensor([0, *draft.tokens], dtype=torch.int64), target_logits, best)
         node_tokens = torch.tensor([0, *draft.tokens], dtype=torch.int64)
-        if seq.params.greedy:
-            return verify_tree_greedy(draft.parents, node_tokens, target_logits, best)
         target_probs = warp_probs(target_logits, seq.params)
         uniforms = seq.uniforms(len(draft.parents))
         if seq.spec.typical:  # LOSSY, opt-in: Medusa's typical acceptance

@@ -171,6 +171,19 @@ def test_tree_greedy_follows_the_argmax_path():
     assert verify_tree_greedy(TREE, tokens, target) == TreeResult((), 5, (5,))
 
 
+def test_tree_greedy_with_the_steps_argmax_takes_the_tokens_as_ints():
+    """The engine's greedy walk: the rows' argmax from the step (best) and the node tokens as a
+    list of ints give what the tensor form gives; a length that disagrees with the tree is named."""
+    tokens = ids(0, 1, 2, 3, 4, 5)
+    target = torch.zeros(6, V)
+    target[0, 2] = target[2, 5] = target[5, 0] = 1.0
+    best = target.argmax(-1).tolist()
+    assert verify_tree_greedy(TREE, tokens.tolist(), target, best) == verify_tree_greedy(TREE, tokens, target) \
+        == TreeResult((2, 5), 0, (2, 5, 0))
+    with pytest.raises(ValueError, match="node_tokens 5 entries, expected 6"):
+        verify_tree_greedy(TREE, tokens.tolist()[:5], target, best)
+
+
 def test_tree_sampled_rejected_child_leaves_the_residual_renormalised():
     tokens = ids(0, 1, 2, 3, 4, 5)
     target = torch.stack([dist(t1=0.5, t2=0.25, t3=0.25)] + [dist(t0=1.0)] * 5)
