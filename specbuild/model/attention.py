@@ -10,6 +10,7 @@ state on the model.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -96,7 +97,23 @@ def paged_attention_rows(
 def rows_index(read_slots: torch.Tensor, mask: torch.Tensor | None, rows: int) -> torch.Tensor:
     """The index cpu_kernels.rows_attention reads, int64 [rows + 1 + total]: the rows' offsets,
     then each row's visible cache slots in position order (row t: read_slots where mask[t], all
-    of them when mask is None), exactly the keys a decode step at that row's position reads."""
+    of them when mask is None), exactly the keys a decode step at that row's position reads.
+    On the CPU in numpy: the same index in 3-4 numpy calls, where torch's 6 ops cost ~95 us in a
+    served step (the weights had just passed through the caches; AMD EPYC)."""
+    if read_slots.device.type == "cpu" and (mask is None or mask.device.type == "cpu"):
+        rs = read_slots.numpy().astype(np.int64, copy=False)
+        if mask is None:
+            counts = np.full(rows, rs.shape[0], dtype=np.int64)
+            slots = np.tile(rs, rows)
+        else:
+            m = mask.numpy()
+            counts = m.sum(1, dtype=np.int64)
+            slots = np.broadcast_to(rs, m.shape)[m]  # row-major: row by row, columns in order
+        out = np.empty(rows + 1 + slots.shape[0], dtype=np.int64)
+        out[0] = 0
+        np.cumsum(counts, out=out[1:rows + 1])
+        out[rows + 1:] = slots
+        return torch.from_numpy(out)
     read_slots = read_slots.to(torch.int64)
     if mask is None:
         counts = torch.full((rows,), read_slots.shape[0], dtype=torch.int64)

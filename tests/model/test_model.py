@@ -387,3 +387,21 @@ def test_contiguous_slots_are_read_as_a_view_with_the_same_bits():
     assert torch.equal(paged_attention(q, k, v, slots, mask, 0.25, rng), paged_attention(q, k, v, slots, mask, 0.25))
     cols = [38, 39, 40]
     assert torch.equal(paged_attention_rows(q, k, v, slots, cols, 0.25, rng), paged_attention_rows(q, k, v, slots, cols, 0.25))
+
+
+def test_rows_index_lists_each_rows_visible_slots_in_order():
+    """attention.rows_index (numpy on the CPU): the rows' offsets, then row by row the read
+    slots its mask shows, in column order; every slot for every row without a mask."""
+    from specbuild.model.attention import rows_index
+
+    gen = torch.Generator().manual_seed(3)
+    read = torch.randperm(50, generator=gen)[:20]
+    mask = torch.rand(4, 20, generator=gen) > 0.4
+    mask[1] = False  # a row that sees nothing
+    expected, offsets = [], [0]
+    for t in range(4):
+        expected += [int(read[j]) for j in range(20) if mask[t, j]]
+        offsets.append(len(expected))
+    got = rows_index(read, mask, 4)
+    assert got.dtype == torch.int64 and got.tolist() == offsets + expected
+    assert rows_index(read.to(torch.int32), None, 2).tolist() == [0, 20, 40] + read.tolist() * 2
