@@ -81,7 +81,7 @@ class BaseEngine:
 
     load_seconds = 0.0
     # hold the waiters' wakes back to the step's forward (wake_listener): only an engine whose
-    # steps call flush_wakes as their forward begins (the torch engine's StepRunner) sets it
+    # forwards call flush_wakes as their layer stack begins (the torch engine's Decoder) sets it
     defer_wakes = False
 
     def _init_loop(self, lock) -> None:
@@ -97,6 +97,7 @@ class BaseEngine:
         # waiters' wakes held back while the loop thread's step runs (Handle._emit -> wake_listener);
         # None: every wake is called at once
         self._wakes: list | None = None
+        self._loop_ident: int | None = None  # the loop thread's ident while it runs
 
     # ---- waking the waiters ---------------------------------------------------------------
     def wake_listener(self, listener) -> None:
@@ -109,7 +110,7 @@ class BaseEngine:
         twice the main thread's (0.91 ms against 0.46, AMD EPYC). Woken as the forward begins,
         the front end runs while the layer stack holds no GIL."""
         wakes = self._wakes
-        if wakes is not None and self._thread is not None and threading.get_ident() == self._thread.ident:
+        if wakes is not None and threading.get_ident() == self._loop_ident:
             wakes.append(listener)
         else:
             listener()
@@ -118,7 +119,7 @@ class BaseEngine:
         """Call the wakes held back, in the loop's thread: its layer stack is about to begin
         (Decoder.before_stack), or the loop has nothing more to run."""
         wakes = self._wakes
-        if wakes and threading.get_ident() == self._thread.ident:
+        if wakes and threading.get_ident() == self._loop_ident:
             self._wakes = []
             for listener in wakes:
                 listener()
@@ -265,6 +266,7 @@ class BaseEngine:
             if ready is not None:
                 ready.set()
         if self.defer_wakes:
+            self._loop_ident = threading.get_ident()
             self._wakes = []  # held back from here on (wake_listener): the steps call flush_wakes
         while not self._stop:
             if not self.has_work():
@@ -284,7 +286,7 @@ class BaseEngine:
                 with self._lock:
                     self._fail_running("internal error in the engine step (see server log)")
         self.flush_wakes()
-        self._wakes = None
+        self._wakes = self._loop_ident = None
 
     def _fail_running(self, message: str) -> None:
         raise NotImplementedError

@@ -140,7 +140,7 @@ def ragged_mask(blocks: list[tuple], rows: int, cols: int) -> torch.Tensor | Non
     everything (no mask needed).
 
     Built in numpy and handed to torch once: each torch op here cost 20-40 us in a served
-    step, whose weights (~80 MB) have just passed through the caches, against a few us for
+    step, whose weights (~95 MB) have just passed through the caches, against a few us for
     numpy's (a tree item's mask 115 us in torch, 75 in numpy; four decode rows' 120 against 48;
     AMD EPYC, caches evicted before each call).
     """
