@@ -556,6 +556,27 @@ def test_rows_attention_matches_a_float64_reference(d):
     assert (out - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (8, 2, 64), (10, 2, 32), (6, 3, 24), (16, 2, 128)])
+def test_rows_attention_gives_each_query_head_its_bits_alone(heads, kv, d):
+    """The kernel loads each key and value chunk once for up to three query heads of a kv head;
+    every head must still get exactly the bits of a call that holds that head alone (one query
+    head over its kv head): groups of 2-8 heads, D with and without the four-chunk value path."""
+    from specbuild.model.attention import rows_index
+
+    levels()
+    k, v, perm = attention_case(heads=heads, kv=kv, d=d)
+    read = perm[:400]
+    mask = torch.rand(3, 400, generator=torch.Generator().manual_seed(2)) > 0.25
+    index = rows_index(read, mask, 3)
+    q = torch.randn(3, heads, d, generator=torch.Generator().manual_seed(4))
+    grouped = cpu_kernels.rows_attention(q, k, v, index, d ** -0.5)
+    g = heads // kv
+    for h in range(heads):
+        kh, vh = k[:, h // g:h // g + 1].contiguous(), v[:, h // g:h // g + 1].contiguous()
+        alone = cpu_kernels.rows_attention(q[:, h:h + 1].contiguous(), kh, vh, index, d ** -0.5)
+        assert torch.equal(grouped[:, h:h + 1], alone), f"head {h}"
+
+
 def test_rows_attention_rows_are_invariant_to_their_neighbours_and_threads():
     """A row's output has the same bits alone, beside other rows (any order), and at 1 or 2
     threads: what lets the decode step and a verify pass share one kernel losslessly."""
