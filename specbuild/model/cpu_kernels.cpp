@@ -1647,8 +1647,22 @@ __attribute__((target("avx2,fma"))) void attend_group(const float* q, int64_t G,
   }
   for (int64_t hh = 0; hh < G; ++hh) {  // softmax numerators in place; the sums after the G score rows
     float* sh = s + hh * n;
+    // the row's largest score: eight lanes of vmaxps (max(new, lane): a NaN score is passed over
+    // as the scalar `sh[i] > m ? sh[i] : m` passes it, a NaN first score stays in every lane),
+    // then the lanes, then the tail. The maximum is exact whatever the order, and exp(s - m) is
+    // the same for either zero, so the numerators are the scalar loop's bits; the scalar chain
+    // (a compare and select per key, each waiting on the last): 30 layers over a 640-row prompt
+    // 161-167 ms against 173-205 with it (AMD EPYC, pool x2, alternating builds).
     float m = sh[0];
-    for (int64_t i = 1; i < n; ++i) m = sh[i] > m ? sh[i] : m;
+    int64_t i = 1;
+    if (n >= 9) {
+      __m256 mv8 = _mm256_set1_ps(sh[0]);
+      for (; i + 8 <= n; i += 8) mv8 = _mm256_max_ps(_mm256_loadu_ps(sh + i), mv8);
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, mv8);
+      for (int l = 0; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
+    }
+    for (; i < n; ++i) m = sh[i] > m ? sh[i] : m;
     const __m256 mv = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
     for (j = 0; j + 8 <= n; j += 8) {

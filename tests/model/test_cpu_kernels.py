@@ -577,6 +577,25 @@ def test_rows_attention_gives_each_query_head_its_bits_alone(heads, kv, d):
         assert torch.equal(grouped[:, h:h + 1], alone), f"head {h}"
 
 
+@pytest.mark.parametrize("n,where", [(5, 3), (9, 0), (9, 8), (40, 0), (40, 17), (40, 39), (43, 41)])
+def test_rows_attention_subtracts_the_largest_score_wherever_it_is(n, where):
+    """The softmax subtracts each row's largest score before exp: with one key scoring ~300 (exp
+    overflows float32 past ~88) the output must be that key's value, found among the vector
+    lanes, the first key or the tail."""
+    from specbuild.model.attention import rows_index
+
+    levels()
+    g = torch.Generator().manual_seed(n + where)
+    k = torch.randn(64, 1, 64, generator=g) * 0.01
+    v = torch.randn(64, 1, 64, generator=g)
+    q = torch.ones(1, 3, 64)
+    read = torch.arange(n)
+    k[int(read[where]), 0] = 300.0 / 64 / 0.125  # q . k * scale = 300
+    out = cpu_kernels.rows_attention(q, k, v, rows_index(read, None, 1), 0.125)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out[0], v[int(read[where]), 0].expand(3, 64), atol=1e-5)
+
+
 def test_rows_attention_rows_are_invariant_to_their_neighbours_and_threads():
     """A row's output has the same bits alone, beside other rows (any order), and at 1 or 2
     threads: what lets the decode step and a verify pass share one kernel losslessly."""
