@@ -1739,8 +1739,8 @@ void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_
   // head (item i: head i / T, row i % T), so a thread's consecutive items read one head's
   // keys and values, which stay in L2; row by row, three heads' (a 640-token prompt: ~1 MB)
   // may not (30 layers of causal attention over 640 rows, AMD EPYC, pool x2, alternating
-  // processes: 175-209 ms against 190-207, inside the host's noise; the score loop is bound by
-  // its loads from L1). The order never changes what an item computes.
+  // processes: 175-209 ms against 190-207, inside the host's noise: the score loop was bound by
+  // its loads from L1 then, before scores4). The order never changes what an item computes.
   const int64_t items = T * KV;
   const int64_t work = std::max<int64_t>(1, off[T] * G * D / std::max<int64_t>(T, 1));
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);

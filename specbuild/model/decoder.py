@@ -255,9 +255,7 @@ class Decoder:
                 ran = sorted(set(run_aux))
                 aux = [aux[ran.index(layer)] for layer in sorted(set(aux_layers))]
         else:
-            inputs, attend = self.stack_inputs(batch), Attend(self, batch, t)
-            if self.before_stack is not None:
-                self.before_stack()
+            inputs, attend = self.stack_call(batch, t)
             x, aux = self.layer_stack(*inputs, batch.write_slots, cache.k, cache.v, fmt, attend, aux_layers)
         if aux_layers:
             aux = [a.index_select(0, aux_rows) for a in aux]
@@ -291,10 +289,16 @@ class Decoder:
         if t < lo:
             x, aux = self.compiled_rows(pad_batch(batch, lo), cache, fmt, aux_layers)
             return x[:t], [a[:t] for a in aux]
+        inputs, attend = self.stack_call(batch, t)
+        return self.compiled.run(*inputs, batch.write_slots, cache, fmt, attend, aux_layers)
+
+    def stack_call(self, batch: ForwardBatch, t: int) -> tuple[tuple, "Attend"]:
+        """What the layer stack's call takes (stack_inputs, the forward's Attend), made before
+        before_stack runs: nothing of the forward's Python is left between the hook and the call."""
         inputs, attend = self.stack_inputs(batch), Attend(self, batch, t)
         if self.before_stack is not None:
             self.before_stack()
-        return self.compiled.run(*inputs, batch.write_slots, cache, fmt, attend, aux_layers)
+        return inputs, attend
 
     def stack_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer stack's inputs: embeddings [T, hidden] and the rope tables [T, 1, D] (cos,
