@@ -1622,7 +1622,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void values4(const flo
 template <int DV>
 __attribute__((target("avx2,fma"))) void attend_group(const float* q, int64_t G, const float* kc, int64_t ks,
                                                        const float* vc, int64_t vs, const int64_t* slots, int64_t n,
-                                                       float scale, float* s, float* out) {
+                                                       float scale, float* s, float* out, float* ml) {
   constexpr int64_t D = 8 * DV;
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
@@ -1678,6 +1678,7 @@ __attribute__((target("avx2,fma"))) void attend_group(const float* q, int64_t G,
       sum = _mm256_add_ps(sum, p);
     }
     s[G * n + hh] = hsum8(sum);
+    if (ml) ml[2 * hh] = m;
   }
   constexpr int64_t VB = 32;  // keys per block of values: 32 rows of a kv head stay in L1 for the group
   for (int64_t j0 = 0; j0 < n; j0 += VB) {
@@ -1702,6 +1703,10 @@ __attribute__((target("avx2,fma"))) void attend_group(const float* q, int64_t G,
       for (int c = 0; c < DV; ++c) _mm256_storeu_ps(oh + 8 * c, acc[c]);
     }
   }
+  if (ml) {  // a segment of a long row: its values unnormalised, its largest score and its sum
+    for (int64_t hh = 0; hh < G; ++hh) ml[2 * hh + 1] = s[G * n + hh];
+    return;
+  }
   for (int64_t hh = 0; hh < G; ++hh) {
     const __m256 total = _mm256_set1_ps(s[G * n + hh]);
     float* oh = out + hh * D;
@@ -1710,7 +1715,7 @@ __attribute__((target("avx2,fma"))) void attend_group(const float* q, int64_t G,
 }
 
 using GroupFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, const int64_t*, int64_t,
-                         float, float*, float*);
+                         float, float*, float*, float*);
 
 template <int DV>
 GroupFn group_fn_for() { return &attend_group<DV>; }
@@ -1725,6 +1730,52 @@ GroupFn group_fn(int64_t D) {  // every multiple of 8 up to 128, and 256
   }
 }
 
+// A row over more than SEG keys is attended in segments (ceil(n / SEG) runs of its keys, as equal
+// as can be), each an item of its own, and the segments are then combined in order. Only the row's
+// number of keys decides this, never the rows beside it or the threads, so a row gives the same
+// bits in a decode step, a verify pass or a prompt (what the prefix cache reuses); a row over SEG
+// keys or fewer is attended whole, as before segments existed. Why: a decode step has one item per
+// kv head (3 for SmolLM2) on 2 threads, so one thread attended two heads' keys while the other
+// idled after one, and past a few hundred keys attention is the step's largest part after the
+// weights (one row after 1,000 keys, AMD EPYC, pool x2: 2.05 ms of a 4.9 ms layer stack).
+constexpr int64_t SEG = 512;
+// keys per segment of a row over n > SEG keys: ceil(n / SEG) segments as equal as can be (the last
+// may be shorter), so a row just past SEG splits into two halves, not SEG keys and a few
+inline int64_t seg_len(int64_t n) {
+  const int64_t ns = (n + SEG - 1) / SEG;
+  return (n + ns - 1) / ns;
+}
+
+// Combines a long row's segments for the G heads of one kv head: part holds, per segment, G * D
+// unnormalised value sums and then G (largest score, sum of exponentials) pairs. The largest
+// score over the segments is exact in any order; each segment's sums are scaled by
+// exp(its largest - the largest) and added in segment order, then divided as attend_group divides.
+__attribute__((target("avx2,fma"))) void combine_segments(const float* part, int64_t nseg, int64_t G, int64_t D,
+                                                          float* out) {
+  const int64_t stride = G * (D + 2);
+  for (int64_t hh = 0; hh < G; ++hh) {
+    float m = part[G * D + 2 * hh];
+    for (int64_t sg = 1; sg < nseg; ++sg) {
+      const float ms = part[sg * stride + G * D + 2 * hh];
+      m = ms > m ? ms : m;
+    }
+    float total = 0.0f;
+    float* oh = out + hh * D;
+    for (int64_t sg = 0; sg < nseg; ++sg) {
+      const float* ps = part + sg * stride;
+      const float e = std::exp(ps[G * D + 2 * hh] - m);
+      total += ps[G * D + 2 * hh + 1] * e;
+      const __m256 ev = _mm256_set1_ps(e);
+      for (int64_t c = 0; c < D; c += 8) {
+        const __m256 v = _mm256_loadu_ps(ps + hh * D + c);
+        _mm256_storeu_ps(oh + c, sg == 0 ? _mm256_mul_ps(v, ev) : _mm256_fmadd_ps(v, ev, _mm256_loadu_ps(oh + c)));
+      }
+    }
+    const __m256 tv = _mm256_set1_ps(total);
+    for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(oh + c, _mm256_div_ps(_mm256_loadu_ps(oh + c), tv));
+  }
+}
+
 // rows_attention's work on checked inputs: q [T, H, D] contiguous, out [T, H, D] zeroed; off the
 // index (offsets, then slots); nmax the most keys of any row
 void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_t KV, const float* kp, int64_t ks,
@@ -1733,24 +1784,53 @@ void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_
   if (T == 0 || nmax == 0) return;
   const int64_t* slots = off + T + 1;
   const int64_t G = H / KV;
-  // items are (row, kv head): the group's query heads share each key and value read; how
-  // many items a thread takes is chosen from the work only (never what an item computes);
-  // small calls (a decode step over few keys) stay on one thread. Items run kv head by kv
-  // head (item i: head i / T, row i % T), so a thread's consecutive items read one head's
-  // keys and values, which stay in L2; row by row, three heads' (a 640-token prompt: ~1 MB)
-  // may not (30 layers of causal attention over 640 rows, AMD EPYC, pool x2, alternating
-  // processes: 175-209 ms against 190-207, inside the host's noise: the score loop was bound by
-  // its loads from L1 then, before scores4). The order never changes what an item computes.
-  const int64_t items = T * KV;
-  const int64_t work = std::max<int64_t>(1, off[T] * G * D / std::max<int64_t>(T, 1));
+  // items are (kv head, row, segment): the group's query heads share each key and value read;
+  // how many items a thread takes is chosen from the work only (never what an item computes);
+  // small calls (a decode step over few keys) stay on one thread. Items run kv head by kv head,
+  // so a thread's consecutive items read one head's keys and values, which stay in L2; row by
+  // row, three heads' (a 640-token prompt: ~1 MB) may not (30 layers of causal attention over
+  // 640 rows, AMD EPYC, pool x2, alternating processes: 175-209 ms against 190-207, inside the
+  // host's noise: the score loop was bound by its loads from L1 then, before scores4). The order
+  // never changes what an item computes.
+  std::vector<int64_t> segs;  // per row and segment: row * 2^20 + segment, rows in order
+  std::vector<int64_t> part_at(T + 1, 0);  // a long row's first segment in the partial sums (per kv head)
+  segs.reserve(T);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = off[t + 1] - off[t], ns = n > SEG ? (n + seg_len(n) - 1) / seg_len(n) : 1;
+    for (int64_t sg = 0; sg < ns; ++sg) segs.push_back((t << 20) | sg);
+    part_at[t + 1] = part_at[t] + (n > SEG ? ns : 0);
+  }
+  const int64_t per_head = static_cast<int64_t>(segs.size()), longs = part_at[T], stride = G * (D + 2);
+  std::vector<float> part(KV * longs * stride);
+  const int64_t items = KV * per_head;
+  const int64_t work = std::max<int64_t>(1, off[T] * G * D / per_head);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);
+  const int64_t smax = std::min(nmax, SEG);  // a whole row or a segment: SEG keys at most
   par_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s(G * (nmax + 1) + 8);
+    std::vector<float> s(G * (smax + 1) + 8);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i / T, t = i % T, n = off[t + 1] - off[t];
+      const int64_t g = i / per_head, rs = segs[i % per_head], t = rs >> 20, sg = rs & ((1 << 20) - 1);
+      const int64_t n = off[t + 1] - off[t];
       if (n == 0) continue;
-      fn(qp + (t * H + g * G) * D, G, kp + g * D, ks, vp + g * D, vs, slots + off[t], n, sc, s.data(),
-         op + (t * H + g * G) * D);
+      const float* q = qp + (t * H + g * G) * D;
+      if (n <= SEG) {
+        fn(q, G, kp + g * D, ks, vp + g * D, vs, slots + off[t], n, sc, s.data(), op + (t * H + g * G) * D, nullptr);
+      } else {
+        float* ps = part.data() + ((g * longs) + part_at[t] + sg) * stride;
+        const int64_t len = seg_len(n), j0 = sg * len;
+        fn(q, G, kp + g * D, ks, vp + g * D, vs, slots + off[t] + j0, std::min(len, n - j0), sc, s.data(), ps,
+           ps + G * D);
+      }
+    }
+  });
+  if (longs == 0) return;
+  // the long rows' segments, combined per (kv head, row)
+  const int64_t cwork = std::max<int64_t>(1, longs * G * D / T);
+  par_for(0, KV * T, std::max<int64_t>(1, (int64_t(1) << 16) / cwork), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / T, t = i % T, ns = part_at[t + 1] - part_at[t];
+      if (ns == 0) continue;
+      combine_segments(part.data() + ((g * longs) + part_at[t]) * stride, ns, G, D, op + (t * H + g * G) * D);
     }
   });
 }

@@ -622,6 +622,70 @@ def test_rows_attention_rows_are_invariant_to_their_neighbours_and_threads():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("d", [16, 64])
+def test_rows_attention_long_rows_in_segments_match_a_float64_reference(d):
+    """A row over more than 512 keys is attended in segments combined afterwards (the two threads
+    then share a decode row): at and around the split points the result stays the attention."""
+    from specbuild.model.attention import paged_attention_reference, rows_index
+
+    levels()
+    k, v, perm = attention_case(d=d, slots=1400)
+    lens = [511, 512, 513, 700, 1025, 1400]
+    mask = torch.zeros(len(lens), 1400, dtype=torch.bool)
+    for t, n in enumerate(lens):
+        mask[t, :n] = True
+    mask[3, 600] = False  # a tree row: its keys are not a prefix
+    q = torch.randn(len(lens), 9, d, generator=torch.Generator().manual_seed(5))
+    out = cpu_kernels.rows_attention(q, k, v, rows_index(perm, mask, len(lens)), d ** -0.5)
+    ref = paged_attention_reference(q, k, v, perm, mask, d ** -0.5)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("n,where", [(600, 0), (600, 299), (600, 300), (600, 599), (1100, 1099), (1100, 550)])
+def test_rows_attention_long_rows_combine_around_the_largest_score(n, where):
+    """A score of ~300 (exp overflows float32 past ~88) in any segment of a long row: the
+    segments are combined around the largest score of all, so the output is that key's value."""
+    from specbuild.model.attention import rows_index
+
+    levels()
+    g = torch.Generator().manual_seed(n + where)
+    k = torch.randn(n, 1, 64, generator=g) * 0.01
+    v = torch.randn(n, 1, 64, generator=g)
+    k[where, 0] = 300.0 / 64 / 0.125  # q . k * scale = 300
+    out = cpu_kernels.rows_attention(torch.ones(1, 3, 64), k, v, rows_index(torch.arange(n), None, 1), 0.125)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out[0], v[where, 0].expand(3, 64), atol=1e-5)
+
+
+def test_rows_attention_long_rows_keep_their_bits_alone_per_head_and_per_row():
+    """Segments depend on a row's key count alone: a long row gives the same bits beside other
+    rows or alone, at 1 or 2 threads, and each query head the bits of a call that holds it alone."""
+    from specbuild.model.attention import rows_index
+
+    levels()
+    k, v, perm = attention_case(slots=1200)
+    lens = [1200, 513, 300, 900]
+    mask = torch.zeros(len(lens), 1200, dtype=torch.bool)
+    for t, n in enumerate(lens):
+        mask[t, :n] = True
+    q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(6))
+    index = rows_index(perm, mask, len(lens))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        both = cpu_kernels.rows_attention(q, k, v, index, 0.125)
+        for h in range(9):
+            kh, vh = k[:, h // 3:h // 3 + 1].contiguous(), v[:, h // 3:h // 3 + 1].contiguous()
+            alone = cpu_kernels.rows_attention(q[:, h:h + 1].contiguous(), kh, vh, index, 0.125)
+            assert torch.equal(both[:, h:h + 1], alone), f"head {h}"
+        torch.set_num_threads(1)
+        for t, n in enumerate(lens):
+            alone = cpu_kernels.rows_attention(q[t:t + 1], k, v, rows_index(perm[:n], None, 1), 0.125)
+            assert torch.equal(alone[0], both[t]), t
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_rows_attention_refuses_a_bad_index():
     levels()
     k, v, _ = attention_case(slots=50)
