@@ -13,10 +13,9 @@ sequence is under `auto` and no prompt is being prefilled: those are what the ar
 Each step runs the arm with the higher goodput. The other arm is probed for PROBE_STEPS steps
 (and judged on those steps alone, its older ones being from other text)
 after PROBE_FIRST steps, then at intervals that double (to PROBE_MAX) while probes keep losing
-by more than 10% (a narrower loss keeps them at PROBE_FIRST: such a probe costs under 2% of the
-steps) and start again from PROBE_FIRST when one wins, so a speculation that stopped paying is
-off within a few steps and costs at most PROBE_STEPS / PROBE_MAX of the steps afterwards (3%,
-and only what those steps lose), and one
+and start again from PROBE_FIRST when one wins, so a speculation that stopped paying is off
+within a few steps and costs at most PROBE_STEPS / PROBE_MAX of the steps afterwards (3%, and
+only what those steps lose), and one
 that starts paying (text turned repetitive, the batch shrank) comes back. A batch size seen for
 the first time starts on plain decoding, and probes speculation at once where its nearest
 neighbour that compared both arms chose speculation.
@@ -37,11 +36,6 @@ PROBE_FIRST = 12  # steps on the winning arm before the first probe (and again a
 # 2.9x (served, 2026-12-06); at 96 a probe costs at most 3 of 96 steps
 PROBE_MAX = 96
 MIN_STEPS = 3  # steps an arm needs before its goodput is believed
-# a probe that lost by less than this keeps the probes at PROBE_FIRST instead of pushing them back:
-# each of its steps costs under 10% (3 of every 15 steps: under 2%), and three steps of a drafter
-# at the start of a request on text seen before (short matches first) lose narrowly, so doubling
-# after them left `auto` on plain decoding for up to PROBE_MAX steps where suffix ran 2.5x plain
-CLOSE = 0.9
 ARMS = ("plain", "spec")
 # batch sizes grouped as the served benchmark's concurrencies (largest size, name), then the rest
 BUCKET_LIMITS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16"))
@@ -159,8 +153,6 @@ class GoodputSwitch:
         elif mine is None or theirs > mine:
             b.arm, b.switches = b.other(), b.switches + 1
             b.interval = PROBE_FIRST
-        elif theirs >= CLOSE * mine:
-            b.interval = PROBE_FIRST  # a near miss: probing it costs little, and its text may be turning
         else:
             b.interval = min(b.interval * 2, PROBE_MAX)
         b.until_probe = b.interval
