@@ -682,14 +682,14 @@ __attribute__((target("avx2,fma,f16c"))) void q8_rows_avx2(const uint8_t* w, int
 // The claim word: [epoch: 24 bits][mine: 20][theirs: 20]. The caller owns the job's first
 // chunks [0, split) and claims them in order (`mine`: how many of them are left), the helpers
 // own the rest [split, chunks) and claim those in order (`theirs`: how many are left); a thread
-// whose own run is used up takes what is left of the other's, from its front. So on free cores each thread streams one contiguous run of the
-// weights, while a helper that is off the CPU still holds at most the chunk it started. Claims
-// are compare-and-swaps on the whole word, so a helper that read an older job's word can never
-// claim in a newer one (the epoch differs). A job returns only after every chunk is claimed and
-// every claimed chunk finished, so its description is never rewritten while a claim on it can
-// succeed. (Claimed in one interleaved order instead, each thread's chunks alternated with the
-// other's: one decode row 2-4% slower, 2 and 4 rows 3-4%, AMD EPYC, pool x2, 24 alternating
-// pairs in one process.)
+// whose own run is used up takes what is left of the other's, from its front. So on free cores
+// each thread streams one contiguous run of the weights, while a helper that is off the CPU
+// still holds at most the chunk it started. Claims are compare-and-swaps on the whole word, so a
+// helper that read an older job's word can never claim in a newer one (the epoch differs). A job
+// returns only after every chunk is claimed and every claimed chunk finished, so its description
+// is never rewritten while a claim on it can succeed. (Claimed in one interleaved order instead,
+// each thread's chunks alternating with the other's: one decode row 2-8% slower, 2-4 rows 3-7%,
+// AMD EPYC, pool x2, 24 alternating pairs in one process on two occasions.)
 // Helpers spin SPECBUILD_POOL_SPIN_US microseconds for the next job (none while others' load is
 // seen), then sleep on a condition variable. Mode (SPECBUILD_POOL, set from cpu_kernels.py):
 // 0 OpenMP, 1 the pool always, 2 auto (the pool while the thread governor sees others' load on
