@@ -1808,15 +1808,20 @@ void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_
   // 640 rows, AMD EPYC, pool x2, alternating processes: 175-209 ms against 190-207, inside the
   // host's noise: the score loop was bound by its loads from L1 then, before scores4). The order
   // never changes what an item computes.
+  // the segment table only where some row is long (a decode step over few keys builds nothing)
+  const bool any_long = nmax > SEG;
   std::vector<int64_t> segs;  // per row and segment: row * 2^20 + segment, rows in order
-  std::vector<int64_t> part_at(T + 1, 0);  // a long row's first segment in the partial sums (per kv head)
-  segs.reserve(T);
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t n = off[t + 1] - off[t], ns = n > SEG ? (n + seg_len(n) - 1) / seg_len(n) : 1;
-    for (int64_t sg = 0; sg < ns; ++sg) segs.push_back((t << 20) | sg);
-    part_at[t + 1] = part_at[t] + (n > SEG ? ns : 0);
+  std::vector<int64_t> part_at(any_long ? T + 1 : 0, 0);  // a long row's first segment in the partial sums
+  if (any_long) {
+    segs.reserve(T);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t n = off[t + 1] - off[t], ns = n > SEG ? (n + seg_len(n) - 1) / seg_len(n) : 1;
+      for (int64_t sg = 0; sg < ns; ++sg) segs.push_back((t << 20) | sg);
+      part_at[t + 1] = part_at[t] + (n > SEG ? ns : 0);
+    }
   }
-  const int64_t per_head = static_cast<int64_t>(segs.size()), longs = part_at[T], stride = G * (D + 2);
+  const int64_t per_head = any_long ? static_cast<int64_t>(segs.size()) : T, longs = any_long ? part_at[T] : 0;
+  const int64_t stride = G * (D + 2);
   std::vector<float> part(KV * longs * stride);
   const int64_t items = KV * per_head;
   const int64_t work = std::max<int64_t>(1, off[T] * G * D / per_head);
@@ -1825,7 +1830,8 @@ void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_
   par_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> s(G * (smax + 1) + 8);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i / per_head, rs = segs[i % per_head], t = rs >> 20, sg = rs & ((1 << 20) - 1);
+      const int64_t g = i / per_head, rs = any_long ? segs[i % per_head] : (i % per_head) << 20;
+      const int64_t t = rs >> 20, sg = rs & ((1 << 20) - 1);
       const int64_t n = off[t + 1] - off[t];
       if (n == 0) continue;
       const float* q = qp + (t * H + g * G) * D;
