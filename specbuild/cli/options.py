@@ -43,7 +43,7 @@ SHARED: dict[str, dict[str, Any]] = {
                            "kernels as one fused C++ call, others through torch.compile (a compile at load, "
                            "cached on disk)."),
     "--max-batch-size": dict(type=int, default=None, help="Most sequences per step [bundle limit]."),
-    "--kv-cache-tokens": dict(type=int, default=None, help="KV cache size in tokens [enough for a full batch]."),
+    "--kv-cache-tokens": dict(type=int, default=None, help="KV cache size in tokens [enough for the bundle's full batch; what a smaller --max-batch-size leaves holds the prefix cache]."),
     "--max-queue": dict(type=int, default=64, show_default=True,
                         help="Requests waiting for admission before new ones are refused."),
     "--telemetry": dict(decls=("--telemetry", "telemetry"), default=None, metavar="DB",

@@ -226,7 +226,11 @@ class Engine(BaseEngine):
         self.model = Decoder(self.target_config, weights, self.max_seq_len + limits.max_draft_len + 2,
                              device=config.device)
         attach_format_plans(self.model, limits.max_draft_len)
-        kv_tokens = config.kv_cache_tokens or self.max_batch_size * (self.max_seq_len + limits.max_draft_len + 16)
+        # room for the bundle's full batch even when this engine runs fewer at once: what a
+        # smaller batch leaves free keeps earlier requests' blocks for the prefix cache (a batch
+        # of one sized for one request evicted every earlier chat before its next turn came)
+        kv_tokens = config.kv_cache_tokens or max(self.max_batch_size, limits.max_batch_size or 1) * (
+            self.max_seq_len + limits.max_draft_len + 16)
         self.cache = self.model.new_cache(-(-kv_tokens // config.block_size), config.block_size)
         sp = self.meta.special_tokens
         self.eos_ids = tuple(sp.get("eos_token_ids") or ([sp["eos_token_id"]] if sp.get("eos_token_id") is not None else []))

@@ -273,6 +273,21 @@ def test_clear_prefix_cache_starts_cold(bundle):
     assert engine.cache.free_blocks == engine.cache.num_blocks
 
 
+def test_a_batch_of_one_keeps_earlier_chats_for_their_next_turn(bundle):
+    """The KV pool has room for the bundle's full batch even when the engine runs one sequence at
+    a time: eight chats' first turns (more than one request's room) stay cached for their second
+    turns, oldest first. A pool sized for one request evicted every chat but the last."""
+    engine = Engine(bundle, EngineConfig(max_batch_size=1))
+    firsts = [list(range(30 + 7 * i, 90 + 7 * i)) + [5, 6, 7, 8] * 6 for i in range(8)]
+    replies = [run(engine, [request(p, max_tokens=24, logprobs=None)])[0]["token_ids"] for p in firsts]
+    assert sum(len(p) + 24 for p in firsts) > engine.max_seq_len  # more than one request's room
+    for p, reply in zip(firsts, replies):
+        second = run(engine, [request(p + reply + QUESTION, max_tokens=4, logprobs=None)])[0]
+        assert second["stats"]["cached_tokens"] >= len(p) // 16 * 16
+    engine.cache.check()
+    assert engine.cache.free_blocks == engine.cache.num_blocks
+
+
 @pytest.mark.parametrize("method", ["none", "draft"])
 def test_tool_call_second_turn_is_identical(engines, method):
     """An agent's next call: the tool-call grammar of tool_choice required (serve/tools.py) on a
