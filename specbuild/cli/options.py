@@ -146,7 +146,7 @@ class MethodChoice(click.Choice):
 
 def drafter_option(flat: str, f, help_extra: str = "") -> click.Option:
     """The click option of a drafter's setting `flat` (`<name>_<field>`) from its Options field
-    `f`: a bool is a flag, metadata "choices" a choice, "path" an existing file; its default is
+    `f`: a bool is a flag (one on by default an on/off pair), metadata "choices" a choice, "path" an existing file; its default is
     the field's; its help the field's metadata "help" (+ help_extra)."""
     import dataclasses
 
@@ -163,7 +163,11 @@ def drafter_option(flat: str, f, help_extra: str = "") -> click.Option:
         spec.update(type=type(default), show_default=True)
     if meta.get("metavar"):
         spec["metavar"] = meta["metavar"]
-    return click.Option(["--" + flat.replace("_", "-"), flat], **spec)
+    name = "--" + flat.replace("_", "-")
+    if default is True:  # on by default: an on/off pair (--suffix-answers / --no-suffix-answers)
+        spec.pop("is_flag")
+        name = f"{name}/--no-{name[2:]}"
+    return click.Option([name, flat], **spec)
 
 
 class DrafterCommand(click.Command):

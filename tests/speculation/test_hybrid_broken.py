@@ -8,8 +8,10 @@ The broken rule shows only where a recovery is drawn: where the tree's siblings 
 both of the top 2 tokens, nothing is left to recover. Suffix's default budget (two nodes per
 matched token) drafts such pairs on this prompt often enough that the broken rule's p stays at
 0.23 at 600 samples; the power check therefore drafts suffix's part with one node per matched
-token (factor 1.0, Arctic's rule), where recoveries are frequent. The correct rule passes with
-the default budget (test_hybrid_passes_the_two_token_check) and with factor 1.0."""
+token (factor 1.0, Arctic's rule), where recoveries are frequent, and without the stored answers
+(the check asks one prompt 600 times, and each sample would be drafted the last one's answer
+whole: p 0.008 with the broken rule). The correct rule passes with the defaults
+(test_hybrid_passes_the_two_token_check) and with factor 1.0 and no answers."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def _hybrid_check(bundle_dir, suffix_factor: float | None = None):
     engine = Engine(bundle_dir, EngineConfig(max_batch_size=8))
     if suffix_factor is not None:
         engine.speculator.proposers["suffix"].factor = suffix_factor
+        engine.speculator.proposers["suffix"].answers = False
     _warm(engine)
     return check(engine, PROMPTS[0], 1.0, 2, SpeculationConfig.make(None, method="hybrid", gamma=3), 600)
 

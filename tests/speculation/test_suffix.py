@@ -197,6 +197,56 @@ def test_released_requests_feed_other_requests_and_scopes_keep_apart():
     assert with_prompts.draft_for(FakeSeq([70, 71]), 4).tokens == [72, 73]
 
 
+def test_a_prompt_asked_again_drafts_its_answer_from_the_first_token():
+    """The store keeps a request's answer under its prompt's last 32 tokens: a prompt ending so
+    again is drafted that answer before it has any output (an index match needs output first),
+    as long as its output follows it; once they part, only the index's matches draft."""
+    prop = SuffixProposer(max_nodes=8)
+    history, question = list(range(500, 540)), list(range(100, 140))  # 40-token question
+    answer = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
+    prop.release(FakeSeq(history + question, answer))
+    again = FakeSeq(list(range(600, 610)) + question)  # other history, the same last 32 tokens
+    d = prop.draft_for(again, 8)
+    assert d is not None and d.tokens == answer[:8] and prop.from_global == 1
+    assert prop.last_match == 32
+    again.output_ids = answer[:5]
+    assert prop.draft_for(again, 8).tokens == answer[5:12]
+    again.output_ids = answer[:5] + [99]  # the answers part: the anchor is dropped for good
+    assert prop.draft_for(again, 8) is None
+    again.output_ids = answer[:5] + [99] + [8, 9]  # an index match (the stored 8, 9) drafts again, short
+    assert prop.draft_for(again, 8).tokens[:1] == [10] and prop.last_match == 2
+    # a prompt whose last 32 tokens differ finds no answer before it has output
+    assert prop.draft_for(FakeSeq(history + question[:-1] + [1]), 8) is None
+    # off: no answer is kept
+    off = SuffixProposer(max_nodes=8, answers=False)
+    off.release(FakeSeq(history + question, answer))
+    assert off.draft_for(FakeSeq(question), 8) is None
+    # a short prompt is its own key; an empty answer keeps nothing under it
+    prop.release(FakeSeq([3, 4], []))
+    assert prop.draft_for(FakeSeq([3, 4]), 8) is None
+    prop.release(FakeSeq([3, 4], [70, 71, 72]))
+    assert prop.draft_for(FakeSeq([3, 4]), 8).tokens == [70, 71, 72]
+
+
+def test_answers_follow_eviction_and_compaction():
+    """An evicted request's answer is gone with it; compaction moves the arena, and the answer
+    found afterwards is still the request's own."""
+    prop = SuffixProposer(max_nodes=8, max_tokens=60)
+    prop.release(FakeSeq([1, 2, 3], [40, 41, 42, 43]))
+    assert prop.store.answers
+    for i in range(80):  # churn: every earlier request is evicted, the arena rebuilt
+        prop.release(FakeSeq([900 + i, 5], [1000 + 3 * i + j for j in range(30)]))
+    assert prop.store.compactions > 0 and prop.store.evictions > 0
+    assert prop.draft_for(FakeSeq([1, 2, 3]), 8) is None
+    assert len(prop.store.answers) == len(prop.store.docs)  # one per live request, none stale
+    prop.release(FakeSeq([1, 2, 3], [40, 41, 42, 43]))
+    for i in range(3):  # one eviction each, no compaction in between needed for the check
+        prop.release(FakeSeq([700 + i, 6], [2000 + 3 * i + j for j in range(10)]))
+    assert prop.draft_for(FakeSeq([1, 2, 3]), 8).tokens == [40, 41, 42, 43]
+    copy = prop.store.copy()
+    assert copy.answers == prop.store.answers
+
+
 def test_the_cap_holds_and_eviction_is_lru_by_whole_request():
     store = GlobalStore(max_tokens=100)
     a = store.add(list(range(1000, 1040)))
@@ -256,10 +306,20 @@ def test_a_batch_shares_the_store_and_repeats_accept_more(bundle):
     engine = Engine(bundle, EngineConfig(max_batch_size=8))
     plain = run(engine, "none", prompts=PROMPTS * 2)
     first = run(engine, "suffix", prompts=PROMPTS * 2)
+    prop = engine.speculator.proposers["suffix"]
+    firsts: dict = {}  # seq_id -> (prompt length, output length, match) of its first draft
+    own = prop.draft_for
+
+    def draft_for(seq, gamma):
+        d = own(seq, gamma)
+        firsts.setdefault(seq.seq_id, (len(seq.prompt_ids), len(seq.output_ids), prop.last_match))
+        return d
+
+    prop.draft_for = draft_for
     second = run(engine, "suffix", prompts=PROMPTS * 2)
+    del prop.draft_for
     for a, b, p in zip(first, second, plain):
         assert a["token_ids"] == p["token_ids"] and b["token_ids"] == p["token_ids"]
-    prop = engine.speculator.proposers["suffix"]
     assert prop.from_global > 0
     acc1 = sum(r["stats"]["accepted"] for r in first)
     acc2 = sum(r["stats"]["accepted"] for r in second)
@@ -267,6 +327,10 @@ def test_a_batch_shares_the_store_and_repeats_accept_more(bundle):
     passes2 = sum(r["stats"]["target_passes"] for r in second)
     passes1 = sum(r["stats"]["target_passes"] for r in first)
     assert passes2 < passes1
+    # each prompt asked again found its answer at its first draft: the match counts the prompt's
+    # last tokens (at most 32) and the output so far
+    assert len(firsts) == len(second)
+    assert all(m == min(32, min(32, p) + n) for p, n, m in firsts.values()), firsts
 
 
 def test_auto_may_pick_suffix_losslessly(bundle):

@@ -58,6 +58,13 @@ MAX_SCAN = 1024  # most recent index hits compared per draft
 MAX_HITS = 64  # most recent occurrences of the longest match whose continuations vote
 SCAN_IN_PYTHON = 48  # up to this many hits a match compares them in Python, past it in numpy
 SCOPES = ("global", "content_type")
+ANSWER_KEY = 32  # a prompt's last tokens, under which the store keeps its request's answer
+
+
+def prompt_key(prompt_ids) -> tuple:
+    """What a prompt's stored answer is found by: its last ANSWER_KEY tokens (the question and
+    the chat template's turn marker, whatever history came before them)."""
+    return tuple(int(t) for t in prompt_ids[-ANSWER_KEY:])
 
 
 class TokenIndex:
@@ -249,6 +256,12 @@ class LocalText:
         self.index = TokenIndex()
         self.seen_prompt = 0
         self.seen_output = 0
+        # the suffix drafter's answer anchor: the stored request whose prompt ended as this one's
+        # (None: none, or its output and this one's parted), how many output tokens agree so
+        # far, and whether it was looked up
+        self.answer: int | None = None
+        self.answer_agrees = 0
+        self.answer_looked = False
 
     @classmethod
     def synced(cls, table: dict, seq) -> "LocalText":
@@ -275,10 +288,13 @@ class LocalText:
 
 
 class _Doc:
-    __slots__ = ("scope", "start", "end")
+    """A stored request: its slots [start, end) in its scope's arena; `key` the end of its prompt
+    (GlobalStore.answers) or None; its output begins `lead` slots after start."""
 
-    def __init__(self, scope: str, start: int, end: int) -> None:
-        self.scope, self.start, self.end = scope, start, end
+    __slots__ = ("scope", "start", "end", "key", "lead")
+
+    def __init__(self, scope: str, start: int, end: int, key: tuple | None = None, lead: int = 0) -> None:
+        self.scope, self.start, self.end, self.key, self.lead = scope, start, end, key, lead
 
 
 class GlobalStore:
@@ -292,6 +308,9 @@ class GlobalStore:
         self.docs: OrderedDict[int, _Doc] = OrderedDict()  # LRU order, oldest first
         self._starts: dict[str, list[int]] = {}  # scope -> sorted doc starts
         self._by_start: dict[tuple[str, int], int] = {}  # (scope, start) -> doc id
+        # (scope, the last ANSWER_KEY tokens of a prompt) -> the latest stored request that ended
+        # its prompt so: the answer a prompt asked again is drafted from its first token
+        self.answers: dict[tuple[str, tuple], int] = {}
         self.live_tokens = 0
         self.dead_slots: dict[str, int] = {}
         self.evictions = 0
@@ -299,9 +318,11 @@ class GlobalStore:
         self._next = 0
         self.lock = threading.Lock()  # stats() may be read from a metrics thread
 
-    def add(self, tokens: list[int], scope: str = "") -> int | None:
+    def add(self, tokens: list[int], scope: str = "", key: tuple | None = None, lead: int = 0) -> int | None:
         """Store one request's text; returns its id (None when empty or over the whole cap:
-        then only its last max_tokens tokens would fit, and a cut request is kept whole or not at all)."""
+        then only its last max_tokens tokens would fit, and a cut request is kept whole or not at all).
+        `key`: the end of its prompt (prompt_key), under which `answer` finds its output, which
+        begins `lead` tokens into `tokens`."""
         n = len(tokens)
         if n == 0 or n > self.max_tokens:
             return None
@@ -317,9 +338,11 @@ class GlobalStore:
             start = index.n
             index.extend([int(t) for t in tokens])
             index.end_document()
-            self.docs[doc_id] = _Doc(scope, start, start + n)
+            self.docs[doc_id] = _Doc(scope, start, start + n, key, lead)
             self._starts[scope].append(start)
             self._by_start[(scope, start)] = doc_id
+            if key is not None and lead < n:
+                self.answers[(scope, key)] = doc_id
             self.live_tokens += n
             return doc_id
 
@@ -330,6 +353,8 @@ class GlobalStore:
         starts = self._starts[doc.scope]
         del starts[bisect.bisect_left(starts, doc.start)]
         del self._by_start[(doc.scope, doc.start)]
+        if doc.key is not None and self.answers.get((doc.scope, doc.key)) == doc_id:
+            del self.answers[(doc.scope, doc.key)]
         self.live_tokens -= doc.end - doc.start
         self.dead_slots[doc.scope] += doc.end - doc.start + 1
         self.evictions += 1
@@ -355,6 +380,10 @@ class GlobalStore:
         self.dead_slots[scope] = 0
         self.compactions += 1
 
+    def answer(self, scope: str, key: tuple) -> int | None:
+        """The latest stored request in `scope` whose prompt ended with `key` (its doc id)."""
+        return self.answers.get((scope, key))
+
     def touch(self, scope: str, ends) -> None:
         """The documents holding these end positions were used: most recently used now."""
         starts = self._starts.get(scope)
@@ -375,7 +404,8 @@ class GlobalStore:
                 c.buf, c.toks, c.n, c._tail = ix.buf.copy(), list(ix.toks), ix.n, list(ix._tail)
                 c.by1 = {k: v[:] for k, v in ix.by1.items()}
                 c.by4 = {k: v[:] for k, v in ix.by4.items()}
-            out.docs = OrderedDict((i, _Doc(d.scope, d.start, d.end)) for i, d in self.docs.items())
+            out.docs = OrderedDict((i, _Doc(d.scope, d.start, d.end, d.key, d.lead)) for i, d in self.docs.items())
+            out.answers = dict(self.answers)
             out._starts = {k: v[:] for k, v in self._starts.items()}
             out._by_start = dict(self._by_start)
             out.live_tokens, out.dead_slots = self.live_tokens, dict(self.dead_slots)
@@ -517,6 +547,9 @@ class Options(DrafterOptions):
     scope: str = field(default="global", metadata={
         "choices": SCOPES, "help": "One suffix store for all requests, or one per request content type."})
     prompts: bool = field(default=False, metadata={"help": "Prompts join the suffix store beside outputs."})
+    answers: bool = field(default=True, metadata={
+        "help": "A prompt ending as an earlier request's did (its last 32 tokens) drafts that request's "
+                "answer from its first token, while the new answer follows it."})
     corpus: str | None = field(default=None, metadata={
         "path": True, "metavar": "FILE.jsonl",
         "help": "Pre-fill the suffix store at start from this jsonl of the target's earlier outputs "
@@ -577,7 +610,7 @@ class SuffixProposer(DrafterBase):
 
     def __init__(self, max_nodes: int = 8, max_tokens: int = 200_000, scope: str = "global",
                  include_prompts: bool = False, factor: float = 2.0, offset: float = 0.0,
-                 min_prob: float = 0.1) -> None:
+                 min_prob: float = 0.1, answers: bool = True) -> None:
         if scope not in SCOPES:
             raise ValueError(f"suffix scope={scope!r} is not one of {', '.join(SCOPES)}")
         if not 1 <= max_nodes <= 64:
@@ -589,6 +622,7 @@ class SuffixProposer(DrafterBase):
         self.store = GlobalStore(max_tokens)
         self.scope = scope
         self.include_prompts = include_prompts
+        self.answers = answers  # a prompt asked again drafts its stored answer (answer_match)
         self.factor, self.offset, self.min_prob = factor, offset, min_prob
         self.local: dict[int, LocalText] = {}
         self.rates = MatchRates()
@@ -638,6 +672,10 @@ class SuffixProposer(DrafterBase):
         scope = self.scope_of(seq)
         gindex = self.store.indexes.get(scope)
         m_g, ends_g = gindex.match_tail(tail, length) if gindex is not None else (0, [])
+        if self.answers and gindex is not None:
+            anchored = self.answer_match(local, seq, scope, gindex)
+            if anchored is not None and anchored[0] > m_g:
+                m_g, ends_g = anchored[0], [anchored[1]]
         m = max(m_l, m_g)
         self.last_match = m
         if m == 0:
@@ -662,6 +700,37 @@ class SuffixProposer(DrafterBase):
         draft.sources = [f"{self.name}:{s}" for s in sources[:n]]
         draft.scores = scores[:n]
         return draft
+
+    def answer_match(self, local: LocalText, seq, scope: str, gindex: TokenIndex) -> tuple[int, int] | None:
+        """The stored answer of the latest request whose prompt ended as seq's (prompt_key), while
+        seq's output so far is that answer's beginning: (the match it counts as: the key and the
+        output so far, at most MATCH_WINDOW; the arena position its continuation starts at).
+        A prompt asked again is then drafted from its first token (an index match needs a few
+        output tokens before it reaches an earlier answer). Once the outputs part, or the answer
+        was evicted or is used up, it is dropped for the request. Each step compares only the
+        new output tokens."""
+        if not local.answer_looked:
+            local.answer_looked = True
+            key = prompt_key(seq.prompt_ids)
+            local.answer = self.store.answer(scope, key) if key else None
+        if local.answer is None:
+            return None
+        doc = self.store.docs.get(local.answer)
+        out = seq.output_ids
+        if doc is None or doc.scope != scope:
+            local.answer = None
+            return None
+        base, n = doc.start + doc.lead, len(out)
+        if base + n >= doc.end:  # its whole answer is behind: nothing left to draft from it
+            local.answer = None
+            return None
+        k = local.answer_agrees
+        if k < n:
+            if gindex.toks[base + k:base + n] != [int(t) for t in out[k:]]:
+                local.answer = None
+                return None
+            local.answer_agrees = n
+        return min(MATCH_WINDOW, min(ANSWER_KEY, len(seq.prompt_ids)) + n), base + n
 
     # ---- the protocol ----------------------------------------------------------------
     def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
@@ -689,8 +758,9 @@ class SuffixProposer(DrafterBase):
             return  # failed or aborted: keep nothing of it
         if self.name not in seq.spec_state.uses:
             return  # like recycling's table: learns from the requests that may draft with it
-        tokens = (list(seq.prompt_ids) if self.include_prompts else []) + list(seq.output_ids)
-        self.store.add(tokens, self.scope_of(seq))
+        lead = list(seq.prompt_ids) if self.include_prompts else []
+        key = prompt_key(seq.prompt_ids) if self.answers else None
+        self.store.add(lead + list(seq.output_ids), self.scope_of(seq), key or None, len(lead))
 
     def warm(self, rows: list[dict], encode=None, vocab_size: int | None = None) -> dict[str, int]:
         """Pre-fill the global store from a corpus (read_corpus's rows) in file order, each row
@@ -754,7 +824,7 @@ class SuffixProposer(DrafterBase):
 
 def build(ctx) -> SuffixProposer:
     o: Options = ctx.options
-    prop = SuffixProposer(max(1, ctx.max_draft_len), o.store_tokens, o.scope, o.prompts)
+    prop = SuffixProposer(max(1, ctx.max_draft_len), o.store_tokens, o.scope, o.prompts, answers=o.answers)
     if o.corpus:  # server-side configuration only (EngineConfig), never a request's field
         prop.warm(read_corpus(o.corpus), ctx.encode, ctx.vocab_size)
     return prop
