@@ -50,6 +50,9 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--repeat", action="store_true",
                     help="the repeated workload: each server answers the prompts once first (not counted)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="every row's server up at once, the prompts sent in slices to each in turn (the host's "
+                         "drift cancels within seconds)")
     a = ap.parse_args()
     methods = a.methods if a.methods[:1] == ("none",) else ("none",) + tuple(m for m in a.methods if m != "none")
     env = {}
@@ -63,7 +66,8 @@ def main() -> int:
                              max_tokens=a.max_tokens, threads=a.threads, compile=not a.no_compile,
                              llama_server=a.llama_server, llama_rows=() if a.no_llama else a.llama_rows, gguf=a.gguf,
                              guard=a.guard or None, env=env, serve_args=tuple(a.serve_arg),
-                             prompt_chars=a.prompt_chars or None, repeat=a.repeat)
+                             prompt_chars=a.prompt_chars or None, repeat=a.repeat,
+                             interleave=a.interleave)
     except ValueError as e:
         ap.error(str(e))
     if not os.path.isfile(os.path.join(a.bundle, "bundle.json")):

@@ -14,6 +14,11 @@ bench_compile.py report), the two in alternating rounds on the same prompts and 
 median ratio must be within `guard` (default 1.25x), else the run exits non-zero. It is a
 benchmark, not a timed unit test. `rounds` > 1 repeats the whole table with the rows' order
 rotated, and each cell is the median of its rounds.
+
+`interleave` (for hosts whose speed drifts 10-30% within a minute, as the 2-core VMs here do):
+at each concurrency every row's server is started fresh and warmed, then all stay up and the
+prompts go in slices (one prompt at C=1, 2C above), each slice to every server in turn, so
+drift hits every row alike within seconds (run_interleaved).
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ class ServedConfig:
     # the repeated workload: each server first answers the prompts once (not counted), then the
     # counted run sends them again (what a drafter that remembers earlier requests can reuse)
     repeat: bool = False
+    # every row's server up at once and the prompts sent in slices, each slice to every server in
+    # turn (the order rotated by slice): the host's drift between rows cancels within seconds
+    interleave: bool = False
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 or c > 256 for c in self.concurrency):
@@ -316,7 +324,8 @@ def run_load(port: int, prompts: list[list[dict]], concurrency: int, max_tokens:
             "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
             "tpot_p50_ms": pct(tpots, 0.5), "tpot_p99_ms": pct(tpots, 0.99),
-            "texts": {i: results[i]["text"] for i in results}}
+            "texts": {i: results[i]["text"] for i in results},
+            "per_request": [results.get(i) for i in range(len(prompts))]}
 
 
 # ---- the guard: the served step against the main-thread step, interleaved ----------------------
@@ -427,8 +436,10 @@ def server_threads_line(server: Server) -> str:
     return ""
 
 
-def run_one(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, log: str, binary, gguf) -> dict:
-    """One row at one concurrency on a fresh server."""
+def start_row(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, log: str, binary, gguf):
+    """A fresh server for one row at concurrency c, ready and warmed: (server, port, the
+    requests' extra fields, its batch limit). One request first, not counted (lazy set-up on the
+    first request is not the steady state); with `repeat` the prompts once, not counted."""
     port = free_port()
     batch = min(c, bundle_batch_limit(cfg.bundle)) if engine_name == "specbuild" else c  # beyond it, requests queue
     if engine_name == "specbuild":
@@ -441,24 +452,115 @@ def run_one(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, log:
         extra = {}
     try:
         server.wait_ready(cfg.start_timeout)
-        # one request first, not counted: lazy set-up on the first request is not the steady state
         stream_chat(port, [{"role": "user", "content": "Say hello."}], 8, extra, cfg.request_timeout)
         if cfg.repeat:  # the first time through the prompts: not counted
             run_load(port, prompts, c, cfg.max_tokens, extra, cfg.request_timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server, port, extra, batch
+
+
+def server_state(server: Server, engine_name: str) -> dict:
+    """What a specbuild server says of its run: its threads line, where the served steps' time
+    went (engine/stepparts.py), auto's arms by batch size (goodput.py), the batch's draft fit
+    (Speculator.fit_to_batch), the kernels' threading and the pool's counters."""
+    if engine_name != "specbuild":
+        return {"threads_line": ""}
+    health = server.health()
+    return {"threads_line": server_threads_line(server), "step_parts": health.get("step_parts") or [],
+            "auto_switch": health.get("auto_switch") or {}, "row_price": health.get("row_price") or {},
+            "threads": health.get("threads") or {}}
+
+
+def run_one(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, log: str, binary, gguf) -> dict:
+    """One row at one concurrency on a fresh server."""
+    server, batch = None, None
+    try:
+        server, port, extra, batch = start_row(cfg, engine_name, row, c, prompts, log, binary, gguf)
         result = run_load(port, prompts, c, cfg.max_tokens, extra, cfg.request_timeout)
-        result["threads_line"] = server_threads_line(server) if engine_name == "specbuild" else ""
-        if engine_name == "specbuild":  # where the served steps' time went (engine/stepparts.py)
-            health = server.health()
-            result["step_parts"] = health.get("step_parts") or []
-            result["auto_switch"] = health.get("auto_switch") or {}  # auto's arms by batch size (goodput.py)
-            result["row_price"] = health.get("row_price") or {}  # the batch's draft fit (Speculator.fit_to_batch)
-            result["threads"] = health.get("threads") or {}  # the kernels' threading, the pool's counters
+        result.update(server_state(server, engine_name))
     except Exception as e:  # noqa: BLE001 (one row failing is reported; the others still run)
         result = {"concurrency": c, "failed": f"{type(e).__name__}: {e}", "texts": {}}
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     result.update(engine=engine_name, row=row, log=log, max_batch=batch)
     return result
+
+
+def slices(n: int, c: int) -> list[range]:
+    """The interleaved run's slices of n prompts at concurrency c: 2c prompts each (one prompt at
+    C=1), the last one shorter."""
+    size = 1 if c == 1 else 2 * c
+    return [range(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+def run_interleaved(cfg: ServedConfig, rows: list[tuple[str, str]], c: int, prompts, log_dir: str, tag: str,
+                    binary, gguf) -> list[dict]:
+    """Every row at concurrency c with all their servers up at once (each started fresh and
+    warmed alone), the prompts sent slice by slice (`slices`), each slice to every server in
+    turn, the order rotated by slice, so drift of the host hits every row alike within seconds.
+    A row's tokens/s is its tokens over the sum of its slices' wall time. At C > 1 each slice
+    starts and ends with fewer than C requests in flight, alike for every row. Idle servers
+    sleep (specbuild's pool helpers spin 50 us, llama-server's threads wait), so a server does
+    not run while another is measured."""
+    started: dict[tuple[str, str], tuple] = {}
+    results: dict[tuple[str, str], dict] = {}
+    try:
+        for engine_name, row in rows:
+            log = os.path.join(log_dir, f"{engine_name}-{row}-c{c}-{tag}.log")
+            try:
+                started[(engine_name, row)] = (*start_row(cfg, engine_name, row, c, prompts, log, binary, gguf), log)
+            except Exception as e:  # noqa: BLE001 (one row failing is reported; the others still run)
+                results[(engine_name, row)] = {"concurrency": c, "failed": f"{type(e).__name__}: {e}", "texts": {},
+                                               "engine": engine_name, "row": row, "log": log, "max_batch": None}
+        live = [k for k in rows if k in started]
+        parts: dict[tuple[str, str], list[tuple[list[int], dict]]] = {k: [] for k in live}
+        for j, sl in enumerate(slices(len(prompts), c)):
+            for key in live[j % len(live):] + live[:j % len(live)] if live else []:
+                if key in results:
+                    continue
+                _, port, extra, _, _ = started[key]
+                try:
+                    parts[key].append((list(sl), run_load(port, [prompts[i] for i in sl], c, cfg.max_tokens, extra,
+                                                          cfg.request_timeout)))
+                except Exception as e:  # noqa: BLE001
+                    results[key] = {"concurrency": c, "failed": f"{type(e).__name__}: {e}", "texts": {}}
+        for key in live:
+            server, _, _, batch, log = started[key]
+            if key not in results:
+                results[key] = merge_slices(parts[key], c)
+                try:
+                    results[key].update(server_state(server, key[0]))
+                except Exception as e:  # noqa: BLE001
+                    results[key] = {"concurrency": c, "failed": f"{type(e).__name__}: {e}", "texts": {}}
+            results[key].update(engine=key[0], row=key[1], log=log, max_batch=batch)
+    finally:
+        for server, *_ in started.values():
+            server.stop()
+    return [results[k] for k in rows]
+
+
+def merge_slices(parts: list[tuple[list[int], dict]], c: int) -> dict:
+    """One row's slices as one run_load result: tokens over the slices' summed wall time,
+    percentiles over every request, texts by prompt index (each slice's `per_request`: its
+    requests' results in prompt order)."""
+    reqs, texts, errors, wall = [], {}, [], 0.0
+    for idx, r in parts:
+        wall += r["wall_s"]
+        errors += r["errors"]
+        for i, done in zip(idx, r["per_request"]):
+            if done is not None:
+                reqs.append(done)
+                texts[i] = done["text"]
+    tokens = sum(d["tokens"] for d in reqs)
+    ttfts = [d["ttft"] * 1e3 for d in reqs]
+    tpots = [d["tpot"] * 1e3 for d in reqs if d["tpot"] is not None]
+    return {"concurrency": c, "requests": len(reqs), "errors": errors, "output_tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0, "ttft_p50_ms": pct(ttfts, 0.5),
+            "ttft_p99_ms": pct(ttfts, 0.99), "tpot_p50_ms": pct(tpots, 0.5), "tpot_p99_ms": pct(tpots, 0.99),
+            "texts": texts, "slices": len(parts)}
 
 
 MEDIAN_KEYS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
@@ -511,10 +613,14 @@ def run_served(cfg: ServedConfig, log_dir: str, say=print, rounds: int = 1, guar
     for rnd in range(rounds):
         for c in cfg.concurrency:
             order = rows[rnd % len(rows):] + rows[:rnd % len(rows)]
-            for engine_name, row in order:
-                log = os.path.join(log_dir, f"{engine_name}-{row}-c{c}-r{rnd}.log")
-                result = run_one(cfg, engine_name, row, c, prompts, log, binary, gguf)
-                runs.setdefault((engine_name, row, c), []).append(result)
+            if cfg.interleave:
+                done = run_interleaved(cfg, order, c, prompts, log_dir, f"r{rnd}", binary, gguf)
+            else:
+                done = (run_one(cfg, e, row, c, prompts, os.path.join(log_dir, f"{e}-{row}-c{c}-r{rnd}.log"),
+                                binary, gguf) for e, row in order)
+            for result in done:
+                result.pop("per_request", None)
+                runs.setdefault((result["engine"], result["row"], c), []).append(result)
                 say(f"round {rnd + 1}/{rounds} " + format_row(result))
     report["rows"] = [merge_rounds(runs[(e, r, c)]) for e, r in rows for c in cfg.concurrency if (e, r, c) in runs]
     base = {r["concurrency"]: r for r in report["rows"] if r["engine"] == "specbuild" and r["row"] == "none"}
@@ -610,7 +716,9 @@ def format_report(report: dict) -> str:
     lines.append(f"output tokens/s over the run, median of {report.get('rounds', 1)} round(s) (x specbuild plain; "
                  "x llama-server plain) [greedy identical to plain]"
                  + ("; REPEATED content: each server answered the same prompts once before the counted run"
-                    if repeated else "; prompts seen for the first time"))
+                    if repeated else "; prompts seen for the first time")
+                 + ("; INTERLEAVED: every row's server up at once, the prompts sent in slices to each in turn"
+                    if report.get("config", {}).get("interleave") else ""))
     lines.append(f"{'row':<26}" + "".join(f"{'C=' + str(c):>36}" for c in cs))
     for e, row in names:
         out = f"{e + ' ' + row:<26}"

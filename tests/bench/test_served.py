@@ -53,6 +53,36 @@ def test_the_repeated_workload_answers_the_prompts_once_before_the_counted_run(t
     assert "REPEATED content" in S.format_report(report)
 
 
+def test_interleaved_rows_take_the_prompts_slice_by_slice_in_turn(tiny_bundle, tmp_path, monkeypatch):
+    """--interleave: both servers up at once, each prompt (C=1) sent to every server in turn, the
+    order rotated by slice; each row's result covers all the prompts, as in a row of its own."""
+    calls = []
+    real = S.run_load
+
+    def run_load(port, prompts, *args, **kwargs):
+        calls.append((port, [p[0]["content"] for p in prompts]))
+        return real(port, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(S, "run_load", run_load)
+    texts = ("a b c a b c a b", "hello there", "1 2 3 1 2 3")
+    cfg = S.ServedConfig(bundle=tiny_bundle, methods=("none", "ngram"), concurrency=(1,), max_tokens=10,
+                         compile=False, llama_rows=(), guard=None, texts=texts, interleave=True)
+    report = S.run_served(cfg, str(tmp_path / "logs"), say=lambda line: None)
+    rows = {r["row"]: r for r in report["rows"]}
+    for r in rows.values():
+        assert not r.get("failed") and not r["errors"], r
+        assert r["requests"] == 3 and r["slices"] == 3 and len(r["texts"]) == 3 and r["tokens_per_s"] > 0
+        assert r["step_parts"]
+    assert rows["ngram"]["identical"] == "3/3"
+    ports = list(dict.fromkeys(port for port, _ in calls))
+    assert len(ports) == 2
+    a, b = ports
+    assert calls == [(a, [texts[0]]), (b, [texts[0]]), (b, [texts[1]]), (a, [texts[1]]),
+                     (a, [texts[2]]), (b, [texts[2]])]
+    assert "INTERLEAVED" in S.format_report(report)
+    assert [list(r) for r in S.slices(10, 4)] == [list(range(8)), [8, 9]]
+
+
 def test_a_server_that_cannot_start_fails_its_row_only(tmp_path):
     server = S.Server("broken", [sys.executable, "-c", "import sys; print('no such bundle'); sys.exit(3)"],
                       S.free_port(), log_path=str(tmp_path / "x.log"))
