@@ -125,6 +125,7 @@ class Speculator:
         # auto's batch-wide switch, learned from the steps' own wall time (speculation/goodput.py)
         self.goodput = GoodputSwitch()
         self._auto_spec = True  # this step, auto's sequences may speculate
+        self._auto_sure: dict[int, str] = {}  # this step, auto's sequences whose drafter holds their continuation
         self._auto_pure = False  # this step, every decoding sequence is auto's and nothing prefills
         self.row_price = RowPrice()  # a decode step's cost per forward row, learned from the steps (fit_to_batch)
         self.learn_costs = True  # False for a step whose wall time is not the kept threading's (a thread trial)
@@ -207,8 +208,9 @@ class Speculator:
         method = spec.method if spec is not None else "none"
         if method == "auto":
             names = frozenset() if seq.spec_state.auto_plain else self.auto_uses
+            seq.spec_state.keeps = self.auto_uses
         elif method in self.proposers:
-            names = frozenset((method, *self.needs(method).parts))
+            names = seq.spec_state.keeps = frozenset((method, *self.needs(method).parts))
         else:
             names = frozenset()
         seq.spec_state.uses = names
@@ -416,13 +418,19 @@ class Speculator:
         """This step's batch-wide switch for `auto`'s sequences (speculation/goodput.py): decided
         from the goodput each arm gave at this many decoding sequences."""
         decoding = auto = prefilling = 0
+        self._auto_sure = {}
         for seq in seqs:
             if seq.num_cached < len(seq.all_ids) - 1:
                 prefilling += 1
                 continue
             decoding += 1
             spec = getattr(seq, "spec", None)
-            auto += spec is not None and spec.method == "auto" and not seq.spec_state.auto_plain
+            if spec is not None and spec.method == "auto" and not seq.spec_state.auto_plain:
+                sure = self.sure_method(seq)
+                if sure is None:
+                    auto += 1
+                else:  # it drafts whatever the arm, as a neighbour with a method of its own would
+                    self._auto_sure[seq.seq_id] = sure
         self._prefilling = prefilling > 0
         if not auto:
             self._auto_spec, self._auto_pure = True, False
@@ -452,13 +460,28 @@ class Speculator:
         if decode and self.learn_costs:
             self.row_price.observe(batch, rows, max(0.0, seconds - draft_s))
 
+    def sure_method(self, seq) -> str | None:
+        """The first of auto's drafters that holds seq's continuation (holds_continuation: an
+        earlier answer to the same prompt end that its output still follows), or None. Such a
+        sequence drafts with it without weighing and whatever the batch-wide switch's arm:
+        per-sequence estimates could not see it (on 24 prompts asked again, `auto` took 518
+        target passes against suffix's 247), and the switch's arm is the batch's average."""
+        for name in self.auto_methods:
+            if name not in seq.spec_state.draft_failed and self.proposers[name].holds_continuation(seq):
+                return name
+        return None
+
     def choose_method(self, seq) -> str | None:
         method = seq.spec.method if seq.spec is not None else "none"
         if method == "none" or method in seq.spec_state.draft_failed:
             return None
         if method != "auto":
             return method
-        if seq.spec_state.auto_plain or not self._auto_spec:
+        if seq.spec_state.auto_plain:
+            return None
+        if self._auto_sure and seq.seq_id in self._auto_sure:  # switch_auto: its drafter holds its continuation
+            return self._auto_sure[seq.seq_id]
+        if not self._auto_spec:
             return None
         best, best_rate = None, 0.0
         for name in self.auto_methods:

@@ -19,6 +19,11 @@ class SpecState:
     # with the drafters that method merges; under `auto` its drafters (Speculator.auto_methods)
     # until auto_plain)
     uses: frozenset[str] = frozenset()
+    # Speculator: the drafters whose stores keep this request's text when it ends (suffix's
+    # answers): those it may draft with, and under `auto` all of auto's drafters even after
+    # auto_plain (its text asked again may pay where it did not: a repeated prompt whose first
+    # answer was not kept was decoded plainly again)
+    keeps: frozenset[str] = frozenset()
     # Speculator under `auto`: every drafter's rate fell below plain decoding's. Its inputs
     # (a drafter's acceptance changes only when it drafts) are fixed from then on, so the
     # choice is final, and the drafters' per-step bookkeeping (recycling's table, EAGLE's

@@ -300,6 +300,43 @@ def test_greedy_suffix_equals_plain_and_accepts(bundle):
     assert prop.store.stats()["tokens"] == sum(len(r["token_ids"]) for r in spec)
 
 
+def test_auto_drafts_a_repeated_prompt_with_its_stored_answer(bundle, monkeypatch):
+    """Under `auto`, a request that settled on plain decoding still leaves its answer in the
+    store (SpecState.keeps), and the same prompt asked again drafts it with suffix from its first
+    decode step, whatever its acceptance estimates say (holds_continuation); output unchanged."""
+    engine = Engine(bundle, EngineConfig(max_batch_size=1))
+    rows_cost_nothing(engine)
+    spec = engine.speculator
+    prop = spec.proposers["suffix"]
+    prompt = PROMPTS[2]
+    plain = run(engine, "none", prompts=[prompt])[0]
+    own = type(spec).choose_method
+
+    def gives_up(self, seq):  # auto finds every drafter below plain decoding at once
+        seq.spec_state.auto_plain = True
+        return None
+
+    monkeypatch.setattr(type(spec), "choose_method", gives_up)
+    first = run(engine, "auto", prompts=[prompt])[0]
+    assert first["token_ids"] == plain["token_ids"] and first["stats"]["drafted"] == 0
+    from specbuild.speculation.proposers.suffix import prompt_key
+    assert prop.store.answer("", prompt_key(prompt)) is not None  # kept though it never drafted
+    chosen = []
+
+    def records(self, seq):
+        m = own(self, seq)
+        chosen.append((len(seq.output_ids), m))
+        return m
+
+    monkeypatch.setattr(type(spec), "choose_method", records)
+    # weighing alone would not choose suffix here: its estimate is as low as it goes
+    monkeypatch.setattr(spec.controller, "alpha", lambda seq, name: 0.0)
+    again = run(engine, "auto", prompts=[prompt])[0]
+    assert again["token_ids"] == plain["token_ids"]
+    assert chosen and chosen[0] == (1, "suffix"), chosen
+    assert again["stats"]["drafted"] > 0 and again["stats"]["accepted"] == again["stats"]["drafted"]
+
+
 def test_a_batch_shares_the_store_and_repeats_accept_more(bundle):
     """Concurrent sequences: the same prompts again, in one batch, find the first round's
     outputs in the global store; greedy output is unchanged and more is accepted."""

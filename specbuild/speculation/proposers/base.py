@@ -223,6 +223,12 @@ class DrafterBase:
     def release(self, seq) -> None:
         pass
 
+    def holds_continuation(self, seq) -> bool:
+        """Whether this drafter holds seq's continuation for certain enough that `auto` should
+        draft with it without weighing (suffix: an earlier answer to the same prompt end that
+        the output still follows). Default: never."""
+        return False
+
     # prefix caching, for drafters that read the target's features at every row (aux_layers):
     # a sequence may take from the cache only the leading tokens whose features the drafter
     # still holds, and is handed them when it does

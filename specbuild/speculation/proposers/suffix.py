@@ -628,6 +628,7 @@ class SuffixProposer(DrafterBase):
         self.rates = MatchRates()
         self.verify_cost = None  # callable width -> seconds (the speculator's calibration); None: no cut
         self.pending: dict[int, int] = {}  # seq_id -> match length of its last draft (learned in observe)
+        self.unanswered: set[int] = set()  # seq_ids holding no stored answer (holds_continuation)
         self.warm_state: tuple[GlobalStore, dict] | None = None  # the store as the warm corpus left it
         self.drafts = 0  # drafts proposed; and by where their longest match was
         self.from_local = 0
@@ -732,6 +733,25 @@ class SuffixProposer(DrafterBase):
             local.answer_agrees = n
         return min(MATCH_WINDOW, min(ANSWER_KEY, len(seq.prompt_ids)) + n), base + n
 
+    def holds_continuation(self, seq) -> bool:
+        """An earlier answer to seq's prompt end that its output still follows (answer_match):
+        `auto` drafts it without weighing. Per-sequence acceptance could not see it: a first
+        step chose prompt lookup on its prior, and a suffix estimate lowered by an early
+        rejection was never tried again (on 24 prompts asked again, `auto` took 518 target
+        passes against suffix's 247)."""
+        if not self.answers or seq.seq_id in self.unanswered:
+            return False
+        scope = self.scope_of(seq)
+        gindex = self.store.indexes.get(scope)
+        local = self.local.get(seq.seq_id)
+        if gindex is None or (local is None and self.store.answer(scope, prompt_key(seq.prompt_ids)) is None):
+            self.unanswered.add(seq.seq_id)  # asked each step under `auto`: no text indexed for it
+            return False
+        if self.answer_match(LocalText.synced(self.local, seq), seq, scope, gindex) is None:
+            self.unanswered.add(seq.seq_id)  # parted or used up: for good
+            return False
+        return True
+
     # ---- the protocol ----------------------------------------------------------------
     def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
         return [self.draft_for(seq, gamma) for seq, gamma in zip(seqs, gammas)]
@@ -754,10 +774,12 @@ class SuffixProposer(DrafterBase):
         """The request's output (and prompt, with include_prompts) joins the global store."""
         self.local.pop(seq.seq_id, None)
         self.pending.pop(seq.seq_id, None)
+        self.unanswered.discard(seq.seq_id)
         if getattr(seq, "finish_reason", None) not in ("stop", "length"):
             return  # failed or aborted: keep nothing of it
-        if self.name not in seq.spec_state.uses:
-            return  # like recycling's table: learns from the requests that may draft with it
+        if self.name not in seq.spec_state.uses and self.name not in seq.spec_state.keeps:
+            return  # like recycling's table: learns from the requests that may draft with it (or
+            # could have: `auto` that settled on plain decoding, SpecState.keeps)
         lead = list(seq.prompt_ids) if self.include_prompts else []
         key = prompt_key(seq.prompt_ids) if self.answers else None
         self.store.add(lead + list(seq.output_ids), self.scope_of(seq), key or None, len(lead))
