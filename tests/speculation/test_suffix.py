@@ -228,6 +228,27 @@ def test_a_prompt_asked_again_drafts_its_answer_from_the_first_token():
     assert prop.draft_for(FakeSeq([3, 4]), 8).tokens == [70, 71, 72]
 
 
+def test_salted_requests_draft_only_from_their_own_salt():
+    """A request's cache_salt gives it a store of its own: its answer is drafted for a repeat of
+    its prompt with the same salt only, never for another salt or none (nor theirs for it)."""
+    import types
+
+    def salted(prompt, output=(), salt=None):
+        seq = FakeSeq(prompt, output)
+        seq.request = types.SimpleNamespace(cache_salt=salt)
+        return seq
+
+    prop = SuffixProposer(max_nodes=8)
+    prompt, answer = list(range(100, 140)), [7, 8, 9, 10, 11, 12]
+    prop.release(salted(prompt, answer, salt="tenant-a"))
+    assert prop.draft_for(salted(prompt, salt="tenant-b"), 8) is None
+    assert prop.draft_for(salted(prompt), 8) is None
+    assert prop.draft_for(salted(prompt, salt="tenant-a"), 8).tokens == answer
+    # nor does an index match reach across: the unsalted store never saw tenant-a's answer
+    assert prop.draft_for(salted([1, 7, 8, 9]), 8) is None
+    assert prop.draft_for(salted([1, 7, 8, 9], salt="tenant-a"), 8).tokens == [10, 11, 12]
+
+
 def test_answers_follow_eviction_and_compaction():
     """An evicted request's answer is gone with it; compaction moves the arena, and the answer
     found afterwards is still the request's own."""

@@ -636,7 +636,13 @@ class SuffixProposer(DrafterBase):
         self.last_match = 0  # the last draft's match length (diagnostics)
 
     def scope_of(self, seq) -> str:
-        return (getattr(seq, "content_type", None) or "") if self.scope == "content_type" else ""
+        """The store a sequence reads and feeds: one for all (or its content type's), and one of
+        its own per `cache_salt` (a salted request drafts only from requests with its salt, as
+        its KV is shared only with them: the time to an answer asked again would otherwise tell
+        a tenant whether another asked it first; the warm corpus is the unsalted store's)."""
+        base = (getattr(seq, "content_type", None) or "") if self.scope == "content_type" else ""
+        salt = getattr(getattr(seq, "request", None), "cache_salt", None)
+        return base if not salt else f"{base}\x1fsalt:{salt}"
 
     def cut(self, scores: list[float]) -> int:
         """How many of the best-first nodes to send: n >= 1 maximising (1 + the n scores' sum) /
