@@ -348,8 +348,8 @@ def drafter_settings(params: dict[str, str], only: str | None = None) -> dict[st
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
         if isinstance(default, bool):
-            if raw == "1":
-                out[key] = True
+            if raw in ("1", "0"):
+                out[key] = raw == "1"
         elif isinstance(default, (int, float)):
             out[key] = type(default)(raw)
         else:

@@ -259,16 +259,22 @@ def write_repository(bundle_dir: str, out: str, config: RepoConfig = RepoConfig(
 
 def drafter_parameters(drafters: dict) -> dict[str, str]:
     """The model parameters `<name>_<field>` of the drafters' settings given (RepoConfig.drafters):
-    a flag "1" when set (left out when not), a path (Options field metadata "path") absolute."""
+    a flag "1" when set or "0" when unset, each only where it differs from the field's default
+    (--no-suffix-answers writes suffix_answers "0"), a path (Options field metadata "path")
+    absolute."""
+    import dataclasses
+
     from specbuild.speculation.proposers.registry import settings
 
     out = {}
     for key, (name, f) in settings().items():
         value = drafters.get(name, {}).get(f.name)
-        if value is None or value is False:
+        if value is None:
             continue
-        if value is True:
-            value = "1"
+        if isinstance(value, bool):
+            if value is (f.default is True and f.default is not dataclasses.MISSING):
+                continue  # the default: nothing to write
+            value = "1" if value else "0"
         elif f.metadata.get("path"):
             value = os.path.abspath(value)
         out[key] = str(value)

@@ -551,6 +551,17 @@ def test_suffix_store_settings_are_model_parameters(bundle, tmp_path):
                         "suffix_corpus": str(corpus.resolve())}
     cfg = EngineConfig(**settings)
     assert (cfg.suffix_store_tokens, cfg.suffix_scope, cfg.suffix_prompts) == (5000, "content_type", True)
+    # a setting on by default is written only when turned off, and read back off
+    off = tmp_path / "repo-off"
+    result = CliRunner().invoke(main, ["triton-repo", bundle, "--out", str(off), "--no-suffix-answers"])
+    assert result.exit_code == 0, result.output
+    text = (off / MODEL / "config.pbtxt").read_text()
+    assert 'key: "suffix_answers"' in text
+    params = {line.split('key: "', 1)[1].split('"', 1)[0]: {"string_value": line.split('string_value: "', 1)[1].rsplit('"', 1)[0]}
+              for line in text.splitlines() if line.startswith("parameters {")}
+    read = suffix_settings(config_parameters({"parameters": params}))
+    assert read["suffix_answers"] is False and "suffix_prompts" not in read
+    assert EngineConfig(**read).suffix_answers is False
     big = tmp_path / "big.jsonl"
     with open(big, "wb") as f:
         f.truncate(CORPUS_MAX_BYTES + 1)
