@@ -74,6 +74,27 @@ def test_auto_chooses_by_the_controllers_estimate():
     assert speculator.choose_method(seq) is None
 
 
+def test_auto_leaves_out_a_drafter_another_of_its_drafters_covers():
+    """suffix's matches include prompt lookup's (covers): beside it, auto drafts with suffix
+    alone and ngram learns nothing from auto's sequences; without it, ngram is auto's."""
+    costs = {"ngram": CostModel({1: 1.0, 2: 1.2, 5: 1.6}), "suffix": CostModel({1: 1.0, 2: 1.2, 5: 1.6})}
+
+    class Covering(DrafterBase):
+        covers = ("ngram",)
+
+    both = Speculator(None, None, {"suffix": Covering(), "ngram": DrafterBase()}, max_draft_len=4,
+                      max_seq_len=64, costs=costs)
+    assert both.auto_methods == ("suffix",) and "ngram" not in both.auto_uses
+    seq = fake_seq()
+    for _ in range(10):  # ngram would win the weighing: it is not weighed
+        both.controller.record(seq, "ngram", 4, 4)
+        both.controller.record(seq, "suffix", 4, 2)
+    assert both.choose_method(seq) == "suffix"
+    alone = Speculator(None, None, {"ngram": DrafterBase()}, max_draft_len=4, max_seq_len=64,
+                       costs={"ngram": costs["ngram"]})
+    assert alone.auto_methods == ("ngram",)
+
+
 def test_auto_weighs_a_drafter_by_how_often_it_finds_a_draft():
     """ngram with a fine acceptance when it matches, but it has found nothing for 10 steps:
     auto takes suffix, which finds drafts accepted a little less often."""

@@ -208,6 +208,9 @@ class DrafterBase:
     # a request may name the token tree it drafts (`SpeculationConfig.tree`; Medusa, token
     # recycling): such a drafter overrides validate_tree
     request_tree = False
+    # drafters whose candidates this one's include (suffix: prompt lookup's, its local index
+    # being the request's own text): `auto` leaves out a drafter that one it uses covers
+    covers: tuple[str, ...] = ()
     verify_cost: Callable[[int], float] | None = None  # width -> seconds, once costs are measured
     emit: Callable | None = None  # callable(seq, kind, detail): failure-mode events, or None
 

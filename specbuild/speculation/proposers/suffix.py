@@ -607,6 +607,7 @@ class SuffixProposer(DrafterBase):
 
     name = "suffix"
     needs = Needs(tree=True)
+    covers = ("ngram",)  # its local matches are prompt lookup's (the request's own text), as trees
 
     def __init__(self, max_nodes: int = 8, max_tokens: int = 200_000, scope: str = "global",
                  include_prompts: bool = False, factor: float = 2.0, offset: float = 0.0,
