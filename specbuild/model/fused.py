@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 
 import torch
+from specbuild.model.arena import weight_arena
 
 STACK_WEIGHTS = ("attn_norm", "qkv", "qkv_bias", "o", "mlp_norm", "gate_up", "down")  # per layer, cpu_kernels.cpp
 LINEARS = ("qkv", "o", "gate_up", "down")
@@ -103,6 +104,19 @@ class FusedStack:
                     weights.append(empty if bias is None else bias.float().contiguous())
                 else:
                     weights.append(w[p + name].float().contiguous())
+        # the packed weights in one block, in the order a step reads them, on huge pages where
+        # the kernel gives them (model/arena.py); each linear's own copy is the block's from now
+        # on, so the scattered originals are freed. The lm_head's packed rows go last.
+        owners = [(w[f"layers.{i}.{name}"].formats[self.kind], "cpu_packed") for i in range(c.num_layers)
+                  for name in STACK_WEIGHTS if name in LINEARS]
+        heads = [(impl, attr) for impl in (getattr(model.lm_head, "formats", None) or {}).values()
+                 for attr in ("cpu_packed", "q8_packed") if getattr(impl, attr, None) is not None]
+        moved = [t for t in weights if t.numel()] + [getattr(impl, attr) for impl, attr in heads]
+        self.arena, views = weight_arena(moved)
+        new_of = {id(t): v for t, v in zip(moved, views)}
+        for impl, attr in owners + heads:
+            setattr(impl, attr, new_of[id(getattr(impl, attr))])
+        weights = [new_of.get(id(t), t) for t in weights]
         self.weights, self.meta = weights, meta
         self.eps, self.scale = float(c.rms_norm_eps), float(model.scale)
 

@@ -6,6 +6,8 @@ on it too: verify rows equal the decode step, greedy speculation equals plain de
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 
@@ -114,6 +116,55 @@ def test_int4_a8_fused_rows_are_the_decode_steps_bits_on_every_path(bundles, a8_
         assert torch.equal(got, want), path
     finally:
         fused.meta = meta
+
+
+def test_weight_arena_copies_in_order_aligned_in_one_block():
+    """model/arena.py: each copy equal to its original, 64-byte aligned, in the given order,
+    none overlapping, all inside one block (an anonymous mapping where the platform has one)."""
+    from specbuild.model.arena import weight_arena
+
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(-128, 127, (n,), dtype=torch.int8, generator=g) for n in (1000, 3, 64, 5000)]
+    tensors += [torch.randn(7, 9, generator=g), torch.randint(0, 255, (33, 2), dtype=torch.uint8, generator=g)]
+    block, views = weight_arena(tensors)
+    lo = views[0].data_ptr()
+    ends = []
+    for t, v in zip(tensors, views):
+        assert torch.equal(t, v) and v.dtype == t.dtype and v.shape == t.shape and v.is_contiguous()
+        assert v.data_ptr() % 64 == 0 and v.data_ptr() != t.data_ptr()
+        ends.append((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()))
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # in order, apart
+    assert ends[-1][1] - lo <= sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors)
+    if hasattr(mmap, "MAP_PRIVATE"):
+        assert isinstance(block, mmap.mmap) and lo % (2 << 20) == 0  # on a huge page's boundary
+    del block  # the views keep it alive
+    assert torch.equal(views[3], tensors[3])
+
+
+@pytest.mark.parametrize("which", ["int4", "int4-a8"])
+def test_the_fused_stacks_packed_weights_and_the_lm_heads_live_in_its_arena(engine, a8_engine, which):
+    """Every linear of the fused stack and the lm_head's packed rows read the arena's copies
+    (the originals are freed), and the stack still computes the eager model (the same bytes)."""
+    eng = engine if which == "int4" else a8_engine
+    model = eng.model
+    fused = model.compiled
+    base = fused.weights[1].data_ptr()  # (weights[0] is layer 0's norm, in the arena too)
+    lo = min(t.data_ptr() for t in fused.weights if t.numel())
+    size = len(fused.arena) if isinstance(fused.arena, mmap.mmap) else fused.arena.numel()
+    hi = lo + size
+
+    def inside(t):
+        return lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
+
+    assert base >= lo
+    for i in range(model.config.num_layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            impl = model.w[f"layers.{i}.{name}"].formats[fused.kind]
+            assert inside(impl.cpu_packed) and any(impl.cpu_packed is t for t in fused.weights)
+    heads = [getattr(impl, a) for impl in model.lm_head.formats.values() for a in ("cpu_packed", "q8_packed")
+             if getattr(impl, a, None) is not None]
+    assert heads and all(inside(t) for t in heads)
+    check_fused_is_the_eager_model(eng)
 
 
 def check_fused_is_the_eager_model(engine) -> None:

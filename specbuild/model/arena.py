@@ -1,0 +1,62 @@
+"""One block of memory for a model's packed weights, on 2 MiB pages where the kernel gives them.
+
+A decode step streams every packed weight once (~95 MB for the default bundle's layers and
+lm_head). Allocated tensor by tensor, they lie scattered over the heap on 4 KiB pages: ~23,000
+pages a step, each a TLB miss and a page the hardware prefetcher will not run past. Copied into
+one anonymous private mapping, in the order the step reads them, with MADV_HUGEPAGE (Linux's
+transparent huge pages in "madvise" mode, this project's machines' setting), they take ~50 pages.
+One decode row of the fused stack, pool x2, AMD EPYC: 0.945-0.970x the scattered tensors' time,
+0.955-0.987x for the same arena on 4 KiB pages (lab pairs in one process, 2026-12-07). The bytes
+are the same, so every result is the same bits.
+
+Where huge pages are not offered (another OS, THP "never") the arena is still one contiguous
+allocation; nothing is required of the system.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+ALIGN = 64  # each tensor's start (the kernels' and oneDNN's alignment)
+
+
+def weight_arena(tensors: list[torch.Tensor]) -> tuple[object, list[torch.Tensor]]:
+    """Copies of `tensors` (contiguous) in one block, each 64-byte aligned, in the given order:
+    (the block, which the views keep alive too; the views)."""
+    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors]
+    total = sum(sizes)
+    block, base = _mapping(total + HUGE_PAGE)
+    if block is None:
+        base = torch.empty(total + ALIGN, dtype=torch.uint8)
+        block = base
+    start = (-base.data_ptr()) % (HUGE_PAGE if block is not base else ALIGN)
+    views, off = [], start
+    for t, size in zip(tensors, sizes):
+        n = t.numel() * t.element_size()
+        view = base[off:off + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        views.append(view)
+        off += size
+    return block, views
+
+
+def _mapping(length: int):
+    """An anonymous private mapping of `length` bytes advised onto huge pages, as a uint8
+    tensor over it; (None, None) where the platform has no such mapping."""
+    flags = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
+    if None in flags or length <= 0:
+        return None, None
+    try:
+        block = mmap.mmap(-1, length, flags=flags[0] | flags[1])
+    except (OSError, ValueError):
+        return None, None
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            block.madvise(advice)
+        except OSError:  # THP unavailable: 4 KiB pages, still one block
+            pass
+    return block, torch.frombuffer(block, dtype=torch.uint8)
