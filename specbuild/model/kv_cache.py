@@ -94,8 +94,16 @@ class PagedKVCache:
         # zeros, not empty: never let garbage (NaN) reach a masked attention row. One tensor per
         # layer (its own storage, not views of one): a compiled layer stack writes them in place
         # as separate graph inputs (views of one base would make it copy the whole base back)
-        self.k = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        # on CPU each in a zero-filled mapping of its own on huge pages (model/arena.py: attention
+        # reads every layer's blocks of each sequence every step)
+        if torch.device(device).type == "cpu":
+            from specbuild.model.arena import zeros
+
+            self.k = [zeros((slots, kv_heads, head_dim), dtype) for _ in range(num_layers)]
+            self.v = [zeros((slots, kv_heads, head_dim), dtype) for _ in range(num_layers)]
+        else:
+            self.k = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.seqs: dict[int, SeqBlocks] = {}
         self.device = torch.device(device)

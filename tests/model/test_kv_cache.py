@@ -163,3 +163,18 @@ def test_slots_of_every_span_are_block_times_size_plus_offset():
         for end in range(start, 18):
             want = [table[p // 4] * 4 + p % 4 for p in range(start, end)]
             assert cache.slots(0, start, end).tolist() == want, (start, end)
+
+
+def test_the_layers_tensors_start_at_zero_each_on_a_storage_of_its_own():
+    """On CPU each layer's K and V lie in a zero-filled mapping of their own (model/arena.py, on
+    huge pages where offered): zeros, no view of another tensor (a compiled stack writes them in
+    place as graph inputs), and a write to one is seen in no other."""
+    cache = PagedKVCache(num_layers=3, kv_heads=2, head_dim=8, num_blocks=64, block_size=16)
+    tensors = cache.k + cache.v
+    assert all(t.shape == (64 * 16, 2, 8) and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    assert all(not t._is_view() and not t.any() for t in tensors)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
+    cache.k[1][5] = 1.0
+    assert cache.k[1].sum() == 16 and all(not t.any() for t in tensors if t is not cache.k[1])
+    half = PagedKVCache(num_layers=1, kv_heads=2, head_dim=8, num_blocks=4, block_size=4, dtype=torch.bfloat16)
+    assert half.k[0].dtype == torch.bfloat16 and not half.k[0].any()
