@@ -719,6 +719,12 @@ def format_report(report: dict) -> str:
                     if repeated else "; prompts seen for the first time")
                  + ("; INTERLEAVED: every row's server up at once, the prompts sent in slices to each in turn"
                     if report.get("config", {}).get("interleave") else ""))
+    if report.get("config", {}).get("interleave"):
+        n = len(report.get("prompts") or [])
+        few = [c for c in cs if n and len(slices(n, c)) < 2]
+        if few:
+            lines.append(f"(at C={', '.join(map(str, few))} the {n} prompts make one slice: those columns ran "
+                         f"each row in turn, not interleaved; --prompts {4 * max(few)} gives two slices)")
     lines.append(f"{'row':<26}" + "".join(f"{'C=' + str(c):>36}" for c in cs))
     for e, row in names:
         out = f"{e + ' ' + row:<26}"

@@ -79,7 +79,10 @@ def test_interleaved_rows_take_the_prompts_slice_by_slice_in_turn(tiny_bundle, t
     a, b = ports
     assert calls == [(a, [texts[0]]), (b, [texts[0]]), (b, [texts[1]]), (a, [texts[1]]),
                      (a, [texts[2]]), (b, [texts[2]])]
-    assert "INTERLEAVED" in S.format_report(report)
+    assert "INTERLEAVED" in S.format_report(report) and "one slice" not in S.format_report(report)
+    report["config"]["concurrency"] = (1, 4)
+    report["rows"] += [dict(r, concurrency=4) for r in report["rows"]]
+    assert "at C=4 the 3 prompts make one slice" in S.format_report(report)
     assert [list(r) for r in S.slices(10, 4)] == [list(range(8)), [8, 9]]
 
 
