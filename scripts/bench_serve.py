@@ -29,7 +29,8 @@ def csv(kind):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle")
-    ap.add_argument("--methods", type=csv(str), default=("none",), help="specbuild rows (speculation methods); none first")
+    ap.add_argument("--methods", type=csv(str), default=("none",), help="specbuild rows (speculation methods; method@label runs one again on a server of its own, "
+                         "an A/A pair); none first")
     ap.add_argument("--concurrency", type=csv(int), default=S.DEFAULT_CONCURRENCY)
     ap.add_argument("--prompts", type=int, default=12, help="held-out Spec-Bench chat prompts per row")
     ap.add_argument("--prompt-chars", type=int, default=S.CHAT_CHARS,

@@ -424,8 +424,11 @@ def run_guard(cfg: ServedConfig, log_dir: str, prompts: list[list[dict]], rounds
 
 
 # ---- the run ---------------------------------------------------------------------------------
-def specbuild_extra(method: str) -> dict:
-    return {"speculation": method}
+def specbuild_extra(row: str) -> dict:
+    """A specbuild row's request fields: its method. A row named `method@label` (none@2) is the
+    same method on a server of its own: an A/A pair shows what two servers of one build differ
+    by in the same run."""
+    return {"speculation": row.split("@", 1)[0]}
 
 
 def server_threads_line(server: Server) -> str:

@@ -84,6 +84,7 @@ def test_interleaved_rows_take_the_prompts_slice_by_slice_in_turn(tiny_bundle, t
     report["rows"] += [dict(r, concurrency=4) for r in report["rows"]]
     assert "at C=4 the 3 prompts make one slice" in S.format_report(report)
     assert [list(r) for r in S.slices(10, 4)] == [list(range(8)), [8, 9]]
+    assert S.specbuild_extra("none@2") == {"speculation": "none"}  # an A/A row: the same method again
 
 
 def test_a_server_that_cannot_start_fails_its_row_only(tmp_path):
