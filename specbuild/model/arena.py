@@ -6,15 +6,18 @@ lm_head). Allocated tensor by tensor, they lie scattered over the heap on 4 KiB 
 pages a step, each a TLB miss and a page the hardware prefetcher will not run past. Copied into
 one anonymous private mapping, in the order the step reads them, with MADV_HUGEPAGE (Linux's
 transparent huge pages in "madvise" mode, this project's machines' setting), they take ~50 pages.
-One decode row of the fused stack, pool x2, AMD EPYC: 0.945-0.970x the scattered tensors' time,
-0.955-0.987x for the same arena on 4 KiB pages (lab pairs in one process, 2026-12-07). The bytes
-are the same, so every result is the same bits.
+One decode row, the fused stack's weights and the lm_head's, pool x2, AMD EPYC: 0.885-0.905x the
+scattered tensors' time; the stack's alone in one block on 4 KiB pages 0.955-0.987x (lab pairs
+in one process, 2026-12-07). The bytes are the same, so every result is the same bits.
 
 The KV cache's per-layer tensors come the same way (`zeros`): attention reads each sequence's
 blocks of every layer every step, 12 KiB runs scattered over a pool of ~760 MB. One process,
 alternating (the same lab): one row after 200 tokens 0.979x, after 1,000 tokens 0.948x; 4 rows
-0.981x and 0.958x. An anonymous mapping is zero-filled by the kernel and faulted in as it is
-first written, so the pool no longer takes its whole size in memory at start.
+0.981x and 0.958x. The kernel zero-fills an anonymous mapping; each page is touched once at
+start, so the pool takes its memory then, as torch.zeros did (a machine short of it fails at
+load, not in a request). That costs load time where the kernel compacts memory into huge pages:
+the default pool's 760 MB took 1.7 s here against torch.zeros' 0.2 s; left to the first write,
+each 2 MiB page cost ~2.7 ms inside a request.
 
 Where huge pages are not offered (another OS, THP "never") the arena is still one contiguous
 allocation; nothing is required of the system.
@@ -81,6 +84,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)
     # a tensor over the storage, not a view of the mapping's byte tensor: a compiled layer stack
     # writes the cache in place as graph inputs, and a view would make it write back its base
+    base[::4096].zero_()  # one write a page: the memory is taken now (huge pages where given)
     out = torch.empty(0, dtype=dtype)
     out.set_(base.untyped_storage(), 0, shape)
     return out

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from specbuild.model.arena import weight_arena
 
 STACK_WEIGHTS = ("attn_norm", "qkv", "qkv_bias", "o", "mlp_norm", "gate_up", "down")  # per layer, cpu_kernels.cpp
