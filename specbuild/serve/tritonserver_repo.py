@@ -262,8 +262,6 @@ def drafter_parameters(drafters: dict) -> dict[str, str]:
     a flag "1" when set or "0" when unset, each only where it differs from the field's default
     (--no-suffix-answers writes suffix_answers "0"), a path (Options field metadata "path")
     absolute."""
-    import dataclasses
-
     from specbuild.speculation.proposers.registry import settings
 
     out = {}
@@ -272,8 +270,8 @@ def drafter_parameters(drafters: dict) -> dict[str, str]:
         if value is None:
             continue
         if isinstance(value, bool):
-            if value is (f.default is True and f.default is not dataclasses.MISSING):
-                continue  # the default: nothing to write
+            if value == (f.default is True):  # the field's default (a flag's is False): nothing to write
+                continue
             value = "1" if value else "0"
         elif f.metadata.get("path"):
             value = os.path.abspath(value)
