@@ -495,8 +495,11 @@ def test_content_type_and_telemetry_store(server, engine):
     ref = reference(engine, [PROMPTS[0]], method="ngram")
     client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{server.http}")
     result = client.infer(PLAIN, make_inputs(tritonclient_http, PROMPTS[0], MAX_TOKENS, speculation="ngram",
-                                             content_type="legal"))
+                                             content_type="legal", return_perf_metrics=True))
     assert text_of(result) == ref[0]["text"]
+    # what this session drafted, as the model reported it (the reference engine's count may differ:
+    # each engine's batch fit cuts drafts on the row price its own steps' times taught it)
+    drafted = int(result.as_numpy("total_draft_tokens").reshape(-1)[0])
     with pytest.raises(tritonclient_http.InferenceServerException, match="content_type='Bad!'"):
         client.infer(PLAIN, make_inputs(tritonclient_http, "x", 4, content_type="Bad!"))
     deadline, row = time.monotonic() + 30, None
@@ -506,7 +509,7 @@ def test_content_type_and_telemetry_store(server, engine):
                                "speculation_sessions WHERE content_type = 'legal' AND status = 'completed'").fetchone()
         time.sleep(0.1)
     assert row is not None and row[:3] == ("triton", "request", "completed")
-    assert row[3] == len(ref[0]["token_ids"]) and row[4] == ref[0]["stats"]["drafted"] > 0
+    assert row[3] == len(ref[0]["token_ids"]) and row[4] == drafted > 0
 
 
 def test_suffix_served_by_name(server, engine):
