@@ -497,7 +497,7 @@ def test_content_type_and_telemetry_store(server, engine):
     result = client.infer(PLAIN, make_inputs(tritonclient_http, PROMPTS[0], MAX_TOKENS, speculation="ngram",
                                              content_type="legal", return_perf_metrics=True))
     assert text_of(result) == ref[0]["text"]
-    # what this session drafted, as the model reported it (the reference engine's count may differ:
+    # what this request drafted, as the model reported it (the reference engine's count may differ:
     # each engine's batch fit cuts drafts on the row price its own steps' times taught it)
     drafted = int(result.as_numpy("total_draft_tokens").reshape(-1)[0])
     with pytest.raises(tritonclient_http.InferenceServerException, match="content_type='Bad!'"):
