@@ -266,8 +266,12 @@ class Engine(BaseEngine):
         if self.default_speculation.method not in self.methods + list(self.meta.roles) \
                 or self.default_speculation.method in self.unavailable:
             self.default_speculation = SpeculationConfig.make(None, method="none")
-        self.default_speculation = SpeculationConfig.make(
-            self.default_speculation, gamma_max=min(self.default_speculation.gamma_max, limits.max_draft_len))
+        # the draft depth's bound: the bundle's own default where it names one, else the most draft
+        # tokens it was compiled for (`compile --max-draft-len`: a bundle built for 16 drafts 16 deep
+        # where a match or an acceptance estimate says so; the default bundle's 8 is the config's 8)
+        named = self.meta.default_speculation.get("gamma_max")
+        gamma_max = limits.max_draft_len if named is None else min(int(named), limits.max_draft_len)
+        self.default_speculation = SpeculationConfig.make(self.default_speculation, gamma_max=gamma_max)
         self._init_loop(threading.Lock())
         self.scheduler = Scheduler(self.model, self.cache, self.max_batch_size, self.max_seq_len, self.speculator,
                                    config.prefill_chunk, waiting=self.waiting, running=self.running,

@@ -506,3 +506,47 @@ def test_engine_config_sets_the_store_and_its_cap_evicts(bundle):
         EngineConfig(suffix_scope="tenant")
     with pytest.raises(ValueError, match="suffix_store_tokens=-5"):
         EngineConfig(suffix_store_tokens=-5)
+
+
+def test_a_bundle_drafts_as_deep_as_it_was_compiled_for(bundle, tmp_path):
+    """A bundle compiled with --max-draft-len 10 that names no gamma_max bounds requests that do
+    not name one by its 10, not the config's 8: a prompt asked again drafts its stored answer 10
+    deep. A bundle whose default names a gamma_max keeps it."""
+    import json
+    import shutil
+
+    engine = Engine(bundle, EngineConfig(max_batch_size=1))
+    assert engine.meta.limits.max_draft_len == 10 and engine.default_speculation.gamma_max == 10
+    rows_cost_nothing(engine)
+    prop = engine.speculator.proposers["suffix"]
+    depths = []
+    own = prop.draft_for
+
+    def draft_for(seq, gamma):
+        d = own(seq, gamma)
+        if d is not None:
+            depths.append(max(d.depths))
+        return d
+
+    prompt = PROMPTS[2]
+
+    def ask():
+        req = Request(prompt_ids=prompt, speculation={"method": "suffix"},
+                      sampling=SamplingParams(max_tokens=40, ignore_eos=True))
+        return engine.generate([req])[0]
+
+    plain = run(engine, "none", prompts=[prompt])[0]
+    ask()
+    prop.draft_for = draft_for
+    again = ask()
+    del prop.draft_for
+    assert again["token_ids"] == plain["token_ids"]
+    assert depths and max(depths) == 10, depths
+    assert again["stats"]["accepted"] >= 10
+
+    named = tmp_path / "named"
+    shutil.copytree(bundle, named)
+    meta = json.loads((named / "bundle.json").read_text())
+    meta["default_speculation"] = {"method": "none", "gamma_max": 6}
+    (named / "bundle.json").write_text(json.dumps(meta))
+    assert Engine(str(named), EngineConfig(max_batch_size=1)).default_speculation.gamma_max == 6
