@@ -208,8 +208,12 @@ class SpecbuildRunner:
             base = SpeculationConfig(**{k: v for k, v in default.items() if k in SpeculationConfig.__dataclass_fields__})
         limit = engine.meta.limits.max_draft_len
         if method != "none" and not any(v is not None for v in spec_fields.values()):
+            # the depth bound a served request naming only its method gets (the engine's default:
+            # the bundle's max_draft_len unless the bundle names one), within the bundle's limit
+            served = getattr(getattr(engine, "default_speculation", None), "gamma_max", None)
+            bound = served if base is None and served is not None else (base or SpeculationConfig()).gamma_max
             base = base or SpeculationConfig(method=method)
-            base = SpeculationConfig.make(base, gamma_max=min(base.gamma_max, limit))  # fit the bundle
+            base = SpeculationConfig.make(base, gamma_max=min(bound, limit))  # fit the bundle
         self.engine = engine
         self.speculation = SpeculationConfig.make(base, method=method, **spec_fields)
         self.sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0, ignore_eos=ignore_eos)

@@ -543,6 +543,9 @@ def test_a_bundle_drafts_as_deep_as_it_was_compiled_for(bundle, tmp_path):
     assert again["token_ids"] == plain["token_ids"]
     assert depths and max(depths) == 10, depths
     assert again["stats"]["accepted"] >= 10
+    from specbuild.bench.specbench import SpecbuildRunner
+
+    assert SpecbuildRunner(engine, "suffix", 8).speculation.gamma_max == 10  # bench rows as served ones
 
     named = tmp_path / "named"
     shutil.copytree(bundle, named)
