@@ -72,6 +72,14 @@ class ServedConfig:
     # every row's server up at once and the prompts sent in slices, each slice to every server in
     # turn (the order rotated by slice): the host's drift between rows cancels within seconds
     interleave: bool = False
+    # a row `method@label` whose label is a key here serves that bundle instead of `bundle` (two
+    # compilations of one target side by side, interleaved: their greedy output must agree)
+    row_bundles: dict = field(default_factory=dict)
+
+    def bundle_of(self, row: str) -> str:
+        """The bundle a specbuild row serves: its label's (row_bundles), else `bundle`."""
+        label = row.split("@", 1)[1] if "@" in row else None
+        return self.row_bundles.get(label, self.bundle) if label is not None else self.bundle
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 or c > 256 for c in self.concurrency):
@@ -80,6 +88,11 @@ class ServedConfig:
             raise ValueError(f"prompts={self.prompts} must be in 1..1000")
         if not 1 <= self.max_tokens <= 4096:
             raise ValueError(f"max_tokens={self.max_tokens} must be in 1..4096")
+        labels = {m.split("@", 1)[1] for m in self.methods if "@" in m}
+        unused = sorted(set(self.row_bundles) - labels)
+        if unused:
+            raise ValueError(f"row bundle label {unused[0]!r} names no row (rows: {', '.join(self.methods)}); "
+                             "a row `method@label` serves the label's bundle")
         bad = [r for r in self.llama_rows if r not in LLAMA_ROWS]
         if bad:
             raise ValueError(f"llama-server row {bad[0]!r} is not one of {', '.join(LLAMA_ROWS)}")
@@ -209,9 +222,9 @@ def bundle_batch_limit(bundle: str) -> int:
         return int(json.load(f).get("limits", {}).get("max_batch_size") or 1)
 
 
-def specbuild_command(cfg: ServedConfig, port: int, max_batch: int) -> list[str]:
+def specbuild_command(cfg: ServedConfig, port: int, max_batch: int, bundle: str | None = None) -> list[str]:
     exe = os.path.join(os.path.dirname(sys.executable), "specbuild")
-    cmd = [exe if os.path.exists(exe) else "specbuild", "serve", cfg.bundle, "--port", str(port),
+    cmd = [exe if os.path.exists(exe) else "specbuild", "serve", bundle or cfg.bundle, "--port", str(port),
            "--threads", str(cfg.threads), "--max-batch-size", str(max_batch), "--max-queue", "1024",
            "--log-level", "warning"]
     return cmd + (["--compile"] if cfg.compile else []) + list(cfg.serve_args)
@@ -444,9 +457,10 @@ def start_row(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, lo
     requests' extra fields, its batch limit). One request first, not counted (lazy set-up on the
     first request is not the steady state); with `repeat` the prompts once, not counted."""
     port = free_port()
-    batch = min(c, bundle_batch_limit(cfg.bundle)) if engine_name == "specbuild" else c  # beyond it, requests queue
+    bundle = cfg.bundle_of(row)
+    batch = min(c, bundle_batch_limit(bundle)) if engine_name == "specbuild" else c  # beyond it, requests queue
     if engine_name == "specbuild":
-        server = Server(f"specbuild serve ({row})", specbuild_command(cfg, port, batch), port, env=cfg.env,
+        server = Server(f"specbuild serve ({row})", specbuild_command(cfg, port, batch, bundle), port, env=cfg.env,
                         log_path=log)
         extra = specbuild_extra(row)
     else:
@@ -728,6 +742,10 @@ def format_report(report: dict) -> str:
         if few:
             lines.append(f"(at C={', '.join(map(str, few))} the {n} prompts make one slice: those columns ran "
                          f"each row in turn, not interleaved; --prompts {4 * max(few)} gives two slices)")
+    row_bundles = report.get("config", {}).get("row_bundles") or {}
+    if row_bundles:
+        lines.append(f"bundle: {report['config'].get('bundle')}; rows method@LABEL serve "
+                     + ", ".join(f"{k}: {v}" for k, v in sorted(row_bundles.items())))
     lines.append(f"{'row':<26}" + "".join(f"{'C=' + str(c):>36}" for c in cs))
     for e, row in names:
         out = f"{e + ' ' + row:<26}"

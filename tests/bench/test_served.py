@@ -87,6 +87,35 @@ def test_interleaved_rows_take_the_prompts_slice_by_slice_in_turn(tiny_bundle, t
     assert S.specbuild_extra("none@2") == {"speculation": "none"}  # an A/A row: the same method again
 
 
+def test_a_labelled_row_serves_its_own_bundle(tiny_bundle, tmp_path, monkeypatch):
+    """--row-bundle LABEL=DIR: a row `method@LABEL` is served from DIR, in the same interleaved
+    run as the rest, its greedy output checked against plain decoding's like any row's."""
+    import shutil
+
+    other = str(tmp_path / "other")
+    shutil.copytree(tiny_bundle, other)
+    served = []
+    real = S.specbuild_command
+
+    def specbuild_command(cfg, port, max_batch, bundle=None):
+        cmd = real(cfg, port, max_batch, bundle)
+        served.append(cmd[cmd.index("serve") + 1])
+        return cmd
+
+    monkeypatch.setattr(S, "specbuild_command", specbuild_command)
+    texts = ("a b c a b c a b", "hello there")
+    cfg = S.ServedConfig(bundle=tiny_bundle, methods=("none", "ngram", "ngram@b"), concurrency=(1,), max_tokens=8,
+                         compile=False, llama_rows=(), guard=None, texts=texts, interleave=True,
+                         row_bundles={"b": other})
+    report = S.run_served(cfg, str(tmp_path / "logs"), say=lambda line: None)
+    assert served == [tiny_bundle, tiny_bundle, other]  # rows in order: none, ngram, ngram@b
+    rows = {r["row"]: r for r in report["rows"]}
+    assert rows["ngram@b"]["identical"] == "2/2" and not rows["ngram@b"]["errors"]
+    assert f"rows method@LABEL serve b: {other}" in S.format_report(report)
+    with pytest.raises(ValueError, match="label 'c' names no row"):
+        S.ServedConfig(bundle=tiny_bundle, methods=("none", "ngram@b"), row_bundles={"b": other, "c": other})
+
+
 def test_a_server_that_cannot_start_fails_its_row_only(tmp_path):
     server = S.Server("broken", [sys.executable, "-c", "import sys; print('no such bundle'); sys.exit(3)"],
                       S.free_port(), log_path=str(tmp_path / "x.log"))
