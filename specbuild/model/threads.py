@@ -112,6 +112,7 @@ REVISIT_S = 30.0    # while stepping on free cores, the candidates are tried aga
 FIRST_REVISIT_S = 3.0  # ... the first time this soon after the start-up choice (at once where others' load was seen)
 MODE_STEPS = 5      # rounds of real steps in such a trial (one step per candidate in turn, all of one shape)
 MODE_ROUNDS_MAX = 60  # ... rounds tried before a trial that found too few alike ends, keeping the choice
+NARROW_MARGIN = 0.10  # fewer threads than the widest must be this much faster to be chosen (_fastest)
 DECIDE_ROUNDS = 7   # start-up: interleaved rounds ...
 DECIDE_CALLS = 3    # ... of this many timed calls of each candidate (medians of the rounds)
 
@@ -232,8 +233,20 @@ class ThreadGovernor:
         return self._others(last, sample)
 
     def _fastest(self, ms: dict[tuple[str, int], float]) -> tuple[str, int]:
-        """The candidate with the lowest ms; ties: more threads, then the pool."""
-        return min(self.choices, key=lambda c: (ms[c], -c[1], c[0] != "pool"))
+        """The candidate with the lowest ms (ties: more threads, then the pool); one of fewer
+        threads than the widest only where it beats the fastest of the widest by NARROW_MARGIN.
+        The timed forwards are one shape (a one-row decode at start-up, the trial's shape on real
+        steps), where a near tie says little about wider steps, which fewer threads run much
+        slower: served at C=4, a trial on narrow steps chose one thread at 7.57 ms against the
+        pool's 7.76, and that server's steps of 16 rows then took 23.4 ms against 16.7 on its
+        neighbours' pools (AMD EPYC, 2026-12-07)."""
+        best = min(self.choices, key=lambda c: (ms[c], -c[1], c[0] != "pool"))
+        widest = max(c[1] for c in self.choices)
+        if best[1] < widest:
+            wide = min((c for c in self.choices if c[1] == widest), key=lambda c: (ms[c], c[0] != "pool"))
+            if ms[best] > ms[wide] * (1.0 - NARROW_MARGIN):
+                return wide
+        return best
 
     def _use(self, n: int) -> None:
         if n != self.threads:
