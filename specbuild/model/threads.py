@@ -112,7 +112,11 @@ REVISIT_S = 30.0    # while stepping on free cores, the candidates are tried aga
 FIRST_REVISIT_S = 3.0  # ... the first time this soon after the start-up choice (at once where others' load was seen)
 MODE_STEPS = 5      # rounds of real steps in such a trial (one step per candidate in turn, all of one shape)
 MODE_ROUNDS_MAX = 60  # ... rounds tried before a trial that found too few alike ends, keeping the choice
-NARROW_MARGIN = 0.10  # fewer threads than the widest must be this much faster to be chosen (_fastest)
+# fewer threads than the widest must be this much faster to be chosen (_fastest); on free cores the
+# pool's two threads ran a one-row forward 15-25% faster than one thread in every start-up timing
+# of 2026-12-07 (AMD EPYC), yet trials on real steps, beside the HTTP loop and the clients, gave one
+# thread 2% and 12% wins; others' load (0.6 cores and up) moves the kernels to the pool anyway
+NARROW_MARGIN = 0.20
 DECIDE_ROUNDS = 7   # start-up: interleaved rounds ...
 DECIDE_CALLS = 3    # ... of this many timed calls of each candidate (medians of the rounds)
 
@@ -239,7 +243,8 @@ class ThreadGovernor:
         steps), where a near tie says little about wider steps, which fewer threads run much
         slower: served at C=4, a trial on narrow steps chose one thread at 7.57 ms against the
         pool's 7.76, and that server's steps of 16 rows then took 23.4 ms against 16.7 on its
-        neighbours' pools (AMD EPYC, 2026-12-07)."""
+        neighbours' pools; another trial gave one thread 6.79 ms against 7.74 at one row, and
+        that server served 0.94x its neighbour of the same method (AMD EPYC, 2026-12-07)."""
         best = min(self.choices, key=lambda c: (ms[c], -c[1], c[0] != "pool"))
         widest = max(c[1] for c in self.choices)
         if best[1] < widest:
