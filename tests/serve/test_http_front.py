@@ -319,3 +319,35 @@ def test_a_disconnect_never_holds_the_event_loop(bundle):
         app.shutdown()
         serving.join(timeout=10)
     assert engine.cache.used_blocks == 0
+
+
+def test_the_chat_path_is_set_up_before_the_first_request(bundle):
+    """bind() sets up what the first chat request would otherwise set up in its own time (the
+    chat encoder's tokenizer copy, jinja, the tool module: 249 ms of a first TTFT against 16-18 ms
+    after); the first chat then encodes with that encoder, and as the engine encodes it."""
+    import http.client
+    import sys
+
+    from specbuild.engine.engine import Engine, EngineConfig
+    from specbuild.serve.openai_http import OpenAIServer, ServeConfig
+
+    engine = Engine(bundle, EngineConfig(threads=1))
+    app = OpenAIServer(engine, ServeConfig(port=0))
+    assert "_chat_encoder" not in engine.__dict__
+    app.bind()
+    serving = threading.Thread(target=app.serve_forever, daemon=True)
+    serving.start()
+    try:
+        encoder = engine.__dict__.get("_chat_encoder")
+        assert encoder is not None and "specbuild.serve.tools" in sys.modules
+        messages = [{"role": "user", "content": "hello there"}]
+        body = {"messages": messages, "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+        conn = http.client.HTTPConnection("127.0.0.1", app.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        answer = json.loads(conn.getresponse().read())
+        conn.close()
+        assert answer["usage"]["prompt_tokens"] == len(engine.encode_chat(messages, True))
+        assert engine.__dict__["_chat_encoder"] is encoder  # the one set up at bind
+    finally:
+        app.shutdown()
+        serving.join(timeout=10)
