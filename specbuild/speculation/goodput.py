@@ -20,7 +20,9 @@ that starts paying (text turned repetitive, the batch shrank) comes back. A batc
 the first time starts on plain decoding, and probes speculation at once where its nearest
 neighbour that compared both arms chose speculation.
 
-Only how much is drafted changes: every step stays lossless.
+Only how much is drafted changes: every step stays lossless. The speculator does not consult
+it for a lone decoding sequence (Speculator.switch_auto): the batch's fit cuts that one's draft
+step by step already.
 """
 
 from __future__ import annotations

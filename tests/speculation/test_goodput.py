@@ -119,17 +119,41 @@ def test_auto_in_the_engine_follows_what_its_steps_cost(spec_bundle, monkeypatch
     # auto's drafters are chosen by start-up costs (the draft model joins where it is cheap): fixed
     # here, so that only the switch is under test
     engine.speculator._auto_methods = tuple(m for m in ("suffix", "ngram") if m in engine.speculator.proposers)
+    prompts = [REPEAT, REPEAT[3:] + REPEAT[:3]]  # two at once: a lone sequence is the fit's alone (below)
     plain = engine.generate([Request(prompt_ids=p, speculation=SpeculationConfig.make(None, method="none"),
                                      sampling=SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
-                             for p in [REPEAT]])
-    auto = auto_run(engine, [REPEAT], max_tokens=200)
-    assert auto[0]["token_ids"] == plain[0]["token_ids"]
+                             for p in prompts])
+    auto = auto_run(engine, prompts, max_tokens=200)
+    assert [r["token_ids"] for r in auto] == [r["token_ids"] for r in plain]
     s = auto[0]["stats"]
     assert s["drafted"] > 0 and s["accepted"] > 0, s  # it speculated (in probes at least)
-    d = engine.speculator.goodput.describe()["1"]
+    d = engine.speculator.goodput.describe()["2"]
     assert d["arm"] == winner, d
     assert d["plain_steps"] > 0 and d["spec_steps"] > 0  # both arms were measured
     if winner == "plain":
         assert d["plain_ran"] > 3 * d["spec_ran"], d
     else:
         assert d["spec_ran"] > 3 * d["plain_ran"], d
+
+
+def test_a_lone_sequence_is_left_to_the_batch_fit(spec_bundle, monkeypatch):
+    """At one decoding sequence the switch does not run: the batch's fit already cuts its draft,
+    step by step, to what pays on the learned costs and the drafter's odds for that step, where
+    the switch's 3-step probes of bimodal acceptance ran plain decoding on 16% of a served run's
+    steps (fixed suffix 1.28x plain, `auto` 1.20x). Steps timed with dear rows, which would turn
+    the switch to plain, leave a lone `auto` request drafting; its output is plain decoding's."""
+    def on_step(self, kind, batch, tokens, rows, seconds):
+        if self.goodput.current is not None:
+            self.goodput.observe(tokens, 1.0 + 50.0 * max(0, rows - batch), self._auto_pure and kind != "prefill")
+
+    monkeypatch.setattr(Speculator, "on_step", on_step)
+    engine = Engine(spec_bundle, EngineConfig(max_batch_size=4))
+    engine.speculator._auto_methods = tuple(m for m in ("suffix", "ngram") if m in engine.speculator.proposers)
+    engine.speculator.step_line = lambda batch, lo, hi: (1.0, 0.0)  # the fit keeps what a drafter offers
+    plain = engine.generate([Request(prompt_ids=REPEAT, speculation=SpeculationConfig.make(None, method="none"),
+                                     sampling=SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))])
+    auto = auto_run(engine, [REPEAT], max_tokens=120)
+    assert auto[0]["token_ids"] == plain[0]["token_ids"]
+    s = auto[0]["stats"]
+    assert s["drafted"] > 0 and s["accepted"] > 0, s
+    assert "1" not in engine.speculator.goodput.describe()
