@@ -211,8 +211,8 @@ class SpecbuildRunner:
             # the depth bound a served request naming only its method gets (the engine's default:
             # the bundle's max_draft_len unless the bundle names one), within the bundle's limit
             served = getattr(getattr(engine, "default_speculation", None), "gamma_max", None)
-            bound = served if base is None and served is not None else (base or SpeculationConfig()).gamma_max
             base = base or SpeculationConfig(method=method)
+            bound = served if served is not None else base.gamma_max
             base = SpeculationConfig.make(base, gamma_max=min(bound, limit))  # fit the bundle
         self.engine = engine
         self.speculation = SpeculationConfig.make(base, method=method, **spec_fields)
