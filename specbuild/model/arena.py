@@ -25,6 +25,7 @@ allocation; nothing is required of the system.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -75,10 +76,7 @@ def _mapping(length: int):
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor in a mapping of its own (its own storage, as the KV cache's per-layer
     tensors need) on huge pages where offered; torch.zeros where there is no such mapping."""
-    n = 1
-    for d in shape:
-        n *= d
-    nbytes = n * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     block, base = _mapping(nbytes)
     if block is None:
         return torch.zeros(shape, dtype=dtype)

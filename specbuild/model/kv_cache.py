@@ -98,12 +98,11 @@ class PagedKVCache:
         # reads every layer's blocks of each sequence every step)
         if torch.device(device).type == "cpu":
             from specbuild.model.arena import zeros
-
-            self.k = [zeros((slots, kv_heads, head_dim), dtype) for _ in range(num_layers)]
-            self.v = [zeros((slots, kv_heads, head_dim), dtype) for _ in range(num_layers)]
         else:
-            self.k = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-            self.v = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+            def zeros(shape, dt):
+                return torch.zeros(shape, dtype=dt, device=device)
+        self.k = [zeros((slots, kv_heads, head_dim), dtype) for _ in range(num_layers)]
+        self.v = [zeros((slots, kv_heads, head_dim), dtype) for _ in range(num_layers)]
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.seqs: dict[int, SeqBlocks] = {}
         self.device = torch.device(device)
