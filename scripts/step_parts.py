@@ -42,7 +42,11 @@ def engine_parts(eng, prompt: list[int], tokens: int) -> dict[str, float]:
     tm = Pieces()
     tm.wrap(step_mod, "build_forward_batch", "build forward batch")
     tm.wrap(model, "forward", "forward (all)")
-    if model.compiled is not None:
+    if getattr(model.compiled, "run_final", None) is not None:
+        # the fused stack: its inputs in one call, then the layers, final norm and (int8-q8) lm_head in one
+        tm.wrap(model.compiled, "inputs", "stack inputs")
+        tm.wrap(model.compiled, "run_final", "stack call (layers, end)")
+    elif model.compiled is not None:
         tm.wrap(model.compiled, "run", "layer stack")
     # in a compiled forward the only rms_norm / linear calls outside the stack are the final
     # norm and the lm_head (eager: every layer's, so these rows then hold the whole stack)
@@ -61,10 +65,31 @@ def engine_parts(eng, prompt: list[int], tokens: int) -> dict[str, float]:
     ms = {k: sum(v) / steps for k, v in tm.times.items()}  # Pieces keeps ms per call
     ms["step (tpot)"] = out["stats"]["tpot_ms"]
     ms["wall / forward"] = wall / steps * 1e3
-    inner = sum(ms.get(k, 0.0) for k in ("layer stack", "final norm", "lm_head"))
+    inner = sum(ms.get(k, 0.0) for k in ("stack inputs", "stack call (layers, end)", "layer stack", "final norm",
+                                         "lm_head"))
     ms["rest of forward"] = ms["forward (all)"] - inner
     ms["outside forward and finish"] = ms["wall / forward"] - ms["forward (all)"] - ms["finish"] - ms["build forward batch"]
     return ms
+
+
+def stack_phases(model, cache, width: int, forwards: int) -> dict[str, float]:
+    """The fused C++ stack's own timers (cpu_kernels.stack_profile) over `forwards` forwards of
+    `width` rows after 64 cached tokens: ms per forward by part; {} where the stack is not fused."""
+    from specbuild.model import cpu_kernels
+    from specbuild.model.timing import scratch_sequence, verify_batch
+
+    if getattr(model.compiled, "run_final", None) is None:
+        return {}
+    with torch.inference_mode(), scratch_sequence(cache, 64 + width) as slots:
+        model.forward(verify_batch(slots, 0, 64), cache)
+        model.forward(verify_batch(slots, 64, width), cache)
+        cpu_kernels.stack_profile(True)
+        try:
+            for _ in range(forwards):
+                model.forward(verify_batch(slots, 64, width), cache)
+        finally:
+            parts = cpu_kernels.stack_profile(False)
+    return parts
 
 
 def main() -> None:
@@ -140,6 +165,11 @@ def main() -> None:
             print(f"  {k:28s} {v:7.2f} ms{extra}")
         rest = med["forward"] - sum(v for k, v in med.items() if k != "forward")
         print(f"  {'the rest':28s} {rest:7.2f} ms  (forward less the kernels: attention, norms, rope, glue)")
+        phases = stack_phases(model, cache, w, args.rounds)
+        if phases:
+            print(f"  the fused stack's parts (C++ timers, ms per forward; the linears include the pool's hand-off):")
+            for k, v in phases.items():
+                print(f"    {k:26s} {v:7.3f}")
     if args.tokens == 0:
         return
     prompt = eng.encode(eng.render_chat([{"role": "user", "content": "Tell me a story about a dragon and a knight."}]),
@@ -148,11 +178,12 @@ def main() -> None:
     runs = [engine_parts(eng, prompt, args.tokens) for _ in range(args.engine_rounds)]
     print(f"the engine's plain greedy step, {args.tokens} tokens after a {len(prompt)}-token prompt, "
           f"median of {args.engine_rounds} runs, ms per step (load average {os.getloadavg()[0]:.2f}):")
-    order = ["step (tpot)", "wall / forward", "build forward batch", "forward (all)", "layer stack", "final norm",
+    order = ["step (tpot)", "wall / forward", "build forward batch", "forward (all)", "stack inputs",
+             "stack call (layers, end)", "layer stack", "final norm",
              "lm_head", "norms (all layers)", "linears (all layers)", "rest of forward", "finish",
              "outside forward and finish"]
     for k in order:
-        if k in runs[0]:
+        if k in runs[0] and (runs[0][k] or k not in ("final norm", "lm_head")):  # fused: both inside the stack call
             print(f"  {k:28s} {statistics.median(r[k] for r in runs):7.3f}")
     # the lab view above runs the step on this (main) thread; what users get runs it in the engine
     # loop's own thread (serve, Triton, bench): the same generation that way, for comparison

@@ -2034,6 +2034,14 @@ void each_row(int64_t T, const Fn& fn) {
   });
 }
 
+// Where the fused stack's time goes (diagnostics, off by default: stack_profile(1) turns it on):
+// nanoseconds per phase summed over calls, read and reset by stack_profile.
+constexpr int STACK_PHASES = 12;  // norm, qkv, rope+kv, attention, o, add, norm, gate_up, silu, down, add, prologue
+std::atomic<bool> g_stack_prof{false};
+std::atomic<int64_t> g_stack_ns[STACK_PHASES + 1];  // + calls
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 constexpr int STACK_WEIGHTS = 7;  // per layer: attn_norm, qkv, qkv_bias (empty: none), o, mlp_norm, gate_up, down
 constexpr int STACK_DIMS = 7;  // meta: hidden, heads, kv heads, head_dim, intermediate, isa, q8 path; then per
                                // layer and linear (qkv, o, gate_up, down): group size, f32 scales (0/1)
@@ -2045,7 +2053,10 @@ constexpr int STACK_DIMS = 7;  // meta: hidden, heads, kv heads, head_dim, inter
 std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                                    const at::Tensor& write_slots_in, at::TensorList k_caches, at::TensorList v_caches,
                                    const at::Tensor& index_in, at::TensorList weights, at::IntArrayRef meta,
-                                   double scale, double eps, at::IntArrayRef aux_layers) {
+                                   double scale, double eps, at::IntArrayRef aux_layers,
+                                   const std::optional<at::Tensor>& final_norm, const std::optional<at::Tensor>& logit_rows,
+                                   const std::optional<at::Tensor>& head, int64_t head_n, int64_t head_path) {
+  const int64_t entry_ns = g_stack_prof.load(std::memory_order_relaxed) ? now_ns() : 0;
   TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "int4_stack: this CPU lacks AVX2 + FMA");
   TORCH_CHECK(meta.size() >= STACK_DIMS, "int4_stack: meta needs ", STACK_DIMS, " model sizes first");
   const int64_t Hd = meta[0], H = meta[1], KV = meta[2], D = meta[3], F = meta[4], isa = meta[5], q8 = meta[6];
@@ -2112,6 +2123,24 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
   const int64_t nmax = checked_index(index, T, N, "int4_stack");
   for (int64_t a : aux_layers)
     TORCH_CHECK(a >= 0 && a < L, "int4_stack: aux layer ", a, " outside the stack's ", L, " layers");
+  // the forward's end in the same call (optional): the final norm of the logit rows, and the
+  // lm_head (int8_q8_mm) over them, so the step pays no separate ops after the weights have
+  // passed through the caches
+  const bool fin = final_norm.has_value();
+  TORCH_CHECK(fin == logit_rows.has_value() && (fin || !head.has_value()),
+              "int4_stack: final_norm and logit_rows come together, and head needs them");
+  at::Tensor rows_idx;
+  if (fin) {
+    TORCH_CHECK(final_norm->scalar_type() == at::kFloat && final_norm->is_contiguous() && final_norm->numel() == Hd,
+                "int4_stack: final_norm must be float32 [", Hd, "], got ", final_norm->scalar_type(), " ",
+                final_norm->sizes());
+    rows_idx = logit_rows->to(at::kLong).contiguous();
+    TORCH_CHECK(rows_idx.dim() == 1, "int4_stack: logit_rows must be 1-d, got ", rows_idx.sizes());
+    for (int64_t r = 0; r < rows_idx.numel(); ++r)
+      TORCH_CHECK(rows_idx.data_ptr<int64_t>()[r] >= 0 && rows_idx.data_ptr<int64_t>()[r] < T, "int4_stack: logit row ",
+                  rows_idx.data_ptr<int64_t>()[r], " outside the ", T, " rows");
+    TORCH_CHECK(!head.has_value() || head_n > 0, "int4_stack: head_n must be > 0, got ", head_n);
+  }
 
   at::Tensor x = x_in.contiguous().clone();
   std::vector<at::Tensor> outs{x};
@@ -2160,6 +2189,16 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
     auto stage = [&](int64_t t, int64_t n) {
       if constexpr (!F32) bf16_from_f32(fp + t * fs, hp + t * n, n);
     };
+    const bool prof = g_stack_prof.load(std::memory_order_relaxed);
+    int64_t tick = prof ? now_ns() : 0;
+    auto mark = [&](int k) {
+      if (!prof) return;
+      const int64_t t1 = now_ns();
+      g_stack_ns[k].fetch_add(t1 - tick, std::memory_order_relaxed);
+      tick = t1;
+    };
+    if (prof) g_stack_ns[STACK_PHASES].fetch_add(1, std::memory_order_relaxed);
+    if (prof) g_stack_ns[11].fetch_add(tick - entry_ns, std::memory_order_relaxed);
     for (int64_t l = 0; l < L; ++l) {
       if (std::find(aux_layers.begin(), aux_layers.end(), l) != aux_layers.end()) outs.push_back(x.clone());
       const at::Tensor* w = &weights[l * STACK_WEIGHTS];
@@ -2172,33 +2211,137 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
         norm_row(xp + t * Hd, w[0].data_ptr<float>(), Hd, e, in_row(t, Hd));
         stage(t, Hd);
       });
+      mark(0);
       run_linear(4 * l, Hd, qkvn, nullptr);
+      mark(1);
       each_row(T, [&](int64_t t) {
         qkv_row<O>(op + t * qkvn, bias, H, KV, D, cp + t * D, sp + t * D, qp + t * qn, kc + slot[t] * cs,
                    vc + slot[t] * cs, fp + t * fs);
       });
+      mark(2);
       att.zero_();
       rows_attention_run(qp, T, H, D, KV, kc, cs, vc, cs, index.data_ptr<int64_t>(), nmax, sc, fn, ap);
       if constexpr (!F32) each_row(T, [&](int64_t t) { bf16_from_f32(ap + t * qn, hp + t * qn, qn); });
+      mark(3);
       run_linear(4 * l + 1, qn, Hd, F32 ? ap : nullptr);  // int4-a8: the attention rows are its input
+      mark(4);
       each_row(T, [&](int64_t t) { add_row<O>(xp + t * Hd, op + t * Hd, Hd); });
+      mark(5);
       // MLP half
       each_row(T, [&](int64_t t) {
         norm_row(xp + t * Hd, w[4].data_ptr<float>(), Hd, e, in_row(t, Hd));
         stage(t, Hd);
       });
+      mark(6);
       run_linear(4 * l + 2, Hd, 2 * F, nullptr);
+      mark(7);
       each_row(T, [&](int64_t t) {
         silu_row<O>(op + t * 2 * F, F, in_row(t, F));
         stage(t, F);
       });
+      mark(8);
       run_linear(4 * l + 3, F, Hd, nullptr);
+      mark(9);
       each_row(T, [&](int64_t t) { add_row<O>(xp + t * Hd, op + t * Hd, Hd); });
+      mark(10);
     }
   };
   if (q8) layers(static_cast<const float*>(of.data_ptr<float>()));
   else layers(reinterpret_cast<const uint16_t*>(ob.data_ptr<at::BFloat16>()));
+  if (fin) {  // outs[0]: the logit rows after the final norm (norm_row: the stack's own norm)
+    const int64_t R = rows_idx.numel();
+    at::Tensor hidden = at::empty({R, Hd}, x.options());
+    const int64_t* ri = rows_idx.data_ptr<int64_t>();
+    float* hp2 = hidden.data_ptr<float>();
+    const float* nw = final_norm->data_ptr<float>();
+    each_row(R, [&](int64_t r) { norm_row(xp + ri[r] * Hd, nw, Hd, e, hp2 + r * Hd); });
+    outs[0] = hidden;
+    if (head.has_value()) outs.push_back(int8_q8_mm(hidden, *head, head_n, head_path));
+  }
   return outs;
+}
+
+// The fused stack's inputs in one call (the forward's start, where each separate op ran with
+// the last step's weights just through the caches): the embedding rows of `ids` (int8 rows times
+// their float32 scales, as qlinear.dequantize_int8 computes them, or float32 rows as they are),
+// the rope tables' rows at `positions` as [T, 1, D], and rows_attention's index (attention.py
+// rows_index: the rows' offsets, then each row's visible read slots in order; every slot for
+// every row when there is no mask).
+std::vector<at::Tensor> stack_prelude(const at::Tensor& ids_in, const at::Tensor& embed,
+                                      const std::optional<at::Tensor>& embed_scales, const at::Tensor& positions_in,
+                                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& read_slots_in,
+                                      const std::optional<at::Tensor>& mask_in) {
+  at::Tensor ids = ids_in.to(at::kLong).contiguous(), pos = positions_in.to(at::kLong).contiguous();
+  at::Tensor rs = read_slots_in.to(at::kLong).contiguous();
+  TORCH_CHECK(ids.dim() == 1 && pos.dim() == 1 && pos.numel() == ids.numel() && rs.dim() == 1,
+              "stack_prelude: ids and positions must be 1-d of one length, read_slots 1-d; got ", ids.sizes(), ", ",
+              pos.sizes(), ", ", rs.sizes());
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "stack_prelude: embed must be a contiguous [vocab, hidden]");
+  const bool q = embed_scales.has_value();
+  TORCH_CHECK(q ? (embed.scalar_type() == at::kChar && embed_scales->scalar_type() == at::kFloat &&
+                   embed_scales->is_contiguous() && embed_scales->numel() == embed.size(0))
+                : embed.scalar_type() == at::kFloat,
+              "stack_prelude: embed must be int8 with float32 scales [vocab], or float32 without");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+              "stack_prelude: cos and sin must be contiguous float32 [positions, head_dim] of one shape");
+  const int64_t T = ids.numel(), V = embed.size(0), K = embed.size(1), P = cos.size(0), D = cos.size(1);
+  const int64_t S = rs.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* ps = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < V, "stack_prelude: token id ", id[t], " outside the vocabulary's ", V);
+    TORCH_CHECK(ps[t] >= 0 && ps[t] < P, "stack_prelude: position ", ps[t], " outside the rope tables' ", P);
+  }
+  at::Tensor x = at::empty({T, K}, cos.options());
+  float* xp = x.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    if (q) {
+      const int8_t* row = embed.data_ptr<int8_t>() + id[t] * K;
+      const float sc = embed_scales->data_ptr<float>()[id[t]];
+      for (int64_t k = 0; k < K; ++k) xp[t * K + k] = static_cast<float>(row[k]) * sc;
+    } else {
+      std::memcpy(xp + t * K, embed.data_ptr<float>() + id[t] * K, K * sizeof(float));
+    }
+  }
+  at::Tensor cu = at::empty({T, 1, D}, cos.options()), su = at::empty({T, 1, D}, cos.options());
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(cu.data_ptr<float>() + t * D, cos.data_ptr<float>() + ps[t] * D, D * sizeof(float));
+    std::memcpy(su.data_ptr<float>() + t * D, sin.data_ptr<float>() + ps[t] * D, D * sizeof(float));
+  }
+  const int64_t* slots = rs.data_ptr<int64_t>();
+  at::Tensor index;
+  if (!mask_in.has_value()) {
+    index = at::empty({T + 1 + T * S}, ids.options());
+    int64_t* o = index.data_ptr<int64_t>();
+    for (int64_t t = 0; t <= T; ++t) o[t] = t * S;
+    for (int64_t t = 0; t < T; ++t) std::memcpy(o + T + 1 + t * S, slots, S * sizeof(int64_t));
+  } else {
+    at::Tensor m = mask_in->contiguous();
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == T && m.size(1) == S,
+                "stack_prelude: mask must be bool [", T, ", ", S, "], got ", m.scalar_type(), " ", m.sizes());
+    const bool* mp = m.data_ptr<bool>();
+    int64_t total = 0;
+    for (int64_t i = 0; i < T * S; ++i) total += mp[i];
+    index = at::empty({T + 1 + total}, ids.options());
+    int64_t* o = index.data_ptr<int64_t>();
+    int64_t at_ = T + 1;
+    o[0] = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t j = 0; j < S; ++j)
+        if (mp[t * S + j]) o[at_++] = slots[j];
+      o[t + 1] = at_ - (T + 1);
+    }
+  }
+  return {x, cu, su, index};
+}
+
+// stack_profile(on): the phases' nanoseconds so far (and calls, last), reset; then on (1) or off (0)
+std::vector<int64_t> stack_profile(int64_t on) {
+  std::vector<int64_t> out(STACK_PHASES + 1);
+  for (int k = 0; k <= STACK_PHASES; ++k) out[k] = g_stack_ns[k].exchange(0);
+  g_stack_prof.store(on != 0);
+  return out;
 }
 
 int64_t isa_level() { return detect_isa(); }
@@ -2343,11 +2486,15 @@ TORCH_LIBRARY(specbuild_cpu, m) {
   m.def("pool_contended(bool on) -> ()");
   m.def("pool_threads(int n) -> ()");
   m.def("pool_stats() -> int[]");
+  m.def("stack_profile(int on) -> int[]");
+  m.def("stack_prelude(Tensor ids, Tensor embed, Tensor? embed_scales, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor read_slots, Tensor? mask) -> Tensor[]");
   m.def("pool_check(int items, int grain, int reps) -> int[]");
   m.def("rows_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor index, float scale) -> Tensor");
   m.def("int4_stack(Tensor x, Tensor cos, Tensor sin, Tensor write_slots, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor index, Tensor[] weights, int[] meta, float scale, float eps, "
-        "int[] aux_layers) -> Tensor[]");
+        "int[] aux_layers, Tensor? final_norm=None, Tensor? logit_rows=None, Tensor? head=None, int head_n=0, "
+        "int head_path=0) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(specbuild_cpu, CPU, m) {
@@ -2358,6 +2505,7 @@ TORCH_LIBRARY_IMPL(specbuild_cpu, CPU, m) {
   m.impl("q8_quantize", &q8_quantize);
   m.impl("rows_attention", &rows_attention);
   m.impl("int4_stack", &int4_stack);
+  m.impl("stack_prelude", &stack_prelude);
 }
 
 TORCH_LIBRARY_IMPL(specbuild_cpu, CompositeExplicitAutograd, m) {
@@ -2370,5 +2518,6 @@ TORCH_LIBRARY_IMPL(specbuild_cpu, CompositeExplicitAutograd, m) {
   m.impl("pool_contended", &pool_contended);
   m.impl("pool_threads", &pool_threads);
   m.impl("pool_stats", &pool_stats);
+  m.impl("stack_profile", &stack_profile);
   m.impl("pool_check", &pool_check);
 }

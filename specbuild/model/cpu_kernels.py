@@ -371,6 +371,23 @@ def pool_stats() -> dict:
     return dict(zip(keys, (int(v) for v in torch.ops.specbuild_cpu.pool_stats())))
 
 
+STACK_PARTS = ("norm", "qkv linear", "rope, K/V write", "attention", "o linear", "residual add", "mlp norm",
+               "gate_up linear", "silu * up", "down linear", "residual add 2", "call set-up")
+
+
+def stack_profile(on: bool) -> dict[str, float]:
+    """The fused stack's timers (int4_stack's parts, summed in C++ since the last call; off by
+    default): turns them on or off and returns what they counted, ms per stack call by part
+    ({} when no call ran). A diagnostic: scripts/step_parts.py prints it."""
+    if not _load()["available"]:
+        return {}
+    ns = torch.ops.specbuild_cpu.stack_profile(int(bool(on)))
+    calls = int(ns[-1])
+    if not calls:
+        return {}
+    return {name: float(v) / calls / 1e6 for name, v in zip(STACK_PARTS, ns[:-1])}
+
+
 def pool_check(items: int, grain: int = 1, reps: int = 100) -> dict:
     """Runs the pool's contract check (cpu_kernels.cpp pool_check) on torch's thread count:
     {"early": items not run exactly once when their job returned, "late": ... after all jobs

@@ -244,6 +244,8 @@ class Decoder:
         t = batch.input_ids.shape[0]
         fmt = self.format_for("layers", t)
         aux_layers = tuple(aux_layers) if aux_layers and aux_rows is not None else ()
+        if getattr(self.compiled, "run_final", None) is not None:
+            return self.fused_forward(batch, cache, return_hidden, aux_layers, aux_rows)
         if self.compiled is not None:
             # compiled_aux: every compiled forward computes the same aux layers (one graph family
             # for plain steps and a head's verify passes: the same bits), wanted or not
@@ -270,6 +272,40 @@ class Decoder:
             # in aux_layers' order (a layer named twice is gathered once per mention)
             order = sorted(set(aux_layers))
             feats = torch.cat([aux[order.index(layer)] for layer in aux_layers], dim=-1)
+        return ForwardOutput(logits, hidden if return_hidden else None, feats)
+
+    def fused_forward(self, batch: ForwardBatch, cache: PagedKVCache, return_hidden: bool,
+                      aux_layers: tuple[int, ...], aux_rows: torch.Tensor | None):
+        """forward through the fused C++ stack (model/fused.py), which also takes the final norm
+        and, where it runs the lm_head's format, the lm_head: one call for the whole forward."""
+        t = batch.input_ids.shape[0]
+        run_aux = self.compiled_aux or aux_layers
+        if aux_layers and not set(aux_layers) <= set(run_aux):
+            raise ValueError(f"aux layers {aux_layers} are not among the compiled stack's {run_aux}")
+        head_fmt = self.format_for("lm_head", batch.logit_rows.shape[0])
+        if head_fmt is None and isinstance(self.lm_head, QLinear):
+            head_fmt = self.lm_head.primary
+        pre = self.compiled.inputs(batch)
+        if pre is None:
+            inputs, attend = self.stack_call(batch, t)
+        else:
+            inputs, attend = pre[0], IndexOnly(pre[1])
+            if self.before_stack is not None:
+                self.before_stack()
+        hidden, aux, logits = self.compiled.run_final(*inputs, batch.write_slots, cache, attend, run_aux,
+                                                      batch.logit_rows, head_fmt)
+        if logits is None:
+            logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0]), None,
+                            self.rows_per_call.get("lm_head")).float()
+            if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype in (torch.bfloat16, torch.float16):
+                logits = rescore_top(logits, hidden, self.lm_head)
+        feats = None
+        if aux_layers:
+            ran = sorted(set(run_aux))
+            order = sorted(set(aux_layers))
+            picked = [aux[ran.index(layer)].index_select(0, aux_rows) for layer in order]
+            # in aux_layers' order (a layer named twice is gathered once per mention)
+            feats = torch.cat([picked[order.index(layer)] for layer in aux_layers], dim=-1)
         return ForwardOutput(logits, hidden if return_hidden else None, feats)
 
     def compiled_rows(self, batch: ForwardBatch, cache: PagedKVCache, fmt: str | None, aux_layers: tuple[int, ...]):
@@ -338,6 +374,13 @@ class Decoder:
             gate, up = linear(h, w[p + "gate_up"], fmt, None, bound(p + "gate_up")).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, w[p + "down"], fmt, None, bound(p + "down"))
         return x, aux
+
+
+class IndexOnly:
+    """An Attend for the fused stack: only rows_attention's index (built by stack_prelude)."""
+
+    def __init__(self, index: torch.Tensor) -> None:
+        self.index = index
 
 
 class Attend:

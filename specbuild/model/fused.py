@@ -120,11 +120,83 @@ class FusedStack:
         weights = [new_of.get(id(t), t) for t in weights]
         self.weights, self.meta = weights, meta
         self.eps, self.scale = float(c.rms_norm_eps), float(model.scale)
+        # the forward's end in the same call (run_final): the final norm (the stack's own norm
+        # arithmetic) and, where the lm_head is the int8 x int8 kernel's, the lm_head: after the
+        # weights have streamed through the caches, each separate op of the forward's end ran
+        # cold (the final norm's torch ops alone 0.1-0.2 ms of a ~5.5 ms step, AMD EPYC)
+        self.final_norm = w["norm"].float().contiguous()
+        self.head_format = head_format(model)
+        self.embed = embed_table(model)  # (table, scales or None) for stack_prelude, or None
+
+    def inputs(self, batch):
+        """The stack's inputs and the rows_attention index in one C++ call (stack_prelude: the
+        same embedding rows, rope rows and index as Decoder.stack_inputs and attention.rows_index,
+        without a dozen cold torch and numpy ops at each step's start), or None where the
+        embedding is not an int8 or float32 table."""
+        if self.embed is None:
+            return None
+        m = self.model
+        x, cos_u, sin_u, index = torch.ops.specbuild_cpu.stack_prelude(
+            batch.input_ids, self.embed[0], self.embed[1], batch.positions, m.cos, m.sin_signed, batch.read_slots,
+            batch.mask)
+        return (x, cos_u, sin_u), index
 
     def run(self, x, cos_u, sin_u, write_slots, cache, fmt, attend, aux_layers):
+        outs = self._call(x, cos_u, sin_u, write_slots, cache, attend, aux_layers, {})
+        return outs[0], list(outs[1:])
+
+    def run_final(self, x, cos_u, sin_u, write_slots, cache, attend, aux_layers, logit_rows, head_fmt):
+        """The stack, then the final norm of `logit_rows` and, when `head_fmt` is
+        head_format, the lm_head over them. Returns (hidden [R, hidden], aux, logits [R, vocab]
+        or None: the caller runs the lm_head)."""
+        final = {"final_norm": self.final_norm, "logit_rows": logit_rows}
+        head = None
+        if head_fmt is not None and head_fmt == self.head_format:
+            head = self.model.lm_head.formats[head_fmt]
+            final.update(head=head.q8_packed, head_n=head.qweight.shape[0], head_path=head.path)
+        outs = self._call(x, cos_u, sin_u, write_slots, cache, attend, aux_layers, final)
+        if head is None:
+            return outs[0], list(outs[1:]), None
+        return outs[0], list(outs[1:-1]), outs[-1]
+
+    def _call(self, x, cos_u, sin_u, write_slots, cache, attend, aux_layers, final: dict):
         if attend.index is None:
             raise ValueError("the fused layer stack needs the forward's rows_attention index")
-        outs = torch.ops.specbuild_cpu.int4_stack(x, cos_u, sin_u, write_slots, cache.k, cache.v, attend.index,
+        return torch.ops.specbuild_cpu.int4_stack(x, cos_u, sin_u, write_slots, cache.k, cache.v, attend.index,
                                                   self.weights, self.meta, self.scale, self.eps,
-                                                  sorted(set(aux_layers)))
-        return outs[0], list(outs[1:])
+                                                  sorted(set(aux_layers)), **final)
+
+
+def embed_table(model):
+    """What stack_prelude reads for the embedding: (int8 rows, float32 scales) for an int8
+    embedding whose rows() is dequantize_int8's q * scale in float32, (float32 rows, None) for a
+    float32 tensor, else None (the forward gathers the rows itself)."""
+    from specbuild.model.qlinear import QLinear
+
+    e = model.w["embed"]
+    if isinstance(e, torch.Tensor):
+        return (e, None) if e.dtype == torch.float32 and e.dim() == 2 and e.is_contiguous() else None
+    if not isinstance(e, QLinear) or e.dtype != torch.float32:
+        return None
+    impl = e.formats[e.primary]
+    if impl.kind != "int8" or impl.scales.dtype != torch.float32 or not impl.qweight.is_contiguous():
+        return None
+    if model.cos.dtype != torch.float32 or not (model.cos.is_contiguous() and model.sin_signed.is_contiguous()):
+        return None
+    return impl.qweight, impl.scales.contiguous()
+
+
+def head_format(model) -> str | None:
+    """The lm_head format int4_stack runs itself (int8-q8 on specbuild's kernel: the format's own
+    call is int8_q8_mm over float32 rows with float32 outputs), or None: the forward runs it."""
+    from specbuild.model.qlinear import Int8Q8Format, QLinear
+
+    head = model.lm_head
+    if not isinstance(head, QLinear) or head.dtype != torch.float32 or head.act_dtype != torch.float32:
+        return None
+    if model.rows_per_call.get("lm_head") is not None:
+        return None
+    for name, impl in head.formats.items():
+        if isinstance(impl, Int8Q8Format) and getattr(impl, "q8_packed", None) is not None and impl.path:
+            return name
+    return None

@@ -14,7 +14,7 @@ import torch
 from specbuild.compiler.compile import CompileOptions, compile_bundle
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.model import cpu_kernels
-from specbuild.model.decoder import Attend, ForwardBatch
+from specbuild.model.decoder import Attend, ForwardBatch, IndexOnly
 from specbuild.model.fused import STACK_DIMS, FusedStack, fused_reason
 from specbuild.model.timing import scratch_sequence, verify_batch
 from kernel_skip import kernels_or_skip
@@ -29,6 +29,9 @@ def bundles(tmp_path_factory):
     for name, opts in {"int4": {"dtype": "float32", "quantize": "int4", "lm_head_format": "int8"},
                        "int4-a8": {"dtype": "float32", "quantize": "int4", "lm_head_format": "int8",
                                    "activations": "int8", "group_size": 32},
+                       "int4-a8-head-a8": {"dtype": "float32", "quantize": "int4", "lm_head_format": "int8",
+                                           "activations": "int8", "lm_head_activations": "int8",
+                                           "group_size": 32},
                        "float32": {"dtype": "float32"}}.items():
         out[name] = compile_bundle(target, str(root / name), CompileOptions(max_draft_len=8, **opts))
     return out
@@ -87,6 +90,64 @@ def a8_engine(bundles):
     if not cpu_kernels.q8_path():
         pytest.skip("this CPU runs no int4 x int8 path (AVX2 + FMA + F16C)")
     return Engine(bundles["int4-a8"], EngineConfig(max_batch_size=4, compile=True))
+
+
+@pytest.fixture(scope="module")
+def head_a8_engine(bundles):
+    kernels_or_skip()
+    if not cpu_kernels.q8_path() or not cpu_kernels.int8_q8_available():
+        pytest.skip("this CPU runs no int4 x int8 path or no int8 x int8 lm_head kernel")
+    return Engine(bundles["int4-a8-head-a8"], EngineConfig(max_batch_size=4, compile=True))
+
+
+def test_the_stack_call_ends_with_the_final_norm_and_the_int8_input_lm_head(engine, head_a8_engine):
+    """The quickstart's formats (int4-a8 layers, an lm_head on int8 input blocks): the fused call
+    returns the normed logit rows and the lm_head's logits over them, the bits the lm_head's own
+    call gives on those rows; the eager end (a separate norm and lm_head) gives the same model up
+    to the norm's rounding. Another lm_head format: the stack returns the normed rows only and
+    the forward runs the head."""
+    for eng, fmt in ((head_a8_engine, "int8-q8"), (engine, None)):
+        model, cache = eng.model, eng.cache
+        fused = model.compiled
+        assert fused.head_format == fmt
+        with torch.inference_mode(), scratch_sequence(cache, 40) as slots:
+            model.forward(verify_batch(slots, 0, 30), cache)
+            for width in (1, 5):
+                batch = verify_batch(slots, 30, width)
+                inputs, index = fused.inputs(batch)
+                hidden, aux, logits = fused.run_final(*inputs, batch.write_slots, cache, IndexOnly(index), (),
+                                                      batch.logit_rows, model.lm_head.primary)
+                assert aux == [] and hidden.shape == (width, model.config.hidden_size)
+                if fmt is None:
+                    assert logits is None
+                    continue
+                assert torch.equal(logits, model.lm_head(hidden, fmt))
+                out = model.forward(batch, cache, return_hidden=True)
+                assert torch.equal(out.logits, logits) and torch.equal(out.hidden, hidden)
+                fused.run_final = None  # the forward's end as separate ops
+                try:
+                    eager = model.forward(batch, cache, return_hidden=True)
+                finally:
+                    del fused.run_final
+                assert torch.equal(eager.logits.argmax(-1), logits.argmax(-1))
+                assert float((eager.hidden - hidden).abs().max()) < 1e-4 * float(hidden.abs().max())
+    check_rows_are_the_decode_steps_bits(head_a8_engine)
+
+
+def test_the_prelude_is_the_forwards_own_inputs(engine):
+    """stack_prelude (one C++ call) gives Decoder.stack_inputs' embedding and rope rows and
+    Attend's rows_attention index, bit for bit, for a prompt chunk (masked), a decode row and a
+    verify pass."""
+    model, cache = engine.model, engine.cache
+    assert model.compiled.embed is not None
+    with torch.inference_mode(), scratch_sequence(cache, 48) as slots:
+        for context, width in ((0, 30), (30, 1), (30, 5)):
+            batch = verify_batch(slots, context, width)
+            (x, cos_u, sin_u), index = model.compiled.inputs(batch)
+            want = model.stack_inputs(batch)
+            assert torch.equal(x, want[0]) and torch.equal(cos_u, want[1]) and torch.equal(sin_u, want[2])
+            assert torch.equal(index, Attend(model, batch, width).index)
+            model.forward(batch, cache)
 
 
 def test_int4_a8_bundles_take_the_fused_stack_with_the_int8_input_kernel(a8_engine):
@@ -249,6 +310,20 @@ def test_bad_inputs_name_the_value(engine):
             op(*args[:11], [7])
         with pytest.raises(RuntimeError, match="x must be float32"):
             op(x.bfloat16(), *args[1:])
+        with pytest.raises(RuntimeError, match="logit row 2 outside the 2 rows"):
+            op(*args, final_norm=fused.final_norm, logit_rows=torch.tensor([0, 2]))
+        with pytest.raises(RuntimeError, match="come together"):
+            op(*args, final_norm=fused.final_norm)
+        with pytest.raises(RuntimeError, match="final_norm must be float32"):
+            op(*args, final_norm=fused.final_norm[:-8], logit_rows=torch.tensor([1]))
+        prelude = torch.ops.specbuild_cpu.stack_prelude
+        table, scales = fused.embed
+        with pytest.raises(RuntimeError, match="token id 99999 outside the vocabulary"):
+            prelude(torch.tensor([1, 99999]), table, scales, batch.positions, model.cos, model.sin_signed,
+                    batch.read_slots, batch.mask)
+        with pytest.raises(RuntimeError, match="mask must be bool"):
+            prelude(batch.input_ids, table, scales, batch.positions, model.cos, model.sin_signed,
+                    batch.read_slots, torch.ones(2, 1, dtype=torch.bool))
 
 
 def test_a_mixed_batch_gives_each_sequence_its_own_bits(engine):
