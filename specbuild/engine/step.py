@@ -208,7 +208,7 @@ class StepRunner:
             return
         t0 = time.perf_counter()
         try:  # every completing row's argmax and check, in one pass for the group
-            picks = self.pick(group, out.logits)
+            picks = self.pick(group, out.logits, out.argmax)
         except Exception as e:  # noqa: BLE001 - the rows belong to the whole group
             self.owner.fail_batch([it.seq for it in group], e, "reading the target's logits")
             return
@@ -258,11 +258,13 @@ class StepRunner:
         self.passes += 1
         return out, aux0
 
-    def pick(self, group: list[WorkItem], logits: torch.Tensor) -> dict[int, tuple[list[int], bool]]:
+    def pick(self, group: list[WorkItem], logits: torch.Tensor,
+             argmax: torch.Tensor | None = None) -> dict[int, tuple[list[int], bool]]:
         """seq_id -> (argmax of each of its completing rows, whether every one of them is usable),
         for the group's completing items, in one pass over their rows (params.argmax_rows): the
         check every sequence's rows need, and the greedy tokens, instead of a check and an
-        argmax per sequence."""
+        argmax per sequence. `argmax`: the rows' argmax where the forward took it (ForwardOutput);
+        then only the picked entries are read (a row is usable exactly when its entry is finite)."""
         spans, index, r = [], [], 0  # spans over the completing rows alone; index: their rows in logits
         for it in group:
             if it.score is not None:
@@ -274,6 +276,12 @@ class StepRunner:
                 r += n
         if not spans:
             return {}
+        if argmax is not None:
+            picked = argmax.tolist()
+            ids = [picked[i] for i in index]
+            a = logits.numpy()
+            ok = np.isfinite(a[index, ids]).tolist()
+            return {sid: (ids[a0:b], all(ok[a0:b])) for sid, a0, b in spans}
         if len(index) < logits.shape[0]:  # prompt-logprob rows in between: only the completing rows are read
             logits = logits.index_select(0, torch.tensor(index, dtype=torch.int64, device=logits.device))
         ids, ok = argmax_rows(logits)

@@ -2256,7 +2256,34 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
     const float* nw = final_norm->data_ptr<float>();
     each_row(R, [&](int64_t r) { norm_row(xp + ri[r] * Hd, nw, Hd, e, hp2 + r * Hd); });
     outs[0] = hidden;
-    if (head.has_value()) outs.push_back(int8_q8_mm(hidden, *head, head_n, head_path));
+    if (head.has_value()) {
+      at::Tensor logits = int8_q8_mm(hidden, *head, head_n, head_path);
+      // each row's argmax while its logits are still in the caches: the first maximum, or the
+      // first NaN (numpy's argmax, which params.argmax_rows takes otherwise)
+      at::Tensor best = at::empty({R}, rows_idx.options());
+      const float* lg = logits.data_ptr<float>();
+      int64_t* bp = best.data_ptr<int64_t>();
+      for (int64_t r = 0; r < R; ++r) {
+        const float* row = lg + r * head_n;
+        int64_t b = 0;
+        float m = row[0];
+        if (!std::isnan(m)) {
+          for (int64_t i = 1; i < head_n; ++i) {
+            if (std::isnan(row[i])) {
+              b = i;
+              break;
+            }
+            if (row[i] > m) {
+              m = row[i];
+              b = i;
+            }
+          }
+        }
+        bp[r] = b;
+      }
+      outs.push_back(logits);
+      outs.push_back(best);
+    }
   }
   return outs;
 }

@@ -106,6 +106,9 @@ class ForwardOutput:
     logits: torch.Tensor  # [R, vocab] float32, for batch.logit_rows
     hidden: torch.Tensor | None = None  # [R, hidden] final-normed (return_hidden=True): Medusa heads
     aux: torch.Tensor | None = None  # [A, len(aux_layers) * hidden] at aux_rows (EAGLE-3 heads)
+    # [R] int64: each logit row's argmax (the first maximum, or the first NaN) where the forward
+    # took it already (the fused stack's end), else None
+    argmax: torch.Tensor | None = None
 
 
 def sub_batch(batch: ForwardBatch, r0: int, r1: int) -> ForwardBatch:
@@ -292,7 +295,7 @@ class Decoder:
             inputs, attend = pre[0], IndexOnly(pre[1])
             if self.before_stack is not None:
                 self.before_stack()
-        hidden, aux, logits = self.compiled.run_final(*inputs, batch.write_slots, cache, attend, run_aux,
+        hidden, aux, logits, best = self.compiled.run_final(*inputs, batch.write_slots, cache, attend, run_aux,
                                                       batch.logit_rows, head_fmt)
         if logits is None:
             logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0]), None,
@@ -306,7 +309,7 @@ class Decoder:
             picked = [aux[ran.index(layer)].index_select(0, aux_rows) for layer in order]
             # in aux_layers' order (a layer named twice is gathered once per mention)
             feats = torch.cat([picked[order.index(layer)] for layer in aux_layers], dim=-1)
-        return ForwardOutput(logits, hidden if return_hidden else None, feats)
+        return ForwardOutput(logits, hidden if return_hidden else None, feats, best)
 
     def compiled_rows(self, batch: ForwardBatch, cache: PagedKVCache, fmt: str | None, aux_layers: tuple[int, ...]):
         """The layer stack through the compiled graph (compile()), its rows per call bounded

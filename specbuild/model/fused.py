@@ -148,7 +148,8 @@ class FusedStack:
     def run_final(self, x, cos_u, sin_u, write_slots, cache, attend, aux_layers, logit_rows, head_fmt):
         """The stack, then the final norm of `logit_rows` and, when `head_fmt` is
         head_format, the lm_head over them. Returns (hidden [R, hidden], aux, logits [R, vocab]
-        or None: the caller runs the lm_head)."""
+        or None: the caller runs the lm_head, argmax [R] of each logit row or None: the first
+        maximum, or the first NaN, as params.argmax_rows takes it)."""
         final = {"final_norm": self.final_norm, "logit_rows": logit_rows}
         head = None
         if head_fmt is not None and head_fmt == self.head_format:
@@ -156,8 +157,8 @@ class FusedStack:
             final.update(head=head.q8_packed, head_n=head.qweight.shape[0], head_path=head.path)
         outs = self._call(x, cos_u, sin_u, write_slots, cache, attend, aux_layers, final)
         if head is None:
-            return outs[0], list(outs[1:]), None
-        return outs[0], list(outs[1:-1]), outs[-1]
+            return outs[0], list(outs[1:]), None, None
+        return outs[0], list(outs[1:-2]), outs[-2], outs[-1]
 
     def _call(self, x, cos_u, sin_u, write_slots, cache, attend, aux_layers, final: dict):
         if attend.index is None:

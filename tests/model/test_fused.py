@@ -115,11 +115,11 @@ def test_the_stack_call_ends_with_the_final_norm_and_the_int8_input_lm_head(engi
             for width in (1, 5):
                 batch = verify_batch(slots, 30, width)
                 inputs, index = fused.inputs(batch)
-                hidden, aux, logits = fused.run_final(*inputs, batch.write_slots, cache, IndexOnly(index), (),
+                hidden, aux, logits, best = fused.run_final(*inputs, batch.write_slots, cache, IndexOnly(index), (),
                                                       batch.logit_rows, model.lm_head.primary)
                 assert aux == [] and hidden.shape == (width, model.config.hidden_size)
                 if fmt is None:
-                    assert logits is None
+                    assert logits is None and best is None
                     continue
                 assert torch.equal(logits, model.lm_head(hidden, fmt))
                 out = model.forward(batch, cache, return_hidden=True)
@@ -132,6 +132,46 @@ def test_the_stack_call_ends_with_the_final_norm_and_the_int8_input_lm_head(engi
                 assert torch.equal(eager.logits.argmax(-1), logits.argmax(-1))
                 assert float((eager.hidden - hidden).abs().max()) < 1e-4 * float(hidden.abs().max())
     check_rows_are_the_decode_steps_bits(head_a8_engine)
+
+
+def test_the_stack_calls_argmax_is_numpys_and_the_step_reads_it(head_a8_engine, monkeypatch):
+    """The fused end's argmax of each logit row is params.argmax_rows' (the first maximum; the
+    first NaN where the row has one), and StepRunner.pick takes it instead of its own pass:
+    the same picks, the same check."""
+    from specbuild.engine.step import StepRunner
+    from specbuild.sampling.params import argmax_rows
+
+    model, cache = head_a8_engine.model, head_a8_engine.cache
+    fused = model.compiled
+    with torch.inference_mode(), scratch_sequence(cache, 40) as slots:
+        model.forward(verify_batch(slots, 0, 30), cache)
+        out = model.forward(verify_batch(slots, 30, 5), cache)
+        assert out.argmax is not None and out.argmax.tolist() == argmax_rows(out.logits)[0]
+        head = model.lm_head.formats[fused.head_format]
+        packed = head.q8_packed
+        try:  # column 7's scale NaN (block 0 of 16 columns: K * 16 weight bytes, then 16 float32 scales)
+            head.q8_packed = packed.clone()
+            k = model.config.hidden_size
+            head.q8_packed[k * 16 + 7 * 4:k * 16 + 8 * 4] = torch.tensor([float("nan")]).view(torch.uint8)
+            bad = model.forward(verify_batch(slots, 30, 2), cache)
+        finally:
+            head.q8_packed = packed
+        assert bool(torch.isnan(bad.logits[:, 7]).all()) and not bool(torch.isnan(bad.logits[:, :7]).any())
+        assert bad.argmax.tolist() == argmax_rows(bad.logits)[0] == [7, 7]
+        first_nan = [7, 7]
+
+    class Item:  # the fields pick reads of a WorkItem
+        def __init__(self, sid, n_draft):
+            self.seq = type("S", (), {"seq_id": sid})()
+            self.score, self.score_rows, self.completes, self.n_draft = None, 0, True, n_draft
+
+    group = [Item(0, 2), Item(1, 1)]
+    runner = object.__new__(StepRunner)
+    for logits, best in ((out.logits, out.argmax), (bad.logits[:1].expand(5, -1), bad.argmax[:1].expand(5))):
+        taken = runner.pick(group, logits, best)
+        monkeypatch.setattr("specbuild.engine.step.argmax_rows", argmax_rows)
+        assert taken == runner.pick(group, logits)
+    assert taken == {0: ([first_nan[0]] * 3, False), 1: ([first_nan[0]] * 2, False)}
 
 
 def test_the_prelude_is_the_forwards_own_inputs(engine):
