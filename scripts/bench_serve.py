@@ -47,6 +47,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="the whole table this many times (rows rotated; medians)")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the specbuild servers")
     ap.add_argument("--serve-arg", action="append", default=[], help="an extra `specbuild serve` argument")
+    ap.add_argument("--row-env", action="append", default=[], metavar="LABEL=KEY=VALUE",
+                    help="rows `method@LABEL` run their server with KEY=VALUE too (e.g. --methods none,none@old "
+                         "--row-env old=SPECBUILD_FUSED_ENDS=0): one setting A/B in one interleaved run")
     ap.add_argument("--row-bundle", action="append", default=[], metavar="LABEL=DIR",
                     help="rows `method@LABEL` serve the bundle DIR (e.g. --methods none,suffix,suffix@d16 "
                          "--row-bundle d16=bundles/other): two compilations of one target in one interleaved run")
@@ -73,13 +76,20 @@ def main() -> int:
         if not os.path.isfile(os.path.join(path, "bundle.json")):
             ap.error(f"--row-bundle {label}={path}: {path} is not a bundle (no bundle.json)")
         row_bundles[label] = path
+    row_env: dict = {}
+    for kv in a.row_env:
+        label, sep, setting = kv.partition("=")
+        key, sep2, value = setting.partition("=")
+        if not sep or not sep2 or not label or not key:
+            ap.error(f"--row-env {kv!r} is not LABEL=KEY=VALUE")
+        row_env.setdefault(label, {})[key] = value
     try:
         cfg = S.ServedConfig(bundle=a.bundle, methods=methods, concurrency=a.concurrency, prompts=a.prompts,
                              max_tokens=a.max_tokens, threads=a.threads, compile=not a.no_compile,
                              llama_server=a.llama_server, llama_rows=() if a.no_llama else a.llama_rows, gguf=a.gguf,
                              guard=a.guard or None, env=env, serve_args=tuple(a.serve_arg),
                              prompt_chars=a.prompt_chars or None, repeat=a.repeat,
-                             interleave=a.interleave, row_bundles=row_bundles)
+                             interleave=a.interleave, row_bundles=row_bundles, row_env=row_env)
     except ValueError as e:
         ap.error(str(e))
     if not os.path.isfile(os.path.join(a.bundle, "bundle.json")):

@@ -75,11 +75,19 @@ class ServedConfig:
     # a row `method@label` whose label is a key here serves that bundle instead of `bundle` (two
     # compilations of one target side by side, interleaved: their greedy output must agree)
     row_bundles: dict = field(default_factory=dict)
+    # a row `method@label` whose label is a key here runs its server with these environment
+    # variables too (over `env`): one setting A/B, interleaved, e.g. SPECBUILD_FUSED_ENDS=0
+    row_env: dict = field(default_factory=dict)
 
     def bundle_of(self, row: str) -> str:
         """The bundle a specbuild row serves: its label's (row_bundles), else `bundle`."""
         label = row.split("@", 1)[1] if "@" in row else None
         return self.row_bundles.get(label, self.bundle) if label is not None else self.bundle
+
+    def env_of(self, row: str) -> dict:
+        """The extra environment of a specbuild row's server: `env`, then its label's row_env."""
+        label = row.split("@", 1)[1] if "@" in row else None
+        return {**self.env, **self.row_env.get(label, {})}
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 or c > 256 for c in self.concurrency):
@@ -93,6 +101,10 @@ class ServedConfig:
         if unused:
             raise ValueError(f"row bundle label {unused[0]!r} names no row (rows: {', '.join(self.methods)}); "
                              "a row `method@label` serves the label's bundle")
+        unused = sorted(set(self.row_env) - labels)
+        if unused:
+            raise ValueError(f"row environment label {unused[0]!r} names no row (rows: {', '.join(self.methods)}); "
+                             "a row `method@label` runs with the label's environment")
         bad = [r for r in self.llama_rows if r not in LLAMA_ROWS]
         if bad:
             raise ValueError(f"llama-server row {bad[0]!r} is not one of {', '.join(LLAMA_ROWS)}")
@@ -460,8 +472,8 @@ def start_row(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, lo
     bundle = cfg.bundle_of(row)
     batch = min(c, bundle_batch_limit(bundle)) if engine_name == "specbuild" else c  # beyond it, requests queue
     if engine_name == "specbuild":
-        server = Server(f"specbuild serve ({row})", specbuild_command(cfg, port, batch, bundle), port, env=cfg.env,
-                        log_path=log)
+        server = Server(f"specbuild serve ({row})", specbuild_command(cfg, port, batch, bundle), port,
+                        env=cfg.env_of(row), log_path=log)
         extra = specbuild_extra(row)
     else:
         server = Server(f"llama-server ({row})", llama_command(binary, gguf, port, cfg.threads, c, row, cfg.max_tokens),
@@ -746,6 +758,10 @@ def format_report(report: dict) -> str:
     if row_bundles:
         lines.append(f"bundle: {report['config'].get('bundle')}; rows method@LABEL serve "
                      + ", ".join(f"{k}: {v}" for k, v in sorted(row_bundles.items())))
+    row_env = report.get("config", {}).get("row_env") or {}
+    if row_env:
+        lines.append("rows method@LABEL run with " + "; ".join(
+            f"{k}: {' '.join(f'{a}={b}' for a, b in sorted(v.items()))}" for k, v in sorted(row_env.items())))
     lines.append(f"{'row':<26}" + "".join(f"{'C=' + str(c):>36}" for c in cs))
     for e, row in names:
         out = f"{e + ' ' + row:<26}"

@@ -19,7 +19,11 @@ rows (the glue is per row, the thread split by whole rows, the int4 kernel and r
 are row-invariant). tests/model/test_compiled.py checks that every row of a w-row pass equals
 the decode step bit for bit and that greedy speculation equals plain decoding, on this path.
 
-$SPECBUILD_FUSED_STACK=0 keeps the torch.compile stack (model/compiled.py) for comparisons."""
+The call also takes the forward's start and end (stack_prelude: the embedding rows, rope rows
+and attention index; int4_stack's final norm, int8-q8 lm_head and each row's argmax): after the
+weights stream through the caches, every separate op there ran cold. $SPECBUILD_FUSED_ENDS=0
+keeps them as separate ops, $SPECBUILD_FUSED_STACK=0 the torch.compile stack (model/compiled.py),
+both for comparisons."""
 
 from __future__ import annotations
 
@@ -127,6 +131,8 @@ class FusedStack:
         self.final_norm = w["norm"].float().contiguous()
         self.head_format = head_format(model)
         self.embed = embed_table(model)  # (table, scales or None) for stack_prelude, or None
+        if os.environ.get("SPECBUILD_FUSED_ENDS", "1").strip() == "0":
+            self.run_final = None  # the forward's start and end as separate ops (for comparisons)
 
     def inputs(self, batch):
         """The stack's inputs and the rows_attention index in one C++ call (stack_prelude: the

@@ -116,6 +116,31 @@ def test_a_labelled_row_serves_its_own_bundle(tiny_bundle, tmp_path, monkeypatch
         S.ServedConfig(bundle=tiny_bundle, methods=("none", "ngram@b"), row_bundles={"b": other, "c": other})
 
 
+def test_a_labelled_row_runs_with_its_own_environment(tiny_bundle, tmp_path, monkeypatch):
+    """--row-env LABEL=KEY=VALUE: the server of row `method@LABEL` (alone) runs with KEY=VALUE
+    over --env, in the same interleaved run, its output checked like any row's."""
+    envs = {}
+    real = S.Server.__init__
+
+    def init(self, name, cmd, port, env=None, **kw):
+        envs[name] = dict(env or {})
+        real(self, name, cmd, port, env=env, **kw)
+
+    monkeypatch.setattr(S.Server, "__init__", init)
+    cfg = S.ServedConfig(bundle=tiny_bundle, methods=("none", "none@off"), concurrency=(1,), max_tokens=6,
+                         compile=False, llama_rows=(), guard=None, texts=("a b c a b c", "hello there"),
+                         interleave=True, env={"SPECBUILD_X": "1"},
+                         row_env={"off": {"SPECBUILD_FUSED_ENDS": "0", "SPECBUILD_X": "2"}})
+    report = S.run_served(cfg, str(tmp_path / "logs"), say=lambda line: None)
+    assert envs["specbuild serve (none)"] == {"SPECBUILD_X": "1"}
+    assert envs["specbuild serve (none@off)"] == {"SPECBUILD_X": "2", "SPECBUILD_FUSED_ENDS": "0"}
+    rows = {r["row"]: r for r in report["rows"]}
+    assert rows["none@off"]["identical"] == "2/2" and not rows["none@off"]["errors"]
+    assert "rows method@LABEL run with off: SPECBUILD_FUSED_ENDS=0 SPECBUILD_X=2" in S.format_report(report)
+    with pytest.raises(ValueError, match="environment label 'c' names no row"):
+        S.ServedConfig(bundle=tiny_bundle, methods=("none", "none@b"), row_env={"c": {"A": "1"}})
+
+
 def test_a_server_that_cannot_start_fails_its_row_only(tmp_path):
     server = S.Server("broken", [sys.executable, "-c", "import sys; print('no such bundle'); sys.exit(3)"],
                       S.free_port(), log_path=str(tmp_path / "x.log"))

@@ -174,6 +174,21 @@ def test_the_stack_calls_argmax_is_numpys_and_the_step_reads_it(head_a8_engine, 
     assert taken == {0: ([first_nan[0]] * 3, False), 1: ([first_nan[0]] * 2, False)}
 
 
+def test_fused_ends_off_keeps_the_forwards_start_and_end_as_separate_ops(bundles, head_a8_engine, monkeypatch):
+    """SPECBUILD_FUSED_ENDS=0 (for comparisons): the stack call takes neither the inputs nor the
+    final norm and lm_head; the greedy tokens are the same."""
+    monkeypatch.setenv("SPECBUILD_FUSED_ENDS", "0")
+    off = Engine(bundles["int4-a8-head-a8"], EngineConfig(max_batch_size=4, compile=True))
+    assert isinstance(off.model.compiled, FusedStack) and off.model.compiled.run_final is None
+    outs = []
+    for eng in (off, head_a8_engine):
+        with torch.inference_mode(), scratch_sequence(eng.cache, 40) as slots:
+            eng.model.forward(verify_batch(slots, 0, 30), eng.cache)
+            outs.append(eng.model.forward(verify_batch(slots, 30, 5), eng.cache))
+    assert outs[0].argmax is None and outs[1].argmax is not None
+    assert torch.equal(outs[0].logits.argmax(-1), outs[1].argmax)
+
+
 def test_the_prelude_is_the_forwards_own_inputs(engine):
     """stack_prelude (one C++ call) gives Decoder.stack_inputs' embedding and rope rows and
     Attend's rows_attention index, bit for bit, for a prompt chunk (masked), a decode row and a
