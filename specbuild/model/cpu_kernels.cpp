@@ -1801,8 +1801,7 @@ void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_
   const int64_t* slots = off + T + 1;
   const int64_t G = H / KV;
   // items are (kv head, row, segment): the group's query heads share each key and value read;
-  // how many items a thread takes is chosen from the work only (never what an item computes);
-  // small calls (a decode step over few keys) stay on one thread. Items run kv head by kv head,
+  // how many items a thread takes is chosen from the work only (never what an item computes). Items run kv head by kv head,
   // so a thread's consecutive items read one head's keys and values, which stay in L2; row by
   // row, three heads' (a 640-token prompt: ~1 MB) may not (30 layers of causal attention over
   // 640 rows, AMD EPYC, pool x2, alternating processes: 175-209 ms against 190-207, inside the
@@ -1825,7 +1824,13 @@ void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_
   std::vector<float> part(KV * longs * stride);
   const int64_t items = KV * per_head;
   const int64_t work = std::max<int64_t>(1, off[T] * G * D / per_head);
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / work);
+  // On the kernels' pool every item may go to a thread of its own: inside the fused stack the
+  // keys and values come from memory (the step's weights have just streamed through the caches),
+  // so even a decode step's three items wait on loads far longer than a hand-off takes (one row,
+  // 30 layers, AMD EPYC, pool x2, alternating in one process: 16 keys 0.165 -> 0.111 ms, 64 keys
+  // 0.49 -> 0.32, 100 keys 0.80 -> 0.50; the same bits). Under OpenMP, whose regions cost a
+  // wake-up, small calls stay on one thread.
+  const int64_t grain = pool::enabled() ? 1 : std::max<int64_t>(1, (int64_t(1) << 16) / work);
   const int64_t smax = std::min(nmax, SEG);  // a whole row or a segment: SEG keys at most
   par_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> s(G * (smax + 1) + 8);

@@ -686,6 +686,36 @@ def test_rows_attention_long_rows_keep_their_bits_alone_per_head_and_per_row():
         torch.set_num_threads(threads)
 
 
+def test_a_decode_rows_few_attention_items_go_to_the_pool_with_their_bits():
+    """One row over a few keys (a decode step early in a chat): on the kernels' pool its three kv
+    heads are a job of their own (inside the stack its keys come from memory, so each head waits
+    on loads longer than a hand-off takes); under OpenMP it stays on the calling thread. The
+    same bits either way."""
+    from specbuild.model.attention import rows_index
+
+    levels()
+    k, v, perm = attention_case()
+    q = torch.randn(1, 9, 64)
+    index = rows_index(perm[:40], None, 1)
+    threads, mode = torch.get_num_threads(), cpu_kernels.pool_stats()["mode"]
+    try:
+        torch.set_num_threads(1)
+        cpu_kernels.kernels_mode("pool", 2)
+        jobs = cpu_kernels.pool_stats()["jobs"]
+        pooled = cpu_kernels.rows_attention(q, k, v, index, 0.125)
+        assert cpu_kernels.pool_stats()["jobs"] == jobs + 1
+        torch.set_num_threads(2)
+        cpu_kernels.kernels_mode("openmp")
+        jobs = cpu_kernels.pool_stats()["jobs"]
+        inline = cpu_kernels.rows_attention(q, k, v, index, 0.125)
+        assert cpu_kernels.pool_stats()["jobs"] == jobs
+    finally:
+        cpu_kernels.kernels_mode("openmp")  # the pool's width back to torch's thread count
+        cpu_kernels.pool_config(mode)
+        torch.set_num_threads(threads)
+    assert torch.equal(pooled, inline)
+
+
 def test_rows_attention_refuses_a_bad_index():
     levels()
     k, v, _ = attention_case(slots=50)
