@@ -36,6 +36,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -2039,6 +2041,56 @@ void each_row(int64_t T, const Fn& fn) {
   });
 }
 
+// numpy's argmax of one row of n floats: the first NaN's index if there is one, else the first
+// maximum's (an all -inf row: 0). Vectorised: one pass for the maximum and whether a NaN is
+// there, one for the first entry equal to it (-0.0 == 0.0: the first of either, as numpy's `>`
+// scan keeps the first).
+__attribute__((target("avx2,fma"))) int64_t argmax_row(const float* x, int64_t n) {
+  const int64_t body = n - n % 8;
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan = _mm256_setzero_ps();
+  for (int64_t i = 0; i < body; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, v);
+  }
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t i = body; i < n && !any_nan; ++i) any_nan = std::isnan(x[i]);
+  if (any_nan) {
+    for (int64_t i = 0; i < n; ++i)
+      if (std::isnan(x[i])) return i;
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float mx = lanes[0];
+  for (int l = 1; l < 8; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
+  for (int64_t i = body; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
+  const __m256 mv = _mm256_set1_ps(mx);
+  for (int64_t i = 0; i < body; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), mv, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (int64_t i = body; i < n; ++i)
+    if (x[i] == mx) return i;
+  return 0;
+}
+
+// each row's argmax_row of x [rows, n] float32 (what the fused stack's end returns)
+at::Tensor row_argmax(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) > 0,
+              "row_argmax: x must be float32 [rows, n > 0], got ", x_in.scalar_type(), " ", x_in.sizes());
+  TORCH_CHECK(__builtin_cpu_supports("avx2"), "row_argmax: this CPU lacks AVX2");
+  at::Tensor x = x_in.contiguous();
+  const int64_t R = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  par_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) o[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
 // Where the fused stack's time goes (diagnostics, off by default: stack_profile(1) turns it on):
 // nanoseconds per phase summed over calls, read and reset by stack_profile.
 constexpr int STACK_PHASES = 12;  // norm, qkv, rope+kv, attention, o, add, norm, gate_up, silu, down, add, prologue
@@ -2268,24 +2320,9 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
       at::Tensor best = at::empty({R}, rows_idx.options());
       const float* lg = logits.data_ptr<float>();
       int64_t* bp = best.data_ptr<int64_t>();
-      for (int64_t r = 0; r < R; ++r) {
-        const float* row = lg + r * head_n;
-        int64_t b = 0;
-        float m = row[0];
-        if (!std::isnan(m)) {
-          for (int64_t i = 1; i < head_n; ++i) {
-            if (std::isnan(row[i])) {
-              b = i;
-              break;
-            }
-            if (row[i] > m) {
-              m = row[i];
-              b = i;
-            }
-          }
-        }
-        bp[r] = b;
-      }
+      par_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) bp[r] = argmax_row(lg + r * head_n, head_n);
+      });
       outs.push_back(logits);
       outs.push_back(best);
     }
@@ -2519,6 +2556,7 @@ TORCH_LIBRARY(specbuild_cpu, m) {
   m.def("pool_threads(int n) -> ()");
   m.def("pool_stats() -> int[]");
   m.def("stack_profile(int on) -> int[]");
+  m.def("row_argmax(Tensor x) -> Tensor");
   m.def("stack_prelude(Tensor ids, Tensor embed, Tensor? embed_scales, Tensor positions, Tensor cos, Tensor sin, "
         "Tensor read_slots, Tensor? mask) -> Tensor[]");
   m.def("pool_check(int items, int grain, int reps) -> int[]");
@@ -2538,6 +2576,7 @@ TORCH_LIBRARY_IMPL(specbuild_cpu, CPU, m) {
   m.impl("rows_attention", &rows_attention);
   m.impl("int4_stack", &int4_stack);
   m.impl("stack_prelude", &stack_prelude);
+  m.impl("row_argmax", &row_argmax);
 }
 
 TORCH_LIBRARY_IMPL(specbuild_cpu, CompositeExplicitAutograd, m) {

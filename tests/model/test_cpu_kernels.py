@@ -716,6 +716,45 @@ def test_a_decode_rows_few_attention_items_go_to_the_pool_with_their_bits():
     assert torch.equal(pooled, inline)
 
 
+def test_row_argmax_is_numpys_on_ties_infinities_nans_and_signed_zeros():
+    """The fused stack's argmax (row_argmax): the first maximum, the first NaN where a row has
+    one, 0 for a row of -inf: numpy's argmax, which the step took before, on every length
+    (the vector body and the tail)."""
+    import numpy as np
+
+    levels()
+    g = torch.Generator().manual_seed(3)
+    inf, nan = float("inf"), float("nan")
+    rows = []
+    for n in (1, 7, 8, 9, 17, 49152):
+        base = torch.randn(n, generator=g)
+        rows.append(base)
+        tie = base.clone()
+        tie[n // 2:] = tie.max()  # ties from the middle on
+        rows.append(tie)
+        for at_ in {0, n // 3, n - 1}:
+            r = base.clone()
+            r[at_] = nan
+            rows.append(r)
+            r = base.clone()
+            r[at_] = inf
+            rows.append(r)
+        rows.append(torch.full((n,), -inf))
+        z = torch.zeros(n)
+        z[: n // 2] = -0.0
+        rows.append(z)
+        both = base.clone()
+        both[n - 1], both[0] = nan, inf
+        rows.append(both)
+    for r in rows:
+        got = torch.ops.specbuild_cpu.row_argmax(r.view(1, -1))
+        assert int(got[0]) == int(np.argmax(r.numpy())), r[:9]
+    x = torch.randn(6, 1000, generator=g)
+    assert torch.ops.specbuild_cpu.row_argmax(x).tolist() == np.argmax(x.numpy(), axis=1).tolist()
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        torch.ops.specbuild_cpu.row_argmax(x.double())
+
+
 def test_rows_attention_refuses_a_bad_index():
     levels()
     k, v, _ = attention_case(slots=50)
