@@ -180,6 +180,8 @@ def embed_table(model):
     float32 tensor, else None (the forward gathers the rows itself)."""
     from specbuild.model.qlinear import QLinear
 
+    if model.cos.dtype != torch.float32 or not (model.cos.is_contiguous() and model.sin_signed.is_contiguous()):
+        return None
     e = model.w["embed"]
     if isinstance(e, torch.Tensor):
         return (e, None) if e.dtype == torch.float32 and e.dim() == 2 and e.is_contiguous() else None
@@ -187,8 +189,6 @@ def embed_table(model):
         return None
     impl = e.formats[e.primary]
     if impl.kind != "int8" or impl.scales.dtype != torch.float32 or not impl.qweight.is_contiguous():
-        return None
-    if model.cos.dtype != torch.float32 or not (model.cos.is_contiguous() and model.sin_signed.is_contiguous()):
         return None
     return impl.qweight, impl.scales.contiguous()
 
