@@ -167,7 +167,7 @@ def main() -> None:
         print(f"  {'the rest':28s} {rest:7.2f} ms  (forward less the kernels: attention, norms, rope, glue)")
         phases = stack_phases(model, cache, w, args.rounds)
         if phases:
-            print(f"  the fused stack's parts (C++ timers, ms per forward; the linears include the pool's hand-off):")
+            print("  the fused stack's parts (C++ timers, ms per forward; the linears include the pool's hand-off):")
             for k, v in phases.items():
                 print(f"    {k:26s} {v:7.3f}")
     if args.tokens == 0:
