@@ -266,16 +266,17 @@ class Decoder:
             aux = [a.index_select(0, aux_rows) for a in aux]
         rows = x.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != t else x
         hidden = rms_norm(rows, w["norm"], c.rms_norm_eps)
+        feats = aux_features(aux, aux_layers) if aux_layers else None
+        return ForwardOutput(self.head_logits(hidden), hidden if return_hidden else None, feats)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head over final-normed rows [R, hidden]: logits [R, vocab] float32 (a
+        half-precision lm_head's top entries rescored in float32)."""
         logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0]), None,
                         self.rows_per_call.get("lm_head")).float()
         if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype in (torch.bfloat16, torch.float16):
             logits = rescore_top(logits, hidden, self.lm_head)
-        feats = None
-        if aux_layers:
-            # in aux_layers' order (a layer named twice is gathered once per mention)
-            order = sorted(set(aux_layers))
-            feats = torch.cat([aux[order.index(layer)] for layer in aux_layers], dim=-1)
-        return ForwardOutput(logits, hidden if return_hidden else None, feats)
+        return logits
 
     def fused_forward(self, batch: ForwardBatch, cache: PagedKVCache, return_hidden: bool,
                       aux_layers: tuple[int, ...], aux_rows: torch.Tensor | None):
@@ -298,17 +299,12 @@ class Decoder:
         hidden, aux, logits, best = self.compiled.run_final(*inputs, batch.write_slots, cache, attend, run_aux,
                                                       batch.logit_rows, head_fmt)
         if logits is None:
-            logits = linear(hidden, self.lm_head, self.format_for("lm_head", hidden.shape[0]), None,
-                            self.rows_per_call.get("lm_head")).float()
-            if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype in (torch.bfloat16, torch.float16):
-                logits = rescore_top(logits, hidden, self.lm_head)
+            logits = self.head_logits(hidden)
         feats = None
         if aux_layers:
             ran = sorted(set(run_aux))
-            order = sorted(set(aux_layers))
-            picked = [aux[ran.index(layer)].index_select(0, aux_rows) for layer in order]
-            # in aux_layers' order (a layer named twice is gathered once per mention)
-            feats = torch.cat([picked[order.index(layer)] for layer in aux_layers], dim=-1)
+            feats = aux_features([aux[ran.index(layer)].index_select(0, aux_rows) for layer in sorted(set(aux_layers))],
+                                 aux_layers)
         return ForwardOutput(logits, hidden if return_hidden else None, feats, best)
 
     def compiled_rows(self, batch: ForwardBatch, cache: PagedKVCache, fmt: str | None, aux_layers: tuple[int, ...]):
@@ -377,6 +373,13 @@ class Decoder:
             gate, up = linear(h, w[p + "gate_up"], fmt, None, bound(p + "gate_up")).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, w[p + "down"], fmt, None, bound(p + "down"))
         return x, aux
+
+
+def aux_features(aux: list[torch.Tensor], aux_layers: tuple[int, ...]) -> torch.Tensor:
+    """The residuals of sorted(set(aux_layers)) at the aux rows, concatenated in aux_layers' own
+    order [A, len(aux_layers) * hidden] (a layer named twice is gathered once per mention)."""
+    order = sorted(set(aux_layers))
+    return torch.cat([aux[order.index(layer)] for layer in aux_layers], dim=-1)
 
 
 class IndexOnly:
