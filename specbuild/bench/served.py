@@ -81,13 +81,11 @@ class ServedConfig:
 
     def bundle_of(self, row: str) -> str:
         """The bundle a specbuild row serves: its label's (row_bundles), else `bundle`."""
-        label = row.split("@", 1)[1] if "@" in row else None
-        return self.row_bundles.get(label, self.bundle) if label is not None else self.bundle
+        return self.row_bundles.get(row_label(row), self.bundle)
 
     def env_of(self, row: str) -> dict:
         """The extra environment of a specbuild row's server: `env`, then its label's row_env."""
-        label = row.split("@", 1)[1] if "@" in row else None
-        return {**self.env, **self.row_env.get(label, {})}
+        return {**self.env, **self.row_env.get(row_label(row), {})}
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 or c > 256 for c in self.concurrency):
@@ -462,6 +460,11 @@ def server_threads_line(server: Server) -> str:
         if line.startswith("specbuild: threads:"):
             return line
     return ""
+
+
+def row_label(row: str) -> str | None:
+    """A row's label: `method@label` -> label, a bare method -> None."""
+    return row.split("@", 1)[1] if "@" in row else None
 
 
 def start_row(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, log: str, binary, gguf):

@@ -1803,8 +1803,9 @@ void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_
   const int64_t* slots = off + T + 1;
   const int64_t G = H / KV;
   // items are (kv head, row, segment): the group's query heads share each key and value read;
-  // how many items a thread takes is chosen from the work only (never what an item computes). Items run kv head by kv head,
-  // so a thread's consecutive items read one head's keys and values, which stay in L2; row by
+  // how many items a thread takes is chosen from the work only (never what an item computes).
+  // Items run kv head by kv head, so a thread's consecutive items read one head's keys and
+  // values, which stay in L2; row by
   // row, three heads' (a 640-token prompt: ~1 MB) may not (30 layers of causal attention over
   // 640 rows, AMD EPYC, pool x2, alternating processes: 175-209 ms against 190-207, inside the
   // host's noise: the score loop was bound by its loads from L1 then, before scores4). The order
@@ -2255,7 +2256,7 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
       tick = t1;
     };
     if (prof) g_stack_ns[STACK_PHASES].fetch_add(1, std::memory_order_relaxed);
-    if (prof) g_stack_ns[11].fetch_add(tick - entry_ns, std::memory_order_relaxed);
+    if (prof) g_stack_ns[STACK_PHASES - 1].fetch_add(tick - entry_ns, std::memory_order_relaxed);  // the set-up
     for (int64_t l = 0; l < L; ++l) {
       if (std::find(aux_layers.begin(), aux_layers.end(), l) != aux_layers.end()) outs.push_back(x.clone());
       const at::Tensor* w = &weights[l * STACK_WEIGHTS];
@@ -2315,16 +2316,10 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
     outs[0] = hidden;
     if (head.has_value()) {
       at::Tensor logits = int8_q8_mm(hidden, *head, head_n, head_path);
+      outs.push_back(logits);
       // each row's argmax while its logits are still in the caches: the first maximum, or the
       // first NaN (numpy's argmax, which params.argmax_rows takes otherwise)
-      at::Tensor best = at::empty({R}, rows_idx.options());
-      const float* lg = logits.data_ptr<float>();
-      int64_t* bp = best.data_ptr<int64_t>();
-      par_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) bp[r] = argmax_row(lg + r * head_n, head_n);
-      });
-      outs.push_back(logits);
-      outs.push_back(best);
+      outs.push_back(row_argmax(logits));
     }
   }
   return outs;

@@ -189,6 +189,22 @@ def test_fused_ends_off_keeps_the_forwards_start_and_end_as_separate_ops(bundles
     assert torch.equal(outs[0].logits.argmax(-1), outs[1].argmax)
 
 
+def test_the_stacks_timers_count_only_while_on(head_a8_engine):
+    """cpu_kernels.stack_profile: off by default; on, it gives each part's ms per stack call (the
+    linears' above zero) and resets; off again, nothing more is counted."""
+    model, cache = head_a8_engine.model, head_a8_engine.cache
+    with torch.inference_mode(), scratch_sequence(cache, 40) as slots:
+        model.forward(verify_batch(slots, 0, 30), cache)
+        assert cpu_kernels.stack_profile(True) == {}  # nothing counted while off
+        for _ in range(3):
+            model.forward(verify_batch(slots, 30, 2), cache)
+        parts = cpu_kernels.stack_profile(False)
+        model.forward(verify_batch(slots, 30, 2), cache)
+    assert list(parts) == list(cpu_kernels.STACK_PARTS)
+    assert all(parts[k] > 0 for k in ("qkv linear", "o linear", "gate_up linear", "down linear", "attention"))
+    assert cpu_kernels.stack_profile(False) == {}
+
+
 def test_the_prelude_is_the_forwards_own_inputs(engine):
     """stack_prelude (one C++ call) gives Decoder.stack_inputs' embedding and rope rows and
     Attend's rows_attention index, bit for bit, for a prompt chunk (masked), a decode row and a
