@@ -292,12 +292,15 @@ class Decoder:
         pre = self.compiled.inputs(batch)
         if pre is None:
             inputs, attend = self.stack_call(batch, t)
+            index = attend.index
+            if index is None:
+                raise ValueError("the fused layer stack needs the forward's rows_attention index")
         else:
-            inputs, attend = pre[0], IndexOnly(pre[1])
+            inputs, index = pre
             if self.before_stack is not None:
                 self.before_stack()
-        hidden, aux, logits, best = self.compiled.run_final(*inputs, batch.write_slots, cache, attend, run_aux,
-                                                      batch.logit_rows, head_fmt)
+        hidden, aux, logits, best = self.compiled.run_final(*inputs, batch.write_slots, cache, index, run_aux,
+                                                            batch.logit_rows, head_fmt)
         if logits is None:
             logits = self.head_logits(hidden)
         feats = None
@@ -380,13 +383,6 @@ def aux_features(aux: list[torch.Tensor], aux_layers: tuple[int, ...]) -> torch.
     order [A, len(aux_layers) * hidden] (a layer named twice is gathered once per mention)."""
     order = sorted(set(aux_layers))
     return torch.cat([aux[order.index(layer)] for layer in aux_layers], dim=-1)
-
-
-class IndexOnly:
-    """An Attend for the fused stack: only rows_attention's index (built by stack_prelude)."""
-
-    def __init__(self, index: torch.Tensor) -> None:
-        self.index = index
 
 
 class Attend:

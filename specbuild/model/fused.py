@@ -148,10 +148,12 @@ class FusedStack:
         return (x, cos_u, sin_u), index
 
     def run(self, x, cos_u, sin_u, write_slots, cache, fmt, attend, aux_layers):
-        outs = self._call(x, cos_u, sin_u, write_slots, cache, attend, aux_layers, {})
+        if attend.index is None:
+            raise ValueError("the fused layer stack needs the forward's rows_attention index")
+        outs = self._call(x, cos_u, sin_u, write_slots, cache, attend.index, aux_layers, {})
         return outs[0], list(outs[1:])
 
-    def run_final(self, x, cos_u, sin_u, write_slots, cache, attend, aux_layers, logit_rows, head_fmt):
+    def run_final(self, x, cos_u, sin_u, write_slots, cache, index, aux_layers, logit_rows, head_fmt):
         """The stack, then the final norm of `logit_rows` and, when `head_fmt` is
         head_format, the lm_head over them. Returns (hidden [R, hidden], aux, logits [R, vocab]
         or None: the caller runs the lm_head, argmax [R] of each logit row or None: the first
@@ -161,15 +163,13 @@ class FusedStack:
         if head_fmt is not None and head_fmt == self.head_format:
             head = self.model.lm_head.formats[head_fmt]
             final.update(head=head.q8_packed, head_n=head.qweight.shape[0], head_path=head.path)
-        outs = self._call(x, cos_u, sin_u, write_slots, cache, attend, aux_layers, final)
+        outs = self._call(x, cos_u, sin_u, write_slots, cache, index, aux_layers, final)
         if head is None:
             return outs[0], list(outs[1:]), None, None
         return outs[0], list(outs[1:-2]), outs[-2], outs[-1]
 
-    def _call(self, x, cos_u, sin_u, write_slots, cache, attend, aux_layers, final: dict):
-        if attend.index is None:
-            raise ValueError("the fused layer stack needs the forward's rows_attention index")
-        return torch.ops.specbuild_cpu.int4_stack(x, cos_u, sin_u, write_slots, cache.k, cache.v, attend.index,
+    def _call(self, x, cos_u, sin_u, write_slots, cache, index, aux_layers, final: dict):
+        return torch.ops.specbuild_cpu.int4_stack(x, cos_u, sin_u, write_slots, cache.k, cache.v, index,
                                                   self.weights, self.meta, self.scale, self.eps,
                                                   sorted(set(aux_layers)), **final)
 

@@ -14,7 +14,7 @@ import torch
 from specbuild.compiler.compile import CompileOptions, compile_bundle
 from specbuild.engine.engine import Engine, EngineConfig
 from specbuild.model import cpu_kernels
-from specbuild.model.decoder import Attend, ForwardBatch, IndexOnly
+from specbuild.model.decoder import Attend, ForwardBatch
 from specbuild.model.fused import STACK_DIMS, FusedStack, fused_reason
 from specbuild.model.timing import scratch_sequence, verify_batch
 from kernel_skip import kernels_or_skip
@@ -115,8 +115,8 @@ def test_the_stack_call_ends_with_the_final_norm_and_the_int8_input_lm_head(engi
             for width in (1, 5):
                 batch = verify_batch(slots, 30, width)
                 inputs, index = fused.inputs(batch)
-                hidden, aux, logits, best = fused.run_final(*inputs, batch.write_slots, cache, IndexOnly(index), (),
-                                                      batch.logit_rows, model.lm_head.primary)
+                hidden, aux, logits, best = fused.run_final(*inputs, batch.write_slots, cache, index, (),
+                                                            batch.logit_rows, model.lm_head.primary)
                 assert aux == [] and hidden.shape == (width, model.config.hidden_size)
                 if fmt is None:
                     assert logits is None and best is None
