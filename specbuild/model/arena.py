@@ -73,16 +73,23 @@ def _mapping(length: int):
     return block, torch.frombuffer(block, dtype=torch.uint8)
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, stride: tuple[int, ...] | None = None) -> torch.Tensor:
     """A zero tensor in a mapping of its own (its own storage, as the KV cache's per-layer
-    tensors need) on huge pages where offered; torch.zeros where there is no such mapping."""
+    tensors need) on huge pages where offered; torch.zeros where there is no such mapping.
+    `stride`: the element strides of a dense non-contiguous layout (a permutation of the
+    contiguous one); the tensor still owns its storage, it is not a view."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     block, base = _mapping(nbytes)
     if block is None:
-        return torch.zeros(shape, dtype=dtype)
+        if stride is None:
+            return torch.zeros(shape, dtype=dtype)
+        return torch.empty_strided(shape, stride, dtype=dtype).zero_()
     # a tensor over the storage, not a view of the mapping's byte tensor: a compiled layer stack
     # writes the cache in place as graph inputs, and a view would make it write back its base
     base[::4096].zero_()  # one write a page: the memory is taken now (huge pages where given)
     out = torch.empty(0, dtype=dtype)
-    out.set_(base.untyped_storage(), 0, shape)
+    if stride is None:
+        out.set_(base.untyped_storage(), 0, shape)
+    else:
+        out.set_(base.untyped_storage(), 0, shape, stride)
     return out

@@ -25,6 +25,7 @@ sequence is live.
 from __future__ import annotations
 
 import hashlib
+import os
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specbuild.errors import RequestError
+from specbuild.errors import BundleError, RequestError
 
 
 @dataclass
@@ -96,13 +97,22 @@ class PagedKVCache:
         # as separate graph inputs (views of one base would make it copy the whole base back)
         # on CPU each in a zero-filled mapping of its own on huge pages (model/arena.py: attention
         # reads every layer's blocks of each sequence every step)
+        # [slots, kv_heads, head_dim] either way; head-major by default: each kv head's rows of
+        # all slots together (strides head_dim, slots * head_dim, 1), so attention, which reads
+        # one kv head's rows of a sequence's slots at a time, reads whole runs of memory
+        # (cpu_kernels.cpp, cache_layout, has the measurements). SPECBUILD_KV_LAYOUT=slot keeps
+        # each slot's heads together (contiguous), for comparisons. The values are the same.
+        self.layout = kv_layout()
+        stride = (head_dim, slots * head_dim, 1) if self.layout == "head" else None
         if torch.device(device).type == "cpu":
             from specbuild.model.arena import zeros
         else:
-            def zeros(shape, dt):
-                return torch.zeros(shape, dtype=dt, device=device)
-        self.k = [zeros((slots, kv_heads, head_dim), dtype) for _ in range(num_layers)]
-        self.v = [zeros((slots, kv_heads, head_dim), dtype) for _ in range(num_layers)]
+            def zeros(shape, dt, stride=None):
+                if stride is None:
+                    return torch.zeros(shape, dtype=dt, device=device)
+                return torch.empty_strided(shape, stride, dtype=dt, device=device).zero_()
+        self.k = [zeros((slots, kv_heads, head_dim), dtype, stride) for _ in range(num_layers)]
+        self.v = [zeros((slots, kv_heads, head_dim), dtype, stride) for _ in range(num_layers)]
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.seqs: dict[int, SeqBlocks] = {}
         self.device = torch.device(device)
@@ -356,6 +366,18 @@ class PagedKVCache:
     def rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `slots` [n] in every layer: ([layers, n, kv_heads, head_dim], same)."""
         return torch.stack([k[slots] for k in self.k]), torch.stack([v[slots] for v in self.v])
+
+
+LAYOUTS = ("head", "slot")
+
+
+def kv_layout() -> str:
+    """The KV cache's layout from $SPECBUILD_KV_LAYOUT: "head" (the default: each kv head's rows
+    of all slots together) or "slot" (each slot's heads together); see PagedKVCache."""
+    value = os.environ.get("SPECBUILD_KV_LAYOUT", "head").strip().lower() or "head"
+    if value not in LAYOUTS:
+        raise BundleError(f"SPECBUILD_KV_LAYOUT={value!r} is not one of {', '.join(LAYOUTS)}")
+    return value
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -556,6 +556,37 @@ def test_rows_attention_matches_a_float64_reference(d):
     assert (out - ref).abs().max().item() < 1e-5
 
 
+def test_rows_attention_reads_a_head_major_cache_with_the_same_bits():
+    """The KV cache's default layout keeps each kv head's rows of all slots together (kv_cache.py):
+    the same values there give the same bits as the contiguous [slots, KV, D] caches, for short
+    rows and for rows long enough to be attended in segments; any other strides are refused."""
+    from specbuild.model.attention import rows_index
+
+    levels()
+    k, v, perm = attention_case(slots=1400)
+
+    def head_major(t):
+        out = torch.empty_strided(t.shape, (t.shape[2], t.shape[0] * t.shape[2], 1))
+        out.copy_(t)
+        return out
+
+    hk, hv = head_major(k), head_major(v)
+    assert torch.equal(hk, k) and hk.stride() == (64, 1400 * 64, 1)
+    lens = [1, 5, 64, 513, 1200]
+    read = perm[:1200]
+    mask = torch.zeros(len(lens), 1200, dtype=torch.bool)
+    for t, n in enumerate(lens):
+        mask[t, :n] = True
+    q = torch.randn(len(lens), 9, 64)
+    index = rows_index(read, mask, len(lens))
+    assert torch.equal(cpu_kernels.rows_attention(q, hk, hv, index, 0.125),
+                       cpu_kernels.rows_attention(q, k, v, index, 0.125))
+    with pytest.raises(RuntimeError, match="slot-major .* or head-major"):
+        cpu_kernels.rows_attention(q, k[::2], v[::2], index, 0.125)
+    with pytest.raises(RuntimeError, match="both alike"):
+        cpu_kernels.rows_attention(q, hk, v, index, 0.125)
+
+
 @pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (8, 2, 64), (10, 2, 32), (6, 3, 24), (16, 2, 128)])
 def test_rows_attention_gives_each_query_head_its_bits_alone(heads, kv, d):
     """The kernel loads each key and value chunk once for up to three query heads of a kv head;

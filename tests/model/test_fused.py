@@ -337,6 +337,28 @@ def check_rows_are_the_decode_steps_bits(engine) -> None:
                     assert torch.equal(cache.v[-1][slots[20 + start + r]], v)
 
 
+def test_both_cache_layouts_give_the_fused_stack_the_same_bits(bundles, a8_engine, monkeypatch):
+    """The default head-major KV cache and SPECBUILD_KV_LAYOUT=slot's contiguous one: the same
+    logits bit for bit over a prefill and a few decode rows, and the same K/V in every layer."""
+    monkeypatch.setenv("SPECBUILD_KV_LAYOUT", "slot")
+    slot = Engine(bundles["int4-a8"], EngineConfig(max_batch_size=1, compile=True))
+    assert slot.cache.layout == "slot" and a8_engine.cache.layout == "head"
+    assert slot.cache.k[0].is_contiguous() and not a8_engine.cache.k[0].is_contiguous()
+    got = []
+    for eng in (a8_engine, slot):
+        model, cache = eng.model, eng.cache
+        with torch.inference_mode(), scratch_sequence(cache, 40) as slots:
+            logits = [model.forward(verify_batch(slots, 0, 30), cache).logits]
+            for i in range(4):
+                logits.append(model.forward(verify_batch(slots, 30 + i, 1, token=50 + i), cache).logits)
+            logits.append(model.forward(verify_batch(slots, 34, 5, token=9), cache).logits)
+            kv = [torch.stack([c[slots[:39]] for c in cache.k]), torch.stack([c[slots[:39]] for c in cache.v])]
+        got.append((logits, kv))
+    (la, kva), (lb, kvb) = got
+    assert all(torch.equal(a, b) for a, b in zip(la, lb))
+    assert torch.equal(kva[0], kvb[0]) and torch.equal(kva[1], kvb[1]) and kva[0].abs().sum() > 0
+
+
 def test_fused_aux_layers_are_the_residuals_entering_them(engine):
     model, cache = engine.model, engine.cache
     fused = model.compiled
@@ -381,6 +403,8 @@ def test_bad_inputs_name_the_value(engine):
             op(*args[:11], [7])
         with pytest.raises(RuntimeError, match="x must be float32"):
             op(x.bfloat16(), *args[1:])
+        with pytest.raises(RuntimeError, match="slot-major or head-major"):  # a layer's caches in another layout
+            op(*args[:4], [cache.k[0]] + [c.contiguous() for c in cache.k[1:]], cache.v, *args[6:])
         with pytest.raises(RuntimeError, match="logit row 2 outside the 2 rows"):
             op(*args, final_norm=fused.final_norm, logit_rows=torch.tensor([0, 2]))
         with pytest.raises(RuntimeError, match="come together"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbuild.errors import RequestError
+from specbuild.errors import BundleError, RequestError
 from specbuild.model.kv_cache import PagedKVCache, kv_bytes_per_token
 
 
@@ -168,13 +168,34 @@ def test_slots_of_every_span_are_block_times_size_plus_offset():
 def test_the_layers_tensors_start_at_zero_each_on_a_storage_of_its_own():
     """On CPU each layer's K and V lie in a zero-filled mapping of their own (model/arena.py, on
     huge pages where offered): zeros, no view of another tensor (a compiled stack writes them in
-    place as graph inputs), and a write to one is seen in no other."""
+    place as graph inputs), and a write to one is seen in no other. By default each is
+    head-major: [slots, kv heads, head_dim] with each kv head's rows of all slots together."""
     cache = PagedKVCache(num_layers=3, kv_heads=2, head_dim=8, num_blocks=64, block_size=16)
     tensors = cache.k + cache.v
-    assert all(t.shape == (64 * 16, 2, 8) and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    assert cache.layout == "head"
+    assert all(t.shape == (64 * 16, 2, 8) and t.dtype == torch.float32 and t.stride() == (8, 64 * 16 * 8, 1)
+               for t in tensors)
     assert all(not t._is_view() and not t.any() for t in tensors)
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
     cache.k[1][5] = 1.0
     assert cache.k[1].sum() == 16 and all(not t.any() for t in tensors if t is not cache.k[1])
     half = PagedKVCache(num_layers=1, kv_heads=2, head_dim=8, num_blocks=4, block_size=4, dtype=torch.bfloat16)
     assert half.k[0].dtype == torch.bfloat16 and not half.k[0].any()
+
+
+def test_the_slot_layout_keeps_each_slots_heads_together_and_a_bad_layout_is_named(monkeypatch):
+    """SPECBUILD_KV_LAYOUT=slot gives the contiguous [slots, kv heads, head_dim] tensors; the
+    values a slot holds are the same either way; any other value is refused by name."""
+    monkeypatch.setenv("SPECBUILD_KV_LAYOUT", "slot")
+    slot = PagedKVCache(num_layers=2, kv_heads=2, head_dim=8, num_blocks=8, block_size=4)
+    assert slot.layout == "slot" and all(t.is_contiguous() and not t._is_view() for t in slot.k + slot.v)
+    monkeypatch.delenv("SPECBUILD_KV_LAYOUT")
+    head = PagedKVCache(num_layers=2, kv_heads=2, head_dim=8, num_blocks=8, block_size=4)
+    assert head.layout == "head" and not head.k[0].is_contiguous()
+    rows = torch.arange(5 * 2 * 8, dtype=torch.float32).view(5, 2, 8)
+    for c in (slot, head):
+        c.k[1][torch.tensor([3, 9, 30, 0, 17])] = rows
+    assert torch.equal(slot.k[1], head.k[1]) and torch.equal(head.k[1][9], rows[1])
+    monkeypatch.setenv("SPECBUILD_KV_LAYOUT", "diagonal")
+    with pytest.raises(BundleError, match="SPECBUILD_KV_LAYOUT='diagonal' is not one of head, slot"):
+        PagedKVCache(num_layers=1, kv_heads=2, head_dim=8, num_blocks=4, block_size=4)
