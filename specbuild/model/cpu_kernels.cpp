@@ -509,7 +509,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) void q8_tile_vnn
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const int chunks = G / 8;
   for (int g = 0; g < ngroups; ++g) {
-    for (int c = 0; c < C; ++c) prefetch_group_tail(w + c * blk_bytes + g * grp_bytes, chunks * 64, grp_bytes, PF);
+    if constexpr (PF > 0)
+      for (int c = 0; c < C; ++c) prefetch_group_tail(w + c * blk_bytes + g * grp_bytes, chunks * 64, grp_bytes, PF);
     for (int b = 0; b < G / QB; ++b) {
       __m512i ia[R][C], ib[R][C];
       for (int r = 0; r < R; ++r)
@@ -518,7 +519,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) void q8_tile_vnn
         const int64_t kk = int64_t(g) * G + b * QB + 8 * o;
         for (int c = 0; c < C; ++c) {
           const uint8_t* p = w + c * blk_bytes + g * grp_bytes + (b * 4 + o) * 64;
-          _mm_prefetch((const char*)(p + PF), _MM_HINT_T0);
+          if constexpr (PF > 0) _mm_prefetch((const char*)(p + PF), _MM_HINT_T0);
           const __m512i v = _mm512_loadu_si512((const void*)p);
           const __m512i vl = _mm512_and_si512(v, nib), vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
           for (int r = 0; r < R; ++r) {
@@ -1232,8 +1233,15 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
 // forward of SmolLM2-135M 5.4-6.0 -> 4.6-5.0 ms in three interleaved rounds, 2 threads).
 // Q8_VNNI512_FAR: Q8_VNNI512's instructions with the weight prefetch FAR_PREFETCH bytes ahead (the
 // same bits; a speed choice per CPU, as ISA_AVX512_FAR is for the bfloat16 int4 path).
+// Q8_VNNI512_FEW: Q8_VNNI512's instructions with no software prefetch in tiles of up to FEW_ROWS
+// rows (wider tiles prefetch PREFETCH ahead): on a 2-core AMD EPYC Zen 4 the hardware streams a
+// few rows' weights faster alone. Whole forwards, one engine, alternating with Q8_VNNI512: one
+// row 4.76 -> 4.18 ms, two rows 5.78 -> 5.29, four 7.94 -> 7.76, while eight rows without any
+// prefetch took 11.45 -> 12.54 (so wider tiles keep it). The same instructions otherwise, so the
+// same bits; q8_path() measures it against the others at start-up. int8_q8_mm takes it too.
 enum Q8Path : int64_t { Q8_AVX2 = 1, Q8_VNNI512 = 2, Q8_AVXVNNI = 3, Q8_VNNI256 = 4, Q8_VNNI512_FAR = 5,
-                       Q8_AVX2_FAR = 6 };
+                       Q8_AVX2_FAR = 6, Q8_VNNI512_FEW = 7 };
+constexpr int FEW_ROWS = 4;
 
 int64_t q8_paths() {  // bit p set: path p runs on this CPU
   __builtin_cpu_init();
@@ -1242,7 +1250,9 @@ int64_t q8_paths() {  // bit p set: path p runs on this CPU
                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   int64_t m = 0;
   if (avx2) m |= (int64_t(1) << Q8_AVX2) | (int64_t(1) << Q8_AVX2_FAR);
-  if (avx2 && v512) m |= (int64_t(1) << Q8_VNNI512) | (int64_t(1) << Q8_VNNI256) | (int64_t(1) << Q8_VNNI512_FAR);
+  if (avx2 && v512)
+    m |= (int64_t(1) << Q8_VNNI512) | (int64_t(1) << Q8_VNNI256) | (int64_t(1) << Q8_VNNI512_FAR) |
+         (int64_t(1) << Q8_VNNI512_FEW);
   if (avx2 && __builtin_cpu_supports("avxvnni")) m |= int64_t(1) << Q8_AVXVNNI;
   return m;
 }
@@ -1317,7 +1327,7 @@ void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_
   // ones (EPYC, 1 thread, SmolLM2's layers, AVX512-VNNI: one row 4.5 / 6.0 / 8.4 ms against
   // 6.5 / 7.0 / 9.3 in three A/B runs, wider the same or better; AVX2: one row 8.3 ms against
   // 11.4 with two blocks interleaved). zmm tiles take 1-8 rows, ymm ones 2 or 1 (16 registers).
-  const bool zmm = path == Q8_VNNI512 || path == Q8_VNNI512_FAR;
+  const bool zmm = path == Q8_VNNI512 || path == Q8_VNNI512_FAR || path == Q8_VNNI512_FEW;
   const bool stream = T <= 4;  // plain AVX2: one row tile per block, its weights read once (avx2_tile)
   const OutPtr op(out);
   block_row_tiles(nblocks, T, [&](int64_t b, int64_t t0, int R, float* tile) {
@@ -1327,7 +1337,8 @@ void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_
     if (zmm) {
       with_rows(R, [&](auto rr) {
         constexpr int RR = decltype(rr)::value;
-        if (path == Q8_VNNI512_FAR) q8_tile_vnni512<RR, 1, F16S, FAR_PREFETCH>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
+        if (path == Q8_VNNI512_FEW && RR <= FEW_ROWS) q8_tile_vnni512<RR, 1, F16S, 0>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
+        else if (path == Q8_VNNI512_FAR) q8_tile_vnni512<RR, 1, F16S, FAR_PREFETCH>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
         else q8_tile_vnni512<RR, 1, F16S, PREFETCH>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
       });
     } else {
@@ -1346,9 +1357,10 @@ void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_
 
 at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, int64_t G, bool f16_scales,
                       int64_t path) {
-  TORCH_CHECK(path >= Q8_AVX2 && path <= Q8_AVX2_FAR,
+  TORCH_CHECK(path >= Q8_AVX2 && path <= Q8_VNNI512_FEW,
               "int4_q8_mm: path must be 1 (AVX2), 2 (AVX512-VNNI), 3 (AVX-VNNI), 4 (AVX512-VL VNNI ymm), 5 "
-              "(AVX512-VNNI, far prefetch) or 6 (AVX2, far prefetch), got ", path);
+              "(AVX512-VNNI, far prefetch), 6 (AVX2, far prefetch) or 7 (AVX512-VNNI, no prefetch in few-row "
+              "tiles), got ", path);
   TORCH_CHECK((q8_paths() >> path) & 1, "int4_q8_mm: this CPU cannot run path ", path, " (runnable paths: bitmask ",
               q8_paths(), ")");
   check_q8_input(x_in, "int4_q8_mm");
@@ -1382,7 +1394,7 @@ at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
 // cpu_kernels.py): per block of 16 columns, K / 4 chunks of 64 bytes (byte 4c + j: column c's
 // input 4o + j, offset by 128), then 16 fp32 scales. This tile needs AVX512-VNNI;
 // int8_q8_rows_avx2 below forms the same integers with plain AVX2.
-template <int R>
+template <int R, int PF = PREFETCH>
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void int8_q8_tile_vnni512(
     const uint8_t* w, int64_t K, const int8_t* xq, const float* dx, const float* qs, float* out /* [R][16] */) {
   const int64_t nbk = K / QB;
@@ -1393,7 +1405,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) void int8_q8_tile_vnn
     for (int r = 0; r < R; ++r) ia[r] = ib[r] = _mm512_setzero_si512();
     for (int o = 0; o < 8; o += 2) {
       const uint8_t* p = w + (b * 8 + o) * 64;
-      _mm_prefetch((const char*)(p + PREFETCH), _MM_HINT_T0);
+      if constexpr (PF > 0) _mm_prefetch((const char*)(p + PF), _MM_HINT_T0);
       const __m512i v0 = _mm512_loadu_si512((const void*)p), v1 = _mm512_loadu_si512((const void*)(p + 64));
       for (int r = 0; r < R; ++r) {
         const int8_t* x4 = xq + r * K + b * QB + 4 * o;
@@ -1484,8 +1496,8 @@ __attribute__((target("avx2,fma"))) void int8_q8_row_avx2(const uint8_t* w, int6
 int64_t int8_q8_path(int64_t path) {
   const int64_t runs = q8_paths();
   if (path == 0) return (runs >> Q8_VNNI512) & 1 ? Q8_VNNI512 : (runs >> Q8_AVX2) & 1 ? Q8_AVX2 : 0;
-  TORCH_CHECK(path == Q8_AVX2 || path == Q8_VNNI512, "int8_q8_mm: path must be 0 (the best here), 1 (AVX2) or 2 "
-              "(AVX512-VNNI), got ", path);
+  TORCH_CHECK(path == Q8_AVX2 || path == Q8_VNNI512 || path == Q8_VNNI512_FEW, "int8_q8_mm: path must be 0 (the "
+              "best here), 1 (AVX2), 2 (AVX512-VNNI) or 7 (AVX512-VNNI, no prefetch in few-row tiles), got ", path);
   TORCH_CHECK((runs >> path) & 1, "int8_q8_mm: path ", path, (path == Q8_AVX2 ? " (AVX2)" : " (AVX512-VNNI)"),
               " cannot run on this CPU");
   return path;
@@ -1513,14 +1525,17 @@ at::Tensor int8_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
     const int8_t* xt = xr.q.data() + t0 * K;
     const float *dt = xr.dx.data() + t0 * nbk, *st = xr.qs.data() + t0 * nbk;
     const uint8_t* wb = w + b * blk;
-    if (path == Q8_VNNI512) {
-      with_rows(R, [&](auto rr) { int8_q8_tile_vnni512<decltype(rr)::value>(wb, K, xt, dt, st, tile); });
+    if (path == Q8_VNNI512 || path == Q8_VNNI512_FEW) {
+      with_rows(R, [&](auto rr) {
+        if (path == Q8_VNNI512_FEW && decltype(rr)::value <= FEW_ROWS) int8_q8_tile_vnni512<decltype(rr)::value, 0>(wb, K, xt, dt, st, tile);
+        else int8_q8_tile_vnni512<decltype(rr)::value>(wb, K, xt, dt, st, tile);
+      });
     } else if (R == 4) int8_q8_rows_avx2<4, FAR_PREFETCH>(wb, K, xt, dt, tile);
     else if (R == 3) int8_q8_rows_avx2<3, FAR_PREFETCH>(wb, K, xt, dt, tile);
     else if (R == 2) int8_q8_rows_avx2<2, FAR_PREFETCH>(wb, K, xt, dt, tile);
     else int8_q8_row_avx2<FAR_PREFETCH>(wb, K, xt, dt, tile);
     write_out(tile, R, 1, t0, b * COLS, N, op);
-  }, path == Q8_VNNI512 ? row_tile_any : row_tile_4);
+  }, path == Q8_VNNI512 || path == Q8_VNNI512_FEW ? row_tile_any : row_tile_4);
   return out;
 }
 
@@ -2141,7 +2156,7 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
   TORCH_CHECK(meta.size() >= STACK_DIMS, "int4_stack: meta needs ", STACK_DIMS, " model sizes first");
   const int64_t Hd = meta[0], H = meta[1], KV = meta[2], D = meta[3], F = meta[4], isa = meta[5], q8 = meta[6];
   if (q8) {
-    TORCH_CHECK(q8 >= Q8_AVX2 && q8 <= Q8_AVX2_FAR && ((q8_paths() >> q8) & 1), "int4_stack: q8 path ", q8,
+    TORCH_CHECK(q8 >= Q8_AVX2 && q8 <= Q8_VNNI512_FEW && ((q8_paths() >> q8) & 1), "int4_stack: q8 path ", q8,
                 " is not one this CPU runs (bitmask ", q8_paths(), ")");
   } else {
     check_isa(isa);

@@ -67,9 +67,10 @@ INT8_NAMES = {1: "AVX2", 2: "AVX-512", 3: "AVX-512 (one-row tiles too)"}  # int8
 def level_name(kind: str, level: int) -> str:
     """The name of `kind`'s ("int4", "int8") ISA level, as the load line prints it."""
     return (INT8_NAMES if kind == "int8" else ISA_NAMES).get(level, ISA_NAMES.get(level, str(level)))
-# int4_q8_mm's `path`; 5 is 2's instructions and 6 is 1's with the weight prefetch further ahead (the same bits)
+# int4_q8_mm's `path`; 5 is 2's instructions and 6 is 1's with the weight prefetch further ahead, 7 is 2's
+# with no software prefetch in tiles of up to 4 rows (the same bits)
 Q8_PATHS = {1: "AVX2", 2: "AVX512-VNNI", 3: "AVX-VNNI", 4: "AVX512-VL VNNI ymm", 5: "AVX512-VNNI far prefetch",
-            6: "AVX2 far prefetch"}
+            6: "AVX2 far prefetch", 7: "AVX512-VNNI no prefetch in few-row tiles"}
 Q8_BLOCK = 32  # inputs per int8 block (one float32 scale each)
 _lock = threading.Lock()
 _state: dict = {}
@@ -241,11 +242,12 @@ def q8_paths() -> list[int]:
 
 
 def q8_path() -> int:
-    """The path int4-a8 weights run in this process: AVX512-VNNI (its prefetch near, 2, or far,
-    5, whichever a quick interleaved measurement on sample weights finds faster, once per
-    process, said in one line on stderr), else AVX-VNNI, else AVX2 (near, 1, or far, 6, chosen
-    the same way; SPECBUILD_CPU_KERNEL=avx2 forces 1; SPECBUILD_Q8_PATH=N forces path N); 0
-    when none can run. Every path gives the same bits, so this is a speed choice only."""
+    """The path int4-a8 weights run in this process: AVX512-VNNI (its prefetch near, 2, far, 5,
+    or none in tiles of up to 4 rows, 7, whichever a quick interleaved measurement on sample
+    weights finds fastest, once per process, said in one line on stderr), else AVX-VNNI, else
+    AVX2 (near, 1, or far, 6, chosen the same way; SPECBUILD_CPU_KERNEL=avx2 forces 1;
+    SPECBUILD_Q8_PATH=N forces path N); 0 when none can run. Every path gives the same bits, so
+    this is a speed choice only."""
     paths = q8_paths()
     if not paths:
         return 0
@@ -264,7 +266,7 @@ def q8_path() -> int:
     with _lock:
         if "q8" in _choices:
             return _choices["q8"]
-    costs = _q8_stream_costs((base, far))
+    costs = _q8_stream_costs((base, far, 7) if base == 2 and 7 in paths else (base, far))
     pick = min(costs, key=lambda p: (costs[p], p))
     with _lock:
         if "q8" not in _choices:
@@ -461,7 +463,8 @@ def repack_int8_q8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _aligned(torch.cat([chunks, s], 1).reshape(-1))
 
 
-INT8_Q8_PATHS = {1: "AVX2", 2: "AVX512-VNNI"}  # int8_q8_mm's `path` (the same bits on both)
+# int8_q8_mm's `path` (the same bits on each); 7: 2's instructions, no software prefetch in few-row tiles
+INT8_Q8_PATHS = {1: "AVX2", 2: "AVX512-VNNI", 7: "AVX512-VNNI no prefetch in few-row tiles"}
 
 
 def int8_q8_available() -> bool:
@@ -472,10 +475,14 @@ def int8_q8_available() -> bool:
 
 def int8_q8_path() -> int:
     """The int8_q8_mm path this process runs: AVX512-VNNI where it runs (unless
-    SPECBUILD_CPU_KERNEL=avx2), else AVX2; 0 where neither does."""
+    SPECBUILD_CPU_KERNEL=avx2), without the software prefetch in few-row tiles where the int4
+    x int8 kernel's measurement chose that (q8_path: the same question of how this machine
+    streams weights to a few rows), else AVX2; 0 where neither does."""
     if not int8_q8_available():
         return 0
-    return 1 if mode() == "avx2" or 2 not in q8_paths() else 2
+    if mode() == "avx2" or 2 not in q8_paths():
+        return 1
+    return 7 if q8_path() == 7 else 2
 
 
 def int8_q8_mm(x: torch.Tensor, packed: torch.Tensor, n: int, path: int = 0) -> torch.Tensor:
