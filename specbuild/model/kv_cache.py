@@ -102,15 +102,15 @@ class PagedKVCache:
         # one kv head's rows of a sequence's slots at a time, reads whole runs of memory
         # (cpu_kernels.cpp, cache_layout, has the measurements). SPECBUILD_KV_LAYOUT=slot keeps
         # each slot's heads together (contiguous), for comparisons. The values are the same.
-        self.layout = kv_layout()
+        # On CPU only, where it was measured; other devices keep the contiguous layout.
+        cpu = torch.device(device).type == "cpu"
+        self.layout = kv_layout() if cpu else "slot"
         stride = (head_dim, slots * head_dim, 1) if self.layout == "head" else None
-        if torch.device(device).type == "cpu":
+        if cpu:
             from specbuild.model.arena import zeros
         else:
             def zeros(shape, dt, stride=None):
-                if stride is None:
-                    return torch.zeros(shape, dtype=dt, device=device)
-                return torch.empty_strided(shape, stride, dtype=dt, device=device).zero_()
+                return torch.zeros(shape, dtype=dt, device=device)
         self.k = [zeros((slots, kv_heads, head_dim), dtype, stride) for _ in range(num_layers)]
         self.v = [zeros((slots, kv_heads, head_dim), dtype, stride) for _ in range(num_layers)]
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -372,8 +372,8 @@ LAYOUTS = ("head", "slot")
 
 
 def kv_layout() -> str:
-    """The KV cache's layout from $SPECBUILD_KV_LAYOUT: "head" (the default: each kv head's rows
-    of all slots together) or "slot" (each slot's heads together); see PagedKVCache."""
+    """The CPU KV cache's layout from $SPECBUILD_KV_LAYOUT: "head" (the default: each kv head's
+    rows of all slots together) or "slot" (each slot's heads together); see PagedKVCache."""
     value = os.environ.get("SPECBUILD_KV_LAYOUT", "head").strip().lower() or "head"
     if value not in LAYOUTS:
         raise BundleError(f"SPECBUILD_KV_LAYOUT={value!r} is not one of {', '.join(LAYOUTS)}")
