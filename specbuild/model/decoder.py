@@ -293,8 +293,6 @@ class Decoder:
         if pre is None:
             inputs, attend = self.stack_call(batch, t)
             index = attend.index
-            if index is None:
-                raise ValueError("the fused layer stack needs the forward's rows_attention index")
         else:
             inputs, index = pre
             if self.before_stack is not None:

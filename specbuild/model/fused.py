@@ -148,8 +148,6 @@ class FusedStack:
         return (x, cos_u, sin_u), index
 
     def run(self, x, cos_u, sin_u, write_slots, cache, fmt, attend, aux_layers):
-        if attend.index is None:
-            raise ValueError("the fused layer stack needs the forward's rows_attention index")
         outs = self._call(x, cos_u, sin_u, write_slots, cache, attend.index, aux_layers, {})
         return outs[0], list(outs[1:])
 
@@ -169,6 +167,8 @@ class FusedStack:
         return outs[0], list(outs[1:-2]), outs[-2], outs[-1]
 
     def _call(self, x, cos_u, sin_u, write_slots, cache, index, aux_layers, final: dict):
+        if index is None:
+            raise ValueError("the fused layer stack needs the forward's rows_attention index")
         return torch.ops.specbuild_cpu.int4_stack(x, cos_u, sin_u, write_slots, cache.k, cache.v, index,
                                                   self.weights, self.meta, self.scale, self.eps,
                                                   sorted(set(aux_layers)), **final)
