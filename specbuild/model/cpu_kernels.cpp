@@ -449,10 +449,14 @@ inline int32_t load_i32(const int8_t* p) {
 
 // One row's inputs -> int8 per block of 32: d = amax / 127 (fp32 division), q = nearest-even
 // (x / d) clamped to [-127, 127] (0 where d is 0), qsum = sum q. One code path for every
-// ISA path (AVX2), so the int8 inputs are the same whichever kernel reads them.
+// ISA path (AVX2), so the int8 inputs are the same whichever kernel reads them. The block's
+// largest |x| passes NaN lanes over (they count as 0), the int8 packing and the integer sum stay
+// in vectors (the same bytes, checked on specials and ties; 256 rows of 1,536 0.189 -> 0.143 ms on
+// an AMD EPYC Zen 4): the division still sets the pace.
 __attribute__((target("avx2,fma"))) void q8_quantize_row(const float* x, int64_t K, int8_t* q, float* dx,
                                                          float* qs) {
   const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs work within 128-bit lanes
   for (int64_t b = 0; b < K / QB; ++b) {
     const float* xb = x + b * QB;
     __m256 v[4], amax = _mm256_setzero_ps();
@@ -460,29 +464,31 @@ __attribute__((target("avx2,fma"))) void q8_quantize_row(const float* x, int64_t
       v[i] = _mm256_loadu_ps(xb + 8 * i);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
     }
-    alignas(32) float m8[8];
-    _mm256_store_ps(m8, amax);
-    float a = 0.0f;
-    for (int i = 0; i < 8; ++i) a = m8[i] > a ? m8[i] : a;  // max: exact in any order
-    const float d = a / 127.0f;
-    int32_t sum = 0;
-    alignas(32) int32_t qi[QB];
+    amax = _mm256_and_ps(amax, _mm256_cmp_ps(amax, amax, _CMP_ORD_Q));  // NaN lanes -> 0
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));  // the maximum is exact in any order
+    const float d = _mm_cvtss_f32(m4) / 127.0f;
     if (d > 0.0f) {  // (an amax below 127 * 2^-149 underflows to d = 0: treated as zeros)
       const __m256 dv = _mm256_set1_ps(d);
+      __m256i qi[4];
       for (int i = 0; i < 4; ++i) {
         __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
-        _mm256_store_si256((__m256i*)(qi + 8 * i), _mm256_cvtps_epi32(r));
+        qi[i] = _mm256_cvtps_epi32(r);
       }
+      const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QB), _mm256_permutevar8x32_epi32(p, order));
+      qs[b] = float(_mm_cvtsi128_si32(s4));
     } else {
-      std::memset(qi, 0, sizeof(qi));
-    }
-    for (int i = 0; i < QB; ++i) {
-      q[b * QB + i] = int8_t(qi[i]);
-      sum += qi[i];
+      std::memset(q + b * QB, 0, QB);
+      qs[b] = 0.0f;
     }
     dx[b] = d;
-    qs[b] = float(sum);
   }
 }
 
@@ -1265,8 +1271,14 @@ struct Q8Rows {
 Q8Rows q8_rows(const float* x, int64_t T, int64_t K) {  // x: float32 [T, K], contiguous
   const int64_t nbk = K / QB;
   Q8Rows r{std::vector<int8_t>(T * K), std::vector<float>(T * nbk), std::vector<float>(T * nbk)};
-  for (int64_t t = 0; t < T; ++t) q8_quantize_row(x + t * K, K, r.q.data() + t * K, r.dx.data() + t * nbk,
-                                                  r.qs.data() + t * nbk);
+  // rows on the threads past 8 (a prefill chunk, a wide batch): each row is quantised alone, so
+  // the split never changes a byte; a decode step's few rows stay on the calling thread. Measured
+  // (2-core AMD EPYC Zen 4, pool x2, prompts alternating in one process): a 256-token prefill
+  // 170-176 ms on one thread against 165 ms split; serial, the quantising was ~9% of it.
+  par_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      q8_quantize_row(x + t * K, K, r.q.data() + t * K, r.dx.data() + t * nbk, r.qs.data() + t * nbk);
+  });
   return r;
 }
 Q8Rows q8_rows(const at::Tensor& xf) { return q8_rows(xf.data_ptr<float>(), xf.size(0), xf.size(1)); }

@@ -250,6 +250,25 @@ def test_q8_quantize_is_the_documented_rounding():
     assert torch.equal(cpu_kernels.q8_quantize(x.bfloat16())[0], q8_reference_blocks(x.bfloat16().float())[0])
 
 
+def test_q8_quantize_splits_rows_without_changing_a_byte_and_passes_nan_over():
+    """Calls of more than 8 rows quantise their rows on several threads: each row's bytes, scale
+    and sum are those of the row quantised alone. A NaN does not take its block's scale: the
+    largest |x| is taken over the other lanes (the NaN itself clamps to -127)."""
+    q8_paths()
+    x = q8_inputs(41, 1536, seed=3)
+    x[5, 40] = float("nan")
+    x[6, 64:96] = float("nan")  # a block of NaN only: scale 0, read as zeros
+    q, dx, qs = cpu_kernels.q8_quantize(x)
+    for t in range(41):
+        qt, dt, st = cpu_kernels.q8_quantize(x[t:t + 1])
+        assert torch.equal(q[t:t + 1], qt) and torch.equal(dx[t:t + 1], dt) and torch.equal(qs[t:t + 1], st), t
+    rest = x[5, 32:64].clone()
+    rest[8] = 0.0
+    assert torch.equal(dx[5, 1], rest.abs().max() / 127.0) and int(q[5, 40]) == -127
+    assert float(dx[6, 2]) == 0.0 and not q[6, 64:96].any()
+    assert torch.equal(q[7:], q8_reference_blocks(x[7:])[0]) and torch.equal(dx[7:], q8_reference_blocks(x[7:])[1])
+
+
 @pytest.mark.parametrize("n,k,group", [(40, 96, 32), (200, 256, 64), (7, 128, 128), (576, 576, 32), (33, 1536, 32)])
 def test_int4_q8_matches_a_float64_reference_and_every_path_gives_the_same_bits(n, k, group):
     """Against float64 products of the int8 blocks (as dequantised values) and the dequantised
