@@ -1245,9 +1245,17 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
 // row 4.76 -> 4.18 ms, two rows 5.78 -> 5.29, four 7.94 -> 7.76, while eight rows without any
 // prefetch took 11.45 -> 12.54 (so wider tiles keep it). The same instructions otherwise, so the
 // same bits; q8_path() measures it against the others at start-up. int8_q8_mm takes it too.
+// Q8_VNNI512_WIDE: no software prefetch in tiles of up to WIDE_FROM - 1 rows, FAR_PREFETCH ahead in
+// wider ones. A tile of 3+ rows spends long enough on each weight line that a fetch issued 512
+// bytes ahead (or left to the hardware) comes too late: verify forwards of one sequence after 150
+// tokens, alternating in one engine (2-core AMD EPYC Zen 4, 21 rounds): 3 rows 5.60 -> 4.93 ms,
+// 4 rows 6.49 -> 6.12, 5 rows 8.84 -> 8.13, 6 rows 9.48 -> 8.89, 8 rows 10.53 -> 10.02 against
+// Q8_VNNI512_FEW (and on a second run 3 rows -10%, 4 -9%, 8 -5%, 16 -9%), while 2 rows were 4-12%
+// slower with it. Chosen over Q8_VNNI512_FEW at start-up by a 4-row measurement (q8_path); the
+// lm_head's int8_q8_mm keeps Q8_VNNI512_FEW there (far prefetch slowed its 3-4 row tiles 8-17%).
 enum Q8Path : int64_t { Q8_AVX2 = 1, Q8_VNNI512 = 2, Q8_AVXVNNI = 3, Q8_VNNI256 = 4, Q8_VNNI512_FAR = 5,
-                       Q8_AVX2_FAR = 6, Q8_VNNI512_FEW = 7 };
-constexpr int FEW_ROWS = 4;
+                       Q8_AVX2_FAR = 6, Q8_VNNI512_FEW = 7, Q8_VNNI512_WIDE = 8 };
+constexpr int FEW_ROWS = 4, WIDE_FROM = 3;
 
 int64_t q8_paths() {  // bit p set: path p runs on this CPU
   __builtin_cpu_init();
@@ -1258,7 +1266,7 @@ int64_t q8_paths() {  // bit p set: path p runs on this CPU
   if (avx2) m |= (int64_t(1) << Q8_AVX2) | (int64_t(1) << Q8_AVX2_FAR);
   if (avx2 && v512)
     m |= (int64_t(1) << Q8_VNNI512) | (int64_t(1) << Q8_VNNI256) | (int64_t(1) << Q8_VNNI512_FAR) |
-         (int64_t(1) << Q8_VNNI512_FEW);
+         (int64_t(1) << Q8_VNNI512_FEW) | (int64_t(1) << Q8_VNNI512_WIDE);
   if (avx2 && __builtin_cpu_supports("avxvnni")) m |= int64_t(1) << Q8_AVXVNNI;
   return m;
 }
@@ -1339,7 +1347,7 @@ void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_
   // ones (EPYC, 1 thread, SmolLM2's layers, AVX512-VNNI: one row 4.5 / 6.0 / 8.4 ms against
   // 6.5 / 7.0 / 9.3 in three A/B runs, wider the same or better; AVX2: one row 8.3 ms against
   // 11.4 with two blocks interleaved). zmm tiles take 1-8 rows, ymm ones 2 or 1 (16 registers).
-  const bool zmm = path == Q8_VNNI512 || path == Q8_VNNI512_FAR || path == Q8_VNNI512_FEW;
+  const bool zmm = path == Q8_VNNI512 || path == Q8_VNNI512_FAR || path == Q8_VNNI512_FEW || path == Q8_VNNI512_WIDE;
   const bool stream = T <= 4;  // plain AVX2: one row tile per block, its weights read once (avx2_tile)
   const OutPtr op(out);
   block_row_tiles(nblocks, T, [&](int64_t b, int64_t t0, int R, float* tile) {
@@ -1350,7 +1358,9 @@ void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_
       with_rows(R, [&](auto rr) {
         constexpr int RR = decltype(rr)::value;
         if (path == Q8_VNNI512_FEW && RR <= FEW_ROWS) q8_tile_vnni512<RR, 1, F16S, 0>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
-        else if (path == Q8_VNNI512_FAR) q8_tile_vnni512<RR, 1, F16S, FAR_PREFETCH>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
+        else if (path == Q8_VNNI512_WIDE && RR < WIDE_FROM) q8_tile_vnni512<RR, 1, F16S, 0>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
+        else if (path == Q8_VNNI512_FAR || path == Q8_VNNI512_WIDE)
+          q8_tile_vnni512<RR, 1, F16S, FAR_PREFETCH>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
         else q8_tile_vnni512<RR, 1, F16S, PREFETCH>(wb, blk, grp, ng, G, xt, K, dt, st, tile);
       });
     } else {
@@ -1369,10 +1379,10 @@ void int4_q8_run(const uint8_t* w, int64_t nblocks, int64_t N, int64_t K, int64_
 
 at::Tensor int4_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, int64_t G, bool f16_scales,
                       int64_t path) {
-  TORCH_CHECK(path >= Q8_AVX2 && path <= Q8_VNNI512_FEW,
+  TORCH_CHECK(path >= Q8_AVX2 && path <= Q8_VNNI512_WIDE,
               "int4_q8_mm: path must be 1 (AVX2), 2 (AVX512-VNNI), 3 (AVX-VNNI), 4 (AVX512-VL VNNI ymm), 5 "
-              "(AVX512-VNNI, far prefetch), 6 (AVX2, far prefetch) or 7 (AVX512-VNNI, no prefetch in few-row "
-              "tiles), got ", path);
+              "(AVX512-VNNI, far prefetch), 6 (AVX2, far prefetch), 7 (AVX512-VNNI, no prefetch in few-row "
+              "tiles) or 8 (AVX512-VNNI, far prefetch in wide tiles), got ", path);
   TORCH_CHECK((q8_paths() >> path) & 1, "int4_q8_mm: this CPU cannot run path ", path, " (runnable paths: bitmask ",
               q8_paths(), ")");
   check_q8_input(x_in, "int4_q8_mm");
@@ -2168,7 +2178,7 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
   TORCH_CHECK(meta.size() >= STACK_DIMS, "int4_stack: meta needs ", STACK_DIMS, " model sizes first");
   const int64_t Hd = meta[0], H = meta[1], KV = meta[2], D = meta[3], F = meta[4], isa = meta[5], q8 = meta[6];
   if (q8) {
-    TORCH_CHECK(q8 >= Q8_AVX2 && q8 <= Q8_VNNI512_FEW && ((q8_paths() >> q8) & 1), "int4_stack: q8 path ", q8,
+    TORCH_CHECK(q8 >= Q8_AVX2 && q8 <= Q8_VNNI512_WIDE && ((q8_paths() >> q8) & 1), "int4_stack: q8 path ", q8,
                 " is not one this CPU runs (bitmask ", q8_paths(), ")");
   } else {
     check_isa(isa);

@@ -70,7 +70,8 @@ def level_name(kind: str, level: int) -> str:
 # int4_q8_mm's `path`; 5 is 2's instructions and 6 is 1's with the weight prefetch further ahead, 7 is 2's
 # with no software prefetch in tiles of up to 4 rows (the same bits)
 Q8_PATHS = {1: "AVX2", 2: "AVX512-VNNI", 3: "AVX-VNNI", 4: "AVX512-VL VNNI ymm", 5: "AVX512-VNNI far prefetch",
-            6: "AVX2 far prefetch", 7: "AVX512-VNNI no prefetch in few-row tiles"}
+            6: "AVX2 far prefetch", 7: "AVX512-VNNI no prefetch in few-row tiles",
+            8: "AVX512-VNNI far prefetch in wide tiles"}
 Q8_BLOCK = 32  # inputs per int8 block (one float32 scale each)
 _lock = threading.Lock()
 _state: dict = {}
@@ -244,7 +245,8 @@ def q8_paths() -> list[int]:
 def q8_path() -> int:
     """The path int4-a8 weights run in this process: AVX512-VNNI (its prefetch near, 2, far, 5,
     or none in tiles of up to 4 rows, 7, whichever a quick interleaved measurement on sample
-    weights finds fastest, once per process, said in one line on stderr), else AVX-VNNI, else
+    weights finds fastest, once per process, said in one line on stderr; where 7 wins, 8 (none up
+    to 2 rows, far in wider tiles) if a 4-row measurement finds it faster), else AVX-VNNI, else
     AVX2 (near, 1, or far, 6, chosen the same way; SPECBUILD_CPU_KERNEL=avx2 forces 1;
     SPECBUILD_Q8_PATH=N forces path N); 0 when none can run. Every path gives the same bits, so
     this is a speed choice only."""
@@ -268,20 +270,26 @@ def q8_path() -> int:
             return _choices["q8"]
     costs = _q8_stream_costs((base, far, 7) if base == 2 and 7 in paths else (base, far))
     pick = min(costs, key=lambda p: (costs[p], p))
+    wide = {}
+    if pick == 7 and 8 in paths:  # the two differ only in tiles of 3+ rows (verify passes, batches)
+        wide = _q8_stream_costs((7, 8), rows=4)
+        pick = 8 if wide[8] < wide[7] else 7
     with _lock:
         if "q8" not in _choices:
             _choices["q8"] = pick
             print(f"specbuild: int4-a8 linears run the int4 x int8 kernel's {Q8_PATHS[pick]} path (one row over "
                   f"{Q8_STREAM_MB} MB of sample weights: " +
-                  "; ".join(f"{Q8_PATHS[p]} {c:.2f} ms" for p, c in costs.items()) + "; the same bits)", file=sys.stderr)
+                  "; ".join(f"{Q8_PATHS[p]} {c:.2f} ms" for p, c in costs.items()) +
+                  ("; four rows: " + "; ".join(f"{Q8_PATHS[p]} {c:.2f} ms" for p, c in wide.items()) if wide else "") +
+                  "; the same bits)", file=sys.stderr)
         return _choices["q8"]
 
 
 Q8_STREAM_MB = 48  # what the near/far prefetch choice streams: past the last-level cache, as a decode step does
 
 
-def _q8_stream_costs(paths: tuple[int, ...], repeats: int = 5) -> dict[int, float]:
-    """Milliseconds for one row through Q8_STREAM_MB of int4 weights (copies of one sample
+def _q8_stream_costs(paths: tuple[int, ...], repeats: int = 5, rows: int = 1) -> dict[int, float]:
+    """Milliseconds for `rows` rows through Q8_STREAM_MB of int4 weights (copies of one sample
     matrix, so every pass reads them from memory) on each of `paths`, interleaved, best of
     `repeats` rounds. The prefetch distance decides how well a one-row pass streams weights from
     memory; on weights that fit the caches (the layer-sized samples) the near and far paths
@@ -296,7 +304,7 @@ def _q8_stream_costs(paths: tuple[int, ...], repeats: int = 5) -> dict[int, floa
     packed = repack_int4_q8(q, s, z, 32, f16)
     nbytes = packed.numel() * packed.element_size()
     copies = [packed.clone() for _ in range(max(2, Q8_STREAM_MB * 2 ** 20 // nbytes))]
-    x = torch.randn(1, k, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
     best = {p: float("inf") for p in paths}
     for r in range(repeats + 1):
         for p in paths:
@@ -477,12 +485,13 @@ def int8_q8_path() -> int:
     """The int8_q8_mm path this process runs: AVX512-VNNI where it runs (unless
     SPECBUILD_CPU_KERNEL=avx2), without the software prefetch in few-row tiles where the int4
     x int8 kernel's measurement chose that (q8_path: the same question of how this machine
-    streams weights to a few rows), else AVX2; 0 where neither does."""
+    streams weights to a few rows; where it chose 8, whose far prefetch in wide tiles made the
+    lm_head's 3-4 row tiles slower, 7 too), else AVX2; 0 where neither does."""
     if not int8_q8_available():
         return 0
     if mode() == "avx2" or 2 not in q8_paths():
         return 1
-    return 7 if q8_path() == 7 else 2
+    return 7 if q8_path() in (7, 8) else 2
 
 
 def int8_q8_mm(x: torch.Tensor, packed: torch.Tensor, n: int, path: int = 0) -> torch.Tensor:

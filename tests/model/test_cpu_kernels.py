@@ -834,3 +834,33 @@ def test_q8_path_is_a_runnable_path_and_can_be_forced(monkeypatch):
     monkeypatch.setenv("SPECBUILD_Q8_PATH", "9")
     with pytest.raises(cpu_kernels.KernelBuildError, match=r"SPECBUILD_Q8_PATH='9' is not a path this CPU runs: 1 \(AVX2\)"):
         cpu_kernels.q8_path()
+
+
+@pytest.mark.parametrize("four_rows,expect", [({7: 3.6, 8: 2.2}, 8), ({7: 2.0, 8: 2.5}, 7)])
+def test_q8_path_takes_far_prefetch_in_wide_tiles_only_where_four_rows_measure_faster(monkeypatch, capsys,
+                                                                                    four_rows, expect):
+    """Where the one-row measurement picks path 7, a four-row one decides between 7 and 8 (they
+    differ only in tiles of 3+ rows); the lm_head stays on 7's tiles either way; the line on
+    stderr gives both measurements."""
+    calls = []
+
+    def costs(paths, repeats=5, rows=1):
+        calls.append((paths, rows))
+        return {2: 1.5, 5: 1.6, 7: 1.3} if rows == 1 else {p: four_rows[p] for p in paths}
+
+    monkeypatch.delenv("SPECBUILD_Q8_PATH", raising=False)
+    monkeypatch.setenv("SPECBUILD_CPU_KERNEL", "auto")
+    monkeypatch.setattr(cpu_kernels, "_choices", {})
+    monkeypatch.setattr(cpu_kernels, "q8_paths", lambda: [1, 2, 4, 5, 6, 7, 8])
+    monkeypatch.setattr(cpu_kernels, "int8_q8_available", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "_q8_stream_costs", costs)
+    assert cpu_kernels.q8_path() == expect and cpu_kernels.q8_path() == expect  # measured once
+    assert calls == [((2, 5, 7), 1), ((7, 8), 4)]
+    assert cpu_kernels.int8_q8_path() == 7
+    err = capsys.readouterr().err
+    assert f"kernel's {cpu_kernels.Q8_PATHS[expect]} path" in err and "four rows: " in err
+    monkeypatch.setattr(cpu_kernels, "_choices", {})
+    calls.clear()
+    monkeypatch.setattr(cpu_kernels, "_q8_stream_costs",
+                        lambda paths, repeats=5, rows=1: calls.append(rows) or {2: 1.0, 5: 1.6, 7: 1.3})
+    assert cpu_kernels.q8_path() == 2 and calls == [1]  # 7 lost on one row: no four-row measurement
