@@ -1248,7 +1248,7 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, 
 // Q8_VNNI512_WIDE: no software prefetch in tiles of up to WIDE_FROM - 1 rows, FAR_PREFETCH ahead in
 // wider ones. A tile of 3+ rows spends long enough on each weight line that a fetch issued 512
 // bytes ahead (or left to the hardware) comes too late: verify forwards of one sequence after 150
-// tokens, alternating in one engine (2-core AMD EPYC Zen 4, 21 rounds): 3 rows 5.60 -> 4.93 ms,
+// tokens, alternating in one engine (2-core AMD EPYC Zen 4, 21 rounds): 3 rows 5.60 -> 5.01 ms,
 // 4 rows 6.49 -> 6.12, 5 rows 8.84 -> 8.13, 6 rows 9.48 -> 8.89, 8 rows 10.53 -> 10.02 against
 // Q8_VNNI512_FEW (and on a second run 3 rows -10%, 4 -9%, 8 -5%, 16 -9%), while 2 rows were 4-12%
 // slower with it. Chosen over Q8_VNNI512_FEW at start-up by a 4-row measurement (q8_path); the
