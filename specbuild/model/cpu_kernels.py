@@ -68,7 +68,8 @@ def level_name(kind: str, level: int) -> str:
     """The name of `kind`'s ("int4", "int8") ISA level, as the load line prints it."""
     return (INT8_NAMES if kind == "int8" else ISA_NAMES).get(level, ISA_NAMES.get(level, str(level)))
 # int4_q8_mm's `path`; 5 is 2's instructions and 6 is 1's with the weight prefetch further ahead, 7 is 2's
-# with no software prefetch in tiles of up to 4 rows (the same bits)
+# with no software prefetch in tiles of up to 4 rows, 8 none in tiles of 1-2 rows and 5's in wider ones
+# (the same bits)
 Q8_PATHS = {1: "AVX2", 2: "AVX512-VNNI", 3: "AVX-VNNI", 4: "AVX512-VL VNNI ymm", 5: "AVX512-VNNI far prefetch",
             6: "AVX2 far prefetch", 7: "AVX512-VNNI no prefetch in few-row tiles",
             8: "AVX512-VNNI far prefetch in wide tiles"}
