@@ -62,12 +62,18 @@ def test_second_request_reuses_the_first_and_answers_the_same(servers):
 
 
 def test_n_choices_count_the_prompts_cached_tokens_once(servers):
+    """Sampled choices with and without the cache give the same text. Their draft depth is fixed:
+    an adaptive depth follows each server's measured step costs, and a sampled request's exact
+    tokens follow its drafts (its distribution is the target's either way), so two servers could
+    draft differently and sample other tokens (seen once in a dozen runs)."""
     on, off = servers
     complete(on.port, SYSTEM + [1])
-    got = complete(on.port, SYSTEM + [2, 3], n=3, temperature=0.8, seed=5)
-    want = complete(off.port, SYSTEM + [2, 3], n=3, temperature=0.8, seed=5)
+    fixed = {"method": "draft", "gamma": 3, "gamma_min": 3, "gamma_max": 3}
+    got = complete(on.port, SYSTEM + [2, 3], n=3, temperature=0.8, seed=5, speculation=fixed)
+    want = complete(off.port, SYSTEM + [2, 3], n=3, temperature=0.8, seed=5, speculation=fixed)
     assert cached(got) == 80 and cached(want) == 0
     assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
+    assert got["usage"]["drafted_tokens"] > 0 and got["usage"]["accepted_tokens"] > 0
 
 
 def test_echo_with_logprobs_scores_the_whole_prompt(servers):
