@@ -46,6 +46,7 @@ int4-a8 weights always run int4_q8_mm (torch has no kernel for them; `avx2` pick
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -275,6 +276,7 @@ def q8_path() -> int:
     if pick == 7 and 8 in paths:  # the two differ only in tiles of 3+ rows (verify passes, batches)
         wide = _q8_stream_costs((7, 8), rows=4)
         pick = 8 if wide[8] < wide[7] else 7
+    _q8_stream_sample.cache_clear()  # the 48 MB of sample weights, built once for both measurements
     with _lock:
         if "q8" not in _choices:
             _choices["q8"] = pick
@@ -289,12 +291,10 @@ def q8_path() -> int:
 Q8_STREAM_MB = 48  # what the near/far prefetch choice streams: past the last-level cache, as a decode step does
 
 
-def _q8_stream_costs(paths: tuple[int, ...], repeats: int = 5, rows: int = 1) -> dict[int, float]:
-    """Milliseconds for `rows` rows through Q8_STREAM_MB of int4 weights (copies of one sample
-    matrix, so every pass reads them from memory) on each of `paths`, interleaved, best of
-    `repeats` rounds. The prefetch distance decides how well a one-row pass streams weights from
-    memory; on weights that fit the caches (the layer-sized samples) the near and far paths
-    measured the same to 0.01 ms on an AMD EPYC, where a decode step ran 15% faster far."""
+@functools.lru_cache(maxsize=1)
+def _q8_stream_sample() -> tuple[int, int, bool, list[torch.Tensor]]:
+    """(n, k, fp16 scales, copies): Q8_STREAM_MB of copies of one packed [n, k] int4 sample
+    matrix; q8_path clears it once it has chosen."""
     gen = torch.Generator().manual_seed(0)
     n, k = 6144, 1536
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
@@ -304,8 +304,17 @@ def _q8_stream_costs(paths: tuple[int, ...], repeats: int = 5, rows: int = 1) ->
     f16 = q8_fp16_exact(s, z)
     packed = repack_int4_q8(q, s, z, 32, f16)
     nbytes = packed.numel() * packed.element_size()
-    copies = [packed.clone() for _ in range(max(2, Q8_STREAM_MB * 2 ** 20 // nbytes))]
-    x = torch.randn(rows, k, generator=gen)
+    return n, k, f16, [packed.clone() for _ in range(max(2, Q8_STREAM_MB * 2 ** 20 // nbytes))]
+
+
+def _q8_stream_costs(paths: tuple[int, ...], repeats: int = 5, rows: int = 1) -> dict[int, float]:
+    """Milliseconds for `rows` rows through Q8_STREAM_MB of int4 weights (copies of one sample
+    matrix, so every pass reads them from memory) on each of `paths`, interleaved, best of
+    `repeats` rounds. The prefetch distance decides how well a one-row pass streams weights from
+    memory; on weights that fit the caches (the layer-sized samples) the near and far paths
+    measured the same to 0.01 ms on an AMD EPYC, where a decode step ran 15% faster far."""
+    n, k, f16, copies = _q8_stream_sample()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     best = {p: float("inf") for p in paths}
     for r in range(repeats + 1):
         for p in paths:
