@@ -25,6 +25,9 @@ import torch.nn.functional as F
 from specbuild.model.decoder import apply_rope, rms_norm, rope_tables
 
 L = "midlayer."
+# the weights quantize_int8 also packs as one (their rows side by side), for layer_rows
+FUSED = {"qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+         "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
 
 @dataclass
@@ -66,12 +69,23 @@ class EagleHead:
         self.cos, self.sin = (t.to(device) for t in rope_tables(rope_cfg, max_pos, dtype))
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.packed: dict[str, tuple[torch.Tensor, int, int]] = {}  # name -> (int8 packed, rows, ISA level)
+        # qkv and gate_up: the int8 rows of q|k|v and gate|up in one weight each (quantize_int8;
+        # each output row is quantised and multiplied alone, so the same numbers in one call)
+        self.fused: dict[str, tuple[torch.Tensor, int, int]] = {}
+        self.arena = None  # the block the drafting level's int8 weights lie in (quantize_int8)
+        self.q8: dict[str, tuple[torch.Tensor, int, int]] = {}  # name -> (int8-q8 packed, rows, path)
 
     def lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x @ W[name].T: the float weight, or its int8 copy through specbuild's CPU kernel
-        (quantize_int8)."""
-        if name in self.packed:
-            packed, n, level = self.packed[name]
+        (quantize_int8; `qkv` and `gate_up` are the fused copies, FUSED)."""
+        q8 = self.q8.get(name)
+        if q8 is not None:
+            from specbuild.model import cpu_kernels
+
+            return cpu_kernels.int8_q8_mm(x, *q8)
+        got = self.packed.get(name) or self.fused.get(name)
+        if got is not None:
+            packed, n, level = got
             from specbuild.model import cpu_kernels
 
             return cpu_kernels.int8_mm(x, packed, n, level)
@@ -91,6 +105,66 @@ class EagleHead:
             if wt.dim() == 2:
                 q, scales = quantize_int8(wt, torch.float32)
                 self.packed[name] = (cpu_kernels.repack_int8(q, scales), wt.shape[0], level)
+        for name, parts in FUSED.items():
+            wt = torch.cat([self.w[L + part] for part in parts])
+            q, scales = quantize_int8(wt, torch.float32)
+            self.fused[name] = (cpu_kernels.repack_int8(q, scales), wt.shape[0], level)
+        # what a drafting level reads: its int8 weights times int8 input blocks (int8_q8_mm, the
+        # target's lm_head kernel) where that kernel runs, else int8_mm's bfloat16 inputs (~3x
+        # slower at one row), in one block on huge pages in the order a level reads them
+        # (model/arena.py: the target's weights lie so); a level reads ~10 MB cold, after the
+        # target's forward has passed ~95 MB through the caches
+        from specbuild.model.arena import weight_arena
+
+        order = ["fc.weight", "qkv", L + "self_attn.o_proj.weight", "gate_up", L + "mlp.down_proj.weight",
+                 "lm_head.weight"]
+        dense = {name: (torch.cat([self.w[L + part] for part in FUSED[name]]) if name in FUSED else self.w[name])
+                 for name in order}
+        path = cpu_kernels.int8_q8_path() if self.cos.dtype == torch.float32 else 0
+        if path and all(wt.shape[1] % cpu_kernels.Q8_BLOCK == 0 for wt in dense.values()):
+            packs = [cpu_kernels.repack_int8_q8(*quantize_int8(dense[name], torch.float32)) for name in order]
+            self.arena, views = weight_arena(packs)
+            self.q8 = {name: (view, dense[name].shape[0], path) for name, view in zip(order, views)}
+        else:
+            tables = [self.fused if name in FUSED else self.packed for name in order]
+            self.arena, views = weight_arena([table[name][0] for table, name in zip(tables, order)])
+            for table, name, view in zip(tables, order, views):
+                table[name] = (view, *table[name][1:])
+
+    def rows_ready(self) -> bool:
+        """Whether layer_rows runs here: the int8 head (quantize_int8) in float32 with a head_dim
+        specbuild's rows_attention kernel is built for."""
+        from specbuild.model import cpu_kernels
+
+        c = self.config
+        return bool(self.fused) and cpu_kernels.rows_attention_usable(self.cos.dtype, c.head_dim, self.cos.device)
+
+    def layer_rows(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kb: torch.Tensor,
+                   vb: torch.Tensor, at: int, index: torch.Tensor) -> torch.Tensor:
+        """layer() for drafting (rows_ready): the new rows' K/V written into the buffers kb, vb
+        ([slots, kv, D]) at rows at .. at + T - 1, and row t attending to the slots index lists
+        for it (cpu_kernels.rows_attention's index: T + 1 offsets, then each row's slots). One
+        int8 call for q|k|v and one for gate|up, rope on q and k at once, no copy of the cached
+        K/V and no mask: a drafting level was ~30 eager ops, each paid cold after the target's
+        forward (~1.2 ms of a ~2 ms EAGLE draft on a 2-core AMD EPYC). Returns out [T, H]
+        pre-norm, as layer() does, up to the kernels' rounding (drafts only)."""
+        from specbuild.model import cpu_kernels
+
+        c, w = self.config, self.w
+        t, d = emb.shape[0], c.head_dim
+        hq, hk = c.num_heads, c.num_kv_heads
+        x = torch.cat([rms_norm(emb, w[L + "input_layernorm.weight"], c.rms_norm_eps),
+                       rms_norm(hidden, w[L + "hidden_norm.weight"], c.rms_norm_eps)], dim=-1)
+        qkv = self.lin(x, "qkv")
+        qk = apply_rope(qkv[:, :(hq + hk) * d].reshape(t, hq + hk, d), self.cos[positions], self.sin[positions])
+        kb[at:at + t] = qk[:, hq:]
+        vb[at:at + t] = qkv[:, (hq + hk) * d:].view(t, hk, d)
+        attn = cpu_kernels.rows_attention(qk[:, :hq].contiguous(), kb, vb, index, self.scale)
+        residual = hidden + self.lin(attn.reshape(t, hq * d), L + "self_attn.o_proj.weight")
+        h = rms_norm(residual, w[L + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        gu = self.lin(h, "gate_up")
+        inter = gu.shape[1] // 2
+        return residual + self.lin(F.silu(gu[:, :inter]) * gu[:, inter:], L + "mlp.down_proj.weight")
 
     @property
     def draft_vocab(self) -> int:

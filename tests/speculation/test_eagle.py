@@ -342,3 +342,72 @@ def test_an_eagle_sequence_takes_only_blocks_whose_features_are_kept(trained):
     assert again["stats"]["cached_tokens"] == 0 and again["stats"]["drafted"] > 0
     plain = run(engine, "none", [turn1 + [20, 22]])[0]
     assert plain["stats"]["cached_tokens"] >= len(turn1) // 16 * 16
+
+
+def test_the_drafting_layer_computes_the_heads_layer(trained):
+    """layer_rows (the served head's drafting layer: fused int8 weights, rows_attention over the
+    state's buffers) gives layer()'s outputs up to the int8 inputs' rounding, for a causal feed
+    after cached positions and for a tree level whose rows see chosen ancestors, and writes the
+    new rows' K/V where asked."""
+    from specbuild.speculation.proposers.eagle import EagleState, causal_index, rows_index
+
+    prop = Engine(trained["with_head"], EngineConfig()).speculator.proposers["eagle"]
+    if not prop.rows:
+        pytest.skip("the head drafts through layer() here (no int8 head or no rows_attention kernel)")
+    head, c = prop.head, prop.head.config
+    torch.manual_seed(0)
+
+    def close(a, b):
+        assert (a - b).abs().max() <= 0.05 * b.abs().max(), (a - b).abs().max()
+
+    emb, hid = torch.randn(7, c.hidden_size), torch.randn(7, c.hidden_size)
+    pos = torch.arange(7)
+    out_ref, k_ref, v_ref = head.layer(emb[:5], hid[:5], pos[:5], None, None, None)
+    st = EagleState()
+    st.room(2, c.num_kv_heads, c.head_dim, torch.float32, "cpu")  # too small: the feed grows it
+    st.room(5, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    out = head.layer_rows(emb[:5], hid[:5], pos[:5], st.kb, st.vb, 0, causal_index(0, 5))
+    close(out, out_ref)
+    close(st.kb[:5], k_ref)
+    close(st.vb[:5], v_ref)
+    st.n = 5
+    # two more positions after the five cached
+    out_ref, k2, _ = head.layer(emb[5:], hid[5:], pos[5:], k_ref, v_ref, None)
+    st.room(9, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    assert torch.equal(st.k, st.kb[:5]) and st.k.shape[0] == 5  # growing kept the cached rows
+    out = head.layer_rows(emb[5:], hid[5:], pos[5:], st.kb, st.vb, 5, causal_index(5, 2))
+    close(out, out_ref)
+    close(st.kb[5:7], k2)
+    # a tree level: row 0 sees the cache and scratch row 5, row 1 only the cache (and itself)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[:, :5] = True
+    mask[0, 5] = mask[0, 6] = mask[1, 7] = True
+    past_k, past_v = st.kb[:6].clone(), st.vb[:6].clone()
+    ref, _, _ = head.layer(emb[:2], hid[:2], torch.tensor([6, 6]), past_k, past_v, mask)
+    out = head.layer_rows(emb[:2], hid[:2], torch.tensor([6, 6]), st.kb, st.vb, 6, rows_index([[5, 6], [7]], 5))
+    close(out, ref)
+    st.cut(3)
+    assert st.n == 3 and st.k.shape[0] == 3
+
+
+def test_the_served_head_drafts_on_int8_inputs_in_one_block(trained):
+    """Where the int8 x int8 kernel runs, the drafting level's six weights are int8-q8 packs in
+    one block (model/arena.py), and drafting with them keeps greedy output equal to plain
+    decoding while drafts are proposed and accepted."""
+    from specbuild.model import cpu_kernels
+
+    engine = Engine(trained["with_head"], EngineConfig())
+    head = engine.speculator.proposers["eagle"].head
+    if not cpu_kernels.int8_q8_path():
+        pytest.skip("specbuild's int8 x int8 kernel does not run here")
+    assert set(head.q8) == {"fc.weight", "qkv", "midlayer.self_attn.o_proj.weight", "gate_up",
+                            "midlayer.mlp.down_proj.weight", "lm_head.weight"}
+    bufs = [buf for buf, _, _ in head.q8.values()]  # in the order a level reads them, back to back
+    assert all(0 <= b.data_ptr() - (a.data_ptr() + a.numel()) < 64 for a, b in zip(bufs, bufs[1:]))
+    prompts = trained["prompts"][:3]
+    plain = engine.generate([Request(prompt_ids=p, sampling=SamplingParams(max_tokens=24, ignore_eos=True),
+                                     speculation=SpeculationConfig.make(None, method="none")) for p in prompts])
+    spec = engine.generate([Request(prompt_ids=p, sampling=SamplingParams(max_tokens=24, ignore_eos=True),
+                                    speculation=SpeculationConfig.make(None, method="eagle")) for p in prompts])
+    assert [o["token_ids"] for o in spec] == [o["token_ids"] for o in plain]
+    assert sum(o["stats"]["drafted"] for o in spec) > 0 and sum(o["stats"]["accepted"] for o in spec) > 0

@@ -29,21 +29,27 @@ features are kept (`stored_prefix`). Drafts only: output never depends on the st
 from __future__ import annotations
 
 from collections import OrderedDict
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specbuild.model.kv_cache import chain_hashes, salt_root
 
 from specbuild.speculation.eagle_head import EagleHead
 from specbuild.speculation.proposers.base import Draft, DrafterBase, Needs, Observation
+from specbuild.speculation.proposers.suffix import tree_draft
 
 
 
 @dataclass
 class EagleState:
-    k: torch.Tensor | None = None  # [n, kv, D]
-    v: torch.Tensor | None = None
+    # the head's K/V: rows 0 .. n-1 hold positions 0 .. n-1; rows past n are a draft's scratch.
+    # Buffers that grow by doubling, so a step writes only its new rows (torch.cat of the whole
+    # cache each step made a drafter's work grow with the text)
+    kb: torch.Tensor | None = None  # [capacity, kv, D]
+    vb: torch.Tensor | None = None
     n: int = 0  # head positions cached
     pending: list = field(default_factory=list)  # features [3H] of positions n, n + 1, ...
     broken: bool = False  # a gap in the features (e.g. never observed): no drafts
@@ -52,10 +58,47 @@ class EagleState:
     acc: list = field(default_factory=list)
     chain: list = field(default_factory=list)  # chained block hashes of the text (kv_cache.chain_hashes)
 
+    @property
+    def k(self) -> torch.Tensor | None:  # the cached positions' K [n, kv, D] (a view), None before any
+        return None if self.kb is None else self.kb[:self.n]
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        return None if self.vb is None else self.vb[:self.n]
+
     def cut(self, length: int) -> None:
         self.n = min(self.n, length)
-        if self.k is not None:
-            self.k, self.v = self.k[:self.n], self.v[:self.n]
+
+    def room(self, rows: int, kv: int, d: int, dtype: torch.dtype, device) -> None:
+        """Buffers of at least `rows` rows (the rows there kept)."""
+        cap = 0 if self.kb is None else self.kb.shape[0]
+        if rows <= cap:
+            return
+        new = max(rows, 2 * cap, 64)
+        kb = torch.empty(new, kv, d, dtype=dtype, device=device)
+        vb = torch.empty(new, kv, d, dtype=dtype, device=device)
+        if cap:  # every row: a draft growing them keeps its earlier levels' rows past n
+            kb[:cap] = self.kb
+            vb[:cap] = self.vb
+        self.kb, self.vb = kb, vb
+
+
+def causal_index(n0: int, m: int) -> torch.Tensor:
+    """rows_attention's index for m new rows after n0 cached ones (row r sees slots 0 .. n0 + r)."""
+    lengths = n0 + 1 + np.arange(m, dtype=np.int64)
+    offsets = np.zeros(m + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    slots = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    return torch.from_numpy(np.concatenate([offsets, slots]))
+
+
+def rows_index(rows: list[list[int]], n0: int) -> torch.Tensor:
+    """rows_attention's index: each row sees slots 0 .. n0 - 1 and then its own `rows` entry."""
+    base = np.arange(n0, dtype=np.int64)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([n0 + len(r) for r in rows], out=offsets[1:])
+    return torch.from_numpy(np.concatenate([offsets, *[np.concatenate([base, np.asarray(r, dtype=np.int64)])
+                                                       for r in rows]]))
 
 
 STORE_BYTES = 64 << 20  # the features kept for prefix caching (SmolLM2-135M: 9,700 positions)
@@ -82,6 +125,8 @@ class EagleProposer(DrafterBase):
         self.topk, self.beam = topk, beam
         self.verify_cost = None  # callable width -> seconds, set by the engine once costs are measured
         self.stat_budgets: list[int] = []
+        self.draft_list: list[int] = head.draft_ids.tolist()  # draft vocabulary index -> target id
+        self.rows = head.rows_ready()  # the head's drafting layer through layer_rows (else layer())
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -91,7 +136,7 @@ class EagleProposer(DrafterBase):
         """What level_cost depends on besides the machine (the cost cache's key)."""
         h = self.head
         return ["eagle", h.config.hidden_size, h.draft_vocab, self.beam, self.topk, str(h.w["fc.weight"].dtype),
-                "int8" if h.packed else "float"]
+                "int8" if h.packed else "float", "layer_rows" if self.rows else "layer"]
 
     @torch.inference_mode()
     def level_cost(self, context: int = 64, repeats: int = 5) -> float:
@@ -111,8 +156,15 @@ class EagleProposer(DrafterBase):
         hid = torch.zeros(self.beam, c.hidden_size, dtype=dtype, device=dev)
         pos = torch.full((self.beam,), context, dtype=torch.int64, device=dev)
         mask = torch.ones(self.beam, context + self.beam, dtype=torch.bool, device=dev)
+        kb = torch.zeros(context + self.beam, c.num_kv_heads, c.head_dim, dtype=dtype, device=dev)
+        vb = torch.zeros_like(kb)
+        index = rows_index([[context + r] for r in range(self.beam)], context)
+
         def level() -> None:
-            out, _, _ = h.layer(emb, hid, pos, kv, kv, mask)
+            if self.rows:
+                out = h.layer_rows(emb, hid, pos, kb, vb, context, index)
+            else:
+                out, _, _ = h.layer(emb, hid, pos, kv, kv, mask)
             h.logits(out).float().log_softmax(-1).topk(min(self.topk, h.draft_vocab), dim=-1)
 
         return best_seconds(level, repeats)
@@ -207,16 +259,23 @@ class EagleProposer(DrafterBase):
         m = last + 1 - st.n
         if m <= 0 or len(st.pending) < m:
             return None
-        dev = self.head.embed.device
+        head, c = self.head, self.head.config
+        dev = head.embed.device
         feats = torch.stack(st.pending[:m]).to(dev)
         st.pending = st.pending[m:]
         pos = torch.arange(st.n, last + 1, device=dev)
-        emb = self.head.embed_tokens(torch.tensor(ids[st.n + 1:last + 2], device=dev))
-        out, k, v = self.head.layer(emb, self.head.project(feats), pos, st.k, st.v, None)
-        st.k = k if st.k is None else torch.cat([st.k, k])
-        st.v = v if st.v is None else torch.cat([st.v, v])
+        emb = head.embed_tokens(torch.tensor(ids[st.n + 1:last + 2], device=dev))
+        dtype = head.cos.dtype
+        if self.rows:  # room for the draft's rows too (draft() writes them past n)
+            st.room(last + 1 + self.beam * max(1, self.max_nodes), c.num_kv_heads, c.head_dim, dtype, dev)
+            out = head.layer_rows(emb, head.project(feats), pos, st.kb, st.vb, st.n, causal_index(st.n, m))
+        else:
+            out, k, v = head.layer(emb, head.project(feats), pos, st.k, st.v, None)
+            st.room(last + 1, c.num_kv_heads, c.head_dim, k.dtype, dev)
+            st.kb[st.n:last + 1] = k
+            st.vb[st.n:last + 1] = v
         st.n = last + 1
-        return self.head.logits(out[-1:])[0], out[-1]
+        return head.logits(out[-1:])[0], out[-1]
 
     def budget(self, scores: list[float], cap: int) -> int:
         """Node count maximising (1 + sum of the best path probabilities) / verify cost."""
@@ -232,24 +291,26 @@ class EagleProposer(DrafterBase):
 
     @torch.inference_mode()
     def draft(self, seq, depth: int, first: tuple[torch.Tensor, torch.Tensor], st: EagleState) -> Draft | None:
-        head = self.head
+        head, c = self.head, self.head.config
         root_logits, root_out = first
         # nodes: token, parent (0 = root), depth, path log-prob, head output at the row that fed it
         tokens, parents, depths, scores = [0], [-1], [0], [0.0]
         outs: list[torch.Tensor | None] = [root_out]
-        logps = {0: root_logits.float().log_softmax(-1)}
-        row_k, row_v = [], []  # draft rows' K/V (node i >= 1 -> index i - 1, when computed)
+        k = min(self.topk, head.draft_vocab)
+        top = root_logits.float().log_softmax(-1).topk(k)
+        tops = {0: (top.values.tolist(), top.indices.tolist())}  # node -> its children's log-probs and ids
+        row_k, row_v = [], []  # draft rows' K/V (node i >= 1 -> index i - 1, when computed; layer() only)
         frontier = [0]
         computed: dict[int, int] = {}  # node -> index of its row among the draft rows
         base_pos = len(seq.all_ids) - 1  # head position of a depth-1 node's row
         dev = head.embed.device
+        past_rows = 0
         for d in range(1, depth + 1):
             new = []
             for node in frontier:
-                lp = logps[node]
-                top = lp.topk(min(self.topk, lp.numel()))
-                for val, idx in zip(top.values.tolist(), top.indices.tolist()):
-                    tokens.append(int(head.draft_ids[idx]))
+                vals, idxs = tops[node]
+                for val, idx in zip(vals, idxs):
+                    tokens.append(self.draft_list[idx])
                     parents.append(node)
                     depths.append(d)
                     scores.append(scores[node] + val)
@@ -262,30 +323,40 @@ class EagleProposer(DrafterBase):
             hid = torch.stack([outs[parents[i]] for i in frontier])
             emb = head.embed_tokens(torch.tensor([tokens[i] for i in frontier], device=dev))
             pos = torch.full((len(frontier),), base_pos + d - 1, dtype=torch.int64, device=dev)
-            past_rows = sum(r.shape[0] for r in row_k)
-            mask = torch.zeros(len(frontier), st.n + past_rows + len(frontier), dtype=torch.bool)
-            mask[:, :st.n] = True
-            for r, i in enumerate(frontier):
-                a = parents[i]
+            ancestors = []  # each frontier row's computed ancestors' rows, shallowest first
+            for i in frontier:
+                rows, a = [], parents[i]
                 while a > 0:
-                    ri = computed.get(a)
-                    if ri is not None:
-                        mask[r, st.n + ri] = True
+                    if a in computed:
+                        rows.append(computed[a])
                     a = parents[a]
-                mask[r, st.n + past_rows + r] = True
-            pk = torch.cat([st.k, *row_k]) if row_k else st.k
-            pv = torch.cat([st.v, *row_v]) if row_v else st.v
-            out, k, v = head.layer(emb, hid, pos, pk, pv, mask.to(dev))
+                ancestors.append(rows[::-1])
+            if self.rows:  # the draft's rows go into the head's buffers past its cached positions
+                at = st.n + past_rows
+                st.room(at + len(frontier), c.num_kv_heads, c.head_dim, head.cos.dtype, dev)
+                index = rows_index([[st.n + a for a in anc] + [at + r] for r, anc in enumerate(ancestors)], st.n)
+                out = head.layer_rows(emb, hid, pos, st.kb, st.vb, at, index)
+            else:
+                mask = torch.zeros(len(frontier), st.n + past_rows + len(frontier), dtype=torch.bool)
+                mask[:, :st.n] = True
+                for r, anc in enumerate(ancestors):
+                    for a in anc:
+                        mask[r, st.n + a] = True
+                    mask[r, st.n + past_rows + r] = True
+                pk = torch.cat([st.k, *row_k]) if row_k else st.k
+                pv = torch.cat([st.v, *row_v]) if row_v else st.v
+                out, kr, vr = head.layer(emb, hid, pos, pk, pv, mask.to(dev))
+                row_k.append(kr)
+                row_v.append(vr)
             for r, i in enumerate(frontier):
                 computed[i] = past_rows + r
                 outs[i] = out[r]
-            row_k.append(k)
-            row_v.append(v)
-            lg = head.logits(out).float().log_softmax(-1)
-            for r, i in enumerate(frontier):
-                logps[i] = lg[r]
+            past_rows += len(frontier)
+            top = head.logits(out).float().log_softmax(-1).topk(k, dim=-1)
+            for i, vals, idxs in zip(frontier, top.values.tolist(), top.indices.tolist()):
+                tops[i] = (vals, idxs)
         cand = list(range(1, len(tokens)))
-        probs = [float(torch.tensor(scores[i]).exp()) for i in cand]
+        probs = [math.exp(scores[i]) for i in cand]
         n = self.budget(probs, min(self.max_nodes, len(cand)))
         self.stat_budgets.append(n)
         keep = sorted(sorted(cand, key=lambda i: (-scores[i], depths[i]))[:n])
@@ -300,13 +371,7 @@ class EagleProposer(DrafterBase):
             out_tokens.append(tokens[i])
             out_parents.append(index[parents[i]])
             out_depths.append(depths[i])
-        m = len(out_parents)
-        mask = torch.zeros(m, m, dtype=torch.bool)
-        mask[0, 0] = True
-        for j in range(1, m):
-            mask[j] = mask[out_parents[j]]
-            mask[j, j] = True
-        return Draft(out_tokens, None, tuple(out_parents), out_depths, mask, method=self.name)
+        return tree_draft(out_tokens, out_parents, out_depths, self.name)
 
     def propose(self, seqs: list, gammas: list[int]) -> list[Draft | None]:
         out: list[Draft | None] = []
