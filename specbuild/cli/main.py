@@ -314,11 +314,12 @@ def make_sampling(engine, max_tokens, temperature, top_k, top_p, seed, stop, ign
 @telemetry_option
 @content_type_option
 @shared("--no-prefix-cache")
+@shared("--kv-cache-dtype")
 @user_errors
 def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
              presence_penalty, frequency_penalty, speculation, gamma, gamma_min, gamma_max, tree, typical, threads,
              device, backend, compile_, as_json, json_schema, regex, grammar, logprobs, telemetry, content_type,
-             no_prefix_cache, trtllm, drafters) -> None:
+             no_prefix_cache, kv_cache_dtype, trtllm, drafters) -> None:
     """Generate text from one or more prompts (batched)."""
     from specbuild.backends.select import open_engine
     from specbuild.engine.engine import EngineConfig
@@ -327,7 +328,8 @@ def generate(bundle, prompts, chat, system, max_tokens, temperature, top_k, top_
 
     dist_context(bundle, backend, "generate")  # under `mpirun -n tp*pp`: TensorRT-LLM leader mode
     engine = open_engine(bundle, EngineConfig(device=device, threads=threads, compile=compile_,
-                                              prefix_cache=not no_prefix_cache, drafters=drafters),
+                                              prefix_cache=not no_prefix_cache, kv_cache_dtype=kv_cache_dtype,
+                                              drafters=drafters),
                          backend=backend, **trtllm)
     if follow_leader(engine, say=lambda line: click.echo(line, err=True)):  # ranks > 0: until rank 0 is done
         return

@@ -44,6 +44,10 @@ SHARED: dict[str, dict[str, Any]] = {
                            "cached on disk)."),
     "--max-batch-size": dict(type=int, default=None, help="Most sequences per step [bundle limit]."),
     "--kv-cache-tokens": dict(type=int, default=None, help="KV cache size in tokens [enough for the bundle's full batch; what a smaller --max-batch-size leaves holds the prefix cache]."),
+    "--kv-cache-dtype": dict(type=click.Choice(["auto", "float32", "float16"]), default="auto", show_default=True,
+                             help="The KV cache's element type (EngineConfig.kv_cache_dtype): float16 halves what "
+                                  "attention reads and what a cached token takes (the fused int4 stack, --compile); "
+                                  "auto takes it for int4-a8 bundles there, float32 elsewhere."),
     "--max-queue": dict(type=int, default=64, show_default=True,
                         help="Requests waiting for admission before new ones are refused."),
     "--telemetry": dict(decls=("--telemetry", "telemetry"), default=None, metavar="DB",

@@ -53,6 +53,7 @@ from specbuild.errors import SpecbuildError
 @trtllm_options
 @compile_option()
 @shared("--kv-cache-tokens")
+@shared("--kv-cache-dtype")
 @click.option("--prefill-chunk", type=int, default=256, show_default=True,
               help="Most prompt tokens per step, so long prompts do not stall running requests.")
 @click.option("--body-timeout", type=float, default=30.0, show_default=True,
@@ -83,7 +84,8 @@ from specbuild.errors import SpecbuildError
               help="Seconds the verifier waits for a draft reply before it decodes without the draft rank for good.")
 @shared("--no-prefix-cache")
 @telemetry_option
-def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, compile_, kv_cache_tokens, prefill_chunk,
+def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backend, compile_, kv_cache_tokens,
+          kv_cache_dtype, prefill_chunk,
           body_timeout, header_timeout, max_header_bytes, max_headers, max_connections, max_inflight, model_name,
           strict_fields, chat_template, tool_call_parser, log_level, parallel_draft, draft_timeout, no_prefix_cache,
           telemetry, trtllm, drafters) -> None:
@@ -135,7 +137,7 @@ def serve(bundle, host, port, max_batch_size, max_queue, threads, device, backen
         engine = open_engine(bundle, EngineConfig(device=device, threads=threads, max_batch_size=max_batch_size,
                                                   kv_cache_tokens=kv_cache_tokens, prefill_chunk=prefill_chunk,
                                                   compile=compile_, prefix_cache=not no_prefix_cache,
-                                                  drafters=drafters),
+                                                  kv_cache_dtype=kv_cache_dtype, drafters=drafters),
                              backend="torch" if parallel_draft else backend, **({} if parallel_draft else trtllm),
                              **(minedraft.open_kwargs() if minedraft is not None else {}))
         if ctx.role == "worker":

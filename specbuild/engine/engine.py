@@ -35,6 +35,9 @@ from specbuild.engine.sequence import Handle, Request, Sequence
 log = logging.getLogger("specbuild.engine")
 
 
+KV_DTYPES = ("auto", "float32", "float16")
+
+
 @accepts_flat_settings(defaults=True)
 @dataclass(frozen=True)
 class EngineConfig:
@@ -68,6 +71,12 @@ class EngineConfig:
     # (a chat's next turn, a shared system prompt); unheld ones are evicted least recently used
     # only when the cache needs room
     prefix_cache: bool = True
+    # the KV cache's element type: float32, float16 (half the bytes attention reads each step and
+    # half the memory a cached token takes; the fused int4 stack only, which widens each value
+    # exactly before the float32 arithmetic), or auto: float16 where the fused stack runs an
+    # int4-a8 bundle (whose layers already round every linear's input to 8-bit blocks; a float16
+    # K/V keeps 11 bits), else the model's own dtype (Engine.kv_dtype says which and why)
+    kv_cache_dtype: str = "auto"
     # the drafters' own settings: drafter name -> its module's Options (proposers/registry.py;
     # given as Options or a dict of their fields); a drafter not named here takes its Options'
     # defaults. Each setting may also be given flat as `<name>_<field>` (suffix_store_tokens=...),
@@ -88,8 +97,33 @@ class EngineConfig:
             raise ValueError(f"compile=True runs on CPU only (device={self.device!r}): its row-invariance is "
                              "checked there (tests/model/test_compiled.py); on a GPU use the eager torch backend "
                              "or TensorRT-LLM")
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {', '.join(KV_DTYPES)}")
         if not 16 <= self.prefill_chunk <= 8192:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} is out of range [16, 8192]")
+
+
+def kv_cache_dtype(model: Decoder, config: EngineConfig) -> tuple[torch.dtype, str]:
+    """The target's KV cache dtype for `config.kv_cache_dtype`, and why (EngineConfig's comment).
+    float16 needs the fused int4 stack (model/fused.py), the only reader that widens it: asked for
+    elsewhere it is refused with the reason."""
+    from specbuild.model.fused import fused_reason
+    from specbuild.model.qlinear import QLinear
+
+    asked = config.kv_cache_dtype
+    if asked == "float32" or (asked == "auto" and model.dtype != torch.float32):
+        return model.dtype, "asked" if asked == "float32" else "the model's dtype"
+    why_not = "it runs without --compile (EngineConfig.compile)" if not config.compile else fused_reason(model)
+    if asked == "float16":
+        if why_not is not None:
+            raise BundleError(f"kv_cache_dtype=float16 needs the fused int4 layer stack (model/fused.py), which does "
+                              f"not run here: {why_not}; use float32 or auto")
+        return torch.float16, "asked (kv_cache_dtype=float16)"
+    first = model.w.get("layers.0.qkv")
+    if why_not is None and isinstance(first, QLinear) and first.primary == "int4-a8":
+        return torch.float16, ("auto: the fused stack on an int4-a8 bundle, whose linears round their inputs to "
+                               "int8 blocks; half the K/V bytes; --kv-cache-dtype float32 keeps float32")
+    return model.dtype, "auto: the model's dtype"
 
 
 def drafter_options(config: EngineConfig, name: str) -> Any:
@@ -231,7 +265,10 @@ class Engine(BaseEngine):
         # of one sized for one request evicted every earlier chat before its next turn came)
         kv_tokens = config.kv_cache_tokens or max(self.max_batch_size, limits.max_batch_size or 1) * (
             self.max_seq_len + limits.max_draft_len + 16)
-        self.cache = self.model.new_cache(-(-kv_tokens // config.block_size), config.block_size)
+        self.kv_dtype, self.kv_why = kv_cache_dtype(self.model, config)
+        self.cache = self.model.new_cache(-(-kv_tokens // config.block_size), config.block_size, self.kv_dtype)
+        if self.kv_dtype != self.model.dtype:
+            print(f"specbuild: KV cache {str(self.kv_dtype).split('.')[-1]} ({self.kv_why})", file=sys.stderr)
         sp = self.meta.special_tokens
         self.eos_ids = tuple(sp.get("eos_token_ids") or ([sp["eos_token_id"]] if sp.get("eos_token_id") is not None else []))
         self.default_sampling = SamplingParams.from_dict(

@@ -1613,18 +1613,26 @@ __attribute__((target("avx2,fma"))) inline __m256i tail_mask(int64_t left) {  //
 // key) the operations are attend_group's one-head loop's: a multiply at chunk 0, then a multiply-add
 // per chunk in order, then hsum8x4, so the scores are the same bits. The one-head loop loaded each
 // key chunk again for every head of the group and was bound by those loads from L1.
-template <int DV, int GT>
-__attribute__((target("avx2,fma"), always_inline)) inline void scores4(const float* q, const float* k0, const float* k1,
-                                                                       const float* k2, const float* k3, float* s,
-                                                                       int64_t n, float scale) {
+// A cache row's eight values as float32: float32 caches as they are, float16 caches (kv_cache.py's
+// kv_dtype float16) widened exactly by F16C (every float16 is a float32), so an attention item
+// computes the same arithmetic on either, over the values the cache holds.
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 kv8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 kv8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int DV, int GT, class KT>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void scores4(const float* q, const KT* k0, const KT* k1,
+                                                                            const KT* k2, const KT* k3, float* s,
+                                                                            int64_t n, float scale) {
   constexpr int64_t D = 8 * DV;
-  const float* ks[4] = {k0, k1, k2, k3};
+  const KT* ks[4] = {k0, k1, k2, k3};
   __m256 a[GT][4];
   {
     __m256 qv[GT];
     for (int hh = 0; hh < GT; ++hh) qv[hh] = _mm256_loadu_ps(q + hh * D);
     for (int i = 0; i < 4; ++i) {
-      const __m256 kv = _mm256_loadu_ps(ks[i]);
+      const __m256 kv = kv8(ks[i]);
       for (int hh = 0; hh < GT; ++hh) a[hh][i] = _mm256_mul_ps(qv[hh], kv);
     }
   }
@@ -1632,7 +1640,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void scores4(const flo
     __m256 qv[GT];
     for (int hh = 0; hh < GT; ++hh) qv[hh] = _mm256_loadu_ps(q + hh * D + 8 * c);
     for (int i = 0; i < 4; ++i) {
-      const __m256 kv = _mm256_loadu_ps(ks[i] + 8 * c);
+      const __m256 kv = kv8(ks[i] + 8 * c);
       for (int hh = 0; hh < GT; ++hh) a[hh][i] = _mm256_fmadd_ps(qv[hh], kv, a[hh][i]);
     }
   }
@@ -1644,8 +1652,8 @@ __attribute__((target("avx2,fma"), always_inline)) inline void scores4(const flo
 // value chunk loaded once for the GT heads (4 * GT accumulators + GT weights + 1 <= 16 ymm). Per
 // (head, chunk) the accumulation runs over the keys in order from `out` (zero at j0 == 0), as
 // attend_group's one-head loop does, so the outputs are the same bits.
-template <int GT>
-__attribute__((target("avx2,fma"), always_inline)) inline void values4(const float* s, int64_t n, const float* vc,
+template <int GT, class KT>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void values4(const float* s, int64_t n, const KT* vc,
                                                                        int64_t vs, const int64_t* slots, int64_t j0,
                                                                        int64_t j1, int64_t D, int64_t c0, float* out) {
   __m256 acc[GT][4];
@@ -1653,11 +1661,11 @@ __attribute__((target("avx2,fma"), always_inline)) inline void values4(const flo
     for (int c = 0; c < 4; ++c)
       acc[hh][c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + hh * D + 8 * (c0 + c));
   for (int64_t j = j0; j < j1; ++j) {
-    const float* v0 = vc + slots[j] * vs + 8 * c0;
+    const KT* v0 = vc + slots[j] * vs + 8 * c0;
     __m256 p[GT];
     for (int hh = 0; hh < GT; ++hh) p[hh] = _mm256_broadcast_ss(s + hh * n + j);
     for (int c = 0; c < 4; ++c) {
-      const __m256 v = _mm256_loadu_ps(v0 + 8 * c);
+      const __m256 v = kv8(v0 + 8 * c);
       for (int hh = 0; hh < GT; ++hh) acc[hh][c] = _mm256_fmadd_ps(p[hh], v, acc[hh][c]);
     }
   }
@@ -1674,29 +1682,29 @@ __attribute__((target("avx2,fma"), always_inline)) inline void values4(const flo
 // 21-22 us against 19.7 a layer for one row after 300 keys, 57-63 against 53-57 after 1,000,
 // and 179-182 ms against 170-175 for 30 layers over a 640-row prompt (AMD EPYC, pool x2,
 // alternating builds; the same bits on 27 shapes).
-template <int DV>
-__attribute__((target("avx2,fma"))) void attend_group(const float* q, int64_t G, const float* kc, int64_t ks,
-                                                       const float* vc, int64_t vs, const int64_t* slots, int64_t n,
-                                                       float scale, float* s, float* out, float* ml) {
+template <int DV, class KT>
+__attribute__((target("avx2,fma,f16c"))) void attend_group(const float* q, int64_t G, const KT* kc, int64_t ks,
+                                                            const KT* vc, int64_t vs, const int64_t* slots, int64_t n,
+                                                            float scale, float* s, float* out, float* ml) {
   constexpr int64_t D = 8 * DV;
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float* k0 = kc + slots[j] * ks;
-    const float* k1 = kc + slots[j + 1] * ks;
-    const float* k2 = kc + slots[j + 2] * ks;
-    const float* k3 = kc + slots[j + 3] * ks;
+    const KT* k0 = kc + slots[j] * ks;
+    const KT* k1 = kc + slots[j + 1] * ks;
+    const KT* k2 = kc + slots[j + 2] * ks;
+    const KT* k3 = kc + slots[j + 3] * ks;
     // the heads three at a time (scores4: each key chunk loaded once for them), the same bits
     int64_t h0 = 0;
-    for (; h0 + 3 <= G; h0 += 3) scores4<DV, 3>(q + h0 * D, k0, k1, k2, k3, s + h0 * n + j, n, scale);
-    if (G - h0 == 2) scores4<DV, 2>(q + h0 * D, k0, k1, k2, k3, s + h0 * n + j, n, scale);
-    else if (G - h0 == 1) scores4<DV, 1>(q + h0 * D, k0, k1, k2, k3, s + h0 * n + j, n, scale);
+    for (; h0 + 3 <= G; h0 += 3) scores4<DV, 3, KT>(q + h0 * D, k0, k1, k2, k3, s + h0 * n + j, n, scale);
+    if (G - h0 == 2) scores4<DV, 2, KT>(q + h0 * D, k0, k1, k2, k3, s + h0 * n + j, n, scale);
+    else if (G - h0 == 1) scores4<DV, 1, KT>(q + h0 * D, k0, k1, k2, k3, s + h0 * n + j, n, scale);
   }
   for (; j < n; ++j) {
-    const float* k0 = kc + slots[j] * ks;
+    const KT* k0 = kc + slots[j] * ks;
     for (int64_t hh = 0; hh < G; ++hh) {
       const float* qh = q + hh * D;
-      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(k0));
-      for (int c = 1; c < DV; ++c) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(k0 + 8 * c), a0);
+      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qh), kv8(k0));
+      for (int c = 1; c < DV; ++c) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), kv8(k0 + 8 * c), a0);
       s[hh * n + j] = hsum8(a0) * scale;
     }
   }
@@ -1741,9 +1749,9 @@ __attribute__((target("avx2,fma"))) void attend_group(const float* q, int64_t G,
     if constexpr (DV % 4 == 0) {  // values4: each value chunk loaded once for three heads, the same bits
       for (int64_t c0 = 0; c0 < DV; c0 += 4) {
         int64_t h0 = 0;
-        for (; h0 + 3 <= G; h0 += 3) values4<3>(s + h0 * n, n, vc, vs, slots, j0, j1, D, c0, out + h0 * D);
-        if (G - h0 == 2) values4<2>(s + h0 * n, n, vc, vs, slots, j0, j1, D, c0, out + h0 * D);
-        else if (G - h0 == 1) values4<1>(s + h0 * n, n, vc, vs, slots, j0, j1, D, c0, out + h0 * D);
+        for (; h0 + 3 <= G; h0 += 3) values4<3, KT>(s + h0 * n, n, vc, vs, slots, j0, j1, D, c0, out + h0 * D);
+        if (G - h0 == 2) values4<2, KT>(s + h0 * n, n, vc, vs, slots, j0, j1, D, c0, out + h0 * D);
+        else if (G - h0 == 1) values4<1, KT>(s + h0 * n, n, vc, vs, slots, j0, j1, D, c0, out + h0 * D);
       }
     } else for (int64_t hh = 0; hh < G; ++hh) {  // head by head, all D at once
       const float* sh = s + hh * n;
@@ -1751,9 +1759,9 @@ __attribute__((target("avx2,fma"))) void attend_group(const float* q, int64_t G,
       __m256 acc[DV];
       for (int c = 0; c < DV; ++c) acc[c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(oh + 8 * c);
       for (j = j0; j < j1; ++j) {
-        const float* v0 = vc + slots[j] * vs;
+        const KT* v0 = vc + slots[j] * vs;
         const __m256 p = _mm256_broadcast_ss(sh + j);
-        for (int c = 0; c < DV; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v0 + 8 * c), acc[c]);
+        for (int c = 0; c < DV; ++c) acc[c] = _mm256_fmadd_ps(p, kv8(v0 + 8 * c), acc[c]);
       }
       for (int c = 0; c < DV; ++c) _mm256_storeu_ps(oh + 8 * c, acc[c]);
     }
@@ -1769,21 +1777,26 @@ __attribute__((target("avx2,fma"))) void attend_group(const float* q, int64_t G,
   }
 }
 
-using GroupFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t, const int64_t*, int64_t,
-                         float, float*, float*, float*);
+template <class KT>
+using GroupFnT = void (*)(const float*, int64_t, const KT*, int64_t, const KT*, int64_t, const int64_t*, int64_t,
+                          float, float*, float*, float*);
+using GroupFn = GroupFnT<float>;
+using GroupFnH = GroupFnT<at::Half>;
 
-template <int DV>
-GroupFn group_fn_for() { return &attend_group<DV>; }
+template <int DV, class KT>
+GroupFnT<KT> group_fn_for() { return &attend_group<DV, KT>; }
 
-GroupFn group_fn(int64_t D) {  // every multiple of 8 up to 128, and 256
+template <class KT>
+GroupFnT<KT> group_fn_t(int64_t D) {  // every multiple of 8 up to 128, and 256
   switch (D) {
-#define CASE(DV) case 8 * DV: return group_fn_for<DV>();
+#define CASE(DV) case 8 * DV: return group_fn_for<DV, KT>();
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13)
     CASE(14) CASE(15) CASE(16) CASE(32)
 #undef CASE
     default: return nullptr;
   }
 }
+GroupFn group_fn(int64_t D) { return group_fn_t<float>(D); }
 
 // A row over more than SEG keys is attended in segments (ceil(n / SEG) runs of its keys, as equal
 // as can be), each an item of its own, and the segments are then combined in order. Only the row's
@@ -1837,8 +1850,9 @@ __attribute__((target("avx2,fma"))) void combine_segments(const float* part, int
 // slots * D, so an item's keys are runs of whole 256-byte rows instead of a quarter of every
 // 768-byte row, which the hardware fetched whole: see cache_layout). The layout never changes
 // what an item computes.
-void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_t KV, const float* kp, int64_t ks,
-                        const float* vp, int64_t vs, const int64_t* off, int64_t nmax, float sc, GroupFn fn,
+template <class KT>
+void rows_attention_run(const float* qp, int64_t T, int64_t H, int64_t D, int64_t KV, const KT* kp, int64_t ks,
+                        const KT* vp, int64_t vs, const int64_t* off, int64_t nmax, float sc, GroupFnT<KT> fn,
                         float* op, int64_t hs) {
   if (T == 0 || nmax == 0) return;
   const int64_t* slots = off + T + 1;
@@ -1951,8 +1965,10 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k_cache, con
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "rows_attention: q must be [T, H, D] and the caches two equal [slots, KV, D], got ", q_in.sizes(), ", ",
               k_cache.sizes(), ", ", v_cache.sizes());
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "rows_attention: q and the caches must be float32");
+  const bool half = k_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && (half || k_cache.scalar_type() == at::kFloat) &&
+              v_cache.scalar_type() == k_cache.scalar_type(),
+              "rows_attention: q must be float32 and the caches two float32 or two float16");
   const int64_t T = q_in.size(0), H = q_in.size(1), D = q_in.size(2), KV = k_cache.size(1), N = k_cache.size(0);
   TORCH_CHECK(k_cache.size(2) == D && KV > 0 && H % KV == 0, "rows_attention: head_dim ", D, " vs cache ",
               k_cache.size(2), ", heads ", H, " must be a multiple of kv heads ", KV);
@@ -1966,9 +1982,14 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& k_cache, con
   const int64_t* off = index.data_ptr<int64_t>();
   at::Tensor q = q_in.contiguous();
   at::Tensor out = at::zeros({T, H, D}, q.options());
-  rows_attention_run(q.data_ptr<float>(), T, H, D, KV, k_cache.data_ptr<float>(), k_cache.stride(0),
-                     v_cache.data_ptr<float>(), v_cache.stride(0), off, nmax, static_cast<float>(scale), fn,
-                     out.data_ptr<float>(), k_cache.stride(1));
+  if (half)
+    rows_attention_run(q.data_ptr<float>(), T, H, D, KV, k_cache.data_ptr<at::Half>(), k_cache.stride(0),
+                       v_cache.data_ptr<at::Half>(), v_cache.stride(0), off, nmax, static_cast<float>(scale),
+                       group_fn_t<at::Half>(D), out.data_ptr<float>(), k_cache.stride(1));
+  else
+    rows_attention_run(q.data_ptr<float>(), T, H, D, KV, k_cache.data_ptr<float>(), k_cache.stride(0),
+                       v_cache.data_ptr<float>(), v_cache.stride(0), off, nmax, static_cast<float>(scale), fn,
+                       out.data_ptr<float>(), k_cache.stride(1));
   return out;
 }
 
@@ -2042,28 +2063,42 @@ __attribute__((target("avx2,fma"))) void silu_row(const O* gu, int64_t F, float*
   }
 }
 
+// n float32 values (a multiple of 8) into a float16 cache row, rounded to nearest even (F16C)
+__attribute__((target("avx2,fma,f16c"))) inline void half_row(const float* src, at::Half* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 // one row's qkv output (bfloat16 or float32, plus the bias when given) into q (float32 [H, D],
-// roped), and its K (roped) and V into the caches' rows kr, vr ([KV, D] each); cos, sn: the
-// row's tables [D]
-template <class O>
-__attribute__((target("avx2,fma"))) void qkv_row(const O* qkv, const float* bias, int64_t H, int64_t KV,
-                                                  int64_t D, const float* cos, const float* sn, float* q, float* kr,
-                                                  float* vr, float* f, int64_t hs) {
+// roped), and its K (roped) and V into the caches' rows kr, vr ([KV, D] each; float32, or float16
+// rounded from the same float32 values); cos, sn: the row's tables [D]
+template <class O, class KT>
+__attribute__((target("avx2,fma,f16c"))) void qkv_row(const O* qkv, const float* bias, int64_t H, int64_t KV,
+                                                       int64_t D, const float* cos, const float* sn, float* q, KT* kr,
+                                                       KT* vr, float* f, int64_t hs) {
+  constexpr bool F32 = std::is_same_v<KT, float>;
   const int64_t n = (H + 2 * KV) * D, half = D / 2;
   for (int64_t i = 0; i < n; i += 8) {
     __m256 v = load8(qkv + i);
     if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + i));
     _mm256_storeu_ps(f + i, v);
   }
+  alignas(32) float tmp[256];  // a roped K row before a float16 cache takes it (D <= 256)
   for (int64_t h = 0; h < H + KV; ++h) {
     const float* xh = f + h * D;
-    float* dst = h < H ? q + h * D : kr + (h - H) * hs;
+    float* dst = h < H ? q + h * D : F32 ? reinterpret_cast<float*>(kr + (h - H) * hs) : tmp;
     for (int64_t d = 0; d < D; ++d) {  // x * cos + rotate_half(x) * signed sin, as two products and a sum
       const float a = xh[d] * cos[d], b = xh[d < half ? d + half : d - half] * sn[d];
       dst[d] = a + b;
     }
+    if constexpr (!F32)
+      if (h >= H) half_row(tmp, kr + (h - H) * hs, D);
   }
-  for (int64_t g = 0; g < KV; ++g) std::memcpy(vr + g * hs, f + (H + KV + g) * D, D * sizeof(float));
+  for (int64_t g = 0; g < KV; ++g) {
+    if constexpr (F32) std::memcpy(vr + g * hs, f + (H + KV + g) * D, D * sizeof(float));
+    else half_row(f + (H + KV + g) * D, vr + g * hs, D);
+  }
 }
 
 struct Int4Linear {
@@ -2192,6 +2227,7 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
               "int4_stack: hidden ", Hd, ", intermediate ", F, " and head_dim ", D,
               " must be multiples of 8, heads ", H, " a multiple of kv heads ", KV);
   const GroupFn fn = group_fn(D);
+  const GroupFnH fnh = group_fn_t<at::Half>(D);
   TORCH_CHECK(fn != nullptr, "int4_stack: head_dim ", D, " is not a multiple of 8 up to 128, or 256");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == Hd && x_in.scalar_type() == at::kFloat,
               "int4_stack: x must be float32 [T, ", Hd, "], got ", x_in.scalar_type(), " ", x_in.sizes());
@@ -2206,9 +2242,10 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
     const at::Tensor& kc = k_caches[l];
     const at::Tensor& vc = v_caches[l];
     TORCH_CHECK(kc.dim() == 3 && kc.size(1) == KV && kc.size(2) == D && vc.sizes() == kc.sizes() &&
-                kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && cache_layout(kc) != 0 &&
+                (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf) &&
+                vc.scalar_type() == kc.scalar_type() && cache_layout(kc) != 0 &&
                 kc.strides() == vc.strides() && kc.strides() == k_caches[0].strides(),
-                "int4_stack: layer ", l, "'s caches must be two float32 [slots, ", KV, ", ", D,
+                "int4_stack: layer ", l, "'s caches must be two float32 or two float16 [slots, ", KV, ", ", D,
                 "], slot-major or head-major (kv_cache.py), with layer 0's strides; got ", kc.sizes(), " / ",
                 vc.sizes(), ", strides ", kc.strides(), " / ", vc.strides());
     const int64_t shapes[4][2] = {{qkvn, Hd}, {Hd, qn}, {2 * F, Hd}, {Hd, F}};
@@ -2322,8 +2359,11 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
       if (std::find(aux_layers.begin(), aux_layers.end(), l) != aux_layers.end()) outs.push_back(x.clone());
       const at::Tensor* w = &weights[l * STACK_WEIGHTS];
       const float* bias = w[2].numel() ? w[2].data_ptr<float>() : nullptr;
-      float* kc = k_caches[l].data_ptr<float>();
-      float* vc = v_caches[l].data_ptr<float>();
+      const bool half = k_caches[l].scalar_type() == at::kHalf;  // a float16 cache (kv_cache.py's kv_dtype)
+      float* kc = half ? nullptr : k_caches[l].data_ptr<float>();
+      float* vc = half ? nullptr : v_caches[l].data_ptr<float>();
+      at::Half* kh = half ? k_caches[l].data_ptr<at::Half>() : nullptr;
+      at::Half* vh = half ? v_caches[l].data_ptr<at::Half>() : nullptr;
       const int64_t cs = k_caches[l].stride(0), hs = k_caches[l].stride(1);  // slot and head strides
       // attention half
       each_row(T, [&](int64_t t) {
@@ -2334,12 +2374,17 @@ std::vector<at::Tensor> int4_stack(const at::Tensor& x_in, const at::Tensor& cos
       run_linear(4 * l, Hd, qkvn, nullptr);
       mark(1);
       each_row(T, [&](int64_t t) {
-        qkv_row<O>(op + t * qkvn, bias, H, KV, D, cp + t * D, sp + t * D, qp + t * qn, kc + slot[t] * cs,
-                   vc + slot[t] * cs, fp + t * fs, hs);
+        if (half)
+          qkv_row<O, at::Half>(op + t * qkvn, bias, H, KV, D, cp + t * D, sp + t * D, qp + t * qn, kh + slot[t] * cs,
+                               vh + slot[t] * cs, fp + t * fs, hs);
+        else
+          qkv_row<O, float>(op + t * qkvn, bias, H, KV, D, cp + t * D, sp + t * D, qp + t * qn, kc + slot[t] * cs,
+                            vc + slot[t] * cs, fp + t * fs, hs);
       });
       mark(2);
       att.zero_();
-      rows_attention_run(qp, T, H, D, KV, kc, cs, vc, cs, index.data_ptr<int64_t>(), nmax, sc, fn, ap, hs);
+      if (half) rows_attention_run(qp, T, H, D, KV, kh, cs, vh, cs, index.data_ptr<int64_t>(), nmax, sc, fnh, ap, hs);
+      else rows_attention_run(qp, T, H, D, KV, kc, cs, vc, cs, index.data_ptr<int64_t>(), nmax, sc, fn, ap, hs);
       if constexpr (!F32) each_row(T, [&](int64_t t) { bf16_from_f32(ap + t * qn, hp + t * qn, qn); });
       mark(3);
       run_linear(4 * l + 1, qn, Hd, F32 ? ap : nullptr);  // int4-a8: the attention rows are its input

@@ -226,10 +226,12 @@ class Decoder:
         plan = self.plans.get(group)
         return plan.choose(width) if plan is not None else None
 
-    def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+    def new_cache(self, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None) -> PagedKVCache:
+        """dtype: the cache's element type [the model's]; float16 only where the fused int4 stack
+        reads it (engine.kv_cache_dtype)."""
         c = self.config
         return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
-                            dtype=self.dtype, device=self.device)
+                            dtype=self.dtype if dtype is None else dtype, device=self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, return_hidden: bool = False,
@@ -366,8 +368,9 @@ class Decoder:
                              cos_u, sin_u)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:]
-            ks[i].index_copy_(0, write_slots, k)
-            vs[i].index_copy_(0, write_slots, v.view(t, c.num_kv_heads, c.head_dim))
+            # a float16 cache (engine.kv_cache_dtype) takes the values rounded, as the fused stack writes them
+            ks[i].index_copy_(0, write_slots, k.to(ks[i].dtype))
+            vs[i].index_copy_(0, write_slots, v.view(t, c.num_kv_heads, c.head_dim).to(vs[i].dtype))
             attn = attend(i, q, ks[i], vs[i])
             x = x + linear(attn.reshape(t, self.q_size), w[p + "o"], fmt, None, bound(p + "o"))
             h = rms_norm(x, w[p + "mlp_norm"], c.rms_norm_eps)

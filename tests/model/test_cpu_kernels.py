@@ -606,6 +606,32 @@ def test_rows_attention_reads_a_head_major_cache_with_the_same_bits():
         cpu_kernels.rows_attention(q, hk, v, index, 0.125)
 
 
+def test_rows_attention_reads_float16_caches_as_their_float32_values():
+    """A float16 KV cache (EngineConfig.kv_cache_dtype) is widened exactly before the same
+    arithmetic: the bits of float32 caches holding the same values, slot-major and head-major,
+    short rows and rows attended in segments; mixed dtypes are refused."""
+    from specbuild.model.attention import rows_index
+
+    levels()
+    k, v, perm = attention_case(slots=1400)
+    k16, v16 = (k * 4).half(), v.half()
+    lens = [1, 3, 8, 64, 513, 1200]
+    mask = torch.zeros(len(lens), 1200, dtype=torch.bool)
+    for t, n in enumerate(lens):
+        mask[t, :n] = True
+    q = torch.randn(len(lens), 9, 64)
+    index = rows_index(perm[:1200], mask, len(lens))
+    want = cpu_kernels.rows_attention(q, k16.float(), v16.float(), index, 0.125)
+    assert torch.equal(cpu_kernels.rows_attention(q, k16, v16, index, 0.125), want)
+    hk = torch.empty_strided(k16.shape, (64, 1400 * 64, 1), dtype=torch.float16)
+    hv = torch.empty_strided(v16.shape, (64, 1400 * 64, 1), dtype=torch.float16)
+    hk.copy_(k16)
+    hv.copy_(v16)
+    assert torch.equal(cpu_kernels.rows_attention(q, hk, hv, index, 0.125), want)
+    with pytest.raises(RuntimeError, match="two float32 or two float16"):
+        cpu_kernels.rows_attention(q, k16, v, index, 0.125)
+
+
 @pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (8, 2, 64), (10, 2, 32), (6, 3, 24), (16, 2, 128)])
 def test_rows_attention_gives_each_query_head_its_bits_alone(heads, kv, d):
     """The kernel loads each key and value chunk once for up to three query heads of a kv head;

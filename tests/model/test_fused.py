@@ -618,3 +618,45 @@ def test_generate_decides_the_threading_before_its_first_request(bundles, monkey
         cpu_kernels.pool_config(mode=cpu_kernels.pool_mode())
     assert r.exit_code == 0, r.output
     assert at_submit == [threading.get_ident()], at_submit
+
+
+def test_an_int4_a8_engine_keeps_its_kv_in_float16_and_stays_lossless(bundles, a8_engine):
+    """kv_cache_dtype auto: the fused stack on an int4-a8 bundle keeps K/V in float16 (half the
+    bytes), writing each value rounded from the float32 one; float32 keeps float32; without the
+    fused stack auto keeps float32 and float16 is refused with the reason. The float16 engine's
+    rows stay the decode step's bits (the lossless contract, checked above on this engine too),
+    and greedy speculation equals plain decoding with drafts accepted."""
+    from specbuild.engine.sequence import Request
+    from specbuild.errors import BundleError
+    from specbuild.sampling.params import SamplingParams
+    from specbuild.speculation.config import SpeculationConfig
+
+    assert a8_engine.kv_dtype == torch.float16 and a8_engine.cache.k[0].dtype == torch.float16
+    full = Engine(bundles["int4-a8"], EngineConfig(max_batch_size=1, compile=True, kv_cache_dtype="float32"))
+    assert full.kv_dtype == torch.float32 and full.cache.k[0].dtype == torch.float32
+    eager = Engine(bundles["int4-a8"], EngineConfig(max_batch_size=1))
+    assert eager.kv_dtype == torch.float32 and "auto" in eager.kv_why
+    with pytest.raises(BundleError, match="kv_cache_dtype=float16 needs the fused int4 layer stack.*--compile"):
+        Engine(bundles["int4-a8"], EngineConfig(max_batch_size=1, kv_cache_dtype="float16"))
+    with pytest.raises(ValueError, match="kv_cache_dtype='bf16' is not one of auto, float32, float16"):
+        EngineConfig(kv_cache_dtype="bf16")
+    # the same rows written through both: layer 0's float16 K/V (computed before any attention
+    # reads the cache) are its float32 ones rounded
+    written = []
+    with torch.inference_mode():
+        for eng in (a8_engine, full):
+            with scratch_sequence(eng.cache, 32) as slots:
+                eng.model.forward(verify_batch(slots, 0, 30, token=40), eng.cache)
+                written.append((eng.cache.k[0][slots[:30]].clone(), eng.cache.v[0][slots[:30]].clone()))
+    (k16, v16), (k32, v32) = written
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())
+    prompt = list(range(40, 70))
+    check_rows_are_the_decode_steps_bits(a8_engine)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [prompt, [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]]
+    plain = a8_engine.generate([Request(prompt_ids=p, sampling=params, speculation=SpeculationConfig.make(
+        None, method="none")) for p in prompts])
+    spec = a8_engine.generate([Request(prompt_ids=p, sampling=params, speculation=SpeculationConfig.make(
+        None, method="ngram", gamma=3)) for p in prompts])
+    assert [o["token_ids"] for o in spec] == [o["token_ids"] for o in plain]
+    assert sum(o["stats"]["drafted"] for o in spec) > 0 and sum(o["stats"]["accepted"] for o in spec) > 0
