@@ -50,6 +50,9 @@ def main() -> int:
     ap.add_argument("--row-env", action="append", default=[], metavar="LABEL=KEY=VALUE",
                     help="rows `method@LABEL` run their server with KEY=VALUE too (e.g. --methods none,none@old "
                          "--row-env old=SPECBUILD_FUSED_ENDS=0): one setting A/B in one interleaved run")
+    ap.add_argument("--row-arg", action="append", default=[], metavar="LABEL=ARG",
+                    help="rows `method@LABEL` start `specbuild serve` with ARG too (repeatable; e.g. --methods "
+                         "none,none@f32 --row-arg f32=--kv-cache-dtype=float32): one option A/B in one interleaved run")
     ap.add_argument("--row-bundle", action="append", default=[], metavar="LABEL=DIR",
                     help="rows `method@LABEL` serve the bundle DIR (e.g. --methods none,suffix,suffix@d16 "
                          "--row-bundle d16=bundles/other): two compilations of one target in one interleaved run")
@@ -83,13 +86,20 @@ def main() -> int:
         if not sep or not sep2 or not label or not key:
             ap.error(f"--row-env {kv!r} is not LABEL=KEY=VALUE")
         row_env.setdefault(label, {})[key] = value
+    row_args: dict = {}
+    for kv in a.row_arg:
+        label, sep, arg = kv.partition("=")
+        if not sep or not label or not arg:
+            ap.error(f"--row-arg {kv!r} is not LABEL=ARG")
+        row_args.setdefault(label, []).append(arg)
     try:
         cfg = S.ServedConfig(bundle=a.bundle, methods=methods, concurrency=a.concurrency, prompts=a.prompts,
                              max_tokens=a.max_tokens, threads=a.threads, compile=not a.no_compile,
                              llama_server=a.llama_server, llama_rows=() if a.no_llama else a.llama_rows, gguf=a.gguf,
                              guard=a.guard or None, env=env, serve_args=tuple(a.serve_arg),
                              prompt_chars=a.prompt_chars or None, repeat=a.repeat,
-                             interleave=a.interleave, row_bundles=row_bundles, row_env=row_env)
+                             interleave=a.interleave, row_bundles=row_bundles, row_env=row_env,
+                             row_args=row_args)
     except ValueError as e:
         ap.error(str(e))
     if not os.path.isfile(os.path.join(a.bundle, "bundle.json")):

@@ -78,6 +78,9 @@ class ServedConfig:
     # a row `method@label` whose label is a key here runs its server with these environment
     # variables too (over `env`): one setting A/B, interleaved, e.g. SPECBUILD_FUSED_ENDS=0
     row_env: dict = field(default_factory=dict)
+    # a row `method@label` whose label is a key here starts `specbuild serve` with these arguments
+    # too (after serve_args): one option A/B, interleaved, e.g. --kv-cache-dtype float32
+    row_args: dict = field(default_factory=dict)
 
     def bundle_of(self, row: str) -> str:
         """The bundle a specbuild row serves: its label's (row_bundles), else `bundle`."""
@@ -99,6 +102,10 @@ class ServedConfig:
         if unused:
             raise ValueError(f"row bundle label {unused[0]!r} names no row (rows: {', '.join(self.methods)}); "
                              "a row `method@label` serves the label's bundle")
+        unused = sorted(set(self.row_args) - labels)
+        if unused:
+            raise ValueError(f"row argument label {unused[0]!r} names no row (rows: {', '.join(self.methods)}); "
+                             "a row `method@label` starts its server with the label's arguments")
         unused = sorted(set(self.row_env) - labels)
         if unused:
             raise ValueError(f"row environment label {unused[0]!r} names no row (rows: {', '.join(self.methods)}); "
@@ -232,12 +239,14 @@ def bundle_batch_limit(bundle: str) -> int:
         return int(json.load(f).get("limits", {}).get("max_batch_size") or 1)
 
 
-def specbuild_command(cfg: ServedConfig, port: int, max_batch: int, bundle: str | None = None) -> list[str]:
+def specbuild_command(cfg: ServedConfig, port: int, max_batch: int, bundle: str | None = None,
+                      row: str | None = None) -> list[str]:
     exe = os.path.join(os.path.dirname(sys.executable), "specbuild")
     cmd = [exe if os.path.exists(exe) else "specbuild", "serve", bundle or cfg.bundle, "--port", str(port),
            "--threads", str(cfg.threads), "--max-batch-size", str(max_batch), "--max-queue", "1024",
            "--log-level", "warning"]
-    return cmd + (["--compile"] if cfg.compile else []) + list(cfg.serve_args)
+    extra = list(cfg.row_args.get(row_label(row), ())) if row is not None else []
+    return cmd + (["--compile"] if cfg.compile else []) + list(cfg.serve_args) + extra
 
 
 def llama_command(binary: str, gguf: str, port: int, threads: int, slots: int, row: str, max_tokens: int,
@@ -475,7 +484,7 @@ def start_row(cfg: ServedConfig, engine_name: str, row: str, c: int, prompts, lo
     bundle = cfg.bundle_of(row)
     batch = min(c, bundle_batch_limit(bundle)) if engine_name == "specbuild" else c  # beyond it, requests queue
     if engine_name == "specbuild":
-        server = Server(f"specbuild serve ({row})", specbuild_command(cfg, port, batch, bundle), port,
+        server = Server(f"specbuild serve ({row})", specbuild_command(cfg, port, batch, bundle, row), port,
                         env=cfg.env_of(row), log_path=log)
         extra = specbuild_extra(row)
     else:

@@ -89,31 +89,36 @@ def test_interleaved_rows_take_the_prompts_slice_by_slice_in_turn(tiny_bundle, t
 
 def test_a_labelled_row_serves_its_own_bundle(tiny_bundle, tmp_path, monkeypatch):
     """--row-bundle LABEL=DIR: a row `method@LABEL` is served from DIR, in the same interleaved
-    run as the rest, its greedy output checked against plain decoding's like any row's."""
+    run as the rest, its greedy output checked against plain decoding's like any row's; and
+    --row-arg LABEL=ARG starts that row's server alone with ARG."""
     import shutil
 
     other = str(tmp_path / "other")
     shutil.copytree(tiny_bundle, other)
-    served = []
+    served, args = [], []
     real = S.specbuild_command
 
-    def specbuild_command(cfg, port, max_batch, bundle=None):
-        cmd = real(cfg, port, max_batch, bundle)
+    def specbuild_command(cfg, port, max_batch, bundle=None, row=None):
+        cmd = real(cfg, port, max_batch, bundle, row)
         served.append(cmd[cmd.index("serve") + 1])
+        args.append(cmd[cmd.index("--log-level") + 2:])
         return cmd
 
     monkeypatch.setattr(S, "specbuild_command", specbuild_command)
     texts = ("a b c a b c a b", "hello there")
     cfg = S.ServedConfig(bundle=tiny_bundle, methods=("none", "ngram", "ngram@b"), concurrency=(1,), max_tokens=8,
                          compile=False, llama_rows=(), guard=None, texts=texts, interleave=True,
-                         row_bundles={"b": other})
+                         row_bundles={"b": other}, row_args={"b": ["--kv-cache-dtype=float32"]})
     report = S.run_served(cfg, str(tmp_path / "logs"), say=lambda line: None)
     assert served == [tiny_bundle, tiny_bundle, other]  # rows in order: none, ngram, ngram@b
+    assert args == [[], [], ["--kv-cache-dtype=float32"]]  # --row-arg: the labelled row's server alone
     rows = {r["row"]: r for r in report["rows"]}
     assert rows["ngram@b"]["identical"] == "2/2" and not rows["ngram@b"]["errors"]
     assert f"rows method@LABEL serve b: {other}" in S.format_report(report)
     with pytest.raises(ValueError, match="label 'c' names no row"):
         S.ServedConfig(bundle=tiny_bundle, methods=("none", "ngram@b"), row_bundles={"b": other, "c": other})
+    with pytest.raises(ValueError, match="row argument label 'c' names no row"):
+        S.ServedConfig(bundle=tiny_bundle, methods=("none", "ngram@b"), row_args={"c": ["--x"]})
 
 
 def test_a_labelled_row_runs_with_its_own_environment(tiny_bundle, tmp_path, monkeypatch):
