@@ -32,7 +32,7 @@ def test_state_is_typed_not_string_keys():
     # each drafter's per-sequence state is its own, typed, keyed by seq_id: none of it is shared
     assert not names & {"draft_len", "medusa_hidden", "remote_sent", "remote_keep", "remote_failed", "eagle"}
     assert {f.name for f in dataclasses.fields(RemoteState)} == {"sent", "keep", "failed", "drafted"}
-    assert {f.name for f in dataclasses.fields(EagleState)} >= {"k", "v", "n", "pending"}
+    assert {f.name for f in dataclasses.fields(EagleState)} >= {"kb", "vb", "n", "pending"}  # its K/V buffers
 
 
 def test_one_estimator_per_method_with_a_window():
