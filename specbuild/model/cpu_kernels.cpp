@@ -1527,6 +1527,9 @@ int64_t int8_q8_path(int64_t path) {
 
 bool int8_q8_available() { return int8_q8_path(0) != 0; }
 
+void int8_q8_into(const uint8_t* w, int64_t N, int64_t K, int64_t path, const Q8Rows& xr, int64_t T,
+                  const OutPtr& op);
+
 at::Tensor int8_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, int64_t path_in) {
   const int64_t path = int8_q8_path(path_in);
   TORCH_CHECK(path != 0, "int8_q8_mm: this CPU lacks AVX2 + FMA (the int8-a8 lm_head's paths: AVX2, AVX512-VNNI)");
@@ -1539,10 +1542,15 @@ at::Tensor int8_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   at::Tensor out = at::empty({T, N}, x_in.options().dtype(at::kFloat));
   if (T == 0 || N == 0) return out;
   at::Tensor xf = x_in.to(at::kFloat).contiguous();
-  const Q8Rows xr = q8_rows(xf);
-  const uint8_t* w = packed.data_ptr<uint8_t>();
+  int8_q8_into(packed.data_ptr<uint8_t>(), N, K, path, q8_rows(xf), T, OutPtr(out));
+  return out;
+}
+
+// the int8 x int8 product over rows already rounded to int8 blocks (xr) into op's [T, N] rows
+void int8_q8_into(const uint8_t* w, int64_t N, int64_t K, int64_t path, const Q8Rows& xr, int64_t T,
+                  const OutPtr& op) {
+  const int64_t nblocks = (N + COLS - 1) / COLS, blk = K * COLS + COLS * 4;
   const int64_t nbk = K / QB;
-  const OutPtr op(out);
   block_row_tiles(nblocks, T, [&](int64_t b, int64_t t0, int R, float* tile) {
     const int8_t* xt = xr.q.data() + t0 * K;
     const float *dt = xr.dx.data() + t0 * nbk, *st = xr.qs.data() + t0 * nbk;
@@ -1558,7 +1566,6 @@ at::Tensor int8_q8_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
     else int8_q8_row_avx2<FAR_PREFETCH>(wb, K, xt, dt, tile);
     write_out(tile, R, 1, t0, b * COLS, N, op);
   }, path == Q8_VNNI512 || path == Q8_VNNI512_FEW ? row_tile_any : row_tile_4);
-  return out;
 }
 
 // ---------------------------------------------------------------- attention rows (AVX2 + FMA) --
@@ -2641,6 +2648,132 @@ std::vector<int64_t> pool_check(int64_t items, int64_t grain, int64_t reps) {
 
 }  // namespace
 
+// ---------------------------------------------------------------- an EAGLE head's level ------
+// eagle_level: one drafting level of an EAGLE-3 head (speculation/eagle_head.py, layer_rows), its
+// ~30 eager torch ops in one call: each of them ran cold after the target's forward had passed
+// ~95 MB through the caches. Per row: RMSNorm of the token's embedding and of the hidden input,
+// side by side; q|k|v (int8 x int8 input blocks); rope on q and k (x * cos + rotate_half(x) *
+// signed sin, as qkv_row); the K/V rows written into the head's buffers at rows at..at+T-1;
+// attention through rows_attention over `index` (the rows' slots); o, the residual (the hidden
+// input), RMSNorm, gate|up, SiLU(gate) * up, down, the residual; then for the last `last` rows
+// the final RMSNorm and the output layer over the draft vocabulary. Drafts only: the target's
+// output never depends on these numbers. norms: input_layernorm, hidden_norm,
+// post_attention_layernorm, norm (float32 [H]); packed: qkv, o, gate_up, down, lm_head
+// (repack_int8_q8); dims: H, heads, kv heads, head_dim, intermediate, draft vocabulary. With fc
+// (its pack) hid is the target's features [T, 3H] and fc's product the hidden input; an empty
+// index means causal rows after the `at` cached ones.
+std::vector<at::Tensor> eagle_level(const at::Tensor& emb, const at::Tensor& hid_in, const at::Tensor& cos_in,
+                                    const at::Tensor& sin_in, at::Tensor kb, at::Tensor vb, int64_t at,
+                                    const at::Tensor& index_in, at::TensorList norms, at::TensorList packed,
+                                    at::IntArrayRef dims, double eps, double scale, int64_t path_in, int64_t last,
+                                    const c10::optional<at::Tensor>& fc) {
+  const int64_t path = int8_q8_path(path_in);
+  TORCH_CHECK(path != 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+              __builtin_cpu_supports("f16c"), "eagle_level: this CPU lacks AVX2 + FMA + F16C");
+  TORCH_CHECK(dims.size() == 6 && norms.size() == 4 && packed.size() == 5,
+              "eagle_level: dims must be [H, heads, kv heads, head_dim, intermediate, vocab], norms 4 and packed 5");
+  const int64_t H = dims[0], HQ = dims[1], HK = dims[2], D = dims[3], I = dims[4], NV = dims[5];
+  TORCH_CHECK(H % QB == 0 && I % QB == 0 && D % 8 == 0 && HK > 0 && HQ % HK == 0 && (HQ * D) % QB == 0,
+              "eagle_level: hidden ", H, ", intermediate ", I, " and heads * head_dim ", HQ * D,
+              " must be multiples of ", QB, ", head_dim of 8");
+  const GroupFn fn = group_fn(D);
+  TORCH_CHECK(fn != nullptr, "eagle_level: head_dim ", D, " is not a multiple of 8 up to 128, or 256");
+  const int64_t T = emb.size(0);
+  // with fc: hid_in holds the target's features [T, 3H] and the hidden input is fc's product
+  at::Tensor hid = hid_in;
+  if (fc.has_value()) {
+    TORCH_CHECK(hid_in.dim() == 2 && hid_in.size(0) == T && hid_in.size(1) == 3 * H &&
+                hid_in.scalar_type() == at::kFloat && fc->scalar_type() == at::kByte && fc->is_contiguous() &&
+                fc->numel() == (H + COLS - 1) / COLS * (3 * H * COLS + COLS * 4),
+                "eagle_level: with fc, hid must be the features float32 [T, ", 3 * H, "] and fc repack_int8_q8's [",
+                H, ", ", 3 * H, "]");
+    at::Tensor feats = hid_in.contiguous();
+    hid = at::empty({T, H}, feats.options());
+    int8_q8_into(fc->data_ptr<uint8_t>(), H, 3 * H, int8_q8_path(path_in), q8_rows(feats.data_ptr<float>(), T, 3 * H),
+                 T, OutPtr(hid));
+  }
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&emb, &hid})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == H && t->scalar_type() == at::kFloat,
+                "eagle_level: emb and hid must be float32 [T, ", H, "]");
+  TORCH_CHECK(cos_in.numel() == T * D && sin_in.numel() == T * D, "eagle_level: cos and sin must be [T, ", D, "]");
+  TORCH_CHECK(kb.dim() == 3 && kb.size(1) == HK && kb.size(2) == D && kb.is_contiguous() && vb.sizes() == kb.sizes() &&
+              vb.is_contiguous() && kb.scalar_type() == at::kFloat && vb.scalar_type() == at::kFloat,
+              "eagle_level: the K/V buffers must be two contiguous float32 [rows, ", HK, ", ", D, "]");
+  TORCH_CHECK(at >= 0 && at + T <= kb.size(0), "eagle_level: rows ", at, "..", at + T, " outside the buffers' ",
+              kb.size(0));
+  TORCH_CHECK(last >= 1 && last <= T, "eagle_level: last ", last, " must be 1..", T);
+  const int64_t shapes[5][2] = {{(HQ + 2 * HK) * D, 2 * H}, {H, HQ * D}, {2 * I, H}, {H, I}, {NV, H}};
+  for (int j = 0; j < 5; ++j) {
+    const int64_t N = shapes[j][0], K = shapes[j][1], nblocks = (N + COLS - 1) / COLS;
+    TORCH_CHECK(packed[j].scalar_type() == at::kByte && packed[j].is_contiguous() &&
+                packed[j].numel() == nblocks * (K * COLS + COLS * 4),
+                "eagle_level: packed weight ", j, " must be repack_int8_q8's [", N, ", ", K, "]");
+  }
+  for (int j = 0; j < 4; ++j)
+    TORCH_CHECK(norms[j].scalar_type() == at::kFloat && norms[j].is_contiguous() && norms[j].numel() == H,
+                "eagle_level: norm weight ", j, " must be float32 [", H, "]");
+  // an empty index: causal rows after `at` cached ones (row t sees slots 0 .. at + t)
+  at::Tensor index = index_in.numel() ? index_in.to(at::kLong).contiguous()
+                                      : at::empty({T + 1 + T * (at + 1) + T * (T - 1) / 2}, at::TensorOptions().dtype(at::kLong));
+  if (!index_in.numel()) {
+    int64_t* ix = index.data_ptr<int64_t>();
+    int64_t* sl = ix + T + 1;
+    ix[0] = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t j = 0; j <= at + t; ++j) *sl++ = j;
+      ix[t + 1] = ix[t] + at + t + 1;
+    }
+  }
+  const int64_t nmax = checked_index(index, T, kb.size(0), "eagle_level");
+  at::Tensor e = emb.contiguous(), h = hid.contiguous();
+  at::Tensor cosv = cos_in.reshape({T, D}).to(at::kFloat).contiguous(), sinv = sin_in.reshape({T, D}).to(at::kFloat).contiguous();
+  const auto f = at::TensorOptions().dtype(at::kFloat);
+  const float ep = static_cast<float>(eps);
+  auto lin = [&](int j, const at::Tensor& x, int64_t rows, int64_t row0) {  // x [*, K] float32 -> [rows, N]
+    const int64_t N = shapes[j][0], K = shapes[j][1];
+    at::Tensor out = at::empty({rows, N}, f);
+    int8_q8_into(packed[j].data_ptr<uint8_t>(), N, K, path, q8_rows(x.data_ptr<float>() + row0 * K, rows, K), rows,
+                 OutPtr(out));
+    return out;
+  };
+  const float* n0 = norms[0].data_ptr<float>();
+  const float* n1 = norms[1].data_ptr<float>();
+  at::Tensor xcat = at::empty({T, 2 * H}, f);
+  for (int64_t t = 0; t < T; ++t) {
+    norm_row(e.data_ptr<float>() + t * H, n0, H, ep, xcat.data_ptr<float>() + t * 2 * H);
+    norm_row(h.data_ptr<float>() + t * H, n1, H, ep, xcat.data_ptr<float>() + t * 2 * H + H);
+  }
+  at::Tensor qkv = lin(0, xcat, T, 0);
+  at::Tensor q = at::empty({T, HQ, D}, f), scratch = at::empty({(HQ + 2 * HK) * D}, f);
+  const int64_t cs = kb.stride(0), hs = kb.stride(1);
+  float* kp = kb.data_ptr<float>();
+  float* vp = vb.data_ptr<float>();
+  const int64_t qkvn = (HQ + 2 * HK) * D;
+  for (int64_t t = 0; t < T; ++t)
+    qkv_row<float, float>(qkv.data_ptr<float>() + t * qkvn, nullptr, HQ, HK, D, cosv.data_ptr<float>() + t * D,
+                          sinv.data_ptr<float>() + t * D, q.data_ptr<float>() + t * HQ * D, kp + (at + t) * cs,
+                          vp + (at + t) * cs, scratch.data_ptr<float>(), hs);
+  at::Tensor att = at::zeros({T, HQ, D}, f);
+  rows_attention_run(q.data_ptr<float>(), T, HQ, D, HK, static_cast<const float*>(kp), cs,
+                     static_cast<const float*>(vp), cs, index.data_ptr<int64_t>(), nmax, static_cast<float>(scale), fn,
+                     att.data_ptr<float>(), hs);
+  at::Tensor out = h.clone();  // the residual stream: the hidden input, then + o, + the MLP
+  at::Tensor o = lin(1, att, T, 0);
+  for (int64_t t = 0; t < T; ++t) add_row<float>(out.data_ptr<float>() + t * H, o.data_ptr<float>() + t * H, H);
+  at::Tensor hn = at::empty({T, H}, f);
+  for (int64_t t = 0; t < T; ++t)
+    norm_row(out.data_ptr<float>() + t * H, norms[2].data_ptr<float>(), H, ep, hn.data_ptr<float>() + t * H);
+  at::Tensor gu = lin(2, hn, T, 0);
+  at::Tensor m = at::empty({T, I}, f);
+  for (int64_t t = 0; t < T; ++t) silu_row<float>(gu.data_ptr<float>() + t * 2 * I, I, m.data_ptr<float>() + t * I);
+  at::Tensor dn = lin(3, m, T, 0);
+  for (int64_t t = 0; t < T; ++t) add_row<float>(out.data_ptr<float>() + t * H, dn.data_ptr<float>() + t * H, H);
+  at::Tensor fin = at::empty({last, H}, f);
+  for (int64_t t = 0; t < last; ++t)
+    norm_row(out.data_ptr<float>() + (T - last + t) * H, norms[3].data_ptr<float>(), H, ep, fin.data_ptr<float>() + t * H);
+  return {out, lin(4, fin, last, 0)};
+}
+
 TORCH_LIBRARY(specbuild_cpu, m) {
   m.def("int4_mm(Tensor x, Tensor packed, int n, int group_size, bool f32_scales, int isa) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor packed, int n, int isa) -> Tensor");
@@ -2662,6 +2795,9 @@ TORCH_LIBRARY(specbuild_cpu, m) {
         "Tensor read_slots, Tensor? mask) -> Tensor[]");
   m.def("pool_check(int items, int grain, int reps) -> int[]");
   m.def("rows_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor index, float scale) -> Tensor");
+  m.def("eagle_level(Tensor emb, Tensor hid, Tensor cos, Tensor sin, Tensor(a!) kb, Tensor(b!) vb, int at, "
+        "Tensor index, Tensor[] norms, Tensor[] packed, int[] dims, float eps, float scale, int path, int last, "
+        "Tensor? fc=None) -> Tensor[]");
   m.def("int4_stack(Tensor x, Tensor cos, Tensor sin, Tensor write_slots, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor index, Tensor[] weights, int[] meta, float scale, float eps, "
         "int[] aux_layers, Tensor? final_norm=None, Tensor? logit_rows=None, Tensor? head=None, int head_n=0, "
@@ -2675,6 +2811,7 @@ TORCH_LIBRARY_IMPL(specbuild_cpu, CPU, m) {
   m.impl("int8_q8_mm", &int8_q8_mm);
   m.impl("q8_quantize", &q8_quantize);
   m.impl("rows_attention", &rows_attention);
+  m.impl("eagle_level", &eagle_level);
   m.impl("int4_stack", &int4_stack);
   m.impl("stack_prelude", &stack_prelude);
   m.impl("row_argmax", &row_argmax);

@@ -22,9 +22,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from specbuild.model.decoder import apply_rope, rms_norm, rope_tables
+from specbuild.model.decoder import apply_rope, rms_norm, rope_tables, signed_sin
 
 L = "midlayer."
+_NO_INDEX = torch.zeros(0, dtype=torch.int64)  # eagle_level: causal rows (the index built in C++)
 # the weights quantize_int8 also packs as one (their rows side by side), for layer_rows
 FUSED = {"qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
          "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
@@ -74,6 +75,8 @@ class EagleHead:
         self.fused: dict[str, tuple[torch.Tensor, int, int]] = {}
         self.arena = None  # the block the drafting level's int8 weights lie in (quantize_int8)
         self.q8: dict[str, tuple[torch.Tensor, int, int]] = {}  # name -> (int8-q8 packed, rows, path)
+        self.level_args = None  # eagle_level's weights and dims (level_rows), () where it does not run
+        self.sin_signed = signed_sin(self.sin)  # rotate_half's sign folded in (decoder.signed_sin), for eagle_level
 
     def lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x @ W[name].T: the float weight, or its int8 copy through specbuild's CPU kernel
@@ -138,6 +141,40 @@ class EagleHead:
 
         c = self.config
         return bool(self.fused) and cpu_kernels.rows_attention_usable(self.cos.dtype, c.head_dim, self.cos.device)
+
+    def level_rows(self, emb: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor, kb: torch.Tensor,
+                   vb: torch.Tensor, at: int, index: torch.Tensor | None, last: int,
+                   feats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """layer_rows, then the output layer over its last `last` rows: (out [T, H], logits
+        [last, N]). Where the int8-q8 packs exist, one C++ call (cpu_kernels.cpp's eagle_level: the
+        same steps in one pass, no eager op paid cold after the target's forward). feats: the
+        target's features [T, 3H] instead of `hidden` (projected first); index None: causal rows
+        after the `at` cached ones."""
+        if self.level_args is None and len(self.q8) == 6 and hasattr(torch.ops.specbuild_cpu, "eagle_level"):
+            c, w = self.config, self.w
+            self.level_args = (
+                [w[L + "input_layernorm.weight"], w[L + "hidden_norm.weight"], w[L + "post_attention_layernorm.weight"],
+                 w["norm.weight"]],
+                [self.q8[name][0] for name in ("qkv", L + "self_attn.o_proj.weight", "gate_up",
+                                               L + "mlp.down_proj.weight", "lm_head.weight")],
+                [c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, self.draft_vocab],
+                self.q8["qkv"][2])
+        if self.level_args:
+            norms, packed, dims, path = self.level_args
+            out, logits = torch.ops.specbuild_cpu.eagle_level(
+                emb, feats if feats is not None else hidden, self.cos[positions], self.sin_signed[positions], kb, vb,
+                at, _NO_INDEX if index is None else index, norms, packed, dims, self.config.rms_norm_eps, self.scale,
+                path, last, self.q8["fc.weight"][0] if feats is not None else None)
+            return out, logits
+        self.level_args = ()  # no fused level here: the eager ops
+        if feats is not None:
+            hidden = self.project(feats)
+        if index is None:
+            from specbuild.speculation.proposers.eagle import causal_index
+
+            index = causal_index(at, emb.shape[0])
+        out = self.layer_rows(emb, hidden, positions, kb, vb, at, index)
+        return out, self.logits(out[-last:])
 
     def layer_rows(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kb: torch.Tensor,
                    vb: torch.Tensor, at: int, index: torch.Tensor) -> torch.Tensor:

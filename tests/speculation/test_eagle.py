@@ -411,3 +411,44 @@ def test_the_served_head_drafts_on_int8_inputs_in_one_block(trained):
                                     speculation=SpeculationConfig.make(None, method="eagle")) for p in prompts])
     assert [o["token_ids"] for o in spec] == [o["token_ids"] for o in plain]
     assert sum(o["stats"]["drafted"] for o in spec) > 0 and sum(o["stats"]["accepted"] for o in spec) > 0
+
+
+def test_the_fused_level_computes_the_eager_level(trained):
+    """level_rows through cpu_kernels.cpp's eagle_level (one call) against the same level in eager
+    ops (layer_rows, then the output layer): outputs, logits of the last rows and the K/V written
+    agree up to float rounding, for a feed after cached rows and for a tree level."""
+    from specbuild.speculation.proposers.eagle import EagleState, causal_index, rows_index
+
+    head = Engine(trained["with_head"], EngineConfig()).speculator.proposers["eagle"].head
+    if len(head.q8) != 6 or not head.rows_ready():
+        pytest.skip("no int8-q8 head here: the eager level runs")
+    c = head.config
+    torch.manual_seed(1)
+    emb, hid = torch.randn(9, c.hidden_size), torch.randn(9, c.hidden_size)
+    states = [EagleState(), EagleState()]
+    for st in states:
+        st.room(16, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+        st.kb.zero_()
+        st.vb.zero_()
+
+    def close(a, b):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-4 * max(1.0, float(b.abs().max())), (a - b).abs().max()
+
+    for at, rows, index, last in ((0, slice(0, 6), causal_index(0, 6), 1), (6, slice(6, 9), causal_index(6, 3), 3),
+                                  (9, slice(0, 2), rows_index([[6, 9], [10]], 6), 2)):
+        pos = torch.arange(rows.start, rows.stop)
+        got, got_lg = head.level_rows(emb[rows], hid[rows], pos, states[0].kb, states[0].vb, at, index, last)
+        want = head.layer_rows(emb[rows], hid[rows], pos, states[1].kb, states[1].vb, at, index)
+        close(got, want)
+        close(got_lg, head.logits(want[-last:]))
+        close(states[0].kb, states[1].kb)
+        close(states[0].vb, states[1].vb)
+    # a feed: the target's features projected inside the call, its causal index built there
+    feats = torch.randn(3, 3 * c.hidden_size)
+    pos = torch.arange(11, 14)
+    got, got_lg = head.level_rows(emb[:3], None, pos, states[0].kb, states[0].vb, 11, None, 1, feats=feats)
+    want = head.layer_rows(emb[:3], head.project(feats), pos, states[1].kb, states[1].vb, 11, causal_index(11, 3))
+    close(got, want)
+    close(got_lg, head.logits(want[-1:]))
+    close(states[0].kb[:14], states[1].kb[:14])
+    assert head.level_args  # the C++ level ran

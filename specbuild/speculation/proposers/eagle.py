@@ -136,17 +136,18 @@ class EagleProposer(DrafterBase):
         """What level_cost depends on besides the machine (the cost cache's key)."""
         h = self.head
         return ["eagle", h.config.hidden_size, h.draft_vocab, self.beam, self.topk, str(h.w["fc.weight"].dtype),
-                "int8" if h.packed else "float", "layer_rows" if self.rows else "layer"]
+                "int8" if h.packed else "float", "level_rows" if self.rows else "layer", "cold"]
 
     @torch.inference_mode()
     def level_cost(self, context: int = 64, repeats: int = 5) -> float:
-        """Seconds one draft level costs (the best of `repeats`): the head on `beam` frontier
-        rows over `context` cached positions, its output layer, log-softmax and top-k, which is
-        what draft() runs per level (the first level's feed costs about the same). The cost
+        """Seconds one draft level costs (the best of `repeats`, each after the caches were
+        evicted, as a served step's drafting runs after the target's forward): the head on `beam`
+        frontier rows over `context` cached positions, its output layer, log-softmax and top-k,
+        which is what draft() runs per level (the first level's feed costs about the same). The cost
         model charges it per drafted depth, as it charges a draft model's step; without it the
         depth controller and `auto` took EAGLE drafts for free (measured: 1.7 / 3.1 / 4.4 ms
         at depth 1 / 2 / 3 in bfloat16 on 2 cores, against a 16.5 ms target step)."""
-        from specbuild.model.timing import best_seconds
+        from specbuild.model.timing import best_cold_seconds
 
         h, c = self.head, self.head.config
         dtype = h.w["fc.weight"].dtype
@@ -162,12 +163,13 @@ class EagleProposer(DrafterBase):
 
         def level() -> None:
             if self.rows:
-                out = h.layer_rows(emb, hid, pos, kb, vb, context, index)
+                _, logits = h.level_rows(emb, hid, pos, kb, vb, context, index, self.beam)
             else:
                 out, _, _ = h.layer(emb, hid, pos, kv, kv, mask)
-            h.logits(out).float().log_softmax(-1).topk(min(self.topk, h.draft_vocab), dim=-1)
+                logits = h.logits(out)
+            logits.float().log_softmax(-1).topk(min(self.topk, h.draft_vocab), dim=-1)
 
-        return best_seconds(level, repeats)
+        return best_cold_seconds(level, repeats)
 
     # ---- features from the target --------------------------------------------------------
     def observe(self, seq, obs: Observation) -> None:
@@ -268,12 +270,13 @@ class EagleProposer(DrafterBase):
         dtype = head.cos.dtype
         if self.rows:  # room for the draft's rows too (draft() writes them past n)
             st.room(last + 1 + self.beam * max(1, self.max_nodes), c.num_kv_heads, c.head_dim, dtype, dev)
-            out = head.layer_rows(emb, head.project(feats), pos, st.kb, st.vb, st.n, causal_index(st.n, m))
-        else:
-            out, k, v = head.layer(emb, head.project(feats), pos, st.k, st.v, None)
-            st.room(last + 1, c.num_kv_heads, c.head_dim, k.dtype, dev)
-            st.kb[st.n:last + 1] = k
-            st.vb[st.n:last + 1] = v
+            out, logits = head.level_rows(emb, None, pos, st.kb, st.vb, st.n, None, 1, feats=feats)
+            st.n = last + 1
+            return logits[0], out[-1]
+        out, k, v = head.layer(emb, head.project(feats), pos, st.k, st.v, None)
+        st.room(last + 1, c.num_kv_heads, c.head_dim, k.dtype, dev)
+        st.kb[st.n:last + 1] = k
+        st.vb[st.n:last + 1] = v
         st.n = last + 1
         return head.logits(out[-1:])[0], out[-1]
 
@@ -335,7 +338,7 @@ class EagleProposer(DrafterBase):
                 at = st.n + past_rows
                 st.room(at + len(frontier), c.num_kv_heads, c.head_dim, head.cos.dtype, dev)
                 index = rows_index([[st.n + a for a in anc] + [at + r] for r, anc in enumerate(ancestors)], st.n)
-                out = head.layer_rows(emb, hid, pos, st.kb, st.vb, at, index)
+                out, logits = head.level_rows(emb, hid, pos, st.kb, st.vb, at, index, len(frontier))
             else:
                 mask = torch.zeros(len(frontier), st.n + past_rows + len(frontier), dtype=torch.bool)
                 mask[:, :st.n] = True
@@ -348,11 +351,12 @@ class EagleProposer(DrafterBase):
                 out, kr, vr = head.layer(emb, hid, pos, pk, pv, mask.to(dev))
                 row_k.append(kr)
                 row_v.append(vr)
+                logits = head.logits(out)
             for r, i in enumerate(frontier):
                 computed[i] = past_rows + r
                 outs[i] = out[r]
             past_rows += len(frontier)
-            top = head.logits(out).float().log_softmax(-1).topk(k, dim=-1)
+            top = logits.float().log_softmax(-1).topk(k, dim=-1)
             for i, vals, idxs in zip(frontier, top.values.tolist(), top.indices.tolist()):
                 tops[i] = (vals, idxs)
         cand = list(range(1, len(tokens)))
