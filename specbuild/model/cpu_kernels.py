@@ -246,10 +246,10 @@ def q8_paths() -> list[int]:
 
 def q8_path() -> int:
     """The path int4-a8 weights run in this process: AVX512-VNNI (its prefetch near, 2, far, 5,
-    or none in tiles of up to 4 rows, 7, whichever a quick interleaved measurement on sample
-    weights finds fastest, once per process, said in one line on stderr; where 7 wins, 8 (none up
-    to 2 rows, far in wider tiles) if a 4-row measurement finds it faster), else AVX-VNNI, else
-    AVX2 (near, 1, or far, 6, chosen the same way; SPECBUILD_CPU_KERNEL=avx2 forces 1;
+    none in tiles of up to 4 rows, 7, or none up to 2 rows and far in wider tiles, 8: whichever
+    takes the least time for one row plus four rows in a quick interleaved measurement on sample
+    weights, once per process, said in one line on stderr), else AVX-VNNI, else AVX2 (near, 1,
+    or far, 6, chosen the same way; SPECBUILD_CPU_KERNEL=avx2 forces 1;
     SPECBUILD_Q8_PATH=N forces path N); 0 when none can run. Every path gives the same bits, so
     this is a speed choice only."""
     paths = q8_paths()
@@ -270,12 +270,14 @@ def q8_path() -> int:
     with _lock:
         if "q8" in _choices:
             return _choices["q8"]
-    costs = _q8_stream_costs((base, far, 7) if base == 2 and 7 in paths else (base, far))
-    pick = min(costs, key=lambda p: (costs[p], p))
-    wide = {}
-    if pick == 7 and 8 in paths:  # the two differ only in tiles of 3+ rows (verify passes, batches)
-        wide = _q8_stream_costs((7, 8), rows=4)
-        pick = 8 if wide[8] < wide[7] else 7
+    cands = (base, far) + tuple(p for p in (7, 8) if base == 2 and p in paths)
+    # one row (a decode step) and four (a verify pass, a batch), each candidate on both, the sum
+    # decides: the paths differ in how they prefetch in few-row and in wide tiles, and within the
+    # noise of a one-row pass (~1.0-1.1 ms for all on an AMD EPYC Zen 4) a one-row choice left
+    # servers started minutes apart on paths whose four-row passes cost 1.6 and 2.3 ms
+    costs = _q8_stream_costs(cands)
+    wide = _q8_stream_costs(cands, rows=4)
+    pick = min(cands, key=lambda p: (costs[p] + wide[p], p))
     _q8_stream_sample.cache_clear()  # the 48 MB of sample weights, built once for both measurements
     with _lock:
         if "q8" not in _choices:
@@ -283,7 +285,7 @@ def q8_path() -> int:
             print(f"specbuild: int4-a8 linears run the int4 x int8 kernel's {Q8_PATHS[pick]} path (one row over "
                   f"{Q8_STREAM_MB} MB of sample weights: " +
                   "; ".join(f"{Q8_PATHS[p]} {c:.2f} ms" for p, c in costs.items()) +
-                  ("; four rows: " + "; ".join(f"{Q8_PATHS[p]} {c:.2f} ms" for p, c in wide.items()) if wide else "") +
+                  "; four rows: " + "; ".join(f"{Q8_PATHS[p]} {c:.2f} ms" for p, c in wide.items()) +
                   "; the same bits)", file=sys.stderr)
         return _choices["q8"]
 
