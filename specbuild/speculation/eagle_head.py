@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import json
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +30,24 @@ _NO_INDEX = torch.zeros(0, dtype=torch.int64)  # eagle_level: causal rows (the i
 # the weights quantize_int8 also packs as one (their rows side by side), for layer_rows
 FUSED = {"qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
          "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def causal_index(n0: int, m: int) -> torch.Tensor:
+    """rows_attention's index for m new rows after n0 cached ones (row r sees slots 0 .. n0 + r)."""
+    lengths = n0 + 1 + np.arange(m, dtype=np.int64)
+    offsets = np.zeros(m + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    slots = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    return torch.from_numpy(np.concatenate([offsets, slots]))
+
+
+def rows_index(rows: list[list[int]], n0: int) -> torch.Tensor:
+    """rows_attention's index: each row sees slots 0 .. n0 - 1 and then its own `rows` entry."""
+    base = np.arange(n0, dtype=np.int64)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([n0 + len(r) for r in rows], out=offsets[1:])
+    return torch.from_numpy(np.concatenate([offsets, *[np.concatenate([base, np.asarray(r, dtype=np.int64)])
+                                                       for r in rows]]))
 
 
 @dataclass
@@ -170,8 +189,6 @@ class EagleHead:
         if feats is not None:
             hidden = self.project(feats)
         if index is None:
-            from specbuild.speculation.proposers.eagle import causal_index
-
             index = causal_index(at, emb.shape[0])
         out = self.layer_rows(emb, hidden, positions, kb, vb, at, index)
         return out, self.logits(out[-last:])

@@ -32,12 +32,11 @@ from collections import OrderedDict
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from specbuild.model.kv_cache import chain_hashes, salt_root
 
-from specbuild.speculation.eagle_head import EagleHead
+from specbuild.speculation.eagle_head import EagleHead, causal_index, rows_index  # noqa: F401 (the index helpers: public here too)
 from specbuild.speculation.proposers.base import Draft, DrafterBase, Needs, Observation
 from specbuild.speculation.proposers.suffix import tree_draft
 
@@ -81,24 +80,6 @@ class EagleState:
             kb[:cap] = self.kb
             vb[:cap] = self.vb
         self.kb, self.vb = kb, vb
-
-
-def causal_index(n0: int, m: int) -> torch.Tensor:
-    """rows_attention's index for m new rows after n0 cached ones (row r sees slots 0 .. n0 + r)."""
-    lengths = n0 + 1 + np.arange(m, dtype=np.int64)
-    offsets = np.zeros(m + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    slots = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
-    return torch.from_numpy(np.concatenate([offsets, slots]))
-
-
-def rows_index(rows: list[list[int]], n0: int) -> torch.Tensor:
-    """rows_attention's index: each row sees slots 0 .. n0 - 1 and then its own `rows` entry."""
-    base = np.arange(n0, dtype=np.int64)
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum([n0 + len(r) for r in rows], out=offsets[1:])
-    return torch.from_numpy(np.concatenate([offsets, *[np.concatenate([base, np.asarray(r, dtype=np.int64)])
-                                                       for r in rows]]))
 
 
 STORE_BYTES = 64 << 20  # the features kept for prefix caching (SmolLM2-135M: 9,700 positions)
