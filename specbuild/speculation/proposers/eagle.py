@@ -107,7 +107,7 @@ class EagleProposer(DrafterBase):
         self.verify_cost = None  # callable width -> seconds, set by the engine once costs are measured
         self.stat_budgets: list[int] = []
         self.draft_list: list[int] = head.draft_ids.tolist()  # draft vocabulary index -> target id
-        self.rows = head.rows_ready()  # the head's drafting layer through layer_rows (else layer())
+        self.rows = head.rows_ready()  # drafting levels through level_rows (the head's buffers; else layer())
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
