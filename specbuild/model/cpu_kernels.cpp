@@ -2729,11 +2729,10 @@ std::vector<at::Tensor> eagle_level(const at::Tensor& emb, const at::Tensor& hid
   at::Tensor cosv = cos_in.reshape({T, D}).to(at::kFloat).contiguous(), sinv = sin_in.reshape({T, D}).to(at::kFloat).contiguous();
   const auto f = at::TensorOptions().dtype(at::kFloat);
   const float ep = static_cast<float>(eps);
-  auto lin = [&](int j, const at::Tensor& x, int64_t rows, int64_t row0) {  // x [*, K] float32 -> [rows, N]
+  auto lin = [&](int j, const at::Tensor& x, int64_t rows) {  // x [rows, K] float32 -> [rows, N]
     const int64_t N = shapes[j][0], K = shapes[j][1];
     at::Tensor out = at::empty({rows, N}, f);
-    int8_q8_into(packed[j].data_ptr<uint8_t>(), N, K, path, q8_rows(x.data_ptr<float>() + row0 * K, rows, K), rows,
-                 OutPtr(out));
+    int8_q8_into(packed[j].data_ptr<uint8_t>(), N, K, path, q8_rows(x.data_ptr<float>(), rows, K), rows, OutPtr(out));
     return out;
   };
   const float* n0 = norms[0].data_ptr<float>();
@@ -2743,7 +2742,7 @@ std::vector<at::Tensor> eagle_level(const at::Tensor& emb, const at::Tensor& hid
     norm_row(e.data_ptr<float>() + t * H, n0, H, ep, xcat.data_ptr<float>() + t * 2 * H);
     norm_row(h.data_ptr<float>() + t * H, n1, H, ep, xcat.data_ptr<float>() + t * 2 * H + H);
   }
-  at::Tensor qkv = lin(0, xcat, T, 0);
+  at::Tensor qkv = lin(0, xcat, T);
   at::Tensor q = at::empty({T, HQ, D}, f), scratch = at::empty({(HQ + 2 * HK) * D}, f);
   const int64_t cs = kb.stride(0), hs = kb.stride(1);
   float* kp = kb.data_ptr<float>();
@@ -2758,20 +2757,20 @@ std::vector<at::Tensor> eagle_level(const at::Tensor& emb, const at::Tensor& hid
                      static_cast<const float*>(vp), cs, index.data_ptr<int64_t>(), nmax, static_cast<float>(scale), fn,
                      att.data_ptr<float>(), hs);
   at::Tensor out = h.clone();  // the residual stream: the hidden input, then + o, + the MLP
-  at::Tensor o = lin(1, att, T, 0);
+  at::Tensor o = lin(1, att, T);
   for (int64_t t = 0; t < T; ++t) add_row<float>(out.data_ptr<float>() + t * H, o.data_ptr<float>() + t * H, H);
   at::Tensor hn = at::empty({T, H}, f);
   for (int64_t t = 0; t < T; ++t)
     norm_row(out.data_ptr<float>() + t * H, norms[2].data_ptr<float>(), H, ep, hn.data_ptr<float>() + t * H);
-  at::Tensor gu = lin(2, hn, T, 0);
+  at::Tensor gu = lin(2, hn, T);
   at::Tensor m = at::empty({T, I}, f);
   for (int64_t t = 0; t < T; ++t) silu_row<float>(gu.data_ptr<float>() + t * 2 * I, I, m.data_ptr<float>() + t * I);
-  at::Tensor dn = lin(3, m, T, 0);
+  at::Tensor dn = lin(3, m, T);
   for (int64_t t = 0; t < T; ++t) add_row<float>(out.data_ptr<float>() + t * H, dn.data_ptr<float>() + t * H, H);
   at::Tensor fin = at::empty({last, H}, f);
   for (int64_t t = 0; t < last; ++t)
     norm_row(out.data_ptr<float>() + (T - last + t) * H, norms[3].data_ptr<float>(), H, ep, fin.data_ptr<float>() + t * H);
-  return {out, lin(4, fin, last, 0)};
+  return {out, lin(4, fin, last)};
 }
 
 TORCH_LIBRARY(specbuild_cpu, m) {

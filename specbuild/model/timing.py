@@ -123,12 +123,15 @@ def forward_costs(model, cache: PagedKVCache, widths, context: int = 64, repeats
     return out
 
 
-def best_seconds(fn, repeats: int = 5) -> float:
+def best_seconds(fn, repeats: int = 5, before=None) -> float:
     """One untimed call of fn() (kernel set-up), then the best of `repeats` timed calls, in
-    seconds (other load on a shared machine can only make a call slower)."""
+    seconds (other load on a shared machine can only make a call slower); `before()`, untimed,
+    ahead of each timed call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
@@ -143,17 +146,9 @@ def best_cold_seconds(fn, repeats: int = 5, evict_bytes: int = COLD_BYTES) -> fl
     target's forward has streamed its weights through the caches, as a drafter's work runs in a
     served step (a hot loop measured an EAGLE level at a third of its in-step cost, and the depth
     controller then drafted deeper than paid)."""
-    import torch
-
     buf = torch.ones(evict_bytes // 4, dtype=torch.float32)
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        float(buf.sum())  # every line of the buffer read: the caches hold it, not fn's data
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    # every line of the buffer read: the caches hold it, not fn's data
+    return best_seconds(fn, repeats, before=lambda: float(buf.sum()))
 
 
 def warm_up(model, cache: PagedKVCache, widths, context: int = 16) -> None:

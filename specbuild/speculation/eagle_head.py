@@ -127,10 +127,6 @@ class EagleHead:
             if wt.dim() == 2:
                 q, scales = quantize_int8(wt, torch.float32)
                 self.packed[name] = (cpu_kernels.repack_int8(q, scales), wt.shape[0], level)
-        for name, parts in FUSED.items():
-            wt = torch.cat([self.w[L + part] for part in parts])
-            q, scales = quantize_int8(wt, torch.float32)
-            self.fused[name] = (cpu_kernels.repack_int8(q, scales), wt.shape[0], level)
         # what a drafting level reads: its int8 weights times int8 input blocks (int8_q8_mm, the
         # target's lm_head kernel) where that kernel runs, else int8_mm's bfloat16 inputs (~3x
         # slower at one row), in one block on huge pages in the order a level reads them
@@ -147,7 +143,10 @@ class EagleHead:
             packs = [cpu_kernels.repack_int8_q8(*quantize_int8(dense[name], torch.float32)) for name in order]
             self.arena, views = weight_arena(packs)
             self.q8 = {name: (view, dense[name].shape[0], path) for name, view in zip(order, views)}
-        else:
+        else:  # int8_mm's packs, the fused ones too (each output row quantised alone: the same numbers)
+            for name in FUSED:
+                q, scales = quantize_int8(dense[name], torch.float32)
+                self.fused[name] = (cpu_kernels.repack_int8(q, scales), dense[name].shape[0], level)
             tables = [self.fused if name in FUSED else self.packed for name in order]
             self.arena, views = weight_arena([table[name][0] for table, name in zip(tables, order)])
             for table, name, view in zip(tables, order, views):
@@ -159,7 +158,8 @@ class EagleHead:
         from specbuild.model import cpu_kernels
 
         c = self.config
-        return bool(self.fused) and cpu_kernels.rows_attention_usable(self.cos.dtype, c.head_dim, self.cos.device)
+        return bool(self.q8 or self.fused) and cpu_kernels.rows_attention_usable(self.cos.dtype, c.head_dim,
+                                                                                  self.cos.device)
 
     def level_rows(self, emb: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor, kb: torch.Tensor,
                    vb: torch.Tensor, at: int, index: torch.Tensor | None, last: int,
