@@ -62,6 +62,26 @@ def test_speculation_comes_back_when_it_starts_paying():
     assert arms[-G.PROBE_FIRST:].count("spec") >= G.PROBE_FIRST - G.PROBE_STEPS
 
 
+def test_a_winner_that_falls_below_the_other_arm_is_challenged_at_once():
+    """After a probe that speculation won, the next scheduled probe is PROBE_MAX steps away; when
+    speculation's own window then falls below what plain gave at that probe, plain is probed
+    again within a window's steps, not at the schedule."""
+    sw = G.GoodputSwitch()
+    drive(sw, 1000, 8, plain=(8, 2.0), spec=(16, 2.0))  # speculation pays 2x: it wins, probes thin out
+    b = sw.buckets["5-8"]
+    assert b.arm == "spec" and b.interval == G.PROBE_MAX
+    while not (b.probing == 0 and b.until_probe == G.PROBE_MAX):  # just after a probe of plain ended
+        drive(sw, 1, 8, plain=(8, 2.0), spec=(16, 2.0))
+    arms = drive(sw, 3 * G.WINDOW, 8, plain=(8, 2.0), spec=(8, 3.0))  # now speculation gives 2.7 against 4
+    assert sw.describe()["5-8"]["arm"] == "plain" and sw.describe()["5-8"]["challenges"] >= 1
+    assert arms.index("plain") <= G.WINDOW + 1  # the challenge's probe: one window of the winner's steps
+    assert arms[G.WINDOW + G.PROBE_STEPS + 1:].count("spec") <= G.PROBE_STEPS  # then one scheduled probe
+    # a winner that holds is not challenged: constant arms give scheduled probes only
+    sw = G.GoodputSwitch()
+    drive(sw, 1000, 8, plain=(8, 2.0), spec=(16, 2.0))
+    assert sw.describe()["5-8"]["challenges"] == 0
+
+
 def test_steps_that_are_not_pure_teach_nothing():
     """A step that prefilled a prompt (or ran a neighbour's fixed method) costs what the arms do
     not differ in: it is not counted."""
