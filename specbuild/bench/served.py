@@ -726,7 +726,8 @@ def format_step_parts(rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("engine") == "specbuild" and r.get("auto_switch"):
             arms = ", ".join(f"b={b}: {d['arm']} (plain {d['plain_ran']} / spec {d['spec_ran']} steps, "
-                             f"{_f(d['plain_tokens_per_s'])} / {_f(d['spec_tokens_per_s'])} tok/s)"
+                             f"{_f(d['plain_tokens_per_s'])} / {_f(d['spec_tokens_per_s'])} tok/s, "
+                             f"{d.get('probes', 0)} probes, {d.get('challenges', 0)} early)"
                              for b, d in r["auto_switch"].items())
             out.append(f"{r['row'] + ' C=' + str(r['concurrency']):<14} auto's switch: {arms}")
     for r in rows:

@@ -215,3 +215,13 @@ def test_rows_are_also_compared_with_plain_round_by_round():
               "skipped": [], "rounds": 3}
     text = S.format_report(report)
     assert "round by round" in text and "1.02x (1.10/0.90/1.02)" in text
+
+
+def test_the_switch_line_names_each_batch_sizes_arm_rates_probes_and_challenges():
+    row = {"engine": "specbuild", "row": "auto", "concurrency": 8, "step_parts": [],
+           "auto_switch": {"5-8": {"arm": "plain", "switches": 2, "probes": 5, "challenges": 1,
+                                   "plain_tokens_per_s": 650.0, "spec_tokens_per_s": 530.5, "plain_steps": 16,
+                                   "spec_steps": 3, "plain_ran": 200, "spec_ran": 40}}}
+    (line,) = [x for x in S.format_step_parts([row]) if "auto's switch" in x]
+    assert line.startswith("auto C=8") and "b=5-8: plain (plain 200 / spec 40 steps" in line
+    assert "650.0 / 530.5 tok/s, 5 probes, 1 early)" in line
