@@ -10,7 +10,8 @@ For each batch size (the buckets of engine/stepparts.py: 1, 2, 3-4, 5-8, 9-16, 1
 two arms, plain decoding and `auto`'s speculation, and the goodput each gave: tokens chosen per
 second of wall time over that arm's last WINDOW pure decode steps (steps where every decoding
 sequence is under `auto` and no prompt is being prefilled: those are what the arms differ in).
-Each step runs the arm with the higher goodput. The other arm is probed for PROBE_STEPS steps
+Each step runs the arm with the higher goodput (speculation must beat plain decoding by
+SPEC_MARGIN: never slower comes first). The other arm is probed for PROBE_STEPS steps
 (and judged on those steps alone, its older ones being from other text)
 after PROBE_FIRST steps, then at intervals that double (to PROBE_MAX) while probes keep losing
 and start again from PROBE_FIRST when one wins, so a speculation that stopped paying is off
@@ -43,6 +44,12 @@ PROBE_FIRST = 12  # steps on the winning arm before the first probe (and again a
 # 2.9x (served, 2026-12-06); at 96 a probe costs at most 3 of 96 steps
 PROBE_MAX = 96
 MIN_STEPS = 3  # steps an arm needs before its goodput is believed
+# speculation takes over from plain decoding only when its goodput beats plain's by this much: a
+# probe is 3 steps of acceptance that swings with the text, and at 5-8 sequences a served run
+# still spent 159 of 405 steps on speculation, whose window ended at 400 tokens/s against
+# plain's 548 (AMD EPYC, 2026-12-07); where speculation really pays (text seen before: 2-3x)
+# the margin changes nothing
+SPEC_MARGIN = 0.05
 ARMS = ("plain", "spec")
 # batch sizes grouped as the served benchmark's concurrencies (largest size, name), then the rest
 BUCKET_LIMITS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16"))
@@ -161,17 +168,23 @@ class GoodputSwitch:
         b.since_probe += counted
         # the winner's window holds only steps run since the last probe, and it gives less than
         # the other arm gave then: probe the other at the next pure step
-        if b.since_probe >= WINDOW and mine is not None and mine < theirs and b.until_probe > 1:
+        if b.since_probe >= WINDOW and mine is not None and self._beats(b.other(), theirs, mine) and b.until_probe > 1:
             b.until_probe, b.challenges = 1, b.challenges + 1
 
+    @staticmethod
+    def _beats(arm: str, rate: float, other: float) -> bool:
+        """Does `arm` at goodput `rate` beat the other arm's `other`? Speculation needs
+        SPEC_MARGIN more; plain decoding needs only more."""
+        return rate > other * (1.0 + SPEC_MARGIN) if arm == "spec" else rate > other
+
     def _settle(self, b: Bucket) -> None:
-        """A probe ended: the arm with the higher goodput wins; the next probe comes sooner when
-        the winner changed, later when it did not."""
+        """A probe ended: the arm with the higher goodput wins (speculation by SPEC_MARGIN); the
+        next probe comes sooner when the winner changed, later when it did not."""
         mine, theirs = b.rate(b.arm), b.rate(b.other())
         b.compared = b.compared or (mine is not None and theirs is not None)
         if theirs is None:  # too few of the probe's steps counted: probe again soon
             b.interval = PROBE_FIRST
-        elif mine is None or theirs > mine:
+        elif mine is None or self._beats(b.other(), theirs, mine):
             b.arm, b.switches = b.other(), b.switches + 1
             b.interval = PROBE_FIRST
         else:

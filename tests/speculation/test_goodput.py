@@ -82,6 +82,21 @@ def test_a_winner_that_falls_below_the_other_arm_is_challenged_at_once():
     assert sw.describe()["5-8"]["challenges"] == 0
 
 
+def test_speculation_must_beat_plain_by_the_margin_to_take_over():
+    """A speculation within SPEC_MARGIN of plain decoding (its probes' few steps could not tell
+    the two apart) leaves plain running; plain takes back over on any lead."""
+    sw = G.GoodputSwitch()
+    slight = 1.0 + G.SPEC_MARGIN / 2
+    arms = drive(sw, 1000, 8, plain=(8, 2.0), spec=(8 * slight, 2.0))
+    assert sw.describe()["5-8"]["arm"] == "plain" and sw.describe()["5-8"]["switches"] == 0
+    assert arms[500:].count("spec") <= 500 * G.PROBE_STEPS / (G.PROBE_MAX / 2)  # probes only
+    clear = 1.0 + 2 * G.SPEC_MARGIN
+    drive(sw, 2 * G.PROBE_MAX, 8, plain=(8, 2.0), spec=(8 * clear, 2.0))
+    assert sw.describe()["5-8"]["arm"] == "spec"
+    drive(sw, 2 * G.PROBE_MAX, 8, plain=(8, 2.0), spec=(8 / slight, 2.0))  # now plain leads, slightly
+    assert sw.describe()["5-8"]["arm"] == "plain"
+
+
 def test_steps_that_are_not_pure_teach_nothing():
     """A step that prefilled a prompt (or ran a neighbour's fixed method) costs what the arms do
     not differ in: it is not counted."""
