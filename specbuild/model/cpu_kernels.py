@@ -50,6 +50,7 @@ import functools
 import hashlib
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -248,7 +249,7 @@ def q8_path() -> int:
     """The path int4-a8 weights run in this process: AVX512-VNNI (its prefetch near, 2, far, 5,
     none in tiles of up to 4 rows, 7, or none up to 2 rows and far in wider tiles, 8: whichever
     takes the least time for one row plus four rows in a quick interleaved measurement on sample
-    weights, once per process, said in one line on stderr), else AVX-VNNI, else AVX2 (near, 1,
+    weights (medians of 9 rounds), once per process, said in one line on stderr), else AVX-VNNI, else AVX2 (near, 1,
     or far, 6, chosen the same way; SPECBUILD_CPU_KERNEL=avx2 forces 1;
     SPECBUILD_Q8_PATH=N forces path N); 0 when none can run. Every path gives the same bits, so
     this is a speed choice only."""
@@ -275,15 +276,15 @@ def q8_path() -> int:
     # decides: the paths differ in how they prefetch in few-row and in wide tiles, and within the
     # noise of a one-row pass (~1.0-1.1 ms for all on an AMD EPYC Zen 4) a one-row choice left
     # servers started minutes apart on paths whose four-row passes cost 1.6 and 2.3 ms
-    costs = _q8_stream_costs(cands)
-    wide = _q8_stream_costs(cands, rows=4)
+    both = _q8_stream_costs(cands)
+    costs, wide = {p: c[0] for p, c in both.items()}, {p: c[1] for p, c in both.items()}
     pick = min(cands, key=lambda p: (costs[p] + wide[p], p))
     _q8_stream_sample.cache_clear()  # the 48 MB of sample weights, built once for both measurements
     with _lock:
         if "q8" not in _choices:
             _choices["q8"] = pick
-            print(f"specbuild: int4-a8 linears run the int4 x int8 kernel's {Q8_PATHS[pick]} path (one row over "
-                  f"{Q8_STREAM_MB} MB of sample weights: " +
+            print(f"specbuild: int4-a8 linears run the int4 x int8 kernel's {Q8_PATHS[pick]} path (medians, one "
+                  f"row over {Q8_STREAM_MB} MB of sample weights: " +
                   "; ".join(f"{Q8_PATHS[p]} {c:.2f} ms" for p, c in costs.items()) +
                   "; four rows: " + "; ".join(f"{Q8_PATHS[p]} {c:.2f} ms" for p, c in wide.items()) +
                   "; the same bits)", file=sys.stderr)
@@ -309,23 +310,29 @@ def _q8_stream_sample() -> tuple[int, int, bool, list[torch.Tensor]]:
     return n, k, f16, [packed.clone() for _ in range(max(2, Q8_STREAM_MB * 2 ** 20 // nbytes))]
 
 
-def _q8_stream_costs(paths: tuple[int, ...], repeats: int = 5, rows: int = 1) -> dict[int, float]:
-    """Milliseconds for `rows` rows through Q8_STREAM_MB of int4 weights (copies of one sample
-    matrix, so every pass reads them from memory) on each of `paths`, interleaved, best of
-    `repeats` rounds. The prefetch distance decides how well a one-row pass streams weights from
-    memory; on weights that fit the caches (the layer-sized samples) the near and far paths
-    measured the same to 0.01 ms on an AMD EPYC, where a decode step ran 15% faster far."""
+def _q8_stream_costs(paths: tuple[int, ...], repeats: int = 9) -> dict[int, tuple[float, float]]:
+    """Milliseconds for one row and for four rows through Q8_STREAM_MB of int4 weights (copies
+    of one sample matrix, so every pass reads them from memory) on each of `paths`: both widths
+    of every path in each round, the paths' order rotated round by round, medians of `repeats`
+    rounds after a warm-up. The prefetch distance decides how well a one-row pass streams
+    weights from memory; on weights that fit the caches (the layer-sized samples) the near and
+    far paths measured the same to 0.01 ms on an AMD EPYC, where a decode step ran 15% faster
+    far. Medians, not the best of 5 rounds per width: path 8 was a tenth to a third of a
+    millisecond faster than path 5 on one row in 19 of 24 servers' draws, yet the best-of-5
+    sums gave 5 or 2 to one server in four (AMD EPYC, 2026-12-07)."""
     n, k, f16, copies = _q8_stream_sample()
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    best = {p: float("inf") for p in paths}
+    xs = {rows: torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) for rows in (1, 4)}
+    times: dict[tuple[int, int], list[float]] = {(p, rows): [] for p in paths for rows in xs}
     for r in range(repeats + 1):
-        for p in paths:
-            t0 = time.perf_counter()
-            for w in copies:
-                int4_q8_mm(x, w, n, 32, f16, p)
-            if r:
-                best[p] = min(best[p], time.perf_counter() - t0)
-    return {p: best[p] * 1e3 for p in paths}
+        i = r % len(paths)
+        for p in paths[i:] + paths[:i]:
+            for rows, x in xs.items():
+                t0 = time.perf_counter()
+                for w in copies:
+                    int4_q8_mm(x, w, n, 32, f16, p)
+                if r:
+                    times[(p, rows)].append(time.perf_counter() - t0)
+    return {p: (statistics.median(times[(p, 1)]) * 1e3, statistics.median(times[(p, 4)]) * 1e3) for p in paths}
 
 
 # ---- the kernels' thread pool (cpu_kernels.cpp, namespace pool) -------------------------------
