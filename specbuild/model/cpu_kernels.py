@@ -249,8 +249,8 @@ def q8_path() -> int:
     """The path int4-a8 weights run in this process: AVX512-VNNI (its prefetch near, 2, far, 5,
     none in tiles of up to 4 rows, 7, or none up to 2 rows and far in wider tiles, 8: whichever
     takes the least time for one row plus four rows in a quick interleaved measurement on sample
-    weights (medians of 9 rounds), once per process, said in one line on stderr), else AVX-VNNI, else AVX2 (near, 1,
-    or far, 6, chosen the same way; SPECBUILD_CPU_KERNEL=avx2 forces 1;
+    weights (medians of 9 rounds), once per process, said in one line on stderr), else AVX-VNNI,
+    else AVX2 (near, 1, or far, 6, chosen the same way; SPECBUILD_CPU_KERNEL=avx2 forces 1;
     SPECBUILD_Q8_PATH=N forces path N); 0 when none can run. Every path gives the same bits, so
     this is a speed choice only."""
     paths = q8_paths()
@@ -319,7 +319,7 @@ def _q8_stream_costs(paths: tuple[int, ...], repeats: int = 9) -> dict[int, tupl
     far paths measured the same to 0.01 ms on an AMD EPYC, where a decode step ran 15% faster
     far. Medians, not the best of 5 rounds per width: path 8 was a tenth to a third of a
     millisecond faster than path 5 on one row in 19 of 24 servers' draws, yet the best-of-5
-    sums gave 5 or 2 to one server in four (AMD EPYC, 2026-12-07)."""
+    sums gave 5 or 2 to 5 of those 24 servers (AMD EPYC, 2026-12-08)."""
     n, k, f16, copies = _q8_stream_sample()
     xs = {rows: torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) for rows in (1, 4)}
     times: dict[tuple[int, int], list[float]] = {(p, rows): [] for p in paths for rows in xs}

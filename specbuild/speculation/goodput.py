@@ -19,7 +19,8 @@ within a few steps and costs at most PROBE_STEPS / PROBE_MAX of the steps afterw
 only what those steps lose), and one
 that starts paying (text turned repetitive, the batch shrank) comes back. A winner whose own
 window (WINDOW steps run since the last probe) falls below the rate the other arm gave at that
-probe is challenged at once instead of at the next scheduled probe: with intervals up to
+probe (by SPEC_MARGIN where that arm is speculation) is challenged at once instead of at the
+next scheduled probe: with intervals up to
 PROBE_MAX steps, served runs ended with the winner's goodput far under the loser's last one
 (speculation 530 tokens/s against plain's 679 at 5-8 sequences, 574 against 683 at 3-4) and
 kept it for up to 96 steps. A batch size seen for
@@ -166,8 +167,9 @@ class GoodputSwitch:
                 b.until_probe = PROBE_FIRST  # the other arm was never measured here: probe it soon
             return
         b.since_probe += counted
-        # the winner's window holds only steps run since the last probe, and it gives less than
-        # the other arm gave then: probe the other at the next pure step
+        # the winner's window holds only steps run since the last probe, and the other arm's
+        # goodput at that probe beats it (speculation by SPEC_MARGIN): probe the other at the
+        # next pure step
         if b.since_probe >= WINDOW and mine is not None and self._beats(b.other(), theirs, mine) and b.until_probe > 1:
             b.until_probe, b.challenges = 1, b.challenges + 1
 
