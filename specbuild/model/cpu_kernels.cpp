@@ -2689,7 +2689,7 @@ std::vector<at::Tensor> eagle_level(const at::Tensor& emb, const at::Tensor& hid
                 H, ", ", 3 * H, "]");
     at::Tensor feats = hid_in.contiguous();
     hid = at::empty({T, H}, feats.options());
-    int8_q8_into(fc->data_ptr<uint8_t>(), H, 3 * H, int8_q8_path(path_in), q8_rows(feats.data_ptr<float>(), T, 3 * H),
+    int8_q8_into(fc->data_ptr<uint8_t>(), H, 3 * H, path, q8_rows(feats.data_ptr<float>(), T, 3 * H),
                  T, OutPtr(hid));
   }
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&emb, &hid})

@@ -349,7 +349,8 @@ def test_the_drafting_layer_computes_the_heads_layer(trained):
     state's buffers) gives layer()'s outputs up to the int8 inputs' rounding, for a causal feed
     after cached positions and for a tree level whose rows see chosen ancestors, and writes the
     new rows' K/V where asked."""
-    from specbuild.speculation.proposers.eagle import EagleState, causal_index, rows_index
+    from specbuild.speculation.eagle_head import causal_index, rows_index
+    from specbuild.speculation.proposers.eagle import EagleState
 
     prop = Engine(trained["with_head"], EngineConfig()).speculator.proposers["eagle"]
     if not prop.rows:
@@ -417,7 +418,8 @@ def test_the_fused_level_computes_the_eager_level(trained):
     """level_rows through cpu_kernels.cpp's eagle_level (one call) against the same level in eager
     ops (layer_rows, then the output layer): outputs, logits of the last rows and the K/V written
     agree up to float rounding, for a feed after cached rows and for a tree level."""
-    from specbuild.speculation.proposers.eagle import EagleState, causal_index, rows_index
+    from specbuild.speculation.eagle_head import causal_index, rows_index
+    from specbuild.speculation.proposers.eagle import EagleState
 
     head = Engine(trained["with_head"], EngineConfig()).speculator.proposers["eagle"].head
     if len(head.q8) != 6 or not head.rows_ready():

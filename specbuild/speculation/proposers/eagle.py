@@ -36,7 +36,7 @@ import torch
 
 from specbuild.model.kv_cache import chain_hashes, salt_root
 
-from specbuild.speculation.eagle_head import EagleHead, causal_index, rows_index  # noqa: F401 (the index helpers: public here too)
+from specbuild.speculation.eagle_head import EagleHead, rows_index
 from specbuild.speculation.proposers.base import Draft, DrafterBase, Needs, Observation
 from specbuild.speculation.proposers.suffix import tree_draft
 
